@@ -1,0 +1,95 @@
+"""The one interface every backend implements, shaped like the Tinker / PyTRIO clients.
+
+Async-first: every method has an ``*_async`` coroutine; the plain method is a synchronous wrapper.
+A backend lives behind ``make_backend(config)`` (see ``retool.backends.__init__``).
+"""
+
+from __future__ import annotations
+
+import abc
+import asyncio
+from collections.abc import Coroutine, Sequence
+from typing import Any, TypeVar
+
+from retool.backends.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardResult,
+    LossName,
+    OptimStepResult,
+    Sample,
+    SamplingParams,
+)
+
+T = TypeVar("T")
+
+
+def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+    """Run a coroutine from synchronous code (refuses inside a running loop, where it would deadlock)."""
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        return asyncio.run(coro)
+    coro.close()
+    raise RuntimeError("called a synchronous backend method inside a running event loop; await the *_async one")
+
+
+class SamplingClient(abc.ABC):
+    """Samples completions from a fixed snapshot of the policy weights."""
+
+    @abc.abstractmethod
+    async def sample_async(
+        self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams
+    ) -> list[Sample]: ...
+
+    def sample(self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams) -> list[Sample]:
+        return run_sync(self.sample_async(prompt_tokens, num_samples, params))
+
+
+class TrainingClient(abc.ABC):
+    """Holds trainable weights and optimizer state; accumulates gradients until ``optim_step``."""
+
+    tokenizer: Any
+
+    @abc.abstractmethod
+    async def forward_backward_async(
+        self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
+    ) -> ForwardBackwardResult: ...
+
+    @abc.abstractmethod
+    async def optim_step_async(self, adam: AdamParams) -> OptimStepResult: ...
+
+    @abc.abstractmethod
+    async def save_state_async(self, name: str) -> str:
+        """Save weights, optimizer and RNG state; return a path (or URI) that ``load_state`` accepts."""
+
+    @abc.abstractmethod
+    async def load_state_async(self, path: str) -> None: ...
+
+    @abc.abstractmethod
+    async def sampling_client_async(self) -> SamplingClient:
+        """A sampler over the *current* weights (refresh at the start of every RL step)."""
+
+    async def close_async(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (sessions, threads)."""
+
+    # -- synchronous wrappers ------------------------------------------------------------------
+    def forward_backward(
+        self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
+    ) -> ForwardBackwardResult:
+        return run_sync(self.forward_backward_async(datums, loss_fn, loss_config))
+
+    def optim_step(self, adam: AdamParams) -> OptimStepResult:
+        return run_sync(self.optim_step_async(adam))
+
+    def save_state(self, name: str) -> str:
+        return run_sync(self.save_state_async(name))
+
+    def load_state(self, path: str) -> None:
+        run_sync(self.load_state_async(path))
+
+    def sampling_client(self) -> SamplingClient:
+        return run_sync(self.sampling_client_async())
+
+    def close(self) -> None:
+        run_sync(self.close_async())

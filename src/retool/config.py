@@ -1,0 +1,216 @@
+"""The one typed configuration of a run: every knob a user sets, loadable from TOML, overridable from the CLI.
+
+``load_config(path, overrides)`` reads a TOML file (or a named preset from ``retool/presets/``) and
+applies ``section.key=value`` overrides (values parsed as TOML literals, falling back to strings).
+"""
+
+from __future__ import annotations
+
+import tomllib
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    name: str = "tiny"  # a local HF folder, a Hub id, a .gguf file, or "tiny" (built by `retool demo`)
+    gguf_file: str | None = None  # a GGUF file name inside `name` when `name` is a folder
+    tool_format: Literal["auto", "qwen_xml", "hermes", "markdown"] = "auto"
+    max_context: int = 8192
+
+
+class BackendConfig(_Section):
+    kind: Literal["local", "pytrio", "tinker"] = "local"
+    device: str = "auto"  # auto | cpu | cuda
+    dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
+    sampler: Literal["hf", "vllm"] = "hf"
+    base_url: str | None = None  # remote services; credentials come from their usual env variables
+    micro_batch_tokens: int = 8192  # padded area (rows x longest row) of one micro-batch
+    sample_batch_size: int = 32  # sequences generated together by the local sampler
+
+
+class LoraConfig(_Section):
+    enabled: bool = True
+    rank: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
+
+
+class DataConfig(_Section):
+    train_path: str = ""  # JSONL written by `retool prepare`, or "tasks" for the synthetic task family
+    question_field: str = "question"
+    answer_field: str = "answer"
+    shuffle: bool = True
+    seed: int = 0
+
+
+class RolloutConfig(_Section):
+    questions_per_step: int = 8
+    group_size: int = 8
+    max_code_calls: int = 4
+    max_assistant_turns: int = 6
+    max_tokens_per_turn: int = 1024
+    max_observation_tokens: int = 512
+    max_trajectory_tokens: int = 8192
+    max_inflight_samples: int = 64
+    scheduling: Literal["per_trajectory", "round_sync"] = "per_trajectory"
+
+
+class SamplingConfig(_Section):
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+
+class LossConfig(_Section):
+    name: Literal["ppo", "importance_sampling"] = "ppo"
+    clip_low: float = 0.8  # ratio thresholds, not epsilons
+    clip_high: float = 1.28
+
+
+class OptimizerConfig(_Section):
+    lr: float = 4e-5
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0
+
+
+class SandboxConfig(_Section):
+    backend: Literal["forkserver", "subprocess", "sandboxfusion"] = "forkserver"
+    isolation: Literal["strict", "none"] = "strict"
+    timeout: float = 30.0
+    cpu_limit: float | None = None  # seconds; default timeout + 5
+    memory_mb: int = 1024
+    output_cap: int = 4096
+    auto_print_last_expr: bool = False
+    preimport: list[str] = Field(default_factory=lambda: ["math", "fractions", "itertools", "numpy", "sympy"])
+    workers: int = 0  # 0: CPU count
+    sandboxfusion_url: str = "http://127.0.0.1:8080"
+
+
+class RewardConfig(_Section):
+    verify_timeout: float = 5.0
+    verify_workers: int = 2
+    tail_chars: int = 300
+
+
+class LoggingConfig(_Section):
+    tracker: Literal["tensorboard", "swanlab", "wandb", "none"] = "tensorboard"
+    project: str = "retool"
+    progress: bool = True
+
+
+class CheckpointConfig(_Section):
+    every: int = 10
+    keep_last: int = 3
+
+
+class TrainConfig(_Section):
+    steps: int = 200
+    seed: int = 0
+    run_dir: str = "runs/retool"
+
+
+class Config(_Section):
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    lora: LoraConfig = Field(default_factory=LoraConfig)
+    data: DataConfig = Field(default_factory=DataConfig)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    loss: LossConfig = Field(default_factory=LossConfig)
+    optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
+    sandbox: SandboxConfig = Field(default_factory=SandboxConfig)
+    reward: RewardConfig = Field(default_factory=RewardConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    train: TrainConfig = Field(default_factory=TrainConfig)
+
+
+class ConfigError(ValueError):
+    """A config file or override that cannot be used; the message says which and why."""
+
+
+def preset_names() -> list[str]:
+    folder = resources.files("retool") / "presets"
+    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+
+
+def _read_toml(source: str | Path) -> dict[str, Any]:
+    path = Path(source)
+    if path.is_file():
+        text = path.read_text(encoding="utf-8")
+    elif str(source) in preset_names():
+        text = (resources.files("retool") / "presets" / f"{source}.toml").read_text(encoding="utf-8")
+    else:
+        raise ConfigError(f"no config file or preset named {str(source)!r} (presets: {', '.join(preset_names())})")
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
+
+
+def _parse_value(raw: str) -> Any:
+    try:
+        return tomllib.loads(f"v = {raw}")["v"]
+    except tomllib.TOMLDecodeError:
+        return raw
+
+
+def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    for item in overrides:
+        key, sep, raw = item.partition("=")
+        if not sep or not key.strip():
+            raise ConfigError(f"override {item!r} is not of the form section.key=value")
+        parts = key.strip().split(".")
+        node = data
+        for part in parts[:-1]:
+            node = node.setdefault(part, {})
+            if not isinstance(node, dict):
+                raise ConfigError(f"override {item!r}: {part!r} is not a section")
+        node[parts[-1]] = _parse_value(raw.strip())
+    return data
+
+
+def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+    data = _read_toml(source) if source is not None else {}
+    apply_overrides(data, list(overrides or []))
+    try:
+        return Config.model_validate(data)
+    except ValidationError as exc:
+        lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+
+
+def dump_config(config: Config) -> str:
+    """Render a config as TOML (saved beside every run so it can be reproduced)."""
+    lines: list[str] = []
+    for section, values in config.model_dump().items():
+        lines.append(f"[{section}]")
+        for key, value in values.items():
+            if value is None:
+                continue
+            lines.append(f"{key} = {_toml_literal(value)}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def _toml_literal(value: Any) -> str:
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, int | float):
+        return repr(value)
+    if isinstance(value, str):
+        return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    if isinstance(value, list):
+        return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
+    raise TypeError(f"cannot write {type(value).__name__} as TOML")

@@ -1,0 +1,34 @@
+"""Shared fixtures: where ../shared/data lives, the real Qwen tokenizers, and a tiny local model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED_DATA = Path(os.environ.get("RETOOL_SHARED_DATA", REPO.parent / "shared" / "data"))
+TOKENIZER_NAMES = ("Qwen2.5-Instruct", "Qwen3", "Qwen3.5")
+
+
+@pytest.fixture(scope="session")
+def shared_data() -> Path:
+    if not SHARED_DATA.is_dir():
+        pytest.skip(f"shared data folder not found at {SHARED_DATA} (set RETOOL_SHARED_DATA)")
+    return SHARED_DATA
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizers(shared_data: Path) -> dict:
+    from transformers import AutoTokenizer
+
+    return {name: AutoTokenizer.from_pretrained(shared_data / "tokenizers" / name) for name in TOKENIZER_NAMES}
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A randomly initialised tiny Qwen2 model with its own tokenizer and tool-capable chat template."""
+    from retool.tasks.tinymodel import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), size="test", seed=0)
