@@ -1,0 +1,28 @@
+#!/usr/bin/env bash
+# Set up retool-rl on a fresh machine (Python >= 3.11, CPU is enough).
+#   bash scripts/setup.sh         # the package and the sandbox's bubblewrap
+#   bash scripts/setup.sh --dev   # plus the test and lint tools
+# torch is pinned first: an unpinned torch with nothing installed would pull a multi-GB CUDA build.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PIP_ROOT_USER_ACTION=ignore PIP_DISABLE_PIP_VERSION_CHECK=1
+PY="${PYTHON:-python3}"
+TORCH_PIN="${RETOOL_TORCH_PIN:-torch==2.13.0}"
+
+extras=""
+[ "${1:-}" = "--dev" ] && extras="[dev]"
+
+if ! "$PY" -c "import torch" 2>/dev/null; then
+  "$PY" -m pip install -q "$TORCH_PIN"
+fi
+"$PY" -m pip install -q -e ".${extras}"
+
+# The strict sandbox runs model code inside bubblewrap namespaces.
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && apt-get install -y -qq bubblewrap >/dev/null) \
+      || echo "setup: could not install bubblewrap; the sandbox will fall back with a warning" >&2
+  else
+    echo "setup: bubblewrap (bwrap) not found; install it for the strict sandbox (e.g. apt-get install bubblewrap)" >&2
+  fi
+fi
