@@ -49,6 +49,8 @@ class DataConfig(_Section):
     answer_field: str = "answer"
     shuffle: bool = True
     seed: int = 0
+    task_count: int = Field(default=2000, ge=1)  # train_path = "tasks": how many synthetic problems
+    task_hard_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
 
 
 class RolloutConfig(_Section):

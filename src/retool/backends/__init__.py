@@ -1,1 +1,106 @@
-"""retool.backends"""
+"""retool.backends: one Tinker/PyTRIO-shaped training and sampling interface, with three implementations.
+
+- ``local`` (default): transformers + PEFT in this process (``retool.backends.local``).
+- ``pytrio`` / ``tinker``: thin adapters over the managed services' SDKs (optional installs).
+
+``make_training_client(config)`` picks one from ``config.backend.kind``. Heavy modules (torch,
+transformers, the SDKs) are imported only when a client is built.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardResult,
+    OptimStepResult,
+    Sample,
+    SamplingParams,
+)
+
+if TYPE_CHECKING:
+    from retool.config import Config
+
+__all__ = [
+    "AdamParams",
+    "Datum",
+    "ForwardBackwardResult",
+    "LocalSamplingClient",
+    "LocalTrainingClient",
+    "OptimStepResult",
+    "PytrioTrainingClient",
+    "Sample",
+    "SamplingClient",
+    "SamplingParams",
+    "TinkerTrainingClient",
+    "TrainingClient",
+    "adam_params_from_config",
+    "make_training_client",
+    "pack_micro_batches",
+]
+
+_LAZY = {
+    "LocalTrainingClient": "retool.backends.local",
+    "LocalSamplingClient": "retool.backends.local",
+    "PytrioTrainingClient": "retool.backends.pytrio_backend",
+    "TinkerTrainingClient": "retool.backends.tinker_backend",
+    "pack_micro_batches": "retool.backends.packing",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'retool.backends' has no attribute {name!r}")
+
+
+def adam_params_from_config(config: Config) -> AdamParams:
+    o = config.optimizer
+    return AdamParams(
+        lr=o.lr,
+        beta1=o.beta1,
+        beta2=o.beta2,
+        eps=o.eps,
+        weight_decay=o.weight_decay,
+        grad_clip_norm=o.grad_clip_norm,
+    )
+
+
+def make_training_client(config: Config) -> TrainingClient:
+    """Build the training client that ``config.backend.kind`` names (local / pytrio / tinker)."""
+    kind = config.backend.kind
+    if kind == "local":
+        from retool.backends.local import LocalTrainingClient
+
+        client = LocalTrainingClient(
+            config.model.name,
+            lora=config.lora if config.lora.enabled else None,
+            device=config.backend.device,
+            dtype=config.backend.dtype,
+            seed=config.train.seed,
+            gguf_file=config.model.gguf_file,
+            micro_batch_tokens=config.backend.micro_batch_tokens,
+            sample_batch_size=config.backend.sample_batch_size,
+            checkpoint_dir=Path(config.train.run_dir) / "checkpoints",
+            max_context=config.model.max_context,
+        )
+        if config.backend.sampler == "vllm":
+            from retool.backends.vllm_sampler import attach_vllm_sampler
+
+            attach_vllm_sampler(client)
+        return client
+    if kind == "pytrio":
+        from retool.backends.pytrio_backend import PytrioTrainingClient
+
+        return PytrioTrainingClient.from_config(config)
+    if kind == "tinker":
+        from retool.backends.tinker_backend import TinkerTrainingClient
+
+        return TinkerTrainingClient.from_config(config)
+    raise ValueError(f"unknown backend kind {kind!r}; use local, pytrio or tinker")

@@ -1,1 +1,17 @@
-"""retool.rollout"""
+"""retool.rollout: the multi-turn sample -> execute -> observe state machine (SPEC §4, chapter 8.4.6).
+
+Public names: ``AssistantTurn``, ``Trajectory``, ``STOP_REASONS``, ``ContinuityError``,
+``run_group_rollouts``, ``request_seed``.
+"""
+
+from retool.rollout.engine import request_seed, run_group_rollouts
+from retool.rollout.types import STOP_REASONS, AssistantTurn, ContinuityError, Trajectory
+
+__all__ = [
+    "STOP_REASONS",
+    "AssistantTurn",
+    "ContinuityError",
+    "Trajectory",
+    "request_seed",
+    "run_group_rollouts",
+]

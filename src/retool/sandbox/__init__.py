@@ -1,1 +1,64 @@
-"""retool.sandbox"""
+"""retool.sandbox: stateless execution of model-written Python (SPEC §3, chapter 8.4.5).
+
+Backends behind one ``Executor`` interface (``run``, ``arun``, ``format_tool_content``, ``stats``, ``close``):
+- ``ForkServerExecutor`` (default): pool of pre-imported fork-servers, ``strict`` isolation via bubblewrap.
+- ``SubprocessExecutor``: the chapter's reference, one fresh interpreter per call, NOT isolation.
+- ``SandboxFusionExecutor``: HTTP client for a SandboxFusion service.
+"""
+
+from __future__ import annotations
+
+from retool.sandbox.base import ExecResult, Executor, ExecutorStats, format_tool_content
+from retool.sandbox.forkserver import ForkServerExecutor, SandboxUnavailableError, strict_support
+from retool.sandbox.sandboxfusion import SandboxFusionExecutor
+from retool.sandbox.subprocess_executor import SubprocessExecutor
+
+__all__ = [
+    "ExecResult",
+    "Executor",
+    "ExecutorStats",
+    "ForkServerExecutor",
+    "SandboxFusionExecutor",
+    "SandboxUnavailableError",
+    "SubprocessExecutor",
+    "format_tool_content",
+    "make_executor",
+    "strict_support",
+]
+
+
+def make_executor(cfg: object) -> Executor:
+    """Build the executor a ``retool.config.SandboxConfig`` describes."""
+    from retool.config import SandboxConfig
+
+    if not isinstance(cfg, SandboxConfig):
+        raise TypeError(f"make_executor expects a SandboxConfig, got {type(cfg).__name__}")
+    if cfg.backend == "forkserver":
+        return ForkServerExecutor(
+            timeout=cfg.timeout,
+            cpu_limit=cfg.cpu_limit,
+            memory_mb=cfg.memory_mb,
+            output_cap=cfg.output_cap,
+            auto_print=cfg.auto_print_last_expr,
+            preimport=cfg.preimport,
+            workers=cfg.workers,
+            isolation=cfg.isolation,
+        )
+    if cfg.backend == "subprocess":
+        return SubprocessExecutor(
+            timeout=cfg.timeout,
+            cpu_limit=cfg.cpu_limit,
+            memory_mb=cfg.memory_mb,
+            output_cap=cfg.output_cap,
+            max_concurrency=cfg.workers,
+            auto_print=cfg.auto_print_last_expr,
+        )
+    if cfg.backend == "sandboxfusion":
+        return SandboxFusionExecutor(
+            cfg.sandboxfusion_url,
+            timeout=cfg.timeout,
+            memory_mb=cfg.memory_mb,
+            output_cap=cfg.output_cap,
+            max_concurrency=cfg.workers or 8,
+        )
+    raise ValueError(f"unknown sandbox backend {cfg.backend!r}")

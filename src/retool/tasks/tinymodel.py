@@ -22,7 +22,7 @@ TINY_CHAT_TEMPLATE = (
     "{%- if tools -%}"
     "{{- '\\n\\n# Tools\\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\nCall a tool with <tool_call>{\"name\": <name>, \"arguments\": <json>}</tool_call>' -}}"
+    "{{- '\\n</tools>\\nCall a tool with a JSON object {\"name\": <name>, \"arguments\": <json>} between tool_call tags.' -}}"
     "{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- for message in rest -%}"
@@ -54,7 +54,7 @@ _SIZES: dict[str, dict[str, int]] = {
     "test": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
              "intermediate_size": 64, "vocab_size": 512},
     "demo": {"hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2,
-             "intermediate_size": 512, "vocab_size": 2048},
+             "intermediate_size": 512, "vocab_size": 1024},
 }
 
 
@@ -69,14 +69,23 @@ def _default_corpus() -> list[str]:
     ]
 
 
-def build_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 2048):
-    """Train a byte-level BPE tokenizer on ``corpus`` and wrap it as a transformers fast tokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+def build_tokenizer(
+    corpus: Iterable[str] | None = None, vocab_size: int = 2048, phrase_tokens: Iterable[str] = ()
+):
+    """Train a byte-level BPE tokenizer on ``corpus`` and wrap it as a transformers fast tokenizer.
+
+    ``phrase_tokens`` become single added (non-special) tokens, e.g. the fixed system prompts: a tiny
+    model's context and compute then go to the problem, not to a paragraph it sees in every sequence.
+    """
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     texts = list(corpus) if corpus is not None else _default_corpus()
     tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    # Digits are single tokens so the model can copy numbers digit by digit (question -> code -> box).
+    tok.pre_tokenizer = pre_tokenizers.Sequence(
+        [pre_tokenizers.Digits(individual_digits=True), pre_tokenizers.ByteLevel(add_prefix_space=False)]
+    )
     tok.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
         vocab_size=vocab_size,
@@ -85,6 +94,9 @@ def build_tokenizer(corpus: Iterable[str] | None = None, vocab_size: int = 2048)
         show_progress=False,
     )
     tok.train_from_iterator(texts, trainer=trainer)
+    phrases = [p for p in phrase_tokens if p]
+    if phrases:
+        tok.add_tokens([AddedToken(p, normalized=False) for p in phrases])
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         eos_token="<|im_end|>",
@@ -102,6 +114,7 @@ def build_tiny_model(
     size: ModelSize = "test",
     seed: int = 0,
     max_position_embeddings: int = 4096,
+    phrase_tokens: Iterable[str] = (),
 ) -> Path:
     """Write tokenizer + randomly initialised Qwen2 model to ``out_dir``; return the folder."""
     import torch
@@ -110,7 +123,7 @@ def build_tiny_model(
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     dims = dict(_SIZES[size])
-    tokenizer = build_tokenizer(corpus, vocab_size=dims.pop("vocab_size"))
+    tokenizer = build_tokenizer(corpus, vocab_size=dims.pop("vocab_size"), phrase_tokens=phrase_tokens)
     config = Qwen2Config(
         vocab_size=len(tokenizer),
         max_position_embeddings=max_position_embeddings,

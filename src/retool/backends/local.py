@@ -1,0 +1,602 @@
+"""The default backend: a transformers causal LM trained in this process (CPU or one GPU).
+
+``LocalTrainingClient`` owns the model (optionally wrapped in a PEFT LoRA adapter), the AdamW optimizer
+and a single worker thread that runs every forward, backward and generation, so training and sampling
+never touch the weights at the same time and the event loop stays free.
+
+``LocalSamplingClient`` is a *live view* of the trainer's current weights, not a snapshot: the sampler
+returned by ``sampling_client_async()`` always samples from whatever the weights are when its batch runs
+(generation uses eval mode and ``no_grad``). The RL loop refreshes the sampler at the start of each step
+and does not optimise while sampling, so this is on-policy; with LoRA dropout 0 the trainer's recomputed
+logprobs match the sampler's to float precision (ratio 1).
+
+Concurrent ``sample_async`` calls are gathered for a few milliseconds and run as one batched generation of
+up to ``sample_batch_size`` sequences (see ``retool.backends.generation``).
+
+Reduction follows Tinker: per-token losses times datum weights are SUMMED over tokens and datums; the
+training loop puts its normalisation into the weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+import logging
+import random
+import weakref
+from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.generation import GenRequest, generate_batch
+from retool.backends.losses import LOSS_NAMES, token_loss
+from retool.backends.packing import pack_micro_batches, padding_efficiency
+from retool.backends.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardResult,
+    LossName,
+    OptimStepResult,
+    Sample,
+    SamplingParams,
+)
+
+logger = logging.getLogger(__name__)
+
+STATE_FILE = "trainer_state.json"
+OPTIMIZER_FILE = "optimizer.pt"
+RNG_FILE = "rng.pt"
+FULL_WEIGHTS_FILE = "model.safetensors"
+ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+
+@dataclass(frozen=True)
+class LocalLoraSpec:
+    """LoRA settings of the local backend (``None`` in place of a spec means full fine-tuning)."""
+
+    rank: int = 32
+    alpha: int = 64
+    dropout: float = 0.0
+    target_modules: tuple[str, ...] = ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"device {device!r} requested but CUDA is not available")
+    return torch.device(device)
+
+
+def resolve_dtype(dtype: str, device: torch.device) -> torch.dtype:
+    if dtype == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    table = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in table:
+        raise ValueError(f"unknown dtype {dtype!r}; use auto, float32, bfloat16 or float16")
+    return table[dtype]
+
+
+def split_model_path(model_path: str | Path, gguf_file: str | None) -> tuple[str, str | None]:
+    """A ``.gguf`` path becomes (its folder, its file name), as transformers' ``gguf_file=`` expects."""
+    text = str(model_path)
+    if gguf_file is None and text.endswith(".gguf"):
+        path = Path(text)
+        return str(path.parent), path.name
+    return text, gguf_file
+
+
+def _lora_spec(lora: Any) -> LocalLoraSpec | None:
+    """Accept a ``LocalLoraSpec``, a ``retool.config.LoraConfig``, a dict, or ``None`` (full fine-tuning)."""
+    if lora is None or isinstance(lora, LocalLoraSpec):
+        return lora
+    if isinstance(lora, dict):
+        data = dict(lora)
+    else:
+        data = lora.model_dump() if hasattr(lora, "model_dump") else vars(lora)
+    if not data.pop("enabled", True):
+        return None
+    if "target_modules" in data:
+        data["target_modules"] = tuple(data["target_modules"])
+    return LocalLoraSpec(**data)
+
+
+@dataclass
+class _Pending:
+    prompt: list[int]
+    num_samples: int
+    params: SamplingParams
+    seeds: list[int]
+    future: asyncio.Future[list[Sample]]
+
+
+@dataclass
+class _LoopQueue:
+    pending: collections.deque[_Pending] = field(default_factory=collections.deque)
+    task: asyncio.Task[None] | None = None
+
+
+class LocalSamplingClient(SamplingClient):
+    """Batched sampler over the owning trainer's current weights (a live view; see the module docstring)."""
+
+    def __init__(self, owner: LocalTrainingClient, gather_ms: float = 5.0) -> None:
+        self._owner = owner
+        self._gather_s = gather_ms / 1000.0
+        self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = (
+            weakref.WeakKeyDictionary()
+        )
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._owner.tokenizer
+
+    async def sample_async(
+        self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams
+    ) -> list[Sample]:
+        prompt = [int(t) for t in prompt_tokens]
+        self._owner._check_sample_request(prompt, num_samples, params)
+        loop = asyncio.get_running_loop()
+        fut: asyncio.Future[list[Sample]] = loop.create_future()
+        seeds = self._owner._sequence_seeds(params.seed, num_samples)
+        queue = self._queues.get(loop)
+        if queue is None:
+            queue = self._queues[loop] = _LoopQueue()
+        queue.pending.append(_Pending(prompt, num_samples, params, seeds, fut))
+        if queue.task is None or queue.task.done():
+            queue.task = loop.create_task(self._dispatch(queue))
+        return await fut
+
+    async def _dispatch(self, queue: _LoopQueue) -> None:
+        loop = asyncio.get_running_loop()
+        limit = self._owner.sample_batch_size
+        while queue.pending:
+            await asyncio.sleep(self._gather_s)  # let concurrent callers join this batch
+            batch: list[_Pending] = []
+            count = 0
+            while queue.pending and (not batch or count + queue.pending[0].num_samples <= limit):
+                item = queue.pending.popleft()
+                if item.future.cancelled():
+                    continue
+                batch.append(item)
+                count += item.num_samples
+            if not batch:
+                continue
+            flat = [GenRequest(p.prompt, p.params, s) for p in batch for s in p.seeds]
+            try:
+                samples = await loop.run_in_executor(self._owner._executor, self._owner._generate, flat)
+            except Exception as exc:  # every waiter learns why; the queue keeps serving later requests
+                logger.exception("local sampling batch failed")
+                for p in batch:
+                    if not p.future.done():
+                        p.future.set_exception(exc)
+                continue
+            start = 0
+            for p in batch:
+                if not p.future.done():
+                    p.future.set_result(samples[start : start + p.num_samples])
+                start += p.num_samples
+
+
+class LocalTrainingClient(TrainingClient):
+    """A transformers model + optional PEFT LoRA + AdamW in this process. See the module docstring."""
+
+    def __init__(
+        self,
+        model_path: str | Path,
+        *,
+        lora: Any = LocalLoraSpec(),
+        device: str = "auto",
+        dtype: str = "auto",
+        seed: int = 0,
+        gguf_file: str | None = None,
+        micro_batch_tokens: int = 8192,
+        sample_batch_size: int = 32,
+        checkpoint_dir: str | Path = "checkpoints",
+        max_context: int | None = None,
+        gather_ms: float = 5.0,
+        attn_implementation: str | None = None,
+    ) -> None:
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        self.device = resolve_device(device)
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.seed = seed
+        self.model_path, self.gguf_file = split_model_path(model_path, gguf_file)
+        self.lora = _lora_spec(lora)
+        self.micro_batch_tokens = int(micro_batch_tokens)
+        self.sample_batch_size = int(sample_batch_size)
+        self.checkpoint_dir = Path(checkpoint_dir)
+        if self.micro_batch_tokens <= 0 or self.sample_batch_size <= 0:
+            raise ValueError("micro_batch_tokens and sample_batch_size must be positive")
+
+        load_kwargs: dict[str, Any] = {}
+        if self.gguf_file:
+            load_kwargs["gguf_file"] = self.gguf_file
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
+        if attn_implementation:
+            load_kwargs["attn_implementation"] = attn_implementation
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
+        model.to(self.device)
+        if self.lora is not None:
+            from peft import LoraConfig, get_peft_model
+
+            torch.manual_seed(seed)  # LoRA A matrices are random: make them a function of the seed
+            peft_cfg = LoraConfig(
+                r=self.lora.rank,
+                lora_alpha=self.lora.alpha,
+                lora_dropout=self.lora.dropout,
+                target_modules=list(self.lora.target_modules),
+                task_type="CAUSAL_LM",
+            )
+            model = get_peft_model(model, peft_cfg)
+        self.model = model
+        self.model.train()
+        config = self._base_config()
+        self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
+        model_context = int(getattr(config, "max_position_embeddings", 0) or 1 << 30)
+        self.max_context = min(int(max_context), model_context) if max_context else model_context
+        self.pad_id = self._pad_id()
+        self.eos_ids = self._eos_ids()
+        self.step = 0
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._seed_rng = random.Random(seed)
+        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retool-local")
+        self._sampler = LocalSamplingClient(self, gather_ms=gather_ms)
+        self._pending_grads = False
+        torch.manual_seed(seed)
+        logger.info(
+            "local backend: %s on %s/%s, %s, %d trainable parameters",
+            self.model_path,
+            self.device,
+            self.dtype,
+            f"LoRA r={self.lora.rank}" if self.lora else "full fine-tuning",
+            self.num_trainable_parameters(),
+        )
+
+    # -- helpers -------------------------------------------------------------------------------
+    def _base_config(self) -> Any:
+        return self.model.config
+
+    def _pad_id(self) -> int:
+        for candidate in (self.tokenizer.pad_token_id, self.tokenizer.eos_token_id, 0):
+            if candidate is not None:
+                return int(candidate)
+        return 0
+
+    def _eos_ids(self) -> set[int]:
+        ids: set[int] = set()
+        for source in (getattr(self.model, "generation_config", None), self.model.config, self.tokenizer):
+            value = getattr(source, "eos_token_id", None) if source is not None else None
+            if value is None:
+                continue
+            ids.update(int(v) for v in (value if isinstance(value, list | tuple) else [value]))
+        im_end = (
+            self.tokenizer.convert_tokens_to_ids("<|im_end|>")
+            if hasattr(self.tokenizer, "convert_tokens_to_ids")
+            else None
+        )
+        if isinstance(im_end, int) and im_end != getattr(self.tokenizer, "unk_token_id", None):
+            ids.add(im_end)
+        return ids
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [p for p in self.model.parameters() if p.requires_grad]
+
+    def num_trainable_parameters(self) -> int:
+        return sum(p.numel() for p in self.trainable_parameters())
+
+    def _sequence_seeds(self, seed: int | None, num_samples: int) -> list[int]:
+        if seed is None:
+            return [self._seed_rng.getrandbits(63) for _ in range(num_samples)]
+        # Distinct, reproducible streams for sample i of a seeded request.
+        return [(int(seed) * 1_000_003 + i) % (2**63) for i in range(num_samples)]
+
+    def _check_tokens(self, tokens: Sequence[int], what: str) -> None:
+        bad = [t for t in tokens if not 0 <= int(t) < self.vocab_size]
+        if bad:
+            raise ValueError(
+                f"{what} holds token ids outside the vocabulary [0, {self.vocab_size}): {bad[:5]}"
+            )
+
+    def _check_sample_request(self, prompt: list[int], num_samples: int, params: SamplingParams) -> None:
+        if not prompt:
+            raise ValueError("prompt_tokens is empty")
+        if num_samples < 1:
+            raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+        if params.max_tokens < 0:
+            raise ValueError(f"max_tokens must be >= 0, got {params.max_tokens}")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ValueError(f"bad sampling params: temperature {params.temperature}, top_p {params.top_p}")
+        self._check_tokens(prompt, "prompt_tokens")
+        if len(prompt) >= self.max_context:
+            raise ValueError(
+                f"prompt of {len(prompt)} tokens leaves no room in a {self.max_context}-token context"
+            )
+
+    # -- sampling ------------------------------------------------------------------------------
+    def _generate(self, requests: list[GenRequest]) -> list[Sample]:
+        """Worker-thread body: generate in chunks of ``sample_batch_size`` sequences."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            out: list[Sample] = []
+            for start in range(0, len(requests), self.sample_batch_size):
+                out.extend(
+                    generate_batch(
+                        self.model,
+                        self.tokenizer,
+                        requests[start : start + self.sample_batch_size],
+                        pad_id=self.pad_id,
+                        eos_ids=self.eos_ids,
+                        max_context=self.max_context,
+                        device=self.device,
+                    )
+                )
+            return out
+        finally:
+            self.model.train(was_training)
+
+    async def sampling_client_async(self) -> SamplingClient:
+        return self._sampler
+
+    async def sample_async(
+        self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams
+    ) -> list[Sample]:
+        """Convenience: sample from the current weights (same as ``sampling_client().sample_async``)."""
+        return await self._sampler.sample_async(prompt_tokens, num_samples, params)
+
+    def sample(self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams) -> list[Sample]:
+        return self._sampler.sample(prompt_tokens, num_samples, params)
+
+    # -- training ------------------------------------------------------------------------------
+    def _validate_datums(self, datums: Sequence[Datum], loss_fn: str) -> None:
+        if loss_fn not in LOSS_NAMES:
+            raise ValueError(f"unknown loss_fn {loss_fn!r}; known: {', '.join(LOSS_NAMES)}")
+        for k, d in enumerate(datums):
+            if len(d) == 0:
+                raise ValueError(f"datum {k} is empty")
+            if loss_fn != "cross_entropy" and (len(d.logprobs) != len(d) or len(d.advantages) != len(d)):
+                raise ValueError(
+                    f"datum {k}: loss {loss_fn!r} needs logprobs and advantages for every position"
+                )
+            self._check_tokens(d.input_tokens, f"datum {k} input_tokens")
+            self._check_tokens(d.target_tokens, f"datum {k} target_tokens")
+
+    def _micro_batch_tensors(self, datums: Sequence[Datum], rows: list[int]) -> dict[str, torch.Tensor]:
+        width = max(len(datums[i]) for i in rows)
+        shape = (len(rows), width)
+        ids = torch.full(shape, self.pad_id, dtype=torch.long)
+        tgt = torch.zeros(shape, dtype=torch.long)
+        mask = torch.zeros(shape, dtype=torch.long)
+        w = torch.zeros(shape, dtype=torch.float32)
+        old = torch.zeros(shape, dtype=torch.float32)
+        adv = torch.zeros(shape, dtype=torch.float32)
+        for r, i in enumerate(rows):
+            d = datums[i]
+            n = len(d)
+            ids[r, :n] = torch.tensor(d.input_tokens, dtype=torch.long)
+            tgt[r, :n] = torch.tensor(d.target_tokens, dtype=torch.long)
+            mask[r, :n] = 1
+            w[r, :n] = torch.tensor(d.weights, dtype=torch.float32) if d.weights else 1.0
+            if d.logprobs:
+                old[r, :n] = torch.tensor(d.logprobs, dtype=torch.float32)
+            if d.advantages:
+                adv[r, :n] = torch.tensor(d.advantages, dtype=torch.float32)
+        out = {"ids": ids, "tgt": tgt, "mask": mask, "w": w, "old": old, "adv": adv}
+        return {k: v.to(self.device) for k, v in out.items()}
+
+    def target_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
+        """Float32 logprob of each target token under the current weights (with grad if enabled)."""
+        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
+        # gather - logsumexp avoids materialising a second [B, T, V] log_softmax tensor
+        return logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+
+    def _forward_backward(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, backward: bool
+    ) -> ForwardBackwardResult:
+        self._validate_datums(datums, loss_fn)
+        lengths = [len(d) for d in datums]
+        batches = pack_micro_batches(lengths, self.micro_batch_tokens)
+        self.model.train()
+        total_loss = 0.0
+        trained = 0
+        clipped = 0
+        ratio_sum = 0.0
+        ratio_min = float("inf")
+        ratio_max = float("-inf")
+        lp_sum = 0.0
+        for rows in batches:
+            t = self._micro_batch_tensors(datums, rows)
+            with torch.set_grad_enabled(backward):
+                lp = self.target_logprobs(t["ids"], t["mask"], t["tgt"])
+                tl = token_loss(loss_fn, lp, t["w"], t["old"], t["adv"], loss_config)
+                loss = tl.loss.sum()
+                if backward:
+                    loss.backward()
+            total_loss += float(loss.detach())
+            sel = tl.trained
+            n_tr = int(sel.sum())
+            if n_tr:
+                trained += n_tr
+                r = tl.ratio[sel]
+                ratio_sum += float(r.sum())
+                ratio_min = min(ratio_min, float(r.min()))
+                ratio_max = max(ratio_max, float(r.max()))
+                clipped += int(tl.clipped[sel].sum())
+                lp_sum += float(lp.detach()[sel].sum())
+        if backward:
+            self._pending_grads = True
+        return ForwardBackwardResult(
+            loss=total_loss,
+            trained_tokens=trained,
+            ratio_mean=ratio_sum / trained if trained else 1.0,
+            ratio_min=ratio_min if trained else 1.0,
+            ratio_max=ratio_max if trained else 1.0,
+            clip_fraction=clipped / trained if trained else 0.0,
+            extra={
+                "micro_batches": float(len(batches)),
+                "padding_efficiency": padding_efficiency(lengths, batches),
+                "logprob_mean": lp_sum / trained if trained else 0.0,
+            },
+        )
+
+    async def forward_backward_async(
+        self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
+    ) -> ForwardBackwardResult:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, self._forward_backward, list(datums), loss_fn, loss_config, True
+        )
+
+    async def forward_async(
+        self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
+    ) -> ForwardBackwardResult:
+        """Loss and metrics without accumulating gradients (evaluation, resume checks)."""
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(
+            self._executor, self._forward_backward, list(datums), loss_fn, loss_config, False
+        )
+
+    def forward(
+        self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
+    ) -> ForwardBackwardResult:
+        from retool.backends.base import run_sync
+
+        return run_sync(self.forward_async(datums, loss_fn, loss_config))
+
+    def _ensure_optimizer(self, adam: AdamParams) -> torch.optim.Optimizer:
+        if self.optimizer is None:
+            self.optimizer = torch.optim.AdamW(
+                self.trainable_parameters(),
+                lr=adam.lr,
+                betas=(adam.beta1, adam.beta2),
+                eps=adam.eps,
+                weight_decay=adam.weight_decay,
+            )
+        return self.optimizer
+
+    def _optim_step(self, adam: AdamParams) -> OptimStepResult:
+        opt = self._ensure_optimizer(adam)
+        for group in opt.param_groups:  # the loop may change hyperparameters (lr schedules) every step
+            group["lr"] = adam.lr
+            group["betas"] = (adam.beta1, adam.beta2)
+            group["eps"] = adam.eps
+            group["weight_decay"] = adam.weight_decay
+        params = self.trainable_parameters()
+        if not self._pending_grads:
+            logger.warning("optim_step without a forward_backward since the last step: no update")
+        max_norm = adam.grad_clip_norm if adam.grad_clip_norm > 0 else float("inf")
+        grads = [p for p in params if p.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(grads, max_norm)) if grads else 0.0
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        self._pending_grads = False
+        self.step += 1
+        return OptimStepResult(grad_norm=grad_norm, lr=adam.lr)
+
+    async def optim_step_async(self, adam: AdamParams) -> OptimStepResult:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._optim_step, adam)
+
+    # -- checkpoints ---------------------------------------------------------------------------
+    def _state_path(self, name: str) -> Path:
+        path = Path(name)
+        if path.is_absolute() or len(path.parts) > 1:
+            return path
+        return self.checkpoint_dir / name
+
+    def _save_state(self, name: str) -> str:
+        from safetensors.torch import save_model
+
+        folder = self._state_path(name)
+        folder.mkdir(parents=True, exist_ok=True)
+        if self.lora is not None:
+            # PEFT's own format (adapter_config.json + adapter_model.safetensors): vLLM can load it as is.
+            self.model.save_pretrained(folder)
+        else:
+            save_model(self.model, str(folder / FULL_WEIGHTS_FILE))
+        if self.optimizer is not None:
+            torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
+        rng: dict[str, Any] = {
+            "torch": torch.get_rng_state(),
+            "python": random.getstate(),
+            "sampler_seeds": self._seed_rng.getstate(),
+        }
+        if torch.cuda.is_available():
+            rng["cuda"] = torch.cuda.get_rng_state_all()
+        torch.save(rng, folder / RNG_FILE)
+        meta = {
+            "step": self.step,
+            "model_path": self.model_path,
+            "gguf_file": self.gguf_file,
+            "lora": None
+            if self.lora is None
+            else {**vars(self.lora), "target_modules": list(self.lora.target_modules)},
+            "has_optimizer": self.optimizer is not None,
+        }
+        (folder / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        logger.info("saved state (step %d) to %s", self.step, folder)
+        return str(folder)
+
+    def _load_state(self, path: str) -> None:
+        from safetensors.torch import load_file, load_model
+
+        folder = Path(path)
+        meta_path = folder / STATE_FILE
+        if not meta_path.is_file():
+            raise FileNotFoundError(f"{folder} is not a saved state (no {STATE_FILE})")
+        meta = json.loads(meta_path.read_text())
+        mine = (
+            None
+            if self.lora is None
+            else {**vars(self.lora), "target_modules": list(self.lora.target_modules)}
+        )
+        if meta.get("lora") != mine:
+            raise ValueError(
+                f"state {folder} was saved with lora={meta.get('lora')}, this client has lora={mine}"
+            )
+        if self.lora is not None:
+            from peft import set_peft_model_state_dict
+
+            weights = load_file(str(folder / ADAPTER_WEIGHTS_FILE), device=str(self.device))
+            result = set_peft_model_state_dict(self.model, weights)
+            unexpected = getattr(result, "unexpected_keys", [])
+            if unexpected:
+                raise ValueError(f"adapter in {folder} has unexpected keys: {unexpected[:5]}")
+        else:
+            load_model(self.model, str(folder / FULL_WEIGHTS_FILE), device=str(self.device))
+        if meta.get("has_optimizer"):
+            state = torch.load(folder / OPTIMIZER_FILE, map_location=self.device, weights_only=False)
+            opt = self._ensure_optimizer(AdamParams())
+            opt.load_state_dict(state)
+        rng = torch.load(folder / RNG_FILE, weights_only=False)
+        torch.set_rng_state(rng["torch"])
+        random.setstate(rng["python"])
+        self._seed_rng.setstate(rng["sampler_seeds"])
+        if "cuda" in rng and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(rng["cuda"])
+        self.step = int(meta["step"])
+        if self.model.training is False:
+            self.model.train()
+        for p in self.trainable_parameters():
+            p.grad = None
+        self._pending_grads = False
+        logger.info("loaded state (step %d) from %s", self.step, folder)
+
+    async def save_state_async(self, name: str) -> str:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._executor, self._save_state, name)
+
+    async def load_state_async(self, path: str) -> None:
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._load_state, path)
+
+    async def close_async(self) -> None:
+        self._executor.shutdown(wait=True)

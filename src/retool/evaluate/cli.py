@@ -1,0 +1,118 @@
+"""``retool eval``: text-only vs ReTool evaluation from the command line (a thin layer over ``evaluate``)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, NoReturn
+
+import typer
+
+
+def _fail(message: str) -> NoReturn:
+    typer.echo(f"error: {message}", err=True)
+    raise typer.Exit(2)
+
+
+def format_summary(summary: dict[str, Any]) -> str:
+    """A few human lines for the end of an eval."""
+    s = summary["settings"]
+    m = summary["metrics"]
+    n = s["val_n"]
+    lo, hi = m["average_at_n_ci95"]
+    lat = m["mean_exec_latency"]
+    sc = m["self_correction_given_error"]
+    lines = [
+        f"{s['mode']} | {s['model']}{' @ ' + str(s['checkpoint']) if s['checkpoint'] else ''} | {s['dataset']} "
+        f"| {summary['completed']}/{summary['total']} problems ({summary['status']})",
+        f"  Average@{n}: {100 * m['average_at_n']:.2f}%  (95% CI {100 * lo:.2f}-{100 * hi:.2f})",
+        f"  Pass@{n}:    {100 * m['pass_at_n']:.2f}%   maj@{n}: {100 * m['maj_at_n']:.2f}%",
+        f"  format: {100 * m['format_rate']:.2f}%  tool-call rate: {100 * m['tool_call_rate']:.2f}%  "
+        f"code calls: {m['mean_code_calls']:.2f}  turns: {m['mean_turns']:.2f}",
+        f"  executions: {m['executions']}  mean latency: {lat:.3f}s  "
+        f"self-correction after error: {'n/a' if sc is None else f'{100 * sc:.1f}%'}  tokens: {m['tokens_generated']}",
+    ]
+    if summary.get("failed_problems"):
+        lines.append(f"  {len(summary['failed_problems'])} problems hit sampler errors; rerun to retry them")
+    return "\n".join(lines)
+
+
+def register(app: typer.Typer) -> None:
+    @app.command("eval")
+    def eval_command(
+        mode: str = typer.Option(
+            ..., "--mode", help="text-only (no tool, one turn) or retool (the tool loop)."
+        ),
+        model: str | None = typer.Option(
+            None, "--model", help="Model (HF folder, Hub id, ...); default: config."
+        ),
+        checkpoint: str | None = typer.Option(
+            None, "--checkpoint", help="State to load (retool train checkpoint)."
+        ),
+        config: str | None = typer.Option(None, "--config", help="Config TOML file or preset name."),
+        overrides: list[str] = typer.Option(
+            [], "--set", help="Config override section.key=value (repeatable)."
+        ),
+        dataset: str = typer.Option("aime2025", "--dataset", help="aime2025 | aime2024 | math500 | PATH."),
+        data_dir: Path | None = typer.Option(
+            None,
+            "--data-dir",
+            help="Folder with <name>.jsonl for named sets (default $RETOOL_DATA_DIR, else the Hub).",
+        ),
+        question_field: str | None = typer.Option(None, "--question-field"),
+        answer_field: str | None = typer.Option(None, "--answer-field"),
+        id_field: str | None = typer.Option(None, "--id-field"),
+        val_n: int = typer.Option(12, "--val-n", min=1, help="Candidates per problem (N of Average@N)."),
+        temperature: float = typer.Option(1.0, "--temperature", help="Overrides the config's sampling."),
+        top_p: float = typer.Option(0.7, "--top-p", help="Overrides the config's sampling."),
+        output: Path = typer.Option(
+            ..., "--output", "-o", help="Per-problem JSONL; FILE.summary.json goes beside it."
+        ),
+        limit: int | None = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
+        seed: int = typer.Option(0, "--seed"),
+        concurrency: int = typer.Option(4, "--concurrency", min=1, help="Problems rolled out at once."),
+        save_transcripts: bool = typer.Option(
+            False, "--save-transcripts", help="Keep every candidate's messages."
+        ),
+    ) -> None:
+        """Evaluate a model text-only or with the code tool; resumable (rerun the same command)."""
+        from retool.config import ConfigError, load_config
+        from retool.evaluate.runner import MODES, EvalError, evaluate
+        from retool.evaluate.store import EvalStoreError
+
+        if mode not in MODES:
+            _fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+        sets = [*list(overrides), f"sampling.temperature={temperature!r}", f"sampling.top_p={top_p!r}"]
+        if model is not None:
+            sets.append(f"model.name={_toml_str(model)}")
+        try:
+            cfg = load_config(config, sets)
+        except ConfigError as exc:
+            _fail(str(exc))
+        fields = {"question_field": question_field, "answer_field": answer_field, "id_field": id_field}
+        try:
+            from retool.data import DataError
+        except ImportError:  # data stage not built yet
+            DataError = EvalError
+        try:
+            summary = evaluate(
+                cfg,
+                mode=mode,
+                dataset=dataset,
+                output=output,
+                val_n=val_n,
+                checkpoint=checkpoint,
+                seed=seed,
+                limit=limit,
+                data_dir=data_dir,
+                concurrency=concurrency,
+                save_transcripts=save_transcripts,
+                dataset_fields={k: v for k, v in fields.items() if v},
+            )
+        except (EvalError, EvalStoreError, DataError) as exc:
+            _fail(str(exc))
+        typer.echo(format_summary(summary))
+        typer.echo(f"records: {output}")
+
+
+def _toml_str(value: str) -> str:
+    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'

@@ -1,0 +1,349 @@
+"""Binding a tokenizer's chat template to the tool protocol, with exact token continuity (chapter 8.4.3).
+
+Owns ``ChatProtocol``: prompts, messages, and the placeholder method that builds the next turn's prompt
+as ``previous prompt + sampled completion tokens + the template's end-of-assistant tokens the sampler did
+not emit + observation tokens + next assistant header``. Sampled tokens are never re-encoded.
+
+How the pieces are located:
+- the end-of-assistant ("closing") text comes from rendering the conversation with a one-character
+  placeholder assistant message twice (``x`` and ``y``): everything after the single differing
+  character is the closing, whatever the template puts before the content (e.g. an empty think block);
+- the observation is what the template renders after ``history + actual assistant turn + closing``
+  once the tool message is added.
+
+Append-only check: the template's own render of the *actual* conversation (the assistant content is the
+decoded completion, used for checking only) must begin with exactly the text of the tokens we already
+have. Templates that rewrite earlier turns -- Qwen3 drops an empty ``<think></think>`` from non-final
+turns and strips reasoning before the last user query, Qwen3.5 trims whitespace -- fail loudly with
+``TemplateNotAppendOnlyError`` instead of silently training on a sequence the sampler never saw.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from retool.protocol.formats import ToolFormat, get_format
+from retool.protocol.prompts import (
+    CODE_TOOL,
+    MARKDOWN_TOOL_INSTRUCTIONS,
+    TEXT_SYSTEM_PROMPT,
+    TOOL_SYSTEM_PROMPT,
+)
+from retool.protocol.sanitize import sanitize_tool_content
+
+logger = logging.getLogger(__name__)
+
+Message = dict[str, Any]
+PLACEHOLDERS = ("x", "y")
+CUT_MARKER = "[... {n} characters cut ...]\n"
+
+
+class TemplateNotAppendOnlyError(ValueError):
+    """The chat template re-renders earlier history, so turn-by-turn tokens cannot match its output."""
+
+
+def _suffix_prefix_overlap(seq: Sequence[int], closing: Sequence[int]) -> int:
+    """Largest k such that the last k tokens of ``seq`` equal the first k tokens of ``closing``."""
+    for k in range(min(len(seq), len(closing)), 0, -1):
+        if list(seq[-k:]) == list(closing[:k]):
+            return k
+    return 0
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
+
+
+def _context(text: str, at: int, width: int = 60) -> str:
+    return repr(text[max(0, at - width) : at + width])
+
+
+class ChatProtocol:
+    """A tokenizer + tool-call format + system prompt, and the token bookkeeping of a multi-turn rollout.
+
+    ``enable_thinking`` (None = the template's default) is passed to templates that read it (Qwen3,
+    Qwen3.5). ``chat_template`` overrides the tokenizer's template (template text or a path to a
+    ``.jinja`` file, e.g. Qwen3.5's ``chat_template_nothink.jinja``).
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        fmt: str | ToolFormat = "auto",
+        use_tools: bool = True,
+        *,
+        enable_thinking: bool | None = None,
+        chat_template: str | os.PathLike[str] | None = None,
+    ) -> None:
+        self.tokenizer = tokenizer
+        self.chat_template = _load_template(chat_template)
+        template_text = self.chat_template or getattr(tokenizer, "chat_template", None)
+        if not template_text:
+            raise ValueError(
+                f"tokenizer {self._model_name(tokenizer)} has no chat template; pass chat_template="
+            )
+        self.fmt: ToolFormat = get_format(fmt, _TemplateView(template_text) if fmt == "auto" else None)
+        self.use_tools = use_tools
+        self.enable_thinking = enable_thinking
+        # The markdown format has no native tools: registering the schema would make the template teach
+        # its own (different) call syntax.
+        self.tools: list[dict[str, Any]] | None = (
+            [CODE_TOOL] if use_tools and self.fmt.uses_native_tools else None
+        )
+        digest = hashlib.sha1(str(template_text).encode()).hexdigest()[:12]
+        self.template_name = f"{self._model_name(tokenizer)} (chat template sha1 {digest})"
+        self._end_of_turn_id: int | None = None
+
+    @staticmethod
+    def _model_name(tokenizer: Any) -> str:
+        return repr(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
+
+    # -- messages ----------------------------------------------------------------------------------
+    @property
+    def system_prompt(self) -> str:
+        if not self.use_tools:
+            return TEXT_SYSTEM_PROMPT
+        if not self.fmt.uses_native_tools:
+            return f"{TOOL_SYSTEM_PROMPT}\n\n{MARKDOWN_TOOL_INSTRUCTIONS}"
+        return TOOL_SYSTEM_PROMPT
+
+    @property
+    def stop_strings(self) -> tuple[str, ...]:
+        return self.fmt.stop_strings if self.use_tools else ()
+
+    def initial_messages(self, question: str) -> list[Message]:
+        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
+
+    def assistant_message(self, text: str) -> Message:
+        """The assistant turn as a message; a trailing end-of-turn token string the sampler emitted is dropped."""
+        enders = [s for s in (self._token_str(i) for i in self.stop_token_ids) if s]
+        stripped = True
+        while stripped:
+            stripped = False
+            for s in enders:
+                if text.endswith(s):
+                    text, stripped = text[: -len(s)], True
+        return {"role": "assistant", "content": text}
+
+    def tool_message(self, content: str) -> Message:
+        """The observation message (sanitised). Markdown format: a user message wrapped in <interpreter>."""
+        safe = sanitize_tool_content(content, self.tokenizer, extra=self.fmt.observation_guards)
+        if self.fmt.uses_native_tools:
+            return {"role": "tool", "content": safe}
+        return {"role": "user", "content": f"<interpreter>\n{safe}\n</interpreter>"}
+
+    # -- rendering ---------------------------------------------------------------------------------
+    def render(self, messages: Sequence[Message], add_generation_prompt: bool) -> str:
+        kwargs: dict[str, Any] = {}
+        if self.enable_thinking is not None:
+            kwargs["enable_thinking"] = self.enable_thinking
+        if self.chat_template is not None:
+            kwargs["chat_template"] = self.chat_template
+        text = self.tokenizer.apply_chat_template(
+            list(messages),
+            tools=self.tools,
+            tokenize=False,
+            add_generation_prompt=add_generation_prompt,
+            **kwargs,
+        )
+        if not isinstance(text, str):  # transformers returns a list for batched input only
+            raise TypeError(f"apply_chat_template returned {type(text).__name__}, expected str")
+        return text
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer.encode(text, add_special_tokens=False))
+
+    def decode(self, tokens: Sequence[int]) -> str:
+        return self.tokenizer.decode(
+            list(tokens), skip_special_tokens=False, clean_up_tokenization_spaces=False
+        )
+
+    def build_prompt(self, messages: Sequence[Message]) -> list[int]:
+        """Tokens of ``messages`` with the next assistant header appended (tools registered iff use_tools)."""
+        return self.encode(self.render(messages, add_generation_prompt=True))
+
+    # -- end of turn -------------------------------------------------------------------------------
+    def _token_str(self, token_id: int) -> str | None:
+        tok = self.tokenizer.convert_ids_to_tokens(int(token_id))
+        return tok if isinstance(tok, str) else None
+
+    def closing_text(self, messages_before_assistant: Sequence[Message]) -> str:
+        """What the template writes after an assistant turn's content (placeholder method)."""
+        renders = [
+            self.render(
+                [*messages_before_assistant, {"role": "assistant", "content": p}], add_generation_prompt=False
+            )
+            for p in PLACEHOLDERS
+        ]
+        a, b = renders
+        i = _common_prefix_len(a, b)
+        if len(a) != len(b) or i >= len(a) or a[i + 1 :] != b[i + 1 :] or a[i] != PLACEHOLDERS[0]:
+            raise TemplateNotAppendOnlyError(
+                f"cannot locate the end of an assistant turn in the chat template of {self.template_name}: "
+                "the assistant content is not rendered verbatim"
+            )
+        return a[i + 1 :]
+
+    def closing_tokens(self, messages_before_assistant: Sequence[Message]) -> list[int]:
+        return self.encode(self.closing_text(messages_before_assistant))
+
+    @property
+    def end_of_turn_id(self) -> int:
+        """The token that ends an assistant turn (``<|im_end|>`` for ChatML), from the template itself."""
+        if self._end_of_turn_id is None:
+            closing = self.closing_tokens(self.initial_messages("1+1?"))
+            special = set(getattr(self.tokenizer, "all_special_ids", []) or [])
+            if closing and closing[0] in special:
+                self._end_of_turn_id = closing[0]
+            elif getattr(self.tokenizer, "eos_token_id", None) is not None:
+                self._end_of_turn_id = int(self.tokenizer.eos_token_id)
+            else:
+                raise ValueError(f"cannot tell the end-of-turn token of {self.template_name}")
+        return self._end_of_turn_id
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        ids = [self.end_of_turn_id]
+        eos = getattr(self.tokenizer, "eos_token_id", None)
+        if eos is not None and int(eos) not in ids:
+            ids.append(int(eos))
+        return ids
+
+    # -- continuity ----------------------------------------------------------------------------------
+    def build_next_prompt(
+        self,
+        messages_before_assistant: Sequence[Message],
+        previous_prompt_tokens: Sequence[int],
+        completion_tokens: Sequence[int],
+        tool_message: Message,
+    ) -> list[int]:
+        """Next turn's prompt: previous prompt + completion + missing closing + observation + header.
+
+        ``messages_before_assistant`` are the messages ``previous_prompt_tokens`` was built from.
+        Raises ``TemplateNotAppendOnlyError`` when the template's render of the real conversation does
+        not begin with the tokens we already have.
+        """
+        closing = self.closing_tokens(messages_before_assistant)
+        overlap = _suffix_prefix_overlap(completion_tokens, closing)
+        head = [*previous_prompt_tokens, *completion_tokens, *closing[overlap:]]
+        # Decoded only to *check* the template; the sequence itself keeps the sampled tokens.
+        content = self.decode(list(completion_tokens)[: len(completion_tokens) - overlap])
+        assistant = self.assistant_message(content)
+        full_text = self.render(
+            [*messages_before_assistant, assistant, tool_message], add_generation_prompt=True
+        )
+        head_text = self.decode(head)
+        if not full_text.startswith(head_text):
+            at = _common_prefix_len(full_text, head_text)
+            raise TemplateNotAppendOnlyError(
+                f"the chat template of {self.template_name} is not append-only: adding the tool observation "
+                f"re-renders earlier history (first difference at char {at}: template has {_context(full_text, at)}, "
+                f"the running token sequence has {_context(head_text, at)}). Turn-by-turn tokens would not match "
+                "what the template produces. Qwen3-style templates rewrite reasoning of earlier turns; try "
+                "another enable_thinking setting or a template that keeps history verbatim."
+            )
+        return [*head, *self._tail_tokens(closing[overlap:], full_text[len(head_text) :])]
+
+    def _tail_tokens(self, closing_rest: list[int], observation_text: str) -> list[int]:
+        """Encode the observation so that it tokenizes as it would inside the whole render."""
+        obs = self.encode(observation_text)
+        if closing_rest:
+            joint = self.encode(self.decode(closing_rest) + observation_text)
+            if joint != [*closing_rest, *obs]:
+                if joint[: len(closing_rest)] != closing_rest:
+                    raise TemplateNotAppendOnlyError(
+                        f"the end-of-turn tokens of {self.template_name} merge with the observation's tokens"
+                    )
+                obs = joint[len(closing_rest) :]
+        return obs
+
+    def observation_tokens(
+        self, messages_with_assistant: Sequence[Message], tool_message: Message
+    ) -> list[int]:
+        """Tokens the observation adds after the finished assistant turn (wrapper + content + next header)."""
+        base = self.render(messages_with_assistant, add_generation_prompt=False)
+        full = self.render([*messages_with_assistant, tool_message], add_generation_prompt=True)
+        if not full.startswith(base):
+            at = _common_prefix_len(full, base)
+            raise TemplateNotAppendOnlyError(
+                f"the chat template of {self.template_name} is not append-only: adding the tool observation "
+                f"re-renders earlier history (first difference at char {at}: {_context(full, at)} vs {_context(base, at)})"
+            )
+        return self.encode(full[len(base) :])
+
+    def fit_observation(self, text: str, max_tokens: int) -> str:
+        """Sanitised ``text`` cut from the front to at most ``max_tokens`` tokens, the cut marked.
+
+        The tail is kept because a traceback's last line and a final printed result are at the end.
+        """
+        if max_tokens <= 0:
+            return ""
+        text = sanitize_tool_content(text, self.tokenizer, extra=self.fmt.observation_guards)
+        if len(self.encode(text)) <= max_tokens:
+            return text
+
+        def candidate(start: int) -> str:
+            marker = CUT_MARKER.format(n=start)
+            return marker + text[start:]
+
+        def fits(start: int) -> bool:
+            return len(self.encode(candidate(start))) <= max_tokens
+
+        # Smallest start in [lo, hi] that fits; start == len(text) keeps only the marker.
+        lo, hi = 1, len(text)
+        if not fits(hi):
+            # Even the marker alone is too long: keep as much bare tail as fits.
+            lo, hi = 0, len(text)
+            while lo < hi:
+                mid = (lo + hi) // 2
+                if len(self.encode(text[mid:])) <= max_tokens:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            return text[lo:]
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if fits(mid):
+                hi = mid
+            else:
+                lo = mid + 1
+        start = lo
+        # Start at a line boundary when one is close, so the kept tail reads cleanly.
+        nl = text.find("\n", start, start + 100)
+        if 0 <= nl < len(text) - 1 and fits(nl + 1):
+            start = nl + 1
+        return candidate(start)
+
+    def encode_completion(self, text: str, close: bool = True) -> list[int]:
+        """Tokens a model would emit for ``text`` (plus the end-of-turn token if ``close``); for SFT."""
+        tokens = self.encode(text)
+        return [*tokens, self.end_of_turn_id] if close else tokens
+
+
+class _TemplateView:
+    """Lets ``detect_format`` read an overriding template as if it were the tokenizer's."""
+
+    def __init__(self, chat_template: Any) -> None:
+        self.chat_template = chat_template
+
+
+def _load_template(chat_template: str | os.PathLike[str] | None) -> str | None:
+    if chat_template is None:
+        return None
+    if isinstance(chat_template, os.PathLike) or (
+        isinstance(chat_template, str) and "{" not in chat_template and chat_template.endswith(".jinja")
+    ):
+        path = Path(chat_template)
+        if not path.is_file():
+            raise ValueError(f"chat template file not found: {path}")
+        return path.read_text()
+    return str(chat_template)

@@ -1,0 +1,28 @@
+"""``retool verify PRED REF``: one bounded equivalence check, printed as one JSON line."""
+
+from __future__ import annotations
+
+import json
+
+import typer
+
+
+def verify_command(
+    pred: str = typer.Argument(..., help="Predicted answer (LaTeX without $...$, e.g. '\\frac{1}{2}')."),
+    ref: str = typer.Argument(..., help="Reference answer."),
+    timeout: float = typer.Option(5.0, "--timeout", help="Hard time limit for the check, in seconds."),
+) -> None:
+    """Check PRED against REF with math-verify in a worker process with a hard timeout.
+
+    Prints {"equivalent": bool, "status": "ok"|"timeout"|"error"}; the exit code is 0 in all three cases,
+    so scripts read the status from the JSON.
+    """
+    from retool.reward.verifier import Verifier
+
+    with Verifier(workers=1, timeout=timeout) as verifier:
+        outcome = verifier.verify(pred, ref)
+    typer.echo(json.dumps({"equivalent": outcome.equivalent, "status": outcome.status}))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("verify")(verify_command)

@@ -1,0 +1,476 @@
+"""``ForkServerExecutor``: the default executor — a pool of clean, pre-imported fork-servers, one child per call.
+
+Design (measured in ../shared/notes/sandbox-research.md):
+
+- **Never fork the trainer.** Each server is a separate interpreter started with ``python -I -S -B`` (no site
+  hooks, no user env) running ``_server.py``. It imports a configurable list of modules once (default
+  includes sympy and numpy), warms sympy's caches, ``gc.freeze()``-s, and then forks one child per
+  execution, so a child starts in milliseconds instead of paying ~0.5 s of imports.
+- **Pool = concurrency.** ``workers`` servers (default: CPU count); a call takes an idle server. ``arun``
+  runs the blocking exchange on a private thread pool of the same size, so the event loop never blocks.
+- **Isolation profile ``strict``** (default when the machine allows it): the server runs inside
+  **bubblewrap** (``/usr/bin/bwrap``, ``apt-get install bubblewrap``), started by root in bwrap's privileged
+  mode (no user namespace, so that children can switch to a real unprivileged uid):
+  ``--unshare-pid --unshare-net --unshare-ipc --unshare-uts --unshare-cgroup-try --die-with-parent
+  --new-session --clearenv``, a tmpfs root holding only read-only binds of what the interpreter needs (its
+  prefix, the site-packages in use, the system library directories, ``ld.so.cache``), ``/dev``, ``/proc``,
+  and the capabilities cut to the five the server needs. Inside, the server chroots into ``/r`` (a
+  sub-tree of its mount namespace; this alone makes ``unshare(CLONE_NEWUSER)`` fail for every child, see
+  unshare(2)). Per execution the child becomes pid 1 of a fresh PID namespace, takes private mount and
+  IPC namespaces with a fresh size-bounded tmpfs ``/tmp`` and its own ``/proc``, and switches to an
+  unprivileged uid (``100000 + slot``; this drops every capability, makes rlimits unraisable and
+  RLIMIT_NPROC a per-sandbox fork-bomb limit), with ``no_new_privs``. Killing pid 1 of the namespace kills
+  every descendant, double-forked and setsid'd ones included, and waiting for it waits for all of them.
+  No network: the namespace has only a down loopback. Not seccomp-filtered (not needed for the listed
+  threats; kernel exploits are out of scope: use gVisor/VMs for that).
+- **Isolation ``none``** (or the fallback, with a loud warning, when bwrap/root is missing): same servers
+  without namespaces; the server is a child sub-reaper that kills every orphan after each call; env is
+  still replaced, rlimits still applied.
+- Output is drained from pipes by the server, which keeps only a bounded tail (output cap × 4 bytes per
+  stream): bounded memory, nothing on disk. The server's own stderr goes to an unlinked temp file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+import json
+import logging
+import os
+import queue
+import select
+import shutil
+import signal
+import struct
+import subprocess
+import sys
+import sysconfig
+import tempfile
+import threading
+import time
+import warnings
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from retool.sandbox.base import ExecResult, Executor
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_PREIMPORT: tuple[str, ...] = ("math", "fractions", "itertools", "numpy", "sympy")
+BWRAP_CANDIDATES: tuple[str, ...] = ("/usr/bin/bwrap", "/usr/local/bin/bwrap")
+_SERVER_SOURCE = (Path(__file__).with_name("_server.py")).read_text()
+_CHROOT = "/r"
+_UID_BASE = 100000
+_REPLY_GRACE_S = 10.0  # beyond the timeout, how long the host waits for a server's reply before killing it
+_SERVER_ENV = {
+    "LANG": "C.UTF-8",
+    "LC_ALL": "C.UTF-8",
+    "PYTHONHASHSEED": "random",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
+    "VECLIB_MAXIMUM_THREADS": "1",
+    "NUMEXPR_NUM_THREADS": "1",
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+}
+
+
+class SandboxUnavailableError(RuntimeError):
+    """The requested isolation cannot be provided on this machine."""
+
+
+def find_bwrap() -> str | None:
+    for cand in BWRAP_CANDIDATES:
+        if os.access(cand, os.X_OK):
+            return cand
+    return shutil.which("bwrap")
+
+
+def strict_support() -> tuple[bool, str]:
+    """Whether the ``strict`` profile can run here, and if not, why."""
+    if not sys.platform.startswith("linux"):
+        return False, f"strict isolation needs Linux namespaces; this is {sys.platform}"
+    if find_bwrap() is None:
+        return False, "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
+    if os.geteuid() != 0:
+        return False, (
+            "strict isolation runs bubblewrap in privileged mode to give each sandbox its own "
+            "unprivileged uid; that needs root (this process has uid %d)" % os.geteuid()
+        )
+    if not hasattr(os, "pidfd_open"):
+        return False, "os.pidfd_open is missing (Linux >= 5.3 and Python >= 3.9 needed)"
+    return True, "bubblewrap found and running as root"
+
+
+def _python_binary(python: str | None) -> str:
+    # The real binary, never a pyenv shim (a bash script: +100 ms per start, and invisible in the sandbox).
+    return os.path.realpath(python or sys.executable)
+
+
+def _python_paths(python: str) -> tuple[list[str], list[str]]:
+    """(directories to bind read-only, sys.path entries for the server) for the interpreter in use."""
+    paths = sysconfig.get_paths()
+    sys_path = [p for p in (paths.get("purelib"), paths.get("platlib")) if p and os.path.isdir(p)]
+    for p in sys.path:  # other site dirs in use (e.g. Debian's dist-packages), not the working dir / src trees
+        if p and os.path.isdir(p) and ("site-packages" in p or "dist-packages" in p) and p not in sys_path:
+            sys_path.append(p)
+    binds = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), os.path.dirname(python)}
+    binds.update(os.path.realpath(p) for p in sys_path)
+    # Keep only top-most directories (a bind below another one adds nothing).
+    ordered = sorted(binds, key=len)
+    tops: list[str] = []
+    for p in ordered:
+        if not any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops):
+            tops.append(p)
+    return tops, sys_path
+
+
+def bwrap_command(bwrap: str, python: str, binds: Sequence[str]) -> list[str]:
+    """The bubblewrap command line that wraps one strict fork-server (documented in the module docstring)."""
+    cmd = [
+        bwrap,
+        "--die-with-parent",
+        "--new-session",
+        "--unshare-pid",
+        "--unshare-net",
+        "--unshare-ipc",
+        "--unshare-uts",
+        "--unshare-cgroup-try",
+        "--hostname",
+        "sandbox",
+        "--clearenv",
+    ]
+    for key, value in _SERVER_ENV.items():
+        cmd += ["--setenv", key, value]
+    cmd += ["--cap-drop", "ALL"]
+    for cap in ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SYS_CHROOT", "CAP_KILL"):
+        cmd += ["--cap-add", cap]
+    system_dirs = ["/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32"]
+
+    def add_tree(root: str) -> list[str]:
+        out: list[str] = []
+        made: set[str] = set()
+
+        def ro_bind(src: str) -> None:
+            # bwrap would create missing parents with restrictive modes (e.g. /root is 0700 on the host,
+            # and /etc came out untraversable): create them explicitly as 0755.
+            for parent in [p for p in Path(src).parents if str(p) != "/"][::-1]:
+                if str(parent) not in made:
+                    made.add(str(parent))
+                    out.extend(["--perms", "0755", "--dir", root + str(parent)])
+            out.extend(["--ro-bind", src, root + src])
+
+        for d in system_dirs:
+            if os.path.islink(d):
+                out.extend(["--symlink", os.readlink(d), root + d])
+            elif os.path.isdir(d):
+                ro_bind(d)
+        if os.path.isfile("/etc/ld.so.cache"):
+            ro_bind("/etc/ld.so.cache")
+        for b in binds:
+            ro_bind(b)
+        return out
+
+    # Outside /r: just enough to exec the interpreter; the server chroots into /r at once.
+    cmd += add_tree("")
+    cmd += ["--tmpfs", _CHROOT]
+    cmd += add_tree(_CHROOT)
+    cmd += ["--dev", _CHROOT + "/dev", "--proc", _CHROOT + "/proc", "--tmpfs", _CHROOT + "/tmp"]
+    cmd += ["--remount-ro", _CHROOT, "--chdir", "/"]
+    cmd += [python]
+    return cmd
+
+
+def _read_exact(fd: int, n: int, deadline: float) -> bytes:
+    chunks: list[bytes] = []
+    while n:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError("sandbox server did not reply in time")
+        ready, _, _ = select.select([fd], [], [], remaining)
+        if not ready:
+            continue
+        b = os.read(fd, n)
+        if not b:
+            raise EOFError("sandbox server closed its pipe")
+        chunks.append(b)
+        n -= len(b)
+    return b"".join(chunks)
+
+
+class _Server:
+    """One fork-server process and its pipes. Used by one thread at a time (the pool guarantees it)."""
+
+    def __init__(self, cmd: list[str], env: dict[str, str] | None) -> None:
+        self._log = tempfile.TemporaryFile()  # unlinked at once: nothing remains on disk
+        self.proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+            env=env,
+            close_fds=True,
+            start_new_session=True,
+        )
+        self.ready_info: dict[str, Any] | None = None
+
+    def wait_ready(self, timeout: float) -> dict[str, Any]:
+        if self.ready_info is None:
+            try:
+                self.ready_info = self._recv(time.monotonic() + timeout)
+            except (EOFError, TimeoutError, OSError) as exc:
+                raise SandboxUnavailableError(f"sandbox server failed to start: {exc}; {self.log_tail()}") from exc
+        return self.ready_info
+
+    def log_tail(self, n: int = 2000) -> str:
+        try:
+            self._log.seek(0, os.SEEK_END)
+            size = self._log.tell()
+            self._log.seek(max(0, size - n))
+            return self._log.read().decode("utf-8", "replace").strip() or "(no server output)"
+        except (OSError, ValueError):
+            return "(server log unavailable)"
+
+    def _recv(self, deadline: float) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        fd = self.proc.stdout.fileno()
+        (n,) = struct.unpack(">I", _read_exact(fd, 4, deadline))
+        return json.loads(_read_exact(fd, n, deadline))
+
+    def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+        assert self.proc.stdin is not None
+        data = json.dumps(msg).encode()
+        self.proc.stdin.write(struct.pack(">I", len(data)) + data)
+        self.proc.stdin.flush()
+        return self._recv(time.monotonic() + timeout)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def close(self, graceful: bool = True) -> None:
+        try:
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()  # EOF: the server exits after its current child
+        except OSError:
+            pass
+        if graceful:
+            try:
+                self.proc.wait(timeout=2.0)
+            except subprocess.TimeoutExpired:
+                pass
+        if self.proc.poll() is None:
+            try:
+                os.killpg(self.proc.pid, signal.SIGKILL)  # bwrap leads this session; its sandbox dies with it
+            except OSError:
+                pass
+            self.proc.wait()
+        if self.proc.stdout is not None:
+            self.proc.stdout.close()
+        self._log.close()
+
+
+class ForkServerExecutor(Executor):
+    """Pool of fork-servers; see the module docstring for what each isolation profile guarantees."""
+
+    def __init__(
+        self,
+        *,
+        timeout: float = 30.0,
+        cpu_limit: float | None = None,
+        memory_mb: int = 1024,
+        output_cap: int = 4096,
+        auto_print: bool = False,
+        preimport: Sequence[str] = DEFAULT_PREIMPORT,
+        workers: int = 0,
+        isolation: str = "strict",
+        python: str | None = None,
+        tmp_size_mb: int = 64,
+        file_size_mb: int = 16,
+        max_processes: int = 128,
+        max_open_files: int = 256,
+        warmup: bool = True,
+        start_timeout: float = 120.0,
+    ) -> None:
+        super().__init__()
+        if timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        if isolation not in ("strict", "none"):
+            raise ValueError(f"isolation must be 'strict' or 'none', got {isolation!r}")
+        self.timeout = float(timeout)
+        self.cpu_limit = float(cpu_limit) if cpu_limit else self.timeout + 5.0
+        self.memory_mb = int(memory_mb)
+        self.output_cap = int(output_cap)
+        self.auto_print = bool(auto_print)
+        self.preimport = list(preimport)
+        self.workers = int(workers) if workers and workers > 0 else (os.cpu_count() or 1)
+        self.python = _python_binary(python)
+        self.requested_isolation = isolation
+        self.isolation = isolation
+        self.isolation_reason = ""
+        if isolation == "strict":
+            ok, reason = strict_support()
+            if not ok:
+                self._fallback(reason)
+        self._binds, self._sys_path = _python_paths(self.python)
+        self._limits = {
+            "tmp_size_mb": int(tmp_size_mb),
+            "fsize_bytes": int(file_size_mb) << 20,
+            "nproc": int(max_processes),
+            "nofile": int(max_open_files),
+        }
+        self._warmup = warmup
+        self._start_timeout = start_timeout
+        self._closed = False
+        self._lock = threading.Lock()
+        self._idle: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._servers: list[_Server | None] = [None] * self.workers
+        self._threads = concurrent.futures.ThreadPoolExecutor(
+            max_workers=self.workers, thread_name_prefix="sandbox"
+        )
+        try:
+            self._start_all()
+        except SandboxUnavailableError as exc:
+            if self.isolation != "strict":
+                self.close()
+                raise
+            self._stop_all()
+            self._fallback(str(exc))
+            self._start_all()
+
+    # ------------------------------------------------------------------------------------------ lifecycle
+    def _fallback(self, reason: str) -> None:
+        self.isolation = "none"
+        self.isolation_reason = reason
+        msg = (
+            "SANDBOX NOT ISOLATED: strict isolation is unavailable (%s); falling back to isolation='none': "
+            "model code can read this machine's files and use its network." % reason
+        )
+        logger.warning(msg)
+        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+
+    def _server_cmd(self, slot: int) -> tuple[list[str], dict[str, str] | None]:
+        cfg = {
+            "strict": self.isolation == "strict",
+            "chroot": _CHROOT,
+            "uid": _UID_BASE + slot,
+            "timeout": self.timeout,
+            "cpu_limit": max(1, int(self.cpu_limit)),
+            "memory_bytes": self.memory_mb << 20,
+            "output_cap": self.output_cap,
+            "preimport": self.preimport,
+            "warmup": self._warmup,
+            "sys_path": self._sys_path,
+            "parent_pid": os.getpid(),
+            **self._limits,
+        }
+        py = [self.python, "-I", "-S", "-B", "-c", _SERVER_SOURCE, json.dumps(cfg)]
+        if self.isolation == "strict":
+            bwrap = find_bwrap()
+            assert bwrap is not None
+            return bwrap_command(bwrap, self.python, self._binds) + py[1:], None
+        return py, dict(_SERVER_ENV)
+
+    def _spawn(self, slot: int) -> _Server:
+        cmd, env = self._server_cmd(slot)
+        return _Server(cmd, env)
+
+    def _start_all(self) -> None:
+        for slot in range(self.workers):  # start all first: their imports overlap
+            self._servers[slot] = self._spawn(slot)
+        for slot, server in enumerate(self._servers):
+            assert server is not None
+            info = server.wait_ready(self._start_timeout)
+            if info.get("preimport_failed"):
+                logger.warning("sandbox pre-imports failed: %s", info["preimport_failed"])
+            self._idle.put(slot)
+        logger.info(
+            "forkserver sandbox ready: %d workers, isolation=%s, preimport=%s",
+            self.workers,
+            self.isolation,
+            self.preimport,
+        )
+
+    def _stop_all(self) -> None:
+        for slot, server in enumerate(self._servers):
+            if server is not None:
+                server.close(graceful=False)
+                self._servers[slot] = None
+        while True:
+            try:
+                self._idle.get_nowait()
+            except queue.Empty:
+                break
+
+    def server_pids(self) -> list[int]:
+        """PIDs of the live server processes (the bwrap process in strict mode); for tests and monitoring."""
+        return [s.proc.pid for s in self._servers if s is not None and s.alive()]
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._threads.shutdown(wait=False, cancel_futures=True)
+        for slot, server in enumerate(self._servers):
+            if server is not None:
+                server.close(graceful=True)
+                self._servers[slot] = None
+
+    def __del__(self) -> None:  # last resort; close() is the contract
+        try:
+            if not getattr(self, "_closed", True):
+                self.close()
+        except Exception:
+            pass
+
+    # ------------------------------------------------------------------------------------------ running
+    def _run(self, code: str) -> ExecResult:
+        started = time.perf_counter()
+        if self._closed:
+            raise RuntimeError("executor is closed")
+        if not isinstance(code, str):
+            raise TypeError(f"code must be a str, got {type(code).__name__}")
+        slot = self._idle.get()
+        try:
+            reply = self._exchange(slot, code)
+        finally:
+            self._idle.put(slot)
+        return ExecResult(
+            ok=(not reply["timed_out"]) and reply["returncode"] == 0,
+            stdout=reply["stdout"],
+            stderr=reply["stderr"],
+            returncode=reply["returncode"],
+            timed_out=bool(reply["timed_out"]),
+            latency=time.perf_counter() - started,
+            memory_killed=bool(reply.get("memory_killed")),
+            truncated=bool(reply.get("truncated")),
+        )
+
+    def _exchange(self, slot: int, code: str) -> dict[str, Any]:
+        server = self._servers[slot]
+        if server is None or not server.alive():
+            if server is not None:
+                logger.warning("sandbox server %d died (%s); restarting it", slot, server.log_tail(300))
+                server.close(graceful=False)
+            server = self._servers[slot] = self._spawn(slot)
+        try:
+            server.wait_ready(self._start_timeout)
+            return server.request(
+                {"code": code, "timeout": self.timeout, "auto_print": self.auto_print},
+                self.timeout + _REPLY_GRACE_S,
+            )
+        except (OSError, EOFError, TimeoutError, ValueError, SandboxUnavailableError) as exc:
+            # The server hung or died: kill it (its sandbox dies with it) and start a fresh one next time.
+            logger.error("sandbox server %d failed: %s; restarting it", slot, exc)
+            server.close(graceful=False)
+            self._servers[slot] = None if self._closed else self._spawn(slot)
+            return {
+                "stdout": "",
+                "stderr": f"Error: sandbox failure ({exc}).",
+                "returncode": None,
+                "timed_out": False,
+            }
+
+    async def arun(self, code: str) -> ExecResult:
+        loop = asyncio.get_running_loop()
+        return await loop.run_in_executor(self._threads, self.run, code)

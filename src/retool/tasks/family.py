@@ -1,0 +1,186 @@
+"""The synthetic task family of the embedded demo: seeded integer-answer problems, easy and hard.
+
+Easy problems (sums and products of one-digit numbers) are within reach of a tiny model answering
+directly; hard ones (multi-digit products, digit sums of large powers, prime counts, modular powers,
+small linear systems) are not, unless it calls the interpreter. Every problem carries its kind, its
+``hard`` flag and a canonical solution snippet (the code the cold-start SFT data calls).
+
+Problems are plain ``retool.data.Problem`` objects; the kind and difficulty travel in ``data_source``
+as ``"tasks/<kind>/<easy|hard>"`` so every later stage (rollout, eval, analysis) can group by them.
+"""
+
+from __future__ import annotations
+
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from retool.data.problem import Problem
+
+SOURCE_PREFIX = "tasks"
+
+
+@dataclass(frozen=True)
+class Task:
+    """One generated problem with everything the SFT data builder needs."""
+
+    id: str
+    kind: str
+    hard: bool
+    question: str
+    answer: int
+    code: str  # canonical solution: prints exactly the answer
+
+    @property
+    def data_source(self) -> str:
+        return f"{SOURCE_PREFIX}/{self.kind}/{'hard' if self.hard else 'easy'}"
+
+    def to_problem(self) -> Problem:
+        return Problem(id=self.id, question=self.question, answer=str(self.answer), data_source=self.data_source)
+
+
+def parse_source(data_source: str) -> tuple[str, bool] | None:
+    """``"tasks/mul_big/hard"`` -> ``("mul_big", True)``; None for anything not from this family."""
+    parts = data_source.split("/")
+    if len(parts) != 3 or parts[0] != SOURCE_PREFIX or parts[2] not in ("easy", "hard"):
+        return None
+    return parts[1], parts[2] == "hard"
+
+
+def is_hard(problem: Problem) -> bool | None:
+    parsed = parse_source(problem.data_source)
+    return None if parsed is None else parsed[1]
+
+
+# -- generators: (rng) -> (question, answer, code) ------------------------------------------------
+
+
+def _add_small(rng: random.Random) -> tuple[str, int, str]:
+    a, b = rng.randint(1, 9), rng.randint(1, 9)
+    return f"What is {a} + {b}?", a + b, f"print({a} + {b})"
+
+
+def _mul_small(rng: random.Random) -> tuple[str, int, str]:
+    a, b = rng.randint(2, 9), rng.randint(2, 9)
+    return f"What is {a} * {b}?", a * b, f"print({a} * {b})"
+
+
+def _mul_big(rng: random.Random) -> tuple[str, int, str]:
+    a, b = rng.randint(100, 9999), rng.randint(100, 999)
+    return f"What is {a} * {b}?", a * b, f"print({a} * {b})"
+
+
+def _digit_sum_pow(rng: random.Random) -> tuple[str, int, str]:
+    base, exp = rng.randint(2, 9), rng.randint(20, 60)
+    answer = sum(int(d) for d in str(base**exp))
+    question = f"What is the sum of the digits of {base}^{exp}?"
+    return question, answer, f"print(sum(int(d) for d in str({base}**{exp})))"
+
+
+def _prime_prefix(limit: int) -> list[int]:
+    """``out[n]`` = number of primes below ``n`` (sieve: the answer must not cost what the model's code does)."""
+    sieve = bytearray([1]) * limit
+    sieve[0:2] = b"\x00\x00"
+    for i in range(2, int(limit**0.5) + 1):
+        if sieve[i]:
+            sieve[i * i :: i] = bytearray(len(range(i * i, limit, i)))
+    out, count = [0] * (limit + 1), 0
+    for i in range(limit):
+        out[i] = count
+        count += sieve[i]
+    out[limit] = count
+    return out
+
+
+_PRIME_PREFIX = _prime_prefix(3001)
+
+
+def _count_primes(rng: random.Random) -> tuple[str, int, str]:
+    n = rng.randint(200, 3000)
+    answer = _PRIME_PREFIX[n]
+    code = f"print(sum(1 for k in range(2, {n}) if all(k % p for p in range(2, int(k**0.5) + 1))))"
+    return f"How many primes are less than {n}?", answer, code
+
+
+def _mod_pow(rng: random.Random) -> tuple[str, int, str]:
+    a, e, m = rng.randint(2, 99), rng.randint(100, 999), rng.randint(50, 999)
+    return f"What is {a}^{e} mod {m}?", pow(a, e, m), f"print(pow({a}, {e}, {m}))"
+
+
+def _linear_system(rng: random.Random) -> tuple[str, int, str]:
+    while True:
+        x, y = rng.randint(-20, 20), rng.randint(-20, 20)
+        a, b, c, d = (rng.randint(1, 9) for _ in range(4))
+        if a * d - b * c != 0:
+            break
+    e, f = a * x + b * y, c * x + d * y
+    question = f"If {a}x + {b}y = {e} and {c}x + {d}y = {f}, what is x * y?"
+    code = f"D = {a} * {d} - {b} * {c}\nx = ({e} * {d} - {b} * {f}) // D\ny = ({a} * {f} - {e} * {c}) // D\nprint(x * y)"
+    return question, x * y, code
+
+
+Generator = Callable[[random.Random], tuple[str, int, str]]
+EASY_KINDS: dict[str, Generator] = {"add_small": _add_small, "mul_small": _mul_small}
+HARD_KINDS: dict[str, Generator] = {
+    "mul_big": _mul_big,
+    "digit_sum_pow": _digit_sum_pow,
+    "count_primes": _count_primes,
+    "mod_pow": _mod_pow,
+    "linear_system": _linear_system,
+}
+ALL_KINDS: dict[str, Generator] = {**EASY_KINDS, **HARD_KINDS}
+
+
+def generate_tasks(
+    n: int,
+    *,
+    seed: int = 0,
+    hard_fraction: float = 0.5,
+    kinds: Sequence[str] | None = None,
+    split: str = "train",
+) -> list[Task]:
+    """``n`` seeded tasks; a given (seed, split) always yields the same list.
+
+    ``kinds`` restricts the family (default: all). Easy and hard kinds are mixed by ``hard_fraction``.
+    Train and test draw from different RNG streams and test questions are re-drawn when they collide
+    with a train question of the same seed, so the split is held out.
+    """
+    if n < 0:
+        raise ValueError(f"n must be >= 0, got {n}")
+    if not 0.0 <= hard_fraction <= 1.0:
+        raise ValueError(f"hard_fraction must be in [0, 1], got {hard_fraction}")
+    if split not in ("train", "test"):
+        raise ValueError(f"split must be 'train' or 'test', got {split!r}")
+    selected = list(kinds) if kinds is not None else list(ALL_KINDS)
+    unknown = [k for k in selected if k not in ALL_KINDS]
+    if unknown:
+        raise ValueError(f"unknown task kinds {unknown}; known: {sorted(ALL_KINDS)}")
+    easy = [k for k in selected if k in EASY_KINDS]
+    hard = [k for k in selected if k in HARD_KINDS]
+    rng = random.Random(f"retool-tasks/{seed}/{split}")
+    # The held-out test split excludes train questions; small easy kinds (81 combinations) still repeat
+    # by design: a direct answer to "3 + 5" is the skill, not a memorised item.
+    exclude = _question_set(seed, n_train=2000) if split == "test" else set()
+    tasks: list[Task] = []
+    while len(tasks) < n:
+        use_hard = bool(hard) and (not easy or rng.random() < hard_fraction)
+        kind = rng.choice(hard if use_hard else easy)
+        question, answer, code = ALL_KINDS[kind](rng)
+        if kind in HARD_KINDS and question in exclude:
+            continue
+        tasks.append(Task(f"{split}-{seed}-{len(tasks):05d}", kind, kind in HARD_KINDS, question, answer, code))
+    return tasks
+
+
+_TRAIN_QUESTIONS: dict[tuple[int, int], set[str]] = {}
+
+
+def _question_set(seed: int, n_train: int) -> set[str]:
+    key = (seed, n_train)
+    if key not in _TRAIN_QUESTIONS:
+        _TRAIN_QUESTIONS[key] = {t.question for t in generate_tasks(n_train, seed=seed, split="train")}
+    return _TRAIN_QUESTIONS[key]
+
+
+def generate_problems(n: int, *, seed: int = 0, hard_fraction: float = 0.5, split: str = "train") -> list[Problem]:
+    return [t.to_problem() for t in generate_tasks(n, seed=seed, hard_fraction=hard_fraction, split=split)]

@@ -1,0 +1,187 @@
+"""Cold-start SFT (the paper's first stage): code-interleaved trajectories built from the task family.
+
+Each trajectory is built with the same ``ChatProtocol`` calls the RL rollout uses (``build_prompt``,
+``encode_completion``, ``build_next_prompt``), so the SFT policy sees exactly the token layout it will
+act in. Tool outputs are the code's real output (through the sandbox executor when one is given).
+Loss: ``cross_entropy`` on assistant tokens only (weight 0 on prompt and observation tokens), through
+a ``TrainingClient``.
+
+The data mix is deliberately imperfect: on hard problems only a fraction of trajectories call the
+tool, the rest answer directly with the true number (which a tiny model cannot reproduce). The SFT
+policy therefore sometimes skips the tool on hard problems and fails; RL has something to fix.
+"""
+
+from __future__ import annotations
+
+import logging
+import random
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from retool.backends.types import AdamParams, Datum
+from retool.tasks.family import Task
+
+logger = logging.getLogger(__name__)
+
+# Runs trusted canonical code; returns the observation text the model sees.
+Observer = Callable[[str], str]
+
+
+@dataclass(frozen=True)
+class SFTMix:
+    """Shares of trajectory styles. On hard problems: tool / tool-after-an-error / direct answer."""
+
+    hard_tool: float = 0.35
+    hard_error_fix: float = 0.1
+    easy_tool: float = 0.05  # otherwise easy problems are answered directly
+
+    def __post_init__(self) -> None:
+        for name in ("hard_tool", "hard_error_fix", "easy_tool"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"SFTMix.{name} must be in [0, 1]")
+        if self.hard_tool + self.hard_error_fix > 1.0:
+            raise ValueError("SFTMix.hard_tool + hard_error_fix must be <= 1")
+
+
+@dataclass
+class SFTExample:
+    task: Task
+    style: str  # direct | tool | error_fix
+    tokens: list[int]
+    weights: list[float]  # per token of ``tokens``: 1 on assistant tokens
+    text: str = ""
+
+    def to_datum(self, scale: float = 1.0) -> Datum:
+        return Datum(
+            input_tokens=self.tokens[:-1],
+            target_tokens=self.tokens[1:],
+            weights=[w * scale for w in self.weights[1:]],
+        )
+
+
+def answer_text(value: int | str) -> str:
+    return f"\\boxed{{{value}}}"
+
+
+def _broken_variant(code: str, rng: random.Random) -> str:
+    """A first attempt that fails the way small models' code does (a typo'd name)."""
+    if rng.random() < 0.5 and code.startswith("print("):
+        return "pritn(" + code[len("print(") :]
+    return code.replace("print(", "print(x + ", 1) if "print(" in code else "x" + code
+
+
+def build_example(task: Task, style: str, protocol: Any, observe: Observer, rng: random.Random) -> SFTExample:
+    """One SFT trajectory for ``task`` in ``style``, tokenised with ``protocol``."""
+    messages = protocol.initial_messages(task.question)
+    prompt = protocol.build_prompt(messages)
+    tokens = list(prompt)
+    weights = [0.0] * len(prompt)
+    calls: list[str] = []
+    if style == "tool":
+        calls = [task.code]
+    elif style == "error_fix":
+        calls = [_broken_variant(task.code, rng), task.code]
+    elif style != "direct":
+        raise ValueError(f"unknown SFT style {style!r}")
+    fmt = protocol.fmt if hasattr(protocol, "fmt") else protocol
+    for code in calls:
+        text = fmt.render_call(code)
+        completion = protocol.encode_completion(text)
+        observation = observe(code)
+        tool_msg = protocol.tool_message(observation)
+        next_prompt = protocol.build_next_prompt(messages, tokens, completion, tool_msg)
+        tokens_with_completion = tokens + completion
+        weights += [1.0] * len(completion)
+        # Observation tokens (and the template's closing tokens the sampler did not emit) carry weight 0.
+        weights += [0.0] * (len(next_prompt) - len(tokens_with_completion))
+        tokens = next_prompt
+        messages = [*messages, protocol.assistant_message(text), tool_msg]
+    final = protocol.encode_completion(answer_text(task.answer))
+    tokens += final
+    weights += [1.0] * len(final)
+    return SFTExample(task=task, style=style, tokens=tokens, weights=weights)
+
+
+def choose_style(task: Task, mix: SFTMix, rng: random.Random) -> str:
+    u = rng.random()
+    if task.hard:
+        if u < mix.hard_tool:
+            return "tool"
+        if u < mix.hard_tool + mix.hard_error_fix:
+            return "error_fix"
+        return "direct"
+    return "tool" if u < mix.easy_tool else "direct"
+
+
+def build_sft_examples(
+    tasks: Sequence[Task], protocol: Any, observe: Observer, mix: SFTMix | None = None, seed: int = 0
+) -> list[SFTExample]:
+    mix = mix or SFTMix()
+    rng = random.Random(f"retool-sft/{seed}")
+    return [build_example(t, choose_style(t, mix, rng), protocol, observe, rng) for t in tasks]
+
+
+@dataclass
+class SFTReport:
+    steps: int
+    examples: int
+    losses: list[float] = field(default_factory=list)
+    seconds: float = 0.0
+    styles: dict[str, int] = field(default_factory=dict)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "steps": self.steps,
+            "examples": self.examples,
+            "first_loss": self.losses[0] if self.losses else None,
+            "final_loss": sum(self.losses[-5:]) / max(1, len(self.losses[-5:])) if self.losses else None,
+            "seconds": self.seconds,
+            "styles": self.styles,
+        }
+
+
+def train_sft(
+    client: Any,
+    examples: Sequence[SFTExample],
+    *,
+    steps: int,
+    batch_size: int = 16,
+    lr: float = 3e-3,
+    warmup: int = 10,
+    seed: int = 0,
+    on_step: Callable[[int, float], None] | None = None,
+) -> SFTReport:
+    """Cross-entropy SFT through ``client.forward_backward(..., "cross_entropy")`` + ``optim_step``.
+
+    The loss per batch is the mean over assistant tokens (weights scaled by 1 / assistant tokens).
+    Learning rate: linear warm-up then cosine decay to 10%.
+    """
+    import math
+    import time
+
+    if not examples:
+        raise ValueError("no SFT examples")
+    rng = random.Random(f"retool-sft-order/{seed}")
+    order: list[int] = []
+    report = SFTReport(steps=steps, examples=len(examples))
+    for ex in examples:
+        report.styles[ex.style] = report.styles.get(ex.style, 0) + 1
+    start = time.perf_counter()
+    for step in range(steps):
+        if len(order) < batch_size:
+            fresh = list(range(len(examples)))
+            rng.shuffle(fresh)
+            order += fresh
+        batch = [examples[i] for i in order[:batch_size]]
+        del order[:batch_size]
+        n_tokens = sum(sum(ex.weights[1:]) for ex in batch)
+        datums = [ex.to_datum(1.0 / n_tokens) for ex in batch]
+        result = client.forward_backward(datums, "cross_entropy")
+        frac = (step + 1) / warmup if step < warmup else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        client.optim_step(AdamParams(lr=lr * frac, beta1=0.9, beta2=0.98, weight_decay=0.0, grad_clip_norm=1.0))
+        report.losses.append(float(result.loss))
+        if on_step is not None:
+            on_step(step, float(result.loss))
+    report.seconds = time.perf_counter() - start
+    return report

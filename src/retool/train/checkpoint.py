@@ -1,0 +1,245 @@
+"""Atomic training checkpoints with keep-last-K, and the metrics-log repair that makes resume exact.
+
+Layout under ``RUN_DIR/checkpoints/``::
+
+    step_000050/            one complete checkpoint
+        trainer_state.json  step, data position, metrics bookkeeping, backend state path (written last)
+        rng.pt              Python / NumPy / torch RNG states
+        backend/            whatever the training backend saved (local backends)
+    latest                  the name of the newest complete checkpoint (written after the rename)
+
+A checkpoint is built in a hidden temp folder and renamed into place, and ``latest`` is replaced
+atomically after that; a SIGKILL at any moment leaves either the previous checkpoint or the new one,
+never a half-written one that ``latest`` points to.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import random
+import shutil
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+logger = logging.getLogger(__name__)
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+STATE_FILE = "trainer_state.json"
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint where one was expected; the message says where and why."""
+
+
+@dataclass
+class TrainerState:
+    step: int  # training steps completed
+    data_position: dict[str, int]
+    metrics_line: dict[str, Any] | None = None  # the metrics of `step`, re-appended on resume
+    metrics_offset: int = 0  # bytes of metrics.jsonl holding steps < `step`
+    backend_state: str = ""  # path (relative to the checkpoint folder when local) or remote URI
+    backend_state_is_local: bool = True
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> str:
+        return json.dumps(self.__dict__, indent=1, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TrainerState:
+        return cls(**json.loads(text))
+
+
+def _fsync_dir(path: Path) -> None:
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:
+        return
+    try:
+        os.fsync(fd)
+    except OSError:
+        pass
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    with open(tmp, "w", encoding="utf-8") as fh:
+        fh.write(text)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+    _fsync_dir(path.parent)
+
+
+def capture_rng() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate()}
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:
+        pass
+    try:
+        import torch
+
+        state["torch"] = torch.get_rng_state()
+        if torch.cuda.is_available():
+            state["cuda"] = torch.cuda.get_rng_state_all()
+    except ImportError:
+        pass
+    return state
+
+
+def restore_rng(state: dict[str, Any]) -> None:
+    if "python" in state:
+        random.setstate(state["python"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+    if "torch" in state:
+        import torch
+
+        torch.set_rng_state(state["torch"])
+        if "cuda" in state and torch.cuda.is_available():
+            torch.cuda.set_rng_state_all(state["cuda"])
+
+
+class CheckpointManager:
+    def __init__(self, run_dir: str | Path, keep_last: int = 3) -> None:
+        self.root = Path(run_dir) / CHECKPOINTS
+        self.keep_last = keep_last
+
+    @staticmethod
+    def name_for(step: int) -> str:
+        return f"step_{step:06d}"
+
+    def begin(self, step: int) -> Path:
+        """A fresh hidden temp folder for the checkpoint of ``step`` (the backend saves into it)."""
+        self.root.mkdir(parents=True, exist_ok=True)
+        tmp = self.root / f".tmp-{self.name_for(step)}-{os.getpid()}"
+        if tmp.exists():
+            shutil.rmtree(tmp)
+        tmp.mkdir()
+        return tmp
+
+    def commit(
+        self,
+        tmp: Path,
+        state: TrainerState,
+        backend_path: str,
+        backend_is_local: bool,
+        before_commit: Callable[[], None] | None = None,
+    ) -> Path:
+        """Finish the checkpoint in ``tmp`` and move it into place atomically; return its folder.
+
+        A local ``backend_path`` inside ``tmp`` is stored relative to it, so the rename keeps it valid.
+        ``before_commit`` runs just before the rename (a test hook lands there).
+        """
+        import torch
+
+        name = self.name_for(state.step)
+        final = self.root / name
+        path = backend_path
+        if backend_is_local:
+            p = Path(backend_path).resolve()
+            try:
+                path = str(p.relative_to(tmp.resolve()))
+            except ValueError:
+                path = str(p)
+        state.backend_state = path
+        state.backend_state_is_local = backend_is_local
+        torch.save(capture_rng(), tmp / "rng.pt")
+        write_text_atomic(tmp / STATE_FILE, state.to_json())
+        _fsync_dir(tmp)
+        if before_commit is not None:
+            before_commit()
+        if final.exists():  # a stale copy of this step from a run that died after the rename
+            shutil.rmtree(final)
+        os.rename(tmp, final)
+        _fsync_dir(self.root)
+        write_text_atomic(self.root / LATEST, name + "\n")
+        self._prune(keep=name)
+        return final
+
+    def _prune(self, keep: str) -> None:
+        complete = self.complete_checkpoints()
+        doomed = complete[: max(0, len(complete) - self.keep_last)] if self.keep_last > 0 else []
+        for path in doomed:
+            if path.name != keep:
+                shutil.rmtree(path, ignore_errors=True)
+        for leftover in self.root.glob(".tmp-*"):  # from a run killed while writing
+            shutil.rmtree(leftover, ignore_errors=True)
+
+    def complete_checkpoints(self) -> list[Path]:
+        if not self.root.is_dir():
+            return []
+        return sorted(p for p in self.root.glob("step_*") if (p / STATE_FILE).is_file())
+
+    def latest(self) -> Path | None:
+        """The checkpoint ``latest`` points to (the newest complete one if the pointer is missing)."""
+        pointer = self.root / LATEST
+        if pointer.is_file():
+            name = pointer.read_text(encoding="utf-8").strip()
+            path = self.root / name
+            if (path / STATE_FILE).is_file():
+                return path
+            logger.warning(
+                "checkpoint pointer names %s, which is incomplete; using the newest complete one", name
+            )
+        complete = self.complete_checkpoints()
+        return complete[-1] if complete else None
+
+    @staticmethod
+    def load(path: Path) -> tuple[TrainerState, dict[str, Any], str]:
+        """Trainer state, RNG state and the backend state path (absolute when local)."""
+        import torch
+
+        state = TrainerState.from_json((path / STATE_FILE).read_text(encoding="utf-8"))
+        rng = torch.load(path / "rng.pt", weights_only=False)
+        backend = state.backend_state
+        if state.backend_state_is_local and backend and not os.path.isabs(backend):
+            backend = str(path / backend)
+        return state, rng, backend
+
+
+def repair_metrics(metrics_path: Path, state: TrainerState) -> int:
+    """Make ``metrics.jsonl`` hold exactly steps 1..state.step: drop later (and partial) lines.
+
+    Keeps every well-formed line for a step below the checkpoint's, then writes the checkpoint's own
+    step line from the checkpoint (it may or may not have reached the file before the kill). Returns the
+    number of lines dropped. Written atomically.
+    """
+    kept: list[str] = []
+    seen: set[int] = set()
+    dropped = 0
+    if metrics_path.is_file():
+        for raw in metrics_path.read_text(encoding="utf-8").splitlines():
+            try:
+                obj = json.loads(raw)
+            except json.JSONDecodeError:
+                dropped += 1
+                continue
+            if (
+                isinstance(obj, dict)
+                and isinstance(obj.get("step"), int)
+                and obj["step"] < state.step
+                and obj["step"] not in seen
+            ):
+                seen.add(obj["step"])
+                kept.append(raw)
+            else:
+                dropped += 1
+    if state.metrics_line is not None:
+        line = json.dumps(state.metrics_line, sort_keys=True)
+        kept.append(line)
+        dropped -= 1  # the checkpoint's own line was probably there already
+    text = "".join(f"{line}\n" for line in kept)
+    write_text_atomic(metrics_path, text)
+    return max(dropped, 0)

@@ -1,0 +1,448 @@
+"""The ReTool RL loop: refresh the sampler, roll out groups, train one step, log, checkpoint, repeat.
+
+``Trainer`` owns the run folder::
+
+    RUN_DIR/config.toml       the exact config (a resumed run reads it back)
+    RUN_DIR/metrics.jsonl     one JSON object per finished step, with "step"
+    RUN_DIR/tensorboard/      tracker events (when the tracker is TensorBoard)
+    RUN_DIR/checkpoints/      see ``retool.train.checkpoint``
+
+Exactness of resume: a step's problems come from a ``ProblemStream`` whose position is checkpointed;
+sampling seeds derive from ``(train.seed, step)``; weights, optimizer and RNG come back from the
+checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's step. So a run killed at any moment and
+resumed trains on the same problems in the same order as an uninterrupted one, losing only the steps
+after its last checkpoint (which it redoes).
+
+SIGINT / SIGTERM: the first one finishes the step in flight, saves a checkpoint and exits cleanly; a
+second one aborts at once (resume then starts from the previous checkpoint).
+
+Test hooks (environment variables, read once per run):
+``RETOOL_TEST_KILL_AT=PHASE:STEP[,PHASE:STEP]`` sends SIGKILL to this process at a precise point;
+``RETOOL_TEST_SIGINT_AT`` sends SIGINT instead. Phases: ``step`` (start of a step), ``rollout`` (the
+first trajectory of the step finished), ``optim`` (after the backward passes, before the optimizer
+step), ``checkpoint`` (checkpoint written, not yet renamed into place), ``metrics`` (after the step's
+metrics line). ``RETOOL_TEST_REWARD=parity`` replaces each trajectory's reward by +1 / -1 from the
+parity of its sampled tokens' sum, so an untrained tiny model gets non-degenerate groups.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import os
+import signal
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retool.backends.types import AdamParams
+from retool.config import Config, ConfigError, dump_config, load_config
+from retool.train.checkpoint import CheckpointManager, TrainerState, repair_metrics, restore_rng
+from retool.train.datasource import DataPosition, DataSource, ProblemStream, make_source
+from retool.train.metrics import MetricsLog, Tracker, make_tracker, rollout_metrics, scalars_of
+from retool.train.progress import Progress
+from retool.train.step import build_step_data, train_step
+
+logger = logging.getLogger(__name__)
+
+CONFIG_FILE = "config.toml"
+METRICS_FILE = "metrics.jsonl"
+
+RewardFn = Callable[[Any], float]
+RolloutFn = Callable[..., Awaitable[list[list[Any]]]]
+
+
+class RunDirError(RuntimeError):
+    """The run folder cannot be used as asked (exists without --resume, or holds no run to resume)."""
+
+
+# --- test hooks ---------------------------------------------------------------------------------
+
+
+def _parse_points(raw: str | None) -> set[tuple[str, int]]:
+    points: set[tuple[str, int]] = set()
+    for item in (raw or "").split(","):
+        phase, sep, step = item.strip().partition(":")
+        if sep and step.strip().isdigit():
+            points.add((phase.strip(), int(step)))
+    return points
+
+
+class _Hooks:
+    def __init__(self) -> None:
+        self.kill = _parse_points(os.environ.get("RETOOL_TEST_KILL_AT"))
+        self.sigint = _parse_points(os.environ.get("RETOOL_TEST_SIGINT_AT"))
+
+    def __call__(self, phase: str, step: int) -> None:
+        if (phase, step) in self.kill:
+            logger.warning("test hook: SIGKILL at %s:%d", phase, step)
+            os.kill(os.getpid(), signal.SIGKILL)
+        if (phase, step) in self.sigint:
+            self.sigint.discard((phase, step))
+            logger.warning("test hook: SIGINT at %s:%d", phase, step)
+            os.kill(os.getpid(), signal.SIGINT)
+
+
+def parity_reward(traj: Any) -> float:
+    """A fake reward that depends only on the sampled tokens (test hook ``RETOOL_TEST_REWARD=parity``)."""
+    total = sum(sum(turn.completion_tokens) for turn in traj.turns)
+    return 1.0 if total % 2 == 0 else -1.0
+
+
+_TEST_REWARDS: dict[str, RewardFn] = {"parity": parity_reward}
+
+
+# --- the trainer --------------------------------------------------------------------------------
+
+
+@dataclass
+class TrainSummary:
+    run_dir: Path
+    start_step: int
+    last_step: int
+    interrupted: bool
+    last_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def rollout_seed(base_seed: int, step: int) -> int:
+    """The sampling seed of a step: fixed by the run seed and the step, so a redone step samples alike."""
+    return (base_seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
+class Trainer:
+    """One training run. Components default to the configured ones; tests inject fakes.
+
+    ``source``: a data source (default: from ``config.data``); ``client``: a TrainingClient (default:
+    ``make_training_client(config)``); ``executor``, ``verifier``, ``protocol``: the rollout's
+    collaborators; ``rollout_fn``: ``run_group_rollouts``-compatible coroutine; ``reward_fn``: rescore
+    each finished trajectory (replaces ``traj.reward``) before advantages are computed.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        run_dir: str | Path,
+        resume: bool = False,
+        *,
+        client: Any = None,
+        source: DataSource | None = None,
+        executor: Any = None,
+        verifier: Any = None,
+        protocol: Any = None,
+        rollout_fn: RolloutFn | None = None,
+        reward_fn: RewardFn | None = None,
+        tracker: Tracker | None = None,
+    ) -> None:
+        self.config = config
+        self.run_dir = Path(run_dir)
+        self.resume = resume
+        self._client = client
+        self._source = source
+        self._executor = executor
+        self._verifier = verifier
+        self._protocol = protocol
+        self._rollout_fn = rollout_fn
+        test_reward = os.environ.get("RETOOL_TEST_REWARD", "")
+        if reward_fn is None and test_reward:
+            if test_reward not in _TEST_REWARDS:
+                raise ValueError(f"RETOOL_TEST_REWARD={test_reward!r}: known: {', '.join(_TEST_REWARDS)}")
+            reward_fn = _TEST_REWARDS[test_reward]
+        self._reward_fn = reward_fn
+        self._tracker = tracker
+        self._hooks = _Hooks()
+        self._stop_requested = False
+        self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
+        self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
+
+    # -- setup -----------------------------------------------------------------------------------
+    def _prepare_run_dir(self) -> None:
+        if self.resume:
+            if not (self.run_dir / CONFIG_FILE).is_file():
+                raise RunDirError(f"{self.run_dir} holds no run to resume (no {CONFIG_FILE})")
+        elif (self.run_dir / METRICS_FILE).exists() or (self.run_dir / "checkpoints").exists():
+            raise RunDirError(
+                f"{self.run_dir} already holds a run; resume it with --resume {self.run_dir} "
+                "or choose another --run-dir"
+            )
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        # Always (re)write the config actually in force; a resume with --set overrides records them.
+        from retool.train.checkpoint import write_text_atomic
+
+        write_text_atomic(self.run_dir / CONFIG_FILE, dump_config(self.config))
+
+    def _resolve_tiny_model(self) -> None:
+        """``model.name = "tiny"``: the tiny local model, built once into the run folder if not found."""
+        cfg = self.config
+        if cfg.model.name != "tiny" or cfg.backend.kind != "local" or Path("tiny").exists():
+            return
+        folder = self.run_dir / "tiny_model"
+        if not (folder / "config.json").is_file():
+            from retool.tasks.tinymodel import build_tiny_model
+
+            logger.info("building the tiny model into %s", folder)
+            build_tiny_model(folder, size="demo", seed=0)
+        self.config = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": str(folder)})})
+
+    def _make_client(self) -> Any:
+        cfg = self.config
+        try:
+            from retool.backends import make_training_client
+        except ImportError:  # the backends stage exposes only the local client so far
+            from retool.backends.local import LocalTrainingClient
+
+            return LocalTrainingClient(
+                cfg.model.name,
+                lora=cfg.lora if cfg.lora.enabled else None,
+                device=cfg.backend.device,
+                dtype=cfg.backend.dtype,
+                seed=cfg.train.seed,
+                gguf_file=cfg.model.gguf_file,
+                micro_batch_tokens=cfg.backend.micro_batch_tokens,
+                sample_batch_size=cfg.backend.sample_batch_size,
+                checkpoint_dir=self.run_dir / "checkpoints",
+                max_context=cfg.model.max_context,
+            )
+        return make_training_client(cfg)
+
+    def _build_components(self) -> None:
+        cfg = self.config
+        if self._client is None:
+            self._resolve_tiny_model()
+            self._client = self._make_client()
+            cfg = self.config
+        if self._protocol is None:
+            from retool.protocol import ChatProtocol
+
+            self._protocol = ChatProtocol(self._client.tokenizer, cfg.model.tool_format)
+        if self._executor is None:
+            from retool.sandbox import make_executor
+
+            self._executor = make_executor(cfg.sandbox)
+        if self._verifier is None:
+            from retool.reward import Verifier
+
+            self._verifier = Verifier(workers=cfg.reward.verify_workers, timeout=cfg.reward.verify_timeout)
+        if self._rollout_fn is None:
+            from retool.rollout import run_group_rollouts
+
+            self._rollout_fn = run_group_rollouts
+        if self._source is None:
+            self._source = make_source(cfg)
+
+    async def _restore(self) -> tuple[int, DataPosition]:
+        """Load the latest checkpoint (when resuming); return the completed step and data position."""
+        seed = self.config.data.seed
+        if not self.resume:
+            return 0, DataPosition(seed=seed)
+        ckpt = self.checkpoints.latest()
+        if ckpt is None:
+            logger.info("no checkpoint in %s: starting from step 0", self.run_dir)
+            repair_metrics(self.metrics.path, TrainerState(step=0, data_position={}))
+            return 0, DataPosition(seed=seed)
+        state, rng, backend_path = CheckpointManager.load(ckpt)
+        await self._client.load_state_async(backend_path)
+        restore_rng(rng)
+        dropped = repair_metrics(self.metrics.path, state)
+        logger.info(
+            "resumed from %s (step %d); dropped %d metrics line(s) written after it",
+            ckpt,
+            state.step,
+            dropped,
+        )
+        return state.step, DataPosition.from_dict(state.data_position)
+
+    async def _save_backend(self, folder: Path, name: str) -> tuple[str, bool]:
+        if self.config.backend.kind == "local":
+            return await self._client.save_state_async(str(folder / "backend")), True
+        # Remote services keep the state themselves and hand back a URI; names must be simple.
+        return await self._client.save_state_async(f"{self.run_dir.name}-{name}".replace("/", "-")), False
+
+    # -- the loop --------------------------------------------------------------------------------
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if self._stop_requested:
+            raise KeyboardInterrupt
+        self._stop_requested = True
+        logger.warning("signal %d: finishing this step, saving a checkpoint, then stopping", signum)
+
+    async def run_async(self) -> TrainSummary:
+        cfg = self.config
+        self._prepare_run_dir()
+        self._build_components()
+        start_step, position = await self._restore()
+        assert self._source is not None
+        stream = ProblemStream(self._source, seed=position.seed, position=position)
+        tracker = self._tracker or make_tracker(
+            cfg.logging.tracker,
+            self.run_dir,
+            cfg.logging.project,
+            cfg.model_dump(),
+            resume_step=start_step + 1 if self.resume else None,
+        )
+        progress = Progress(cfg.train.steps, start_step, enabled=cfg.logging.progress)
+        installed = _install_signals(self._on_signal)
+        step = start_step
+        last: dict[str, Any] = {}
+        try:
+            while step < cfg.train.steps and not self._stop_requested:
+                step += 1
+                last = await self._one_step(step, stream, tracker)
+                progress.update(step, last)
+                self._hooks("metrics", step)
+        finally:
+            progress.close()
+            tracker.close()
+            _restore_signals(installed)
+            await self._close_components()
+        return TrainSummary(self.run_dir, start_step, step, self._stop_requested, last)
+
+    async def _one_step(self, step: int, stream: ProblemStream, tracker: Tracker) -> dict[str, Any]:
+        cfg = self.config
+        t_step = time.perf_counter()
+        self._hooks("step", step)
+        problems = stream.next_batch(cfg.rollout.questions_per_step)
+
+        t0 = time.perf_counter()
+        sampler = await self._client.sampling_client_async()  # on-policy: current weights
+        t_refresh = time.perf_counter() - t0
+
+        fired = False
+
+        def on_trajectory(_traj: Any) -> None:
+            nonlocal fired
+            if not fired:
+                fired = True
+                self._hooks("rollout", step)
+
+        t0 = time.perf_counter()
+        assert self._rollout_fn is not None
+        groups = await self._rollout_fn(
+            problems,
+            sampler=sampler,
+            protocol=self._protocol,
+            executor=self._executor,
+            verifier=self._verifier,
+            rollout=cfg.rollout,
+            sampling=cfg.sampling,
+            group_size=cfg.rollout.group_size,
+            seed=rollout_seed(cfg.train.seed, step),
+            use_tools=True,
+            on_trajectory=on_trajectory,
+        )
+        t_rollout = time.perf_counter() - t0
+        if self._reward_fn is not None:
+            for group in groups:
+                for traj in group:
+                    traj.reward = float(self._reward_fn(traj))
+
+        data = build_step_data(groups)
+        result = await train_step(
+            self._client,
+            data.datums,
+            loss_fn=cfg.loss.name,
+            loss_config={"clip_low": cfg.loss.clip_low, "clip_high": cfg.loss.clip_high}
+            if cfg.loss.name == "ppo"
+            else None,
+            adam=AdamParams(
+                lr=cfg.optimizer.lr,
+                beta1=cfg.optimizer.beta1,
+                beta2=cfg.optimizer.beta2,
+                eps=cfg.optimizer.eps,
+                weight_decay=cfg.optimizer.weight_decay,
+                grad_clip_norm=cfg.optimizer.grad_clip_norm,
+            ),
+            micro_batch_tokens=cfg.backend.micro_batch_tokens,
+            before_optim=lambda: self._hooks("optim", step),
+        )
+
+        record: dict[str, Any] = {"step": step}
+        record.update(rollout_metrics(groups))
+        record.update(result.metrics())
+        record["task/degenerate_group_rate"] = data.n_degenerate / data.n_groups if data.n_groups else 0.0
+        record["task/degenerate_groups"] = float(data.n_degenerate)
+        record["tokens/trained"] = float(sum(1 for d in data.datums for w in d.weights if w != 0.0))
+        record["time/refresh"] = t_refresh
+        record["time/rollout"] = t_rollout
+        record["time/train"] = result.seconds
+        record["time/checkpoint"] = 0.0
+        record["data/epoch"] = float(stream.position.epoch)
+        record["data/index"] = float(stream.position.index)
+        record["problem_ids"] = [p.id for p in problems]
+        record["rewards"] = [[float(t.reward) for t in g] for g in groups]
+
+        every = cfg.checkpoint.every
+        if (every > 0 and step % every == 0) or step == cfg.train.steps or self._stop_requested:
+            await self._checkpoint(step, stream, record, t_step)
+        else:
+            record["time/step"] = time.perf_counter() - t_step
+        self.metrics.append(record)
+        tracker.log(scalars_of(record), step)
+        return record
+
+    async def _checkpoint(
+        self, step: int, stream: ProblemStream, record: dict[str, Any], t_step: float
+    ) -> None:
+        t0 = time.perf_counter()
+        tmp = self.checkpoints.begin(step)
+        backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
+        # The metrics line travels inside the checkpoint, so it carries the checkpoint's own cost.
+        record["time/checkpoint"] = time.perf_counter() - t0
+        record["time/step"] = time.perf_counter() - t_step
+        state = TrainerState(
+            step=step,
+            data_position=stream.position.to_dict(),
+            metrics_line=record,
+            metrics_offset=self.metrics.offset(),
+        )
+        self.checkpoints.commit(tmp, state, backend_path, is_local, lambda: self._hooks("checkpoint", step))
+        logger.info("checkpoint %s saved", CheckpointManager.name_for(step))
+
+    async def _close_components(self) -> None:
+        for obj in (self._executor, self._verifier):
+            close = getattr(obj, "close", None)
+            if close is not None:
+                try:
+                    await asyncio.to_thread(close)
+                except Exception:  # closing must not hide the run's own error
+                    logger.exception("closing %s failed", type(obj).__name__)
+
+    def run(self) -> TrainSummary:
+        return asyncio.run(self.run_async())
+
+
+def _install_signals(handler: Callable[[int, Any], None]) -> dict[int, Any]:
+    import threading
+
+    if threading.current_thread() is not threading.main_thread():
+        return {}
+    previous: dict[int, Any] = {}
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        previous[sig] = signal.signal(sig, handler)
+    return previous
+
+
+def _restore_signals(previous: dict[int, Any]) -> None:
+    for sig, handler in previous.items():
+        signal.signal(sig, handler)
+
+
+def run_training(
+    config: Config, run_dir: str | Path, resume: bool = False, **components: Any
+) -> TrainSummary:
+    """Train (or resume) one run; see ``Trainer`` for the injectable components."""
+    return Trainer(config, run_dir, resume=resume, **components).run()
+
+
+def load_run_config(
+    config_source: str | None, run_dir: Path | None, resume: bool, overrides: Sequence[str]
+) -> Config:
+    """The config of a new run (file or preset + overrides) or of a resumed one (its saved config)."""
+    if resume:
+        if run_dir is None:
+            raise ConfigError("--resume needs a run folder")
+        saved = run_dir / CONFIG_FILE
+        if not saved.is_file():
+            raise ConfigError(f"{run_dir} holds no run to resume (no {CONFIG_FILE})")
+        return load_config(saved, list(overrides))
+    return load_config(config_source, list(overrides))

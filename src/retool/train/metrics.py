@@ -1,0 +1,233 @@
+"""Per-step training metrics (SPEC §6) and where they go: ``metrics.jsonl`` plus a tracker.
+
+Definitions (all over the step's trajectories unless said otherwise):
+
+- task: ``reward_mean``, ``correct_rate``, ``format_rate`` (final answer in a valid format),
+  ``degenerate_group_rate`` (groups with all rewards equal / groups).
+- tool: ``code_share`` (trajectories with >= 1 code call), ``mean_code_calls``,
+  ``correct_without_code_rate`` (correct and no call / trajectories), ``correct_with_code_rate``,
+  ``self_correction_rate`` (a call failed, a later one was retried and the trajectory ended correct /
+  trajectories), ``self_correction_given_error`` (the same over trajectories that hit an error).
+- env: over this step's executions: ``exec_calls``, ``exec_success_rate``, ``exec_error_rate``,
+  ``exec_timeout_rate``, ``exec_mean_latency``, ``exec_max_latency`` (seconds).
+- policy: ``ratio_mean/min/max``, ``clip_fraction``, ``loss``, ``grad_norm``, ``lr`` (from the backend),
+  ``response_length`` (mean sampled tokens per trajectory).
+- stop: share of each stop reason.
+- time: ``refresh``, ``rollout`` (wall), ``sample`` and ``execute`` (summed over trajectories; they
+  overlap, so they can exceed the wall time), ``train``, ``checkpoint``, ``step`` (wall), seconds.
+- tokens: ``prompt``, ``completion``, ``observation``, ``total`` (sums), ``trained`` (sampled tokens in
+  trained datums).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import os
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from retool.train.step import trajectory_tokens
+
+logger = logging.getLogger(__name__)
+
+try:  # the rollout stage owns the list of stop reasons
+    from retool.rollout.types import STOP_REASONS
+except ImportError:  # pragma: no cover - rollout stage missing
+    STOP_REASONS = ("answer", "invalid", "max_turns", "max_code_calls", "context_full", "sampler_error")
+
+
+def _n_calls(traj: Any) -> int:
+    calls = getattr(traj, "code_calls", 0)
+    return len(calls) if isinstance(calls, list | tuple) else int(calls or 0)
+
+
+def _rate(num: float, den: float) -> float:
+    return num / den if den else 0.0
+
+
+def rollout_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
+    """Task, tool, environment, stop-reason and token metrics of one step's trajectories."""
+    trajs = [t for g in groups for t in g]
+    n = len(trajs)
+    m: dict[str, float] = {}
+    rewards = [float(t.reward) for t in trajs]
+    m["task/reward_mean"] = _rate(sum(rewards), n)
+    m["task/correct_rate"] = _rate(sum(bool(t.correct) for t in trajs), n)
+    m["task/format_rate"] = _rate(sum(bool(t.valid_format) for t in trajs), n)
+    m["task/trajectories"] = float(n)
+
+    calls = [_n_calls(t) for t in trajs]
+    with_code = [c > 0 for c in calls]
+    m["tool/code_share"] = _rate(sum(with_code), n)
+    m["tool/mean_code_calls"] = _rate(sum(calls), n)
+    m["tool/correct_without_code_rate"] = _rate(
+        sum(bool(t.correct) and not wc for t, wc in zip(trajs, with_code, strict=True)), n
+    )
+    m["tool/correct_with_code_rate"] = _rate(
+        sum(bool(t.correct) and wc for t, wc in zip(trajs, with_code, strict=True)), n
+    )
+    self_corrected = sum(bool(getattr(t, "had_error_then_correct", False)) for t in trajs)
+    hit_error = sum(any(not r.ok for r in getattr(t, "exec_results", []) or []) for t in trajs)
+    m["tool/self_correction_rate"] = _rate(self_corrected, n)
+    m["tool/self_correction_given_error"] = _rate(self_corrected, hit_error)
+
+    results = [r for t in trajs for r in (getattr(t, "exec_results", []) or [])]
+    k = len(results)
+    m["env/exec_calls"] = float(k)
+    m["env/exec_success_rate"] = _rate(sum(r.ok and not r.timed_out for r in results), k)
+    m["env/exec_timeout_rate"] = _rate(sum(bool(r.timed_out) for r in results), k)
+    m["env/exec_error_rate"] = _rate(sum((not r.ok) and not r.timed_out for r in results), k)
+    m["env/exec_mean_latency"] = _rate(sum(float(r.latency) for r in results), k)
+    m["env/exec_max_latency"] = max((float(r.latency) for r in results), default=0.0)
+
+    for reason in STOP_REASONS:
+        m[f"stop/{reason}"] = _rate(sum(t.stop_reason == reason for t in trajs), n)
+
+    prompt = completion = observation = total = 0
+    for t in trajs:
+        if not t.turns:
+            continue
+        tokens, _, sampled = trajectory_tokens(t)
+        first_prompt = len(t.turns[0].prompt_tokens)
+        done = sum(sampled)
+        prompt += first_prompt
+        completion += done
+        observation += len(tokens) - first_prompt - done
+        total += len(tokens)
+    m["tokens/prompt"] = float(prompt)
+    m["tokens/completion"] = float(completion)
+    m["tokens/observation"] = float(observation)
+    m["tokens/total"] = float(total)
+    m["policy/response_length"] = _rate(completion, n)
+    m["time/sample"] = sum(float(getattr(t, "sample_seconds", 0.0) or 0.0) for t in trajs)
+    m["time/execute"] = sum(float(getattr(t, "exec_seconds", 0.0) or 0.0) for t in trajs)
+    return m
+
+
+class MetricsLog:
+    """Appends one JSON object per step to ``metrics.jsonl``, flushed and fsynced (it is the record)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+
+    def offset(self) -> int:
+        return self.path.stat().st_size if self.path.exists() else 0
+
+    def append(self, record: dict[str, Any]) -> None:
+        line = json.dumps(_finite(record), sort_keys=True)
+        with open(self.path, "a", encoding="utf-8") as fh:
+            fh.write(line + "\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+
+    def read(self) -> list[dict[str, Any]]:
+        if not self.path.exists():
+            return []
+        return [json.loads(x) for x in self.path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+
+def _finite(obj: Any) -> Any:
+    """JSON has no NaN/inf: write them as null."""
+    if isinstance(obj, float) and not math.isfinite(obj):
+        return None
+    if isinstance(obj, dict):
+        return {k: _finite(v) for k, v in obj.items()}
+    if isinstance(obj, list):
+        return [_finite(v) for v in obj]
+    return obj
+
+
+class Tracker:
+    """Scalar sink. ``log`` takes the step's scalars; ``close`` flushes."""
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class TensorBoardTracker(Tracker):
+    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
+        from torch.utils.tensorboard import SummaryWriter
+
+        # purge_step drops events a killed run wrote after the checkpoint we resume from.
+        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        for key, value in scalars.items():
+            self._writer.add_scalar(key, value, global_step=step)
+        self._writer.flush()
+
+    def close(self) -> None:
+        self._writer.close()
+
+
+class SwanLabTracker(Tracker):
+    def __init__(self, project: str, run_name: str, config: dict[str, Any]) -> None:
+        import swanlab
+
+        self._swanlab = swanlab
+        self._run = swanlab.init(project=project, experiment_name=run_name, config=config)
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self._swanlab.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._swanlab.finish()
+
+
+class WandbTracker(Tracker):
+    def __init__(self, project: str, run_name: str, config: dict[str, Any], run_dir: Path) -> None:
+        import wandb
+
+        self._run = wandb.init(
+            project=project, name=run_name, config=config, dir=str(run_dir), resume="allow"
+        )
+
+    def log(self, scalars: dict[str, float], step: int) -> None:
+        self._run.log(scalars, step=step)
+
+    def close(self) -> None:
+        self._run.finish()
+
+
+class TrackerError(RuntimeError):
+    pass
+
+
+def make_tracker(
+    kind: str, run_dir: Path, project: str, config: dict[str, Any], resume_step: int | None = None
+) -> Tracker:
+    """The configured tracker; SwanLab / W&B must be installed when chosen (clear error if not)."""
+    if kind == "none":
+        return Tracker()
+    if kind == "tensorboard":
+        return TensorBoardTracker(run_dir / "tensorboard", purge_step=resume_step)
+    if kind in ("swanlab", "wandb"):
+        try:
+            __import__(kind)
+        except ImportError:
+            raise TrackerError(
+                f"logging.tracker = {kind!r} but the {kind} package is not installed "
+                f"(pip install 'retool-rl[{kind}]', or choose tensorboard / none)"
+            ) from None
+        if kind == "swanlab":
+            return SwanLabTracker(project, run_dir.name, config)
+        return WandbTracker(project, run_dir.name, config, run_dir)
+    raise TrackerError(f"unknown tracker {kind!r}")
+
+
+def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+    """The numeric, finite entries of a metrics record (trackers take scalars only)."""
+    out: dict[str, float] = {}
+    for key, value in record.items():
+        if key == "step" or isinstance(value, bool) or not isinstance(value, int | float):
+            continue
+        if math.isfinite(float(value)):
+            out[key] = float(value)
+    return out

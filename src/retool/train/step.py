@@ -1,0 +1,301 @@
+"""One RL training step over finished rollouts: datums with the interpreter feedback mask, group-centred
+advantages, micro-batch packing, mean-reduction weights, ``forward_backward`` per micro-batch and one
+``optim_step``.
+
+Reduction (why the weights look the way they do): every backend sums ``weight * per-token loss`` over
+tokens and datums (Tinker semantics; adapters for services that normalise on the server undo that).
+The loop wants the gradient of
+
+    L = (1 / N) * sum_d (1 / n_d) * sum_{t in completion(d)} loss_t
+
+i.e. a per-datum token mean, then a plain mean over the N datums actually trained (skipped degenerate
+groups do not count). So every sampled completion position of datum ``d`` gets weight ``1 / (n_d * N)``
+and every prompt / observation position weight 0. Because the factor lives in the weights, splitting the
+datums into micro-batches of any shape accumulates exactly the same gradient.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol
+
+from retool.backends.types import AdamParams, Datum, ForwardBackwardResult, LossName
+
+logger = logging.getLogger(__name__)
+
+# Rewards closer than this are "equal": the group carries no learning signal.
+_DEGENERATE_TOL = 1e-9
+
+
+class _TurnLike(Protocol):
+    prompt_tokens: list[int]
+    completion_tokens: list[int]
+    logprobs: list[float]
+
+
+class _TrajectoryLike(Protocol):
+    turns: Sequence[_TurnLike]
+    reward: float
+
+
+class NotAPrefixError(ValueError):
+    """A turn's prompt does not extend the tokens collected so far (the template rewrote history)."""
+
+
+def trajectory_tokens(traj: _TrajectoryLike) -> tuple[list[int], list[float], list[bool]]:
+    """The whole token sequence of a trajectory, its sampler logprobs and the sampled-token mask.
+
+    Follows the prefix-extension rule of the chapter: each turn's prompt must start with everything
+    collected so far; the new part (the question at turn 0; the end-of-turn, observation and next header
+    later) is context, the completion tokens are the model's own.
+    """
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    sampled: list[bool] = []
+    for index, turn in enumerate(traj.turns):
+        prompt = list(turn.prompt_tokens)
+        if index > 0 and prompt[: len(tokens)] != tokens:
+            raise NotAPrefixError(
+                f"turn {index}: the prompt does not extend the trajectory collected so far "
+                f"(first difference at position {_first_difference(prompt, tokens)})"
+            )
+        delta = prompt[len(tokens) :] if index > 0 else prompt
+        completion = list(turn.completion_tokens)
+        if len(turn.logprobs) != len(completion):
+            raise ValueError(
+                f"turn {index}: {len(completion)} completion tokens but {len(turn.logprobs)} logprobs"
+            )
+        tokens.extend(delta)
+        logprobs.extend([0.0] * len(delta))
+        sampled.extend([False] * len(delta))
+        tokens.extend(completion)
+        logprobs.extend(float(lp) for lp in turn.logprobs)
+        sampled.extend([True] * len(completion))
+    return tokens, logprobs, sampled
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))
+
+
+def build_datum(traj: _TrajectoryLike, advantage: float, weight: float = 1.0) -> Datum:
+    """One datum over the whole trajectory, shifted by one, with the interpreter feedback mask.
+
+    Position ``i`` predicts token ``i + 1``. Where that token was sampled by the model it carries the
+    sampler's logprob, ``advantage`` and ``weight``; prompt and observation tokens carry 0 / 0 / 0.
+    """
+    tokens, logprobs, sampled = trajectory_tokens(traj)
+    if len(tokens) < 2:
+        raise ValueError("a trajectory needs at least two tokens to make a datum")
+    mask = sampled[1:]
+    return Datum(
+        input_tokens=tokens[:-1],
+        target_tokens=tokens[1:],
+        logprobs=[lp if m else 0.0 for lp, m in zip(logprobs[1:], mask, strict=True)],
+        advantages=[float(advantage) if m else 0.0 for m in mask],
+        weights=[float(weight) if m else 0.0 for m in mask],
+    )
+
+
+def group_advantages(rewards: Sequence[float]) -> list[float]:
+    """A_i = R_i - mean(R) within one question's group."""
+    if not rewards:
+        return []
+    mean = sum(rewards) / len(rewards)
+    return [float(r) - mean for r in rewards]
+
+
+def is_degenerate(rewards: Sequence[float]) -> bool:
+    """All rewards equal (all right or all wrong): every advantage is zero, nothing to learn."""
+    return not rewards or max(rewards) - min(rewards) <= _DEGENERATE_TOL
+
+
+def completion_positions(datum: Datum) -> int:
+    """How many positions of a datum are sampled completion tokens (non-zero weight)."""
+    return sum(1 for w in datum.weights if w != 0.0)
+
+
+def mean_reduction_weights(datums: Sequence[Datum]) -> list[Datum]:
+    """Return copies whose weights are ``1 / (n_d * N)`` on sampled positions (see module docstring)."""
+    n_datums = len(datums)
+    out: list[Datum] = []
+    for datum in datums:
+        n_tokens = completion_positions(datum)
+        if n_tokens == 0:
+            raise ValueError("a datum without sampled tokens cannot be trained; filter it first")
+        w = 1.0 / (n_tokens * n_datums)
+        out.append(replace(datum, weights=[w if x != 0.0 else 0.0 for x in datum.weights]))
+    return out
+
+
+def pack_micro_batches(datums: Sequence[Datum], max_tokens: int) -> list[list[int]]:
+    """Indices of datums grouped so each micro-batch's padded area (rows x longest row) <= max_tokens.
+
+    Uses the backends' packer when it exists (one packer for the whole project); otherwise a
+    first-fit-decreasing packer: sort by length, longest first, and open a new batch when adding the next
+    datum would push the padded area over the budget. A datum longer than the budget gets a batch alone.
+    """
+    try:
+        from retool.backends.packing import pack_micro_batches as backend_pack
+    except ImportError:
+        backend_pack = None
+    if backend_pack is not None:
+        return [list(batch) for batch in backend_pack([len(d) for d in datums], max_tokens)]
+    return _pack_local(datums, max_tokens)
+
+
+def _pack_local(datums: Sequence[Datum], max_tokens: int) -> list[list[int]]:
+    order = sorted(range(len(datums)), key=lambda i: len(datums[i]), reverse=True)
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        n = len(datums[i])
+        new_longest = max(longest, n)
+        if current and new_longest * (len(current) + 1) > max_tokens:
+            batches.append(current)
+            current, new_longest = [], n
+        current.append(i)
+        longest = new_longest
+    if current:
+        batches.append(current)
+    return batches
+
+
+@dataclass
+class StepData:
+    """The datums one step trains on, and what was skipped."""
+
+    datums: list[Datum]
+    n_groups: int
+    n_degenerate: int
+    n_trajectories: int
+    n_empty: int  # trajectories without a sampled token (e.g. the sampler failed): nothing to train
+    advantages: list[list[float]] = field(default_factory=list)
+
+
+def build_step_data(groups: Sequence[Sequence[_TrajectoryLike]]) -> StepData:
+    """Datums of every non-degenerate group, weighted for the exact mean over trained datums."""
+    raw: list[Datum] = []
+    n_degenerate = 0
+    n_empty = 0
+    all_advantages: list[list[float]] = []
+    for group in groups:
+        rewards = [float(t.reward) for t in group]
+        advantages = group_advantages(rewards)
+        all_advantages.append(advantages)
+        if is_degenerate(rewards):
+            n_degenerate += 1
+            continue
+        for traj, adv in zip(group, advantages, strict=True):
+            if not any(turn.completion_tokens for turn in traj.turns):
+                n_empty += 1
+                continue
+            raw.append(build_datum(traj, adv))
+    return StepData(
+        datums=mean_reduction_weights(raw) if raw else [],
+        n_groups=len(groups),
+        n_degenerate=n_degenerate,
+        n_trajectories=sum(len(g) for g in groups),
+        n_empty=n_empty,
+        advantages=all_advantages,
+    )
+
+
+@dataclass
+class TrainStepResult:
+    n_datums: int
+    n_micro_batches: int
+    optimizer_stepped: bool
+    forward_backward: ForwardBackwardResult | None
+    grad_norm: float = 0.0
+    lr: float = 0.0
+    padded_tokens: int = 0
+    real_tokens: int = 0
+    seconds: float = 0.0
+
+    def metrics(self) -> dict[str, float]:
+        out: dict[str, float] = {
+            "train/datums": float(self.n_datums),
+            "train/micro_batches": float(self.n_micro_batches),
+            "train/optimizer_stepped": float(self.optimizer_stepped),
+            "train/padded_tokens": float(self.padded_tokens),
+            "train/real_tokens": float(self.real_tokens),
+            "policy/grad_norm": self.grad_norm,
+            "policy/lr": self.lr,
+        }
+        if self.forward_backward is not None:
+            out.update(self.forward_backward.as_metrics("policy/"))
+        return out
+
+
+def merge_forward_backward(results: Sequence[ForwardBackwardResult]) -> ForwardBackwardResult:
+    """Combine micro-batch results: losses add (weights already hold the reduction), ratios token-weighted."""
+    total_tokens = sum(r.trained_tokens for r in results)
+    denom = total_tokens or 1
+
+    def weighted(attr: str) -> float:
+        if not total_tokens:
+            return sum(getattr(r, attr) for r in results) / max(len(results), 1)
+        return sum(getattr(r, attr) * r.trained_tokens for r in results) / denom
+
+    extra: dict[str, float] = {}
+    for r in results:
+        for k, v in r.extra.items():
+            extra[k] = extra.get(k, 0.0) + v
+    return ForwardBackwardResult(
+        loss=sum(r.loss for r in results),
+        trained_tokens=total_tokens,
+        ratio_mean=weighted("ratio_mean"),
+        ratio_min=min((r.ratio_min for r in results), default=1.0),
+        ratio_max=max((r.ratio_max for r in results), default=1.0),
+        clip_fraction=weighted("clip_fraction"),
+        extra=extra,
+    )
+
+
+async def train_step(
+    client: Any,
+    datums: Sequence[Datum],
+    *,
+    loss_fn: LossName,
+    loss_config: dict[str, float] | None,
+    adam: AdamParams,
+    micro_batch_tokens: int,
+    before_optim: Callable[[], None] | None = None,
+) -> TrainStepResult:
+    """``forward_backward`` on every micro-batch, then exactly one ``optim_step`` (none without datums).
+
+    ``datums`` must already carry their reduction weights (``build_step_data``). ``before_optim`` runs
+    between the last backward pass and the optimizer step (a test hook lands there).
+    """
+    start = time.perf_counter()
+    if not datums:
+        return TrainStepResult(0, 0, False, None, seconds=time.perf_counter() - start)
+    batches = pack_micro_batches(datums, micro_batch_tokens)
+    results: list[ForwardBackwardResult] = []
+    padded = 0
+    for batch in batches:
+        chunk = [datums[i] for i in batch]
+        padded += max(len(d) for d in chunk) * len(chunk)
+        results.append(await client.forward_backward_async(chunk, loss_fn, loss_config))
+    if before_optim is not None:
+        before_optim()
+    optim = await client.optim_step_async(adam)
+    return TrainStepResult(
+        n_datums=len(datums),
+        n_micro_batches=len(batches),
+        optimizer_stepped=True,
+        forward_backward=merge_forward_backward(results),
+        grad_norm=float(optim.grad_norm),
+        lr=float(optim.lr),
+        padded_tokens=padded,
+        real_tokens=sum(len(d) for d in datums),
+        seconds=time.perf_counter() - start,
+    )

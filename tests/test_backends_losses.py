@@ -1,0 +1,123 @@
+"""Loss math and micro-batch packing (pure functions, no model)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from retool.backends.losses import token_loss
+from retool.backends.packing import pack_micro_batches, padding_efficiency
+
+LO, HI = 0.8, 1.28
+
+
+def _reference_ppo(lp: float, old: float, adv: float, w: float) -> tuple[float, float, bool]:
+    """Hand-written per-token PPO: loss, d loss / d lp, clipped?"""
+    r = math.exp(lp - old)
+    unclipped = r * adv
+    clipped_obj = min(max(r, LO), HI) * adv
+    loss = -w * min(unclipped, clipped_obj)
+    # d/d lp of r*A is r*A; the clipped branch is constant in lp when r is outside [LO, HI]
+    if unclipped <= clipped_obj or LO <= r <= HI:
+        grad = -w * adv * r
+        clipped = False
+    else:
+        grad = 0.0
+        clipped = True
+    return loss, grad, clipped
+
+
+CASES = [
+    # (lp, old, adv, w): ratios inside, above and below the thresholds, both advantage signs
+    (-1.0, -1.0, 1.0, 1.0),
+    (-1.0, -1.5, 2.0, 0.5),  # r = e^0.5 = 1.65 > HI, A > 0: clipped
+    (-1.0, -1.5, -2.0, 0.5),  # r > HI, A < 0: not clipped
+    (-2.0, -1.0, 1.5, 0.25),  # r = e^-1 = 0.37 < LO, A > 0: not clipped
+    (-2.0, -1.0, -1.5, 0.25),  # r < LO, A < 0: clipped
+    (-0.3, -0.4, -0.7, 2.0),  # r = 1.105 inside
+    (-0.3, -0.2, 0.9, 1.0),  # r = 0.905 inside
+    (-5.0, 0.0, 3.0, 0.0),  # weight 0 (e.g. padded old lp 0): contributes nothing
+]
+
+
+def test_ppo_loss_and_gradient_match_hand_reference() -> None:
+    lp = torch.tensor([c[0] for c in CASES], dtype=torch.float64, requires_grad=True)
+    old = torch.tensor([c[1] for c in CASES], dtype=torch.float64)
+    adv = torch.tensor([c[2] for c in CASES], dtype=torch.float64)
+    w = torch.tensor([c[3] for c in CASES], dtype=torch.float64)
+    out = token_loss("ppo", lp, w, old, adv, {"clip_low": LO, "clip_high": HI})
+    out.loss.sum().backward()
+    assert lp.grad is not None
+    for k, case in enumerate(CASES):
+        ref_loss, ref_grad, ref_clipped = _reference_ppo(*case)
+        assert out.loss[k].item() == pytest.approx(ref_loss, abs=1e-12), k
+        assert lp.grad[k].item() == pytest.approx(ref_grad, abs=1e-12), k
+        if case[3] != 0:
+            assert bool(out.clipped[k]) == ref_clipped, k
+    assert not bool(out.clipped[-1]) and not bool(out.trained[-1])
+    assert bool(out.clipped[1]) and bool(out.clipped[4])
+
+
+def test_ppo_default_thresholds_are_0_8_and_1_28() -> None:
+    lp = torch.tensor([0.0, 0.0])
+    old = torch.tensor([-math.log(1.5), math.log(1 / 0.5)])  # r = 1.5, r = 0.5
+    out = token_loss("ppo", lp, torch.ones(2), old, torch.tensor([1.0, -1.0]))
+    assert out.loss[0].item() == pytest.approx(-1.28, rel=1e-6)
+    assert out.loss[1].item() == pytest.approx(0.8, rel=1e-6)
+
+
+def test_importance_sampling_and_cross_entropy() -> None:
+    lp = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    old = torch.tensor([-1.5, -1.0, -0.5])
+    adv = torch.tensor([1.0, -2.0, 0.5])
+    w = torch.tensor([1.0, 0.5, 0.0])
+    out = token_loss("importance_sampling", lp, w, old, adv)
+    r = torch.exp(lp.detach() - old)
+    expected = -w * r * adv
+    torch.testing.assert_close(out.loss.detach(), expected)
+    out.loss.sum().backward()
+    torch.testing.assert_close(lp.grad, expected)  # d(-w r A)/d lp = -w r A
+    lp2 = torch.tensor([-1.0, -2.0, -0.5], requires_grad=True)
+    ce = token_loss("cross_entropy", lp2, w)
+    torch.testing.assert_close(ce.loss.detach(), torch.tensor([1.0, 1.0, 0.0]))
+    ce.loss.sum().backward()
+    torch.testing.assert_close(lp2.grad, -w)
+
+
+def test_loss_rejects_bad_config() -> None:
+    lp = torch.zeros(2)
+    with pytest.raises(ValueError, match="unknown loss_fn"):
+        token_loss("dpo", lp, torch.ones(2))
+    with pytest.raises(ValueError, match="unknown loss_config"):
+        token_loss("ppo", lp, torch.ones(2), lp, lp, {"epsilon": 0.2})
+    with pytest.raises(ValueError, match="thresholds"):
+        token_loss("ppo", lp, torch.ones(2), lp, lp, {"clip_low": 1.2})
+    with pytest.raises(ValueError, match="needs sampler logprobs"):
+        token_loss("ppo", lp, torch.ones(2))
+
+
+def test_pack_micro_batches_respects_area_and_covers_everything() -> None:
+    lengths = [5, 100, 37, 64, 3, 99, 12, 250, 41, 41]
+    area = 200
+    batches = pack_micro_batches(lengths, area)
+    flat = sorted(i for b in batches for i in b)
+    assert flat == list(range(len(lengths)))
+    for b in batches:
+        longest = max(lengths[i] for i in b)
+        assert len(b) * longest <= area or len(b) == 1
+    # the oversize sequence gets a batch of its own
+    assert [7] in batches
+    eff = padding_efficiency(lengths, batches)
+    assert 0 < eff <= 1
+    naive = padding_efficiency(lengths, [[i] for i in range(len(lengths))])
+    assert naive == 1.0
+    one = padding_efficiency(lengths, [list(range(len(lengths)))])
+    assert eff > one  # sorting by length wastes less than one big padded batch
+
+
+def test_pack_micro_batches_errors() -> None:
+    with pytest.raises(ValueError):
+        pack_micro_batches([1, 2], 0)
+    assert pack_micro_batches([], 10) == []

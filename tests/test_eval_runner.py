@@ -1,0 +1,243 @@
+"""The eval runner and its resumable store, driven by a scripted fake rollout (no model, no tokenizer)."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from retool.config import Config
+from retool.data.problem import Problem
+from retool.evaluate import EvalComponents, EvalError, ResultStore, problem_seed, run_eval, summary_path_for
+from retool.sandbox.base import ExecResult
+
+PROBLEMS = [Problem(id=f"q{i}", question=f"What is {i}+{i}?", answer=str(2 * i)) for i in range(6)]
+
+
+@dataclass
+class FakeTraj:
+    problem: Problem
+    group_index: int
+    answer: str | None
+    correct: bool
+    code_calls: int = 0
+    exec_results: list[ExecResult] = field(default_factory=list)
+    stop_reason: str = "answer"
+    turns: list[Any] = field(default_factory=lambda: [object()])
+    messages: list[dict] = field(default_factory=list)
+    final_text: str = ""
+    sample_seconds: float = 0.01
+    exec_seconds: float = 0.0
+    had_error_then_correct: bool = False
+
+    @property
+    def valid_format(self) -> bool:
+        return self.answer is not None
+
+    @property
+    def reward(self) -> float:
+        return 1.0 if self.correct else -1.0
+
+    @property
+    def completion_token_count(self) -> int:
+        return 7
+
+    def full_tokens(self) -> list[int]:
+        return list(range(12))
+
+
+def outcome(seed: int, branch: int) -> bool:
+    """Scripted correctness, a pure function of the per-problem seed: independent of batch composition."""
+    return (seed >> branch) & 1 == 1
+
+
+class FakeRollout:
+    """Stands in for ``run_group_rollouts``; records how it was called."""
+
+    def __init__(self, fail_ids: set[str] | None = None, crash_after: int | None = None) -> None:
+        self.calls: list[dict[str, Any]] = []
+        self.fail_ids = fail_ids or set()
+        self.crash_after = crash_after
+
+    async def __call__(self, problems: list[Problem], **kw: Any) -> list[list[FakeTraj]]:
+        if self.crash_after is not None and len(self.calls) >= self.crash_after:
+            raise RuntimeError("backend went away")
+        self.calls.append({"ids": [p.id for p in problems], **kw})
+        await asyncio.sleep(0)
+        (p,) = problems
+        out = []
+        for b in range(kw["group_size"]):
+            ok = outcome(kw["seed"], b)
+            t = FakeTraj(p, b, answer=p.answer if ok else "wrong", correct=ok)
+            if kw["use_tools"]:
+                t.code_calls = 1
+                t.exec_results = [ExecResult(True, "4\n", "", 0, False, 0.125)]
+                t.turns = [object(), object()]
+            if p.id in self.fail_ids and b == 0:
+                t.stop_reason = "sampler_error"
+            out.append(t)
+        return [list(reversed(out))]  # out of order on purpose: the runner sorts by branch
+
+
+def components() -> EvalComponents:
+    return EvalComponents(sampler=object(), protocol=object(), verifier=object(), executor="EXECUTOR")
+
+
+def run(output: Path, problems=PROBLEMS, *, mode: str = "retool", rollout: FakeRollout | None = None, **kw):
+    kw.setdefault("val_n", 4)
+    return asyncio.run(
+        run_eval(
+            problems,
+            components(),
+            config=Config(),
+            mode=mode,
+            output=output,
+            rollout_fn=rollout or FakeRollout(),
+            **kw,
+        )
+    )
+
+
+def expected_average(problems: list[Problem], seed: int, n: int) -> float:
+    return sum(sum(outcome(problem_seed(seed, p.id), b) for b in range(n)) / n for p in problems) / len(
+        problems
+    )
+
+
+def test_records_and_summary(tmp_path: Path) -> None:
+    out = tmp_path / "ev.jsonl"
+    fake = FakeRollout()
+    summary = run(out, rollout=fake, seed=3, identity={"model": "m", "dataset": "toy"})
+    lines = out.read_text().splitlines()
+    assert len(lines) == len(PROBLEMS)
+    rec = json.loads(lines[0])
+    assert [c["index"] for c in rec["candidates"]] == [0, 1, 2, 3]
+    assert {
+        "answer",
+        "correct",
+        "code_calls",
+        "turns",
+        "stop_reason",
+        "exec_latencies",
+        "completion_tokens",
+    } <= set(rec["candidates"][0])
+    assert rec["seed"] == problem_seed(3, rec["id"])
+    assert summary["status"] == "complete"
+    assert summary["metrics"]["average_at_n"] == pytest.approx(expected_average(PROBLEMS, 3, 4))
+    assert summary["metrics"]["mean_exec_latency"] == pytest.approx(0.125)
+    assert summary["metrics"]["mean_turns"] == 2.0
+    s = summary["settings"]
+    assert (s["mode"], s["model"], s["dataset"], s["val_n"], s["seed"]) == ("retool", "m", "toy", 4, 3)
+    assert {"budgets", "verifier", "tool_format", "temperature", "top_p", "checkpoint"} <= set(s)
+    assert json.loads(summary_path_for(out).read_text()) == summary
+    # every call: one problem, its own seed, tools on, the executor passed
+    assert all(len(c["ids"]) == 1 and c["use_tools"] and c["executor"] == "EXECUTOR" for c in fake.calls)
+
+
+def test_text_only_registers_no_tool(tmp_path: Path) -> None:
+    fake = FakeRollout()
+    summary = run(tmp_path / "t.jsonl", mode="text-only", rollout=fake)
+    assert all(c["use_tools"] is False and c["executor"] is None for c in fake.calls)
+    assert summary["metrics"]["mean_code_calls"] == 0.0 and summary["settings"]["mode"] == "text-only"
+
+
+def test_results_do_not_depend_on_concurrency(tmp_path: Path) -> None:
+    a = run(tmp_path / "a.jsonl", concurrency=1)
+    b = run(tmp_path / "b.jsonl", concurrency=6)
+    assert a["metrics"] == b["metrics"]
+
+
+def test_resume_skips_finished_and_discards_partial_line(tmp_path: Path) -> None:
+    full = run(tmp_path / "full.jsonl")
+    out = tmp_path / "part.jsonl"
+    with pytest.raises(RuntimeError, match="went away"):  # a run that died after two problems...
+        run(out, rollout=FakeRollout(crash_after=2), concurrency=1)
+    assert json.loads(summary_path_for(out).read_text())["status"] == "incomplete"
+    with out.open("ab") as fh:  # ...while writing the third
+        fh.write(b'{"id": "q2", "candidates": [{"answ')
+    fake = FakeRollout()
+    resumed = run(out, rollout=fake)
+    assert sorted(c["ids"][0] for c in fake.calls) == ["q2", "q3", "q4", "q5"]
+    assert resumed["metrics"] == full["metrics"] and resumed["status"] == "complete"
+    assert len(out.read_text().splitlines()) == len(PROBLEMS)
+    assert resumed["timing"]["sessions"] == 2
+    # a rerun of a finished eval does nothing
+    fake2 = FakeRollout()
+    again = run(out, rollout=fake2)
+    assert fake2.calls == [] and again["metrics"] == full["metrics"]
+
+
+def test_settings_mismatch_is_a_clear_error(tmp_path: Path) -> None:
+    out = tmp_path / "e.jsonl"
+    run(out, problems=PROBLEMS[:2], seed=0)
+    before = out.read_bytes()
+    with pytest.raises(EvalError, match=r"val_n: 4 -> 5"):
+        run(out, val_n=5)
+    with pytest.raises(EvalError, match=r"mode"):
+        run(out, mode="text-only")
+    cfg = Config()
+    cfg.sampling.top_p = 0.5
+    with pytest.raises(EvalError, match=r"top_p: 1\.0 -> 0\.5"):
+        asyncio.run(
+            run_eval(
+                PROBLEMS,
+                components(),
+                config=cfg,
+                mode="retool",
+                output=out,
+                val_n=4,
+                rollout_fn=FakeRollout(),
+            )
+        )
+    assert out.read_bytes() == before  # nothing lost
+
+
+def test_output_without_summary_is_refused(tmp_path: Path) -> None:
+    out = tmp_path / "orphan.jsonl"
+    out.write_text('{"id": "q0", "candidates": []}\n')
+    with pytest.raises(EvalError, match="summary"):
+        run(out)
+
+
+def test_sampler_errors_are_retried_not_recorded(tmp_path: Path) -> None:
+    out = tmp_path / "s.jsonl"
+    summary = run(out, rollout=FakeRollout(fail_ids={"q1"}))
+    assert summary["status"] == "incomplete" and summary["failed_problems"] == ["q1"]
+    assert "q1" not in {json.loads(line)["id"] for line in out.read_text().splitlines()}
+    fake = FakeRollout()
+    summary = run(out, rollout=fake)
+    assert [c["ids"] for c in fake.calls] == [["q1"]] and summary["status"] == "complete"
+
+
+def test_bad_inputs(tmp_path: Path) -> None:
+    with pytest.raises(EvalError, match="mode"):
+        run(tmp_path / "x.jsonl", mode="tools")
+    with pytest.raises(EvalError, match="unique"):
+        run(tmp_path / "y.jsonl", problems=[PROBLEMS[0], PROBLEMS[0]])
+
+
+def test_store_damaged_middle_line_is_an_error(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path / "d.jsonl")
+    store.path.write_text(
+        '{"id": "a", "candidates": []}\n{"id": "b", "candi\n{"id": "c", "candidates": []}\n'
+    )
+    with pytest.raises(Exception, match=r"d\.jsonl:2"):
+        store.load()
+
+
+def test_store_keeps_complete_line_without_newline(tmp_path: Path) -> None:
+    store = ResultStore(tmp_path / "n.jsonl")
+    store.path.write_text('{"id": "a", "candidates": []}\n{"id": "b", "candidates": []}')
+    assert sorted(store.load()) == ["a", "b"]
+    assert store.path.read_text().endswith("}\n")
+    store.append({"id": "c", "candidates": []})
+    assert sorted(ResultStore(store.path).load()) == ["a", "b", "c"]
+
+
+def test_summary_path_for() -> None:
+    assert summary_path_for("r/x.jsonl") == Path("r/x.summary.json")
+    assert summary_path_for("r/x.out") == Path("r/x.out.summary.json")
