@@ -40,16 +40,35 @@ class LatencySampler(SamplingClient):
 
     def __init__(self, protocol: Any, problems: Sequence[Problem], *, per_token: float, base: float) -> None:
         self.protocol = protocol
-        self.problems = {p.question: p for p in problems}
+        # Requests are recognised from their tokens, not by decoding the prompt (decoding thousands of
+        # tokens per request would put the fake's own CPU cost on the event loop).
+        self.first_prompts = {
+            tuple(protocol.build_prompt(protocol.initial_messages(p.question))): p for p in problems
+        }
+        self.first_len = {len(k) for k in self.first_prompts}
+        marker = protocol.encode("<tool_response>")
+        self.obs_marker = marker[0] if len(marker) == 1 else None
         self.per_token = per_token
         self.base = base
         self.filler = protocol.encode("Let me reason about this step carefully. ")
         self.end = list(protocol.stop_token_ids)[:1]
         self.requests = 0
         self.tokens = 0
+        self.cpu_seconds = 0.0
 
-    def _turn_index(self, prompt: str) -> int:
-        return prompt.count("<tool_response>") + prompt.count("<interpreter>")
+    def _locate(self, prompt_tokens: Sequence[int]) -> tuple[Problem, int]:
+        for n in self.first_len:
+            problem = self.first_prompts.get(tuple(prompt_tokens[:n]))
+            if problem is not None:
+                break
+        else:
+            raise KeyError("prompt of an unknown problem")
+        if self.obs_marker is not None:
+            turn = list(prompt_tokens).count(self.obs_marker)
+        else:
+            text = self.protocol.decode(list(prompt_tokens))
+            turn = text.count("<tool_response>") + text.count("<interpreter>")
+        return problem, turn
 
     def _code(self, rng: random.Random) -> str:
         r = rng.random()
@@ -81,9 +100,7 @@ class LatencySampler(SamplingClient):
     async def sample_async(
         self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams
     ) -> list[Sample]:
-        prompt = self.protocol.decode(list(prompt_tokens))
-        turn = self._turn_index(prompt)
-        problem = next(p for q, p in self.problems.items() if q in prompt)
+        problem, turn = self._locate(prompt_tokens)
         rng = random.Random(params.seed)
         samples = [self._one(rng, turn, problem.answer, params.max_tokens) for _ in range(num_samples)]
         longest = max(len(s.tokens) for s in samples)
@@ -175,7 +192,7 @@ async def run_once(
         max_inflight_samples=64,
         scheduling=scheduling,
     )
-    start = time.perf_counter()
+    start, cpu0 = time.perf_counter(), time.process_time()
     groups = await run_group_rollouts(
         problems,
         sampler=sampler,
@@ -187,6 +204,7 @@ async def run_once(
         group_size=args.group,
         seed=args.seed,
     )
+    sampler.cpu_seconds = time.process_time() - cpu0
     return time.perf_counter() - start, groups, sampler
 
 
@@ -230,6 +248,11 @@ async def main_async(args: argparse.Namespace) -> int:
                 f"{sampler.requests} sample requests, {sampler.tokens} tokens, {s['code_calls']} code calls "
                 f"({s['exec_errors']} errors, mean {s['mean_exec_s']:.2f} s, max {s['max_exec_s']:.2f} s), "
                 f"{s['correct']} correct, stops {s['reasons']}"
+            )
+            chain = max(t.sample_seconds + t.exec_seconds for g in groups for t in g)
+            print(
+                f"{'':>15}  longest single trajectory (its own sampling + execution): {chain:.2f} s; "
+                f"CPU time of this process (template rendering, tokenizing, bookkeeping): {sampler.cpu_seconds:.2f} s"
             )
         same = results["per_trajectory"][3] == results["round_sync"][3]
         per, sync = results["per_trajectory"][0], results["round_sync"][0]

@@ -9,6 +9,7 @@ import math
 import os
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -18,6 +19,15 @@ from retool.backends.local import LocalTrainingClient
 from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Iterator[None]:
+    """Tiny models run several times faster on one thread when the CPU is shared."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @pytest.fixture(scope="module")
@@ -87,6 +97,25 @@ def test_greedy_sampling_picks_argmax(client: LocalTrainingClient) -> None:
         logits = client.model(input_ids=torch.tensor([seq])).logits[0]
     argmax = logits[len(prompt) - 1 : -1].argmax(-1).tolist()
     assert s.tokens == argmax
+
+
+def test_top_k_1_and_tiny_top_p_are_greedy(client: LocalTrainingClient) -> None:
+    prompt = _prompt(client, "Solve the problem.")
+    [greedy] = client.sample(prompt, 1, SamplingParams(max_tokens=10, temperature=0.0))
+    [k1] = client.sample(prompt, 1, SamplingParams(max_tokens=10, temperature=1.5, top_k=1, seed=4))
+    [p0] = client.sample(prompt, 1, SamplingParams(max_tokens=10, temperature=1.5, top_p=1e-6, seed=4))
+    [free] = client.sample(prompt, 1, SamplingParams(max_tokens=10, temperature=1.5, seed=4))
+    assert k1.tokens == greedy.tokens == p0.tokens
+    assert free.tokens != greedy.tokens  # a random model at temperature 1.5 is not greedy
+    # logprobs stay raw (unaffected by temperature / filtering)
+    assert k1.logprobs == pytest.approx(greedy.logprobs, abs=1e-5)
+
+
+def test_missing_model_path_is_clear(tmp_path: Path) -> None:
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        LocalTrainingClient(str(tmp_path / "nope"), device="cpu")
+    with pytest.raises(ValueError, match="retool demo"):
+        LocalTrainingClient("tiny", device="cpu")
 
 
 def test_seeds_are_reproducible_and_independent_of_batch(client: LocalTrainingClient) -> None:
@@ -325,6 +354,8 @@ def test_optim_step_changes_weights_and_clips(tiny_model_dir: Path) -> None:
 
 _RESUME_SCRIPT = r"""
 import json, sys
+import torch
+torch.set_num_threads(int(sys.argv[4]))  # same thread count as the parent: bitwise-equal float sums
 from retool.backends.local import LocalTrainingClient
 from retool.backends.types import AdamParams, SamplingParams
 sys.path.insert(0, sys.argv[3])
@@ -360,7 +391,15 @@ def test_save_then_load_in_fresh_process_reproduces_next_step(tiny_model_dir: Pa
     expected["unseeded"] = c.sample([5, 6, 7], 2, SamplingParams(max_tokens=6))[1].tokens
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
     proc = subprocess.run(
-        [sys.executable, "-c", _RESUME_SCRIPT, str(tiny_model_dir), path, str(REPO / "tests")],
+        [
+            sys.executable,
+            "-c",
+            _RESUME_SCRIPT,
+            str(tiny_model_dir),
+            path,
+            str(REPO / "tests"),
+            str(torch.get_num_threads()),
+        ],
         capture_output=True,
         text=True,
         env=env,

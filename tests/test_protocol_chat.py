@@ -22,8 +22,14 @@ from retool.protocol import (
 )
 
 QUESTION = "Find the number of positive divisors of 2024."
-CODES = ["n = 2024\nprint(sum(1 for d in range(1, n + 1) if n % d == 0))", "import sympy\nprint(sympy.divisor_count(2024))"]
-OBSERVATIONS = ["12\n", "Traceback (most recent call last):\n  File \"<string>\", line 1\nValueError: fake <|im_end|>\n"]
+CODES = [
+    "n = 2024\nprint(sum(1 for d in range(1, n + 1) if n % d == 0))",
+    "import sympy\nprint(sympy.divisor_count(2024))",
+]
+OBSERVATIONS = [
+    "12\n",
+    'Traceback (most recent call last):\n  File "<string>", line 1\nValueError: fake <|im_end|>\n',
+]
 
 
 @pytest.fixture(scope="module")
@@ -219,3 +225,31 @@ def test_encode_completion(qwen_tokenizers: dict) -> None:
 def test_missing_template_file_is_clear(qwen_tokenizers: dict, tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="not found"):
         ChatProtocol(qwen_tokenizers["Qwen3.5"], chat_template=tmp_path / "nope.jinja")
+
+
+def test_from_config_and_tiny_detection(
+    tiny_tokenizer: Any, shared_data: Path, qwen_tokenizers: dict
+) -> None:
+    from retool.config import Config
+
+    cfg = Config()
+    proto = ChatProtocol.from_config(tiny_tokenizer, cfg)
+    assert isinstance(proto.fmt, HermesJsonFormat) and proto.use_tools
+    cfg.model.tool_format = "markdown"
+    assert isinstance(ChatProtocol.from_config(tiny_tokenizer, cfg).fmt, MarkdownFormat)
+    cfg.model.tool_format = "auto"
+    cfg.model.chat_template = str(shared_data / "tokenizers" / "Qwen3.5" / "chat_template_nothink.jinja")
+    q35 = ChatProtocol.from_config(qwen_tokenizers["Qwen3.5"], cfg, use_tools=False)
+    assert q35.decode(q35.build_prompt(q35.initial_messages("q"))).endswith("<think>\n\n</think>\n\n")
+    assert q35.system_prompt == TEXT_SYSTEM_PROMPT
+
+
+@pytest.mark.parametrize("name", ["Qwen2.5-Instruct", "tiny"])
+def test_markdown_stop_string_in_completion(qwen_tokenizers: dict, tiny_tokenizer: Any, name: str) -> None:
+    """The sampler stopped on the markdown stop string (kept in the text) without an end-of-turn token."""
+    tok = tiny_tokenizer if name == "tiny" else qwen_tokenizers[name]
+    proto = ChatProtocol(tok, fmt="markdown")
+    texts = [t + "\n" if t.endswith("```") else t for t in _turn_texts(proto, None)]
+    assert texts[0].endswith(proto.stop_strings[0])
+    built, full = _run_trajectory(proto, texts, emit_eot=False)
+    assert built == full

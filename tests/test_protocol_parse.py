@@ -40,7 +40,11 @@ def test_render_call_round_trips(fmt: ToolFormat) -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
 def test_tool_with_reasoning_and_trailing_whitespace(fmt: ToolFormat) -> None:
-    text = "<think>\nmaybe <tool_call> or ```python in thought\n</think>\n\n" + fmt.render_call("print(2)") + "\n  \n"
+    text = (
+        "<think>\nmaybe <tool_call> or ```python in thought\n</think>\n\n"
+        + fmt.render_call("print(2)")
+        + "\n  \n"
+    )
     p = _parse(fmt, text)
     assert p.kind == "tool" and p.code == "print(2)"
     assert p.content.startswith("<think>")
@@ -138,7 +142,10 @@ def test_hermes_compact_json_accepted() -> None:
 
 XML_BAD = [
     ("<function=python>\n<parameter=code>\nprint(1)\n</parameter>\n</function>", "unknown function"),
-    ("<function=code_interpreter>\n<parameter=source>\nprint(1)\n</parameter>\n</function>", "unknown parameter"),
+    (
+        "<function=code_interpreter>\n<parameter=source>\nprint(1)\n</parameter>\n</function>",
+        "unknown parameter",
+    ),
     (
         "<function=code_interpreter>\n<parameter=code>\nprint(1)\n</parameter>\n<parameter=t>\n3\n</parameter>\n"
         "</function>",
@@ -220,4 +227,6 @@ def test_detect_format_from_templates(qwen_tokenizers: dict) -> None:
     assert isinstance(get_format("auto", qwen_tokenizers["Qwen3.5"]), QwenXmlFormat)
     assert isinstance(detect_format(_Tok(None)), MarkdownFormat)
     assert isinstance(detect_format(_Tok("{{ messages[0].content }}")), MarkdownFormat)
-    assert isinstance(detect_format(_Tok({"default": "x", "tool_use": "<tool_call>{{ tools }}"})), HermesJsonFormat)
+    assert isinstance(
+        detect_format(_Tok({"default": "x", "tool_use": "<tool_call>{{ tools }}"})), HermesJsonFormat
+    )

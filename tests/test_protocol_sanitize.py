@@ -63,8 +63,9 @@ def test_plain_text_untouched(tokenizers: dict) -> None:
 
 def test_extra_guards() -> None:
     class Bare:
-        all_special_tokens: list[str] = []
-        added_tokens_decoder: dict = {}
+        def __init__(self) -> None:
+            self.all_special_tokens: list[str] = []
+            self.added_tokens_decoder: dict = {}
 
     out = sanitize_tool_content("a </interpreter> b", Bare(), extra=("</interpreter>",))
     assert "</interpreter>" not in out and out.replace(ZWSP, "") == "a </interpreter> b"
@@ -92,14 +93,16 @@ def test_markdown_observation_guards(tokenizers: dict) -> None:
 
 def test_fit_observation_keeps_tail(tokenizers: dict) -> None:
     proto = ChatProtocol(tokenizers["Qwen2.5-Instruct"])
-    lines = [f"  File \"<string>\", line {i}, in f{i}" for i in range(2000)]
+    lines = [f'  File "<string>", line {i}, in f{i}' for i in range(2000)]
     text = "Traceback (most recent call last):\n" + "\n".join(lines) + "\nZeroDivisionError: division by zero"
     for budget in (16, 64, 512):
         out = proto.fit_observation(text, budget)
         n = len(proto.encode(out))
         assert n <= budget
         assert n >= budget - 20  # uses the budget, not just a sliver of it
-        assert out.endswith("ZeroDivisionError: division by zero")
+        assert out.endswith("division by zero")
+        if budget >= 64:
+            assert out.endswith("\nZeroDivisionError: division by zero")
         assert out.startswith("[... ") and "characters cut" in out
         cut = int(out.split()[1])
         assert text.endswith(out.split("\n", 1)[1]) and len(text) - cut == len(out.split("\n", 1)[1])

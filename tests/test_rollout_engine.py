@@ -653,3 +653,28 @@ def test_three_turns_on_real_qwen_templates(qwen_tokenizers, name, fmt):
         assert "<interpreter>" in rendered
     else:
         assert list(sampler.requests[0]["stop"]) == list(protocol.stop_token_ids)
+
+
+def test_real_verifier_and_real_sandbox(tokenizer, protocol):
+    """End to end with the project's own executor and verifier: the traceback is fed back, the retry
+    prints the value, and the boxed answer is checked for mathematical equivalence (1/2 == 0.5)."""
+    from retool.config import SandboxConfig
+    from retool.reward import Verifier
+    from retool.sandbox import make_executor
+
+    script = {
+        (0, 0, 0): call(protocol, "print(1/0)"),
+        (0, 0, 1): call(protocol, "print(1/2)", prefix="Fix.\n"),
+        (0, 0, 2): "So it is \\boxed{\\frac{1}{2}}",
+        (0, 1, 0): "\\boxed{3}",
+    }
+    problem = Problem(id="half", question="What is 1/2?", answer="0.5")
+    cfg = SandboxConfig(workers=1, preimport=["math"], timeout=10.0)
+    with make_executor(cfg) as executor, Verifier(workers=1, timeout=10.0) as verifier:
+        sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2)
+        (group,) = run([problem], sampler, protocol, executor, group_size=2, verifier=verifier)
+    t = group[0]
+    assert [r.ok for r in t.exec_results] == [False, True]
+    assert "ZeroDivisionError" in t.observations[0] and t.observations[1].strip() == "0.5"
+    assert t.stop_reason == "answer" and t.correct and t.reward == 1.0 and t.had_error_then_correct
+    assert group[1].reward == -1.0 and not group[1].correct

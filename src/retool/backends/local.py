@@ -127,6 +127,7 @@ class LocalSamplingClient(SamplingClient):
 
     def __init__(self, owner: LocalTrainingClient, gather_ms: float = 5.0) -> None:
         self._owner = owner
+        self.batch_limit = owner.sample_batch_size
         self._gather_s = gather_ms / 1000.0
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = (
             weakref.WeakKeyDictionary()
@@ -154,7 +155,7 @@ class LocalSamplingClient(SamplingClient):
 
     async def _dispatch(self, queue: _LoopQueue) -> None:
         loop = asyncio.get_running_loop()
-        limit = self._owner.sample_batch_size
+        limit = self.batch_limit
         while queue.pending:
             await asyncio.sleep(self._gather_s)  # let concurrent callers join this batch
             batch: list[_Pending] = []
@@ -169,7 +170,7 @@ class LocalSamplingClient(SamplingClient):
                 continue
             flat = [GenRequest(p.prompt, p.params, s) for p in batch for s in p.seeds]
             try:
-                samples = await loop.run_in_executor(self._owner._executor, self._owner._generate, flat)
+                samples = await loop.run_in_executor(self._owner._executor, self._run_batch, flat)
             except Exception as exc:  # every waiter learns why; the queue keeps serving later requests
                 logger.exception("local sampling batch failed")
                 for p in batch:
@@ -181,6 +182,10 @@ class LocalSamplingClient(SamplingClient):
                 if not p.future.done():
                     p.future.set_result(samples[start : start + p.num_samples])
                 start += p.num_samples
+
+    def _run_batch(self, requests: list[GenRequest]) -> list[Sample]:
+        """Worker-thread body of one gathered batch (the vLLM sampler overrides it)."""
+        return self._owner._generate(requests)
 
 
 class LocalTrainingClient(TrainingClient):
@@ -201,8 +206,13 @@ class LocalTrainingClient(TrainingClient):
         max_context: int | None = None,
         gather_ms: float = 5.0,
         attn_implementation: str | None = None,
+        num_threads: int | None = None,
     ) -> None:
         from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if num_threads:
+            # Process-wide. On a busy CPU one thread is often several times faster for tiny models.
+            torch.set_num_threads(int(num_threads))
 
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -215,6 +225,13 @@ class LocalTrainingClient(TrainingClient):
         if self.micro_batch_tokens <= 0 or self.sample_batch_size <= 0:
             raise ValueError("micro_batch_tokens and sample_batch_size must be positive")
 
+        if self.model_path == "tiny":
+            raise ValueError(
+                "model 'tiny' is built by `retool demo`; pass the folder it wrote as the model path"
+            )
+        looks_local = self.model_path.startswith(("/", ".", "~")) or bool(self.gguf_file)
+        if looks_local and not Path(self.model_path).expanduser().exists():
+            raise FileNotFoundError(f"model path {self.model_path} does not exist")
         load_kwargs: dict[str, Any] = {}
         if self.gguf_file:
             load_kwargs["gguf_file"] = self.gguf_file
@@ -344,7 +361,15 @@ class LocalTrainingClient(TrainingClient):
             self.model.train(was_training)
 
     async def sampling_client_async(self) -> SamplingClient:
+        refresh = getattr(self._sampler, "refresh", None)
+        if refresh is not None:  # an external engine (vLLM) needs the current weights handed over
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(self._executor, refresh)
         return self._sampler
+
+    def set_sampler(self, sampler: LocalSamplingClient) -> None:
+        """Replace the built-in sampler (e.g. by ``VllmSamplingClient``); it may define ``refresh()``."""
+        self._sampler = sampler
 
     async def sample_async(
         self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams

@@ -103,6 +103,19 @@ class ChatProtocol:
         self.template_name = f"{self._model_name(tokenizer)} (chat template sha1 {digest})"
         self._end_of_turn_id: int | None = None
 
+    @classmethod
+    def from_config(cls, tokenizer: Any, config: Any, use_tools: bool = True) -> ChatProtocol:
+        """Build from a ``retool.config.Config`` (its ``model`` section: tool_format, enable_thinking,
+        chat_template)."""
+        model = getattr(config, "model", config)
+        return cls(
+            tokenizer,
+            fmt=getattr(model, "tool_format", "auto"),
+            use_tools=use_tools,
+            enable_thinking=getattr(model, "enable_thinking", None),
+            chat_template=getattr(model, "chat_template", None),
+        )
+
     @staticmethod
     def _model_name(tokenizer: Any) -> str:
         return repr(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
@@ -284,44 +297,74 @@ class ChatProtocol:
         """Sanitised ``text`` cut from the front to at most ``max_tokens`` tokens, the cut marked.
 
         The tail is kept because a traceback's last line and a final printed result are at the end.
+        Cost: a few encodes of about ``max_tokens`` tokens, whatever the length of ``text``.
         """
         if max_tokens <= 0:
             return ""
         text = sanitize_tool_content(text, self.tokenizer, extra=self.fmt.observation_guards)
-        if len(self.encode(text)) <= max_tokens:
-            return text
+        n = len(text)
 
         def candidate(start: int) -> str:
-            marker = CUT_MARKER.format(n=start)
-            return marker + text[start:]
+            return CUT_MARKER.format(n=start) + text[start:]
 
         def fits(start: int) -> bool:
             return len(self.encode(candidate(start))) <= max_tokens
 
-        # Smallest start in [lo, hi] that fits; start == len(text) keeps only the marker.
-        lo, hi = 1, len(text)
-        if not fits(hi):
-            # Even the marker alone is too long: keep as much bare tail as fits.
-            lo, hi = 0, len(text)
+        # Encode only a tail window big enough to hold more than the budget (a token covers few chars).
+        window = min(n, max(4096, 32 * max_tokens))
+        offsets = self._offsets(text[n - window :])
+        while offsets is not None and len(offsets) <= max_tokens and window < n:
+            window = min(n, window * 4)
+            offsets = self._offsets(text[n - window :])
+        if offsets is None:  # slow tokenizer: no offsets
+            if len(self.encode(text)) <= max_tokens:
+                return text
+        elif window == n and len(offsets) <= max_tokens:
+            return text
+        if not fits(n):
+            return self._bare_tail(text, max_tokens)  # even the marker alone is too long
+        start = None
+        if offsets is not None:
+            keep = max_tokens - len(self.encode(CUT_MARKER.format(n=n)))
+            # Cut at the token boundary that leaves `keep` tokens; the cut may re-tokenize a little
+            # differently, so step a token at a time until it fits.
+            for k in range(keep, max(0, keep - 8), -1):
+                cut = n - window + int(offsets[len(offsets) - k][0])
+                if 0 < cut < n and fits(cut):
+                    start = cut
+                    break
+        if start is None:  # smallest fitting start by bisection (hi always fits)
+            lo, hi = 1, n
             while lo < hi:
                 mid = (lo + hi) // 2
-                if len(self.encode(text[mid:])) <= max_tokens:
+                if fits(mid):
                     hi = mid
                 else:
                     lo = mid + 1
-            return text[lo:]
+            start = lo
+        # Start at a line boundary when one is close, so the kept tail reads cleanly.
+        nl = text.find("\n", start, start + 100)
+        if 0 <= nl < n - 1 and fits(nl + 1):
+            start = nl + 1
+        return candidate(start)
+
+    def _bare_tail(self, text: str, max_tokens: int) -> str:
+        lo, hi = max(0, len(text) - 16 * max_tokens - 64), len(text)
         while lo < hi:
             mid = (lo + hi) // 2
-            if fits(mid):
+            if len(self.encode(text[mid:])) <= max_tokens:
                 hi = mid
             else:
                 lo = mid + 1
-        start = lo
-        # Start at a line boundary when one is close, so the kept tail reads cleanly.
-        nl = text.find("\n", start, start + 100)
-        if 0 <= nl < len(text) - 1 and fits(nl + 1):
-            start = nl + 1
-        return candidate(start)
+        return text[lo:]
+
+    def _offsets(self, text: str) -> list[tuple[int, int]] | None:
+        """Char offsets of ``text``'s tokens (fast tokenizers), or None when unavailable."""
+        try:
+            enc = self.tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)
+            return list(enc["offset_mapping"])
+        except (NotImplementedError, TypeError, ValueError, KeyError):
+            return None
 
     def encode_completion(self, text: str, close: bool = True) -> list[int]:
         """Tokens a model would emit for ``text`` (plus the end-of-turn token if ``close``); for SFT."""

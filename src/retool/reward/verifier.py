@@ -10,9 +10,10 @@ a worker process:
 * the parent waits at most ``timeout`` seconds on the worker's pipe; a worker stuck in C code (a huge
   integer power) is SIGKILLed and replaced, and the check is reported as ``timeout``.
 
-Workers come from a ``forkserver`` (or ``spawn``) context, never ``fork``: forking a trainer that holds a
-model, CUDA state and threads is both slow and unsafe. The forkserver preloads math-verify, so replacing a
-killed worker costs milliseconds rather than a fresh sympy import.
+Workers are fresh interpreters (``python -c``, i.e. spawn semantics), never a ``fork`` of the caller: forking
+a trainer that holds a model, CUDA state and threads is both slow and unsafe. A killed worker is replaced
+at once in the background, so its ~1-2 s import of sympy is rarely waited for. Waiting for a worker to
+start is not charged to a check's timeout.
 
 Timeouts and errors are counted apart from wrong answers (:attr:`Verifier.stats`): a verifier that silently
 turns its own failures into "-1" would look like a policy that got worse.
@@ -24,15 +25,18 @@ import asyncio
 import contextlib
 import itertools
 import logging
-import multiprocessing
 import os
 import queue
 import signal
+import socket
+import subprocess
+import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
+from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Any, Literal
 
@@ -93,15 +97,18 @@ class _SoftTimeout(BaseException):
     """Raised by the worker's own alarm. BaseException, so math-verify's ``except Exception`` cannot eat it."""
 
 
-def _worker_main(conn: Connection, memory_limit_mb: int | None) -> None:
-    """Loop of one worker process: receive ``(request_id, pred, ref, soft_timeout)``, answer a tuple."""
-    import importlib
+def _worker_main(fd: int, memory_limit_mb: int | None, hard_timeout: float) -> None:
+    """Loop of one worker process: receive ``(request_id, pred, ref, soft_timeout)``, answer a tuple.
 
+    Started as ``python -c`` by :class:`_Worker`; ``fd`` is its end of a socketpair.
+    """
+    import importlib
+    import resource
+
+    conn = Connection(fd)
     # Ctrl-C goes to the whole process group; the parent decides what to do, workers just get killed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     if memory_limit_mb:
-        import resource
-
         limit = int(memory_limit_mb) * 1024 * 1024
         with contextlib.suppress(ValueError, OSError):  # an inherited lower hard limit: keep it
             resource.setrlimit(resource.RLIMIT_AS, (limit, limit))
@@ -112,7 +119,18 @@ def _worker_main(conn: Connection, memory_limit_mb: int | None) -> None:
         if armed:
             raise _SoftTimeout()
 
-    # This runs on the worker's main thread, the only place a signal-based timeout is legal.
+    def arm_cpu_limit() -> None:
+        # A kernel-enforced backstop: if the parent vanished while this worker is stuck in C code, nobody
+        # would kill it; SIGXCPU does, a little after the parent's own hard timeout.
+        used = resource.getrusage(resource.RUSAGE_SELF)
+        cpu = used.ru_utime + used.ru_stime
+        _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+        soft = int(cpu + hard_timeout * 2 + 2)
+        if hard == resource.RLIM_INFINITY or soft <= hard:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))
+
+    # This is the worker's main thread, the only place a signal-based timeout is legal.
     signal.signal(signal.SIGALRM, on_alarm)
     conn.send(("ready", os.getpid()))
     while True:
@@ -123,6 +141,7 @@ def _worker_main(conn: Connection, memory_limit_mb: int | None) -> None:
         if message is None:
             return
         request_id, pred, ref, soft_timeout = message
+        arm_cpu_limit()
         try:
             try:
                 armed = True
@@ -145,24 +164,47 @@ def _worker_main(conn: Connection, memory_limit_mb: int | None) -> None:
 
 # ---------------------------------------------------------------------------------------------- parent side
 
+_WORKER_BOOT = "import sys; from retool.reward.verifier import _worker_main; _worker_main(int(sys.argv[1]), {mem}, {hard})"
+
 
 class _Worker:
-    def __init__(self, ctx: Any, memory_limit_mb: int | None) -> None:
-        parent_conn, child_conn = ctx.Pipe(duplex=True)
-        self.conn: Connection = parent_conn
-        self.process = ctx.Process(
-            target=_worker_main, args=(child_conn, memory_limit_mb), daemon=True, name="retool-verifier"
-        )
-        self.process.start()
-        child_conn.close()
+    """One worker: a fresh ``python -c`` interpreter (never a fork of the caller) on a socketpair.
+
+    A plain exec, rather than ``multiprocessing`` spawn/forkserver, because those re-import the caller's
+    ``__main__`` in every child (a trainer script's top-level imports, or a crash for scripts without an
+    ``if __name__ == "__main__"`` guard) and share one process-wide forkserver with other stages.
+    """
+
+    def __init__(self, memory_limit_mb: int | None, hard_timeout: float) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        # The child must import this very copy of retool, whatever sys.path tricks the parent used.
+        src = str(Path(__file__).resolve().parents[2])
+        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
+        boot = _WORKER_BOOT.format(mem=repr(memory_limit_mb), hard=repr(float(hard_timeout)))
+        try:
+            self.process = subprocess.Popen(
+                [sys.executable, "-c", boot, str(child_sock.fileno())],
+                pass_fds=(child_sock.fileno(),),
+                stdin=subprocess.DEVNULL,
+                env=env,
+                close_fds=True,
+            )
+        finally:
+            child_sock.close()
+        self.conn: Connection = Connection(parent_sock.detach())
         self.ready = False
+
+    @property
+    def pid(self) -> int:
+        return self.process.pid
 
     def wait_ready(self, timeout: float) -> bool:
         if self.ready:
             return True
-        if not self.conn.poll(timeout):
-            return False
         try:
+            if not self.conn.poll(timeout):
+                return False
             message = self.conn.recv()
         except (EOFError, OSError):
             return False
@@ -172,22 +214,21 @@ class _Worker:
     def kill(self) -> None:
         with contextlib.suppress(Exception):
             self.process.kill()
-        self.process.join(timeout=2.0)
+        with contextlib.suppress(Exception):
+            self.process.wait(timeout=5.0)
         with contextlib.suppress(Exception):
             self.conn.close()
 
     def stop(self) -> None:
+        """Exit politely (``None`` may already have been sent by the pool), else kill after a second."""
         with contextlib.suppress(Exception):
             self.conn.send(None)
-        self.process.join(timeout=1.0)
-        if self.process.is_alive():
+        try:
+            self.process.wait(timeout=1.0)
+        except Exception:
             self.kill()
         with contextlib.suppress(Exception):
             self.conn.close()
-
-
-def _default_start_method() -> str:
-    return "forkserver" if "forkserver" in multiprocessing.get_all_start_methods() else "spawn"
 
 
 @dataclass
@@ -209,7 +250,6 @@ class Verifier:
         timeout: float = 5.0,
         *,
         tail_chars: int = ANSWER_WINDOW_CHARS,
-        start_method: str | None = None,
         memory_limit_mb: int | None = 2048,
         startup_timeout: float = 120.0,
         soft_fraction: float = 0.8,
@@ -218,21 +258,12 @@ class Verifier:
             raise ValueError(f"workers must be >= 1, got {workers}")
         if timeout <= 0:
             raise ValueError(f"timeout must be > 0, got {timeout}")
-        method = start_method or _default_start_method()
-        if method == "fork":
-            # Forking a trainer (model weights, CUDA, threads) is exactly what this class exists to avoid.
-            raise ValueError("start_method='fork' is not allowed; use 'forkserver' or 'spawn'")
         self.workers = workers
         self.timeout = float(timeout)
         self.tail_chars = tail_chars
         self.memory_limit_mb = memory_limit_mb
         self.startup_timeout = float(startup_timeout)
         self.soft_timeout = max(0.001, self.timeout * soft_fraction)
-        self._ctx = multiprocessing.get_context(method)
-        if method == "forkserver":
-            # Only effective if this process has not started its forkserver yet; harmless otherwise
-            # (workers import math-verify themselves before reporting ready).
-            self._ctx.set_forkserver_preload([_EQUIVALENCE_MODULE])
         self._counters = _Counters()
         self._ids = itertools.count()
         self._closed = False
@@ -247,7 +278,7 @@ class Verifier:
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     def _start_worker(self) -> _Worker:
-        worker = _Worker(self._ctx, self.memory_limit_mb)
+        worker = _Worker(self.memory_limit_mb, self.timeout)
         with self._all_lock:
             self._all.add(worker)
         with self._counters.lock:
@@ -277,6 +308,10 @@ class Verifier:
         with self._all_lock:
             workers = list(self._all)
             self._all.clear()
+        # Ask all workers to exit first, then wait: shutdown costs one wait, not one per worker.
+        for worker in workers:
+            with contextlib.suppress(Exception):
+                worker.conn.send(None)
         for worker in workers:
             worker.stop()
 
@@ -320,6 +355,7 @@ class Verifier:
 
     def _acquire(self) -> _Worker:
         """An idle worker that has finished starting up (waiting for startup is not charged to the check)."""
+        failures = 0
         while True:
             if self._closed:
                 raise RuntimeError("Verifier is closed")
@@ -329,8 +365,14 @@ class Verifier:
                 continue
             if worker.wait_ready(self.startup_timeout):
                 return worker
-            logger.error("verifier worker pid %s failed to start; replacing it", worker.process.pid)
+            logger.error("verifier worker pid %s failed to start; replacing it", worker.pid)
             self._replace(worker)
+            failures += 1
+            if failures >= 3:  # a broken installation, not a hostile answer: say so instead of looping
+                raise RuntimeError(
+                    f"verifier workers fail to start ({failures} in a row; see their stderr above): "
+                    f"check that `{sys.executable} -c 'import math_verify'` works"
+                )
 
     def verify(self, pred: str, ref: str) -> VerifyOutcome:
         """Is ``pred`` equivalent to the reference ``ref``? Returns within ``timeout`` seconds of starting."""

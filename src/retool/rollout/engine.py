@@ -45,6 +45,7 @@ from retool.backends.base import SamplingClient
 from retool.backends.types import Sample, SamplingParams
 from retool.config import RolloutConfig, SamplingConfig
 from retool.data.problem import Problem
+from retool.protocol import parse_assistant
 from retool.rollout.types import AssistantTurn, Trajectory
 from retool.sandbox.base import Executor
 
@@ -207,7 +208,7 @@ class _Rollout:
         if not self.use_tools:
             self._end(traj, "answer")
             return None
-        parsed = _parse(text, self.protocol.fmt)
+        parsed = parse_assistant(text, self.protocol.fmt)
         turn.kind = parsed.kind
         if parsed.kind == "answer":
             self._end(traj, "answer")
@@ -411,16 +412,6 @@ class _Rollout:
         # As in the chapter, scoring happens once every trajectory has finished.
         await _gather_all([self._score(t) for t in done])
         return groups
-
-
-def _parse(text: str, fmt: Any) -> Any:
-    """Strict parsing through ``retool.protocol.parse_assistant`` (falls back to ``fmt.parse``)."""
-    import retool.protocol as protocol_module
-
-    parse_assistant = getattr(protocol_module, "parse_assistant", None)
-    if parse_assistant is None:
-        return fmt.parse(text)
-    return parse_assistant(text, fmt)
 
 
 async def _gather_all(coros: list[Any]) -> list[Any]:

@@ -160,7 +160,7 @@ def _run_user(code: str, auto_print: bool) -> int:
     try:
         try:
             compiled = _compile_user(code, auto_print)
-        except SyntaxError as exc:  # like `python -c`: no "Traceback" header for syntax errors
+        except (SyntaxError, ValueError) as exc:  # like `python -c`: no "Traceback" header (ValueError: NUL)
             traceback.print_exception(type(exc), exc, None)
             return 1
         exec(compiled, main.__dict__)

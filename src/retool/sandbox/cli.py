@@ -60,9 +60,7 @@ print(json.dumps(out))
 """
 
 
-def _make(
-    backend: str, isolation: str, timeout: float, memory_mb: int, url: str | None, workers: int
-) -> Any:
+def _make(backend: str, isolation: str, timeout: float, memory_mb: int, url: str | None, workers: int) -> Any:
     from retool.config import SandboxConfig
     from retool.sandbox import make_executor
 
@@ -118,11 +116,18 @@ def check_cmd(
     rows = [
         ("unprivileged uid", facts["uid"] != 0, f"uid {facts['uid']}"),
         ("empty environment", len(facts["env_keys"]) <= 12, ",".join(facts["env_keys"])),
-        ("no network", facts["tcp_localhost"] != "connected" and facts["dns"] != "resolved",
-         f"interfaces {facts['net_ifaces']}, tcp {facts['tcp_localhost']}, dns {facts['dns']}"),
+        (
+            "no network",
+            facts["tcp_localhost"] != "connected" and facts["dns"] != "resolved",
+            f"interfaces {facts['net_ifaces']}, tcp {facts['tcp_localhost']}, dns {facts['dns']}",
+        ),
         ("own PID namespace", facts["pid"] == 1, f"pid {facts['pid']}, {facts['visible_pids']} visible"),
         ("host files hidden", facts["etc_shadow"] != "readable", f"/etc/shadow: {facts['etc_shadow']}"),
-        ("read-only root", facts["write_outside_tmp"] != "allowed", f"/usr write: {facts['write_outside_tmp']}"),
+        (
+            "read-only root",
+            facts["write_outside_tmp"] != "allowed",
+            f"/usr write: {facts['write_outside_tmp']}",
+        ),
         ("private bounded /tmp", 0 < facts["tmp_size_mb"] < 4096, f"{facts['tmp_size_mb']} MiB"),
         ("no capabilities", facts["cap_eff"].strip("0") == "", f"CapEff {facts['cap_eff']}"),
         ("no_new_privs (no ptrace of others)", facts["no_new_privs"] == "1", ""),

@@ -96,7 +96,7 @@ def strict_support() -> tuple[bool, str]:
     if os.geteuid() != 0:
         return False, (
             "strict isolation runs bubblewrap in privileged mode to give each sandbox its own "
-            "unprivileged uid; that needs root (this process has uid %d)" % os.geteuid()
+            f"unprivileged uid; that needs root (this process has uid {os.geteuid()})"
         )
     if not hasattr(os, "pidfd_open"):
         return False, "os.pidfd_open is missing (Linux >= 5.3 and Python >= 3.9 needed)"
@@ -112,7 +112,8 @@ def _python_paths(python: str) -> tuple[list[str], list[str]]:
     """(directories to bind read-only, sys.path entries for the server) for the interpreter in use."""
     paths = sysconfig.get_paths()
     sys_path = [p for p in (paths.get("purelib"), paths.get("platlib")) if p and os.path.isdir(p)]
-    for p in sys.path:  # other site dirs in use (e.g. Debian's dist-packages), not the working dir / src trees
+    # Other site dirs in use (e.g. Debian's dist-packages); not the working dir or src trees.
+    for p in sys.path:
         if p and os.path.isdir(p) and ("site-packages" in p or "dist-packages" in p) and p not in sys_path:
             sys_path.append(p)
     binds = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), os.path.dirname(python)}
@@ -199,11 +200,33 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
+def _descendant_pids(root: int) -> list[int]:
+    children: dict[int, list[int]] = {}
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            with open(f"/proc/{entry}/stat", "rb") as fh:
+                stat = fh.read()
+        except OSError:
+            continue
+        fields = stat[stat.rfind(b")") + 2 :].split()
+        if len(fields) > 1:
+            children.setdefault(int(fields[1]), []).append(int(entry))
+    out: list[int] = []
+    stack = [root]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
+
+
 class _Server:
     """One fork-server process and its pipes. Used by one thread at a time (the pool guarantees it)."""
 
     def __init__(self, cmd: list[str], env: dict[str, str] | None) -> None:
-        self._log = tempfile.TemporaryFile()  # unlinked at once: nothing remains on disk
+        self._log = tempfile.TemporaryFile()  # noqa: SIM115 - unlinked at once; closed in close()
         self.proc = subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
@@ -220,7 +243,9 @@ class _Server:
             try:
                 self.ready_info = self._recv(time.monotonic() + timeout)
             except (EOFError, TimeoutError, OSError) as exc:
-                raise SandboxUnavailableError(f"sandbox server failed to start: {exc}; {self.log_tail()}") from exc
+                raise SandboxUnavailableError(
+                    f"sandbox server failed to start: {exc}; {self.log_tail()}"
+                ) from exc
         return self.ready_info
 
     def log_tail(self, n: int = 2000) -> str:
@@ -249,6 +274,13 @@ class _Server:
         return self.proc.poll() is None
 
     def close(self, graceful: bool = True) -> None:
+        # The sandbox's inner processes are not our children: hold pidfds to wait for their actual exit.
+        pidfds = []
+        for pid in _descendant_pids(self.proc.pid):
+            try:
+                pidfds.append(os.pidfd_open(pid))
+            except OSError:
+                pass
         try:
             if self.proc.stdin is not None:
                 self.proc.stdin.close()  # EOF: the server exits after its current child
@@ -265,6 +297,12 @@ class _Server:
             except OSError:
                 pass
             self.proc.wait()
+        deadline = time.monotonic() + 5.0
+        for fd in pidfds:
+            try:
+                select.select([fd], [], [], max(0.0, deadline - time.monotonic()))
+            finally:
+                os.close(fd)
         if self.proc.stdout is not None:
             self.proc.stdout.close()
         self._log.close()
@@ -287,7 +325,7 @@ class ForkServerExecutor(Executor):
         python: str | None = None,
         tmp_size_mb: int = 64,
         file_size_mb: int = 16,
-        max_processes: int = 128,
+        max_processes: int = 64,
         max_open_files: int = 256,
         warmup: bool = True,
         start_timeout: float = 120.0,
@@ -328,6 +366,9 @@ class ForkServerExecutor(Executor):
         self._threads = concurrent.futures.ThreadPoolExecutor(
             max_workers=self.workers, thread_name_prefix="sandbox"
         )
+        self._spawner = concurrent.futures.ThreadPoolExecutor(
+            max_workers=1, thread_name_prefix="sandbox-spawn"
+        )
         try:
             self._start_all()
         except SandboxUnavailableError as exc:
@@ -343,8 +384,8 @@ class ForkServerExecutor(Executor):
         self.isolation = "none"
         self.isolation_reason = reason
         msg = (
-            "SANDBOX NOT ISOLATED: strict isolation is unavailable (%s); falling back to isolation='none': "
-            "model code can read this machine's files and use its network." % reason
+            f"SANDBOX NOT ISOLATED: strict isolation is unavailable ({reason}); falling back to "
+            "isolation='none': model code can read this machine's files and use its network."
         )
         logger.warning(msg)
         warnings.warn(msg, RuntimeWarning, stacklevel=3)
@@ -372,8 +413,11 @@ class ForkServerExecutor(Executor):
         return py, dict(_SERVER_ENV)
 
     def _spawn(self, slot: int) -> _Server:
+        # Always from the one long-lived spawner thread: bwrap's --die-with-parent (and the server's own
+        # PDEATHSIG) fire when the *thread* that forked them exits, so a server started from a short-lived
+        # caller thread would die with it.
         cmd, env = self._server_cmd(slot)
-        return _Server(cmd, env)
+        return self._spawner.submit(_Server, cmd, env).result()
 
     def _start_all(self) -> None:
         for slot in range(self.workers):  # start all first: their imports overlap
@@ -411,10 +455,17 @@ class ForkServerExecutor(Executor):
             return
         self._closed = True
         self._threads.shutdown(wait=False, cancel_futures=True)
+        for server in self._servers:  # EOF to all first: they exit in parallel
+            if server is not None and server.proc.stdin is not None:
+                try:
+                    server.proc.stdin.close()
+                except OSError:
+                    pass
         for slot, server in enumerate(self._servers):
             if server is not None:
                 server.close(graceful=True)
                 self._servers[slot] = None
+        self._spawner.shutdown(wait=True)
 
     def __del__(self) -> None:  # last resort; close() is the contract
         try:

@@ -245,10 +245,15 @@ def merge_forward_backward(results: Sequence[ForwardBackwardResult]) -> ForwardB
             return sum(getattr(r, attr) for r in results) / max(len(results), 1)
         return sum(getattr(r, attr) * r.trained_tokens for r in results) / denom
 
+    # Backend extras are per-call figures (means, efficiencies): combine them token-weighted too.
     extra: dict[str, float] = {}
-    for r in results:
-        for k, v in r.extra.items():
-            extra[k] = extra.get(k, 0.0) + v
+    for key in {k for r in results for k in r.extra}:
+        have = [r for r in results if key in r.extra]
+        tokens = sum(r.trained_tokens for r in have)
+        if tokens:
+            extra[key] = sum(r.extra[key] * r.trained_tokens for r in have) / tokens
+        else:
+            extra[key] = sum(r.extra[key] for r in have) / len(have)
     return ForwardBackwardResult(
         loss=sum(r.loss for r in results),
         trained_tokens=total_tokens,

@@ -1,0 +1,63 @@
+"""The demo's tiny model: ``build_tiny_model`` fed with task text, plus the fixed prompt blocks as phrases.
+
+The system prompt and the rendered tool schema are identical in every sequence; as ordinary BPE text
+they cost ~300 tokens per sequence, several times the problem itself. Here each fixed block becomes one
+added token (the text is unchanged; only its tokenisation is shorter), so the tiny model's compute goes
+to the question, the code and the answer.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from retool.tasks.family import Task
+from retool.tasks.tinymodel import ModelSize, build_tiny_model, build_tokenizer
+
+logger = logging.getLogger(__name__)
+
+_SYSTEM_OPEN = "<|im_start|>system\n"
+_TURN_END = "<|im_end|>"
+
+
+def protocol_for(tokenizer: Any, use_tools: bool = True) -> Any:
+    """The ``retool.protocol.ChatProtocol`` (Hermes, detected from the tiny template)."""
+    from retool.protocol import ChatProtocol
+
+    return ChatProtocol(tokenizer, fmt="auto", use_tools=use_tools)
+
+
+def fixed_prompt_blocks(tokenizer: Any) -> list[str]:
+    """The system blocks (prompt + tool schema) of both modes, exactly as the chat template renders them."""
+    blocks = []
+    for use_tools in (True, False):
+        text = protocol_for(tokenizer, use_tools).render(protocol_for(tokenizer, use_tools).initial_messages("Q"), True)
+        if not text.startswith(_SYSTEM_OPEN) or _TURN_END not in text:
+            raise ValueError("tiny chat template does not render a ChatML system block")
+        blocks.append(text[len(_SYSTEM_OPEN) : text.index(_TURN_END)])
+    return blocks
+
+
+def task_corpus(tasks: Sequence[Task], extra: Sequence[str] = ()) -> list[str]:
+    """Text the tokenizer is trained on: questions, canonical code as the call JSON shows it, answers."""
+    import json
+
+    texts = [f"{t.question}\n{json.dumps({'code': t.code})}\n\\boxed{{{t.answer}}}" for t in tasks]
+    texts += list(extra)
+    # ChatML role names and tool tags, so the headers the model reads every turn are short.
+    texts += ["system\nuser\nassistant\ntool\n<tool_response>\n</tool_response>\n"] * 20
+    texts.append("Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nNameError: name 'x' is not defined")
+    return texts
+
+
+def build_demo_model(
+    out_dir: str | Path, tasks: Sequence[Task], *, size: ModelSize = "demo", seed: int = 0, extra_text: Sequence[str] = ()
+) -> Path:
+    """Tokenizer trained on ``tasks`` (+ ``extra_text``), fixed prompt blocks as phrases, random Qwen2 weights."""
+    corpus = task_corpus(tasks, extra_text)
+    probe = build_tokenizer(corpus[:200], vocab_size=512)
+    phrases = fixed_prompt_blocks(probe)
+    logger.info("tiny model: %d corpus texts, %d fixed prompt blocks as phrase tokens", len(corpus), len(phrases))
+    return build_tiny_model(out_dir, corpus=corpus, size=size, seed=seed, phrase_tokens=phrases)

@@ -1,0 +1,56 @@
+"""``retool sandbox exec`` and ``retool sandbox check``."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+from typer.testing import CliRunner
+
+from retool.cli import app
+from retool.sandbox import strict_support
+
+KEYS = {"ok", "stdout", "stderr", "returncode", "timed_out", "latency"}
+STRICT_OK, STRICT_WHY = strict_support()
+
+
+def _json_line(output: str) -> dict:
+    lines = [ln for ln in output.splitlines() if ln.startswith("{")]
+    assert len(lines) == 1, output
+    return json.loads(lines[0])
+
+
+def test_exec_subprocess_prints_one_json_line():
+    result = CliRunner().invoke(
+        app, ["sandbox", "exec", "--backend", "subprocess", "--timeout", "5"], input="print('hi')\n1/0\n"
+    )
+    assert result.exit_code == 0, result.output
+    d = _json_line(result.stdout)
+    assert set(d) == KEYS
+    assert d["ok"] is False and d["stdout"] == "hi\n" and "ZeroDivisionError" in d["stderr"]
+    assert d["returncode"] == 1 and d["timed_out"] is False and d["latency"] > 0
+
+
+def test_exec_rejects_unknown_backend():
+    result = CliRunner().invoke(app, ["sandbox", "exec", "--backend", "docker"], input="print(1)")
+    assert result.exit_code == 2
+    assert "invalid sandbox options" in result.output
+
+
+@pytest.mark.bwrap
+@pytest.mark.skipif(not STRICT_OK, reason=f"strict sandbox unavailable here: {STRICT_WHY}")
+def test_exec_forkserver_strict_timeout_and_check():
+    runner = CliRunner()
+    result = runner.invoke(
+        app, ["sandbox", "exec", "--timeout", "1", "--memory-mb", "512"], input="import time\ntime.sleep(9)"
+    )
+    assert result.exit_code == 0, result.output
+    d = _json_line(result.stdout)
+    assert set(d) == KEYS and d["timed_out"] is True and d["returncode"] is None and d["latency"] < 5
+
+    result = runner.invoke(app, ["sandbox", "check"])
+    assert result.exit_code == 0, result.output
+    assert "active profile: strict" in result.output
+    feature_lines = [ln for ln in result.output.splitlines() if ln.strip().startswith("[")]
+    assert len(feature_lines) == 11
+    assert all(ln.strip().startswith("[x]") for ln in feature_lines), result.output

@@ -1,0 +1,145 @@
+"""`retool train` on the tiny local model: end to end on CPU, and SIGKILL at precise points then resume.
+
+The tiny random model solves nothing, so every real reward is -1 and every group degenerate; these runs set
+``RETOOL_TEST_REWARD=parity`` (reward from the parity of the sampled tokens) so that groups are mixed and
+real optimizer steps happen, which is what makes a resumed run's samples depend on restored weights.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+STEPS = 4
+
+
+def _overrides(model_dir: Path, tracker: str = "none") -> list[str]:
+    sets = [
+        f"model.name={model_dir}",
+        "data.train_path=tasks",
+        "data.task_count=40",
+        f"train.steps={STEPS}",
+        "checkpoint.every=1",
+        "checkpoint.keep_last=2",
+        "rollout.questions_per_step=2",
+        "rollout.group_size=4",
+        "rollout.max_tokens_per_turn=24",
+        "rollout.max_assistant_turns=2",
+        "rollout.max_trajectory_tokens=1400",
+        "model.max_context=2048",
+        "backend.micro_batch_tokens=2048",
+        "backend.sample_batch_size=4",
+        "sandbox.workers=1",
+        "sandbox.timeout=5",
+        "reward.verify_workers=1",
+        f"logging.tracker={tracker}",
+        "logging.progress=false",
+    ]
+    return [arg for s in sets for arg in ("--set", s)]
+
+
+def run_train(
+    args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 240
+) -> subprocess.CompletedProcess:
+    env = dict(os.environ)
+    env.update({"RETOOL_TEST_REWARD": "parity", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    env.update(env_extra or {})
+    return subprocess.run(
+        [sys.executable, "-m", "retool.cli", "train", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+
+
+def metrics(run_dir: Path) -> list[dict[str, Any]]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def essentials(rows: list[dict[str, Any]]) -> list[tuple]:
+    return [
+        (r["step"], tuple(r["problem_ids"]), json.dumps(r["rewards"]), r["train/optimizer_stepped"])
+        for r in rows
+    ]
+
+
+@pytest.fixture(scope="module")
+def reference_run(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An uninterrupted run, also the end-to-end check of `retool train` (metrics, TensorBoard, checkpoints)."""
+    run_dir = tmp_path_factory.mktemp("train") / "reference"
+    proc = run_train(
+        ["--config", "tiny", "--run-dir", str(run_dir), *_overrides(tiny_model_dir, "tensorboard")]
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return run_dir
+
+
+def test_tiny_preset_runs_end_to_end(reference_run: Path) -> None:
+    rows = metrics(reference_run)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
+    assert any(r["train/optimizer_stepped"] for r in rows), "no optimizer step happened"
+    assert all(r["tokens/completion"] > 0 for r in rows)
+    assert list((reference_run / "tensorboard").glob("events.out.tfevents.*"))
+    ckpts = sorted(p.name for p in (reference_run / "checkpoints").glob("step_*"))
+    assert ckpts == [f"step_{STEPS - 1:06d}", f"step_{STEPS:06d}"]  # keep_last=2
+    assert (reference_run / "checkpoints" / "latest").read_text().strip() == f"step_{STEPS:06d}"
+    assert (reference_run / "config.toml").is_file()
+    # Every problem of the first epoch is distinct (no repeats within an epoch).
+    ids = [pid for r in rows for pid in r["problem_ids"]]
+    assert len(ids) == len(set(ids))
+
+
+@pytest.mark.parametrize("kill_at", ["rollout:3", "optim:3", "checkpoint:2"])
+def test_sigkill_then_resume_matches_uninterrupted_run(
+    reference_run: Path, tiny_model_dir: Path, tmp_path: Path, kill_at: str
+) -> None:
+    run_dir = tmp_path / "run"
+    killed = run_train(
+        ["--config", "tiny", "--run-dir", str(run_dir), *_overrides(tiny_model_dir)],
+        {"RETOOL_TEST_KILL_AT": kill_at},
+    )
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    phase, step = kill_at.split(":")
+    partial = metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
+    assert len(partial) < STEPS
+    resumed = run_train(["--resume", str(run_dir), "--set", "logging.progress=false"])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no duplicate, no gap
+    assert essentials(rows) == essentials(metrics(reference_run))
+    assert not list((run_dir / "checkpoints").glob(".tmp-*"))
+
+
+def test_sigint_saves_and_exits_cleanly(reference_run: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    stopped = run_train(
+        [
+            "--config",
+            "tiny",
+            "--run-dir",
+            str(run_dir),
+            *_overrides(tiny_model_dir),
+            "--set",
+            "checkpoint.every=10",
+        ],
+        {"RETOOL_TEST_SIGINT_AT": "rollout:2"},
+    )
+    assert stopped.returncode == 0, stopped.stderr[-3000:]
+    assert "resume with" in stopped.stdout
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
+    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
+
+
+def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
+    proc = run_train(["--config", "no-such-preset"])
+    assert proc.returncode == 2 and "no config file or preset" in proc.stderr
+    proc = run_train(["--resume", str(tmp_path / "nothing")])
+    assert proc.returncode == 2 and "no run to resume" in proc.stderr
