@@ -3,7 +3,8 @@
 Prints, side by side in one run:
 - sampling tokens/s: sequential requests vs concurrent requests gathered into one batched generation;
 - forward_backward tokens/s (ppo) with dynamic packing vs one-datum micro-batches;
-- the packer's padding efficiency (real / padded tokens) vs fixed-size batches in arrival order.
+- the packer's padding efficiency (real / padded tokens) vs greedy sorted filling and fixed-size batches
+  in arrival order.
 
 Usage: python bench/backend.py [--size test|demo] [--device cpu|cuda] [--samples 16] [--tokens 48] [--threads 1]
 """
@@ -99,8 +100,8 @@ def main() -> None:
 
         area = 4096
         packed = pack_micro_batches(lengths, area)
-        fixed_rows = max(1, area // max(lengths))
         naive = [list(range(i, min(i + 8, len(lengths)))) for i in range(0, len(lengths), 8)]
+        greedy = _greedy_sorted(lengths, area)
         print(
             f"model: {model if args.model else 'tiny-' + args.size}  device: {client.device}  dtype: {client.dtype}"
         )
@@ -133,10 +134,25 @@ def main() -> None:
             f"in {len(packed)} micro-batches"
         )
         print(
+            f"  greedy sorted fill (same area):      {padding_efficiency(lengths, greedy):.3f} "
+            f"in {len(greedy)} micro-batches"
+        )
+        print(
             f"  arrival order, 8 rows per batch:     {padding_efficiency(lengths, naive):.3f} "
             f"in {len(naive)} micro-batches"
         )
-        print(f"  (fixed rows fitting the longest: {fixed_rows} per batch)")
+
+
+def _greedy_sorted(lengths: list[int], area: int) -> list[list[int]]:
+    """Baseline: sort longest first and fill each micro-batch until the area is reached."""
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= area:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
 
 
 if __name__ == "__main__":

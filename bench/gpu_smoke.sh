@@ -102,7 +102,9 @@ expected = client.forward(datums, "ppo").loss
 fresh = LocalTrainingClient(model_dir, lora=lora, device=device, seed=1, checkpoint_dir=tmp / "ckpt")
 fresh.load_state(path)
 got = fresh.forward(datums, "ppo").loss
-check(got == expected, f"save/load reproduces the loss ({got!r} vs {expected!r})")
+# exact on CPU; on CUDA allow kernel-selection noise between two model instances
+same = got == expected if not cuda else abs(got - expected) <= 1e-5 * max(1.0, abs(expected))
+check(same, f"save/load reproduces the loss ({got!r} vs {expected!r})")
 del fresh
 if cuda:
     torch.cuda.empty_cache()

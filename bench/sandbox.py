@@ -62,8 +62,8 @@ def measure(ex: Executor, name: str, code: str, n_seq: int, n_par: int) -> dict[
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n-seq", type=int, default=20, help="sequential calls per task (latency)")
-    ap.add_argument("--n-par", type=int, default=16, help="calls with 2 in flight (throughput), subprocess")
+    ap.add_argument("--n-seq", type=int, default=15, help="sequential calls per task (latency)")
+    ap.add_argument("--n-par", type=int, default=12, help="calls with 2 in flight (throughput), subprocess")
     ap.add_argument("--par-factor", type=int, default=4, help="the fork-server does n-par x this many")
     ap.add_argument("--isolation", default="strict", choices=["strict", "none"])
     args = ap.parse_args(argv)

@@ -185,3 +185,11 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
         load_inputs([junk])
     result = CliRunner().invoke(app, ["analyze", str(junk), "--out", str(tmp_path / "o")])
     assert result.exit_code == 2 and "junk.jsonl" in result.output
+
+
+def test_checkpoint_labels_drop_generic_path_parts() -> None:
+    from retool.analyze.report import _short
+
+    assert _short("runs/r1/checkpoints/step_000050/backend") == "r1/step_000050"
+    assert _short("tinker://abc/weights/7") == "abc/7"
+    assert _short("step_3") == "step_3"

@@ -117,6 +117,32 @@ def test_pack_micro_batches_respects_area_and_covers_everything() -> None:
     assert eff > one  # sorting by length wastes less than one big padded batch
 
 
+def _greedy(lengths: list[int], area: int) -> list[list[int]]:
+    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
+    batches: list[list[int]] = []
+    for i in order:
+        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= area:
+            batches[-1].append(i)
+        else:
+            batches.append([i])
+    return batches
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_packer_uses_fewest_batches_and_least_padding(seed: int) -> None:
+    import random
+
+    rng = random.Random(seed)
+    lengths = [min(int(rng.lognormvariate(4.3, 0.7)), 700) + 4 for _ in range(40)]
+    area = rng.choice([512, 1024, 4096])
+    packed = pack_micro_batches(lengths, area)
+    greedy = _greedy(lengths, area)
+    assert len(packed) == len(greedy)  # greedy filling is count-optimal; so is the packer
+    assert padding_efficiency(lengths, packed) >= padding_efficiency(lengths, greedy) - 1e-12
+    for b in packed:
+        assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= area
+
+
 def test_pack_micro_batches_errors() -> None:
     with pytest.raises(ValueError):
         pack_micro_batches([1, 2], 0)

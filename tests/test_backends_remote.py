@@ -350,6 +350,16 @@ def test_optim_step_maps_adam_params(remote: tuple[Any, Recorder, str]) -> None:
     assert res.grad_norm == 1.5 and client.step == 1
 
 
+def test_build_model_aliases_and_drops() -> None:
+    from retool.backends.remote import build_model
+
+    class LrAdam(_Model):
+        model_fields: ClassVar[dict[str, Any]] = {"lr": 1e-4, "beta1": 0.9}
+
+    p = build_model(LrAdam, learning_rate=3e-5, beta1=0.8, grad_clip_norm=0.0)
+    assert p.lr == 3e-5 and p.beta1 == 0.8
+
+
 def test_sampling_client_and_stop_handling(remote: tuple[Any, Recorder, str]) -> None:
     client, rec, _kind = remote
     client.tokenizer = types.SimpleNamespace(eos_token="<|im_end|>", eos_token_id=2)
@@ -370,6 +380,12 @@ def test_sampling_client_and_stop_handling(remote: tuple[Any, Recorder, str]) ->
     assert [c[1][2].stop for c in rec.calls if c[0] == "sample"][-1] is None  # None keeps the service's EOS
     sampler.sample([1], 1, SamplingParams(max_tokens=4, stop=(7,)))
     assert [c[1][2].stop for c in rec.calls if c[0] == "sample"][-1] == [7, 2]
+    # max_tokens is capped by the model context (config model.max_context = 8192)
+    sampler.sample([1] * 8190, 1, SamplingParams(max_tokens=100))
+    assert [c[1][2].max_tokens for c in rec.calls if c[0] == "sample"][-1] == 2
+    n_calls = rec.names().count("sample")
+    full = sampler.sample([1] * 8192, 2, SamplingParams(max_tokens=100))
+    assert [s.stop_reason for s in full] == ["length", "length"] and rec.names().count("sample") == n_calls
 
 
 def test_missing_logprobs_is_a_clear_error(remote: tuple[Any, Recorder, str]) -> None:

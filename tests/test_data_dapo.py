@@ -136,6 +136,9 @@ def test_missing_file_and_unknown_source_raise_data_error(tmp_path: Path) -> Non
     src = write_lines(tmp_path / "d.jsonl", [json.dumps(dapo_row("Q?", 1))])
     with pytest.raises(DataError, match="dev split"):
         prepare_dapo(src, tmp_path / "o", dev_size=50)
+    (tmp_path / "a_file").write_text("x")
+    with pytest.raises(DataError, match="cannot write"):
+        prepare_dapo(src, tmp_path / "a_file", dev_size=0)
 
 
 def test_parquet_without_pyarrow_says_how_to_fix(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -9,6 +9,7 @@ resulting eval is checked against values computed by hand from the script. The s
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import json
 import os
 import re
@@ -187,7 +188,12 @@ def test_retool_mode_metrics_by_hand(tokenizer: Any, tmp_path: Path) -> None:
     assert "code_interpreter" in sampler.prompts[0]  # the tool is registered
     records = {r["id"]: r for r in map(json.loads, (tmp_path / "r.jsonl").read_text().splitlines())}
     rec = records["p1"]
-    assert sorted(records) == ["p1", "p2", "p3"] and [c["answer"] for c in rec["candidates"]] == ["70", "70", "71", None]
+    assert sorted(records) == ["p1", "p2", "p3"] and [c["answer"] for c in rec["candidates"]] == [
+        "70",
+        "70",
+        "71",
+        None,
+    ]
     assert [c["code_calls"] for c in rec["candidates"]] == [1, 2, 0, 0]
 
 
@@ -223,29 +229,32 @@ async def open_backend(config, checkpoint):
     return None, T.FakeSampler(tok, fmt, "retool", kill_at_request=kill_at), tok
 
 runner._open_backend = open_backend
-import retool.data
-if not hasattr(retool.data, "load_problems"):  # the data stage is built by another engineer in parallel
-    import json
-    from retool.data.problem import Problem
-
-    def load_problems(path, **kw):
-        rows = [json.loads(x) for x in open(path) if x.strip()]
-        return [Problem(id=str(r["id"]), question=r["question"], answer=str(r["answer"])) for r in rows]
-
-    retool.data.load_problems = load_problems
 runner._make_executor = lambda config: T.FakeExecutor()
 from retool.cli import app
 app(sys.argv[1:], prog_name="retool")
 """
 
 
-def _child(
-    tmp: Path, tokenizer_dir: Path, args: list[str], kill_at: int | None
-) -> subprocess.CompletedProcess:
+def _child(tmp: Path, tokenizer_dir: Path, args: list[str], kill_at: int | None) -> tuple[int, str, str]:
+    """Run ``retool eval`` in a child process; (returncode, stdout, stderr).
+
+    Output goes to files, not pipes, and the child gets its own session: after a SIGKILL, helper
+    processes it started may outlive it for a moment, and must neither hold our pipes open nor leak.
+    """
     script = tmp / f"child_{kill_at}.py"
     tests = str(Path(__file__).parent)
     script.write_text(CHILD.format(tests=tests, tokenizer_dir=str(tokenizer_dir), kill_at=kill_at))
-    return subprocess.run([sys.executable, str(script), *args], capture_output=True, text=True, timeout=600)
+    out_path, err_path = tmp / f"child_{kill_at}.out", tmp / f"child_{kill_at}.err"
+    with out_path.open("w") as out, err_path.open("w") as err:
+        proc = subprocess.Popen(
+            [sys.executable, str(script), *args], stdout=out, stderr=err, start_new_session=True
+        )
+        try:
+            rc = proc.wait(timeout=600)
+        finally:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(proc.pid, signal.SIGKILL)  # only the group this test started
+    return rc, out_path.read_text(), err_path.read_text()
 
 
 @pytest.mark.slow
@@ -279,15 +288,15 @@ def test_eval_sigkill_resume(tokenizer: Any, shared_data: Path, tmp_path: Path) 
         "rollout.max_tokens_per_turn=256",
     ]
     tok_dir = shared_data / "tokenizers" / "Qwen2.5-Instruct"
-    killed = _child(tmp_path, tok_dir, args, kill_at=3)  # dies asking for problem 3's first turn
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-2000:]
+    rc, _, err = _child(tmp_path, tok_dir, args, kill_at=3)  # dies asking for problem 3's first turn
+    assert rc == -signal.SIGKILL, err[-2000:]
     done = [json.loads(line)["id"] for line in out.read_text().splitlines()]
     assert done == ["p1", "p2"]
     with out.open("a") as fh:  # and a torn write on top
         fh.write('{"id": "p3", "index": 2, "candidates": [{"ans')
-    resumed = _child(tmp_path, tok_dir, args, kill_at=None)
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert "Average@4" in resumed.stdout
+    rc, out_text, err = _child(tmp_path, tok_dir, args, kill_at=None)
+    assert rc == 0, err[-3000:]
+    assert "Average@4" in out_text
     final = json.loads(out.with_suffix(".summary.json").read_text())
     assert [json.loads(line)["id"] for line in out.read_text().splitlines()] == ["p1", "p2", "p3"]
     # The uninterrupted run (in this process, through the library).
@@ -295,3 +304,30 @@ def test_eval_sigkill_resume(tokenizer: Any, shared_data: Path, tmp_path: Path) 
     assert final["status"] == whole["status"] == "complete"
     assert final["metrics"] == whole["metrics"]
     assert final["timing"]["sessions"] == 2
+
+
+@pytest.mark.slow
+def test_evaluate_local_backend_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
+    """The real path: local backend sampler, ChatProtocol, forkserver sandbox; results independent of how
+    many problems run at once (per-problem seeds), and a rerun of a finished eval does nothing."""
+    from retool.evaluate import evaluate
+
+    cfg = _problem_cfg()
+    cfg.model.name = str(tiny_model_dir)
+    cfg.backend.device = "cpu"
+    cfg.rollout.max_tokens_per_turn = 16
+    cfg.sandbox.workers = 1
+    probs = [Problem(id=f"t{i}", question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(3)]
+    kw = {"mode": "retool", "dataset": "toy", "val_n": 2, "problems": probs}
+    a = evaluate(cfg, output=tmp_path / "a.jsonl", concurrency=1, **kw)
+    b = evaluate(cfg, output=tmp_path / "b.jsonl", concurrency=3, **kw)
+    assert a["status"] == b["status"] == "complete" and a["metrics"]["candidates"] == 6
+    assert a["settings"]["tool_format"] == "hermes" and a["settings"]["model"] == str(tiny_model_dir)
+
+    def texts(p: Path) -> dict:
+        rows = [json.loads(line) for line in p.read_text().splitlines()]
+        return {r["id"]: [c["final_text_tail"] for c in r["candidates"]] for r in rows}
+
+    assert texts(tmp_path / "a.jsonl") == texts(tmp_path / "b.jsonl")
+    again = evaluate(cfg, output=tmp_path / "a.jsonl", concurrency=2, **kw)
+    assert again["metrics"] == a["metrics"] and again["timing"]["sessions"] == 2

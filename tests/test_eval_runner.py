@@ -241,3 +241,79 @@ def test_store_keeps_complete_line_without_newline(tmp_path: Path) -> None:
 def test_summary_path_for() -> None:
     assert summary_path_for("r/x.jsonl") == Path("r/x.summary.json")
     assert summary_path_for("r/x.out") == Path("r/x.out.summary.json")
+
+
+def test_resolve_named_dataset_prefers_local_dir(shared_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from retool.evaluate.runner import resolve_dataset
+
+    problems, source = resolve_dataset("aime2025", shared_data)
+    assert source == str(shared_data / "aime2025.jsonl") and len(problems) == 30
+    assert problems[0].id == "2025-I-1" and problems[0].answer == "70"
+    monkeypatch.setenv("RETOOL_DATA_DIR", str(shared_data))
+    problems, source = resolve_dataset("math500")
+    assert source.endswith("math500.jsonl") and len(problems) == 500
+    assert len({p.id for p in problems}) == 500 and "/" in problems[0].id  # MATH's unique_id paths
+
+
+def test_resolve_missing_path_is_a_data_error(tmp_path: Path) -> None:
+    from retool.data import DataError
+    from retool.evaluate.runner import resolve_dataset
+
+    with pytest.raises(DataError):
+        resolve_dataset(str(tmp_path / "nope.jsonl"))
+
+
+def test_cli_refuses_mismatched_resume_before_loading_a_model(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from retool.cli import app
+
+    data = tmp_path / "probs.jsonl"
+    data.write_text("".join(json.dumps(p.to_dict()) + "\n" for p in PROBLEMS))
+    out = tmp_path / "e.jsonl"
+    run(out, identity={"model": "no-such-model", "dataset": str(data)})
+    before = out.read_bytes()
+    args = [
+        "eval",
+        "--mode",
+        "retool",
+        "--model",
+        "no-such-model",
+        "--dataset",
+        str(data),
+        "--val-n",
+        "5",
+        "-o",
+        str(out),
+    ]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2, result.output
+    assert "val_n: 4 -> 5" in result.output and "Traceback" not in result.output
+    assert out.read_bytes() == before
+    bad = CliRunner().invoke(
+        app, ["eval", "--mode", "tools", "--dataset", str(data), "-o", str(tmp_path / "x.jsonl")]
+    )
+    assert bad.exit_code == 2 and "--mode" in bad.output
+
+
+def test_resolve_checkpoint_from_run_layout(tmp_path: Path) -> None:
+    from retool.evaluate.runner import resolve_checkpoint
+
+    ckpts = tmp_path / "run" / "checkpoints"
+    for step in ("step_000005", "step_000010"):
+        (ckpts / step / "backend").mkdir(parents=True)
+        (ckpts / step / "trainer_state.json").write_text(
+            json.dumps({"step": int(step[-2:]), "backend_state": "backend", "backend_state_is_local": True})
+        )
+    (ckpts / "latest").write_text("step_000010\n")
+    want = str(ckpts / "step_000010" / "backend")
+    assert resolve_checkpoint(str(tmp_path / "run")) == want
+    assert resolve_checkpoint(str(ckpts)) == want
+    assert resolve_checkpoint(str(ckpts / "step_000005")) == str(ckpts / "step_000005" / "backend")
+    assert resolve_checkpoint(str(ckpts / "step_000005" / "backend")) == str(
+        ckpts / "step_000005" / "backend"
+    )
+    assert resolve_checkpoint("tinker://run-1/weights/5") == "tinker://run-1/weights/5"
+    (ckpts / "latest").write_text("step_000099\n")
+    with pytest.raises(EvalError, match="not a complete checkpoint"):
+        resolve_checkpoint(str(tmp_path / "run"))

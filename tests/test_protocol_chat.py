@@ -253,3 +253,37 @@ def test_markdown_stop_string_in_completion(qwen_tokenizers: dict, tiny_tokenize
     assert texts[0].endswith(proto.stop_strings[0])
     built, full = _run_trajectory(proto, texts, emit_eot=False)
     assert built == full
+
+
+# A ChatML template that, like Qwen3 before the last user query, drops the reasoning of earlier turns.
+DROPS_REASONING = (
+    "{%- for m in messages -%}"
+    "{%- if m.role == 'assistant' and not loop.last and '</think>' in m.content -%}"
+    "{{- '<|im_start|>assistant\\n' + m.content.split('</think>')[-1].lstrip('\\n') + '<|im_end|>\\n' -}}"
+    "{%- elif m.role == 'tool' -%}"
+    "{{- '<|im_start|>user\\n<tool_response>\\n' + m.content + '\\n</tool_response><|im_end|>\\n' -}}"
+    "{%- else -%}"
+    "{{- '<|im_start|>' + m.role + '\\n' + m.content + '<|im_end|>\\n' -}}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    "{#- calls: <tool_call> -#}"
+)
+
+
+def test_synthetic_template_dropping_reasoning(tiny_tokenizer: Any) -> None:
+    proto = ChatProtocol(tiny_tokenizer, chat_template=DROPS_REASONING)
+    assert isinstance(proto.fmt, HermesJsonFormat)
+    # Without reasoning the template is append-only ...
+    built, full = _run_trajectory(proto, _turn_texts(proto, None), emit_eot=True)
+    assert built == full
+    # ... with reasoning it rewrites earlier turns, and that is reported instead of a silent mismatch.
+    with pytest.raises(TemplateNotAppendOnlyError, match="not append-only"):
+        _run_trajectory(proto, _turn_texts(proto, "open"), emit_eot=True)
+
+
+def test_template_not_rendering_content_verbatim(tiny_tokenizer: Any) -> None:
+    upper = DROPS_REASONING.replace("m.content + '<|im_end|>", "(m.content | upper) + '<|im_end|>")
+    proto = ChatProtocol(tiny_tokenizer, chat_template=upper)
+    with pytest.raises(TemplateNotAppendOnlyError, match="cannot locate the end of an assistant turn"):
+        proto.closing_text(proto.initial_messages("q"))

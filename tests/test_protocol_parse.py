@@ -230,3 +230,36 @@ def test_detect_format_from_templates(qwen_tokenizers: dict) -> None:
     assert isinstance(
         detect_format(_Tok({"default": "x", "tool_use": "<tool_call>{{ tools }}"})), HermesJsonFormat
     )
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_render_parse_round_trip_fuzz(fmt: ToolFormat) -> None:
+    """Random code either round-trips exactly or is refused by render_call; never silently altered."""
+    import random
+
+    rng = random.Random(1234)
+    alphabet = [
+        *"abcxyz0123 \t\n\n()[]{}:=+-*/<>'\"\\#é中`",
+        "</tool_call>",
+        "<tool_call>",
+        "```",
+        "</think>",
+    ]
+    refused = 0
+    for _ in range(400):
+        code = "".join(rng.choice(alphabet) for _ in range(rng.randint(1, 40)))
+        try:
+            text = fmt.render_call(code)
+        except ValueError:
+            refused += 1
+            continue
+        p = _parse(fmt, text)
+        assert p.kind == "tool" and p.code == code
+    assert refused < 400  # most random code is carried
+
+
+@pytest.mark.parametrize("fmt", FORMATS, ids=IDS)
+def test_render_call_refuses_own_syntax(fmt: ToolFormat) -> None:
+    bad = {"hermes": "print('</tool_call>')", "qwen_xml": "s = '<parameter=x>'", "markdown": "print('```')"}
+    with pytest.raises(ValueError, match="cannot be carried"):
+        fmt.render_call(bad[fmt.name])

@@ -58,6 +58,13 @@ def test_non_equivalent(pred: str, ref: str) -> None:
     assert check_equivalence(pred, ref)[1] == "ok"  # a wrong answer is not a verifier error
 
 
+def test_math_verify_exceptions_are_errors_not_wrong_answers() -> None:
+    equivalent, status, detail = check_equivalence("9" * 5000, "7")
+    assert (equivalent, status) == (False, "error")
+    assert detail.startswith("parse:")
+    assert answers_equivalent("9" * 5000, "7") is False
+
+
 def test_score_answer_in_process_uses_last_300_chars() -> None:
     good = score_answer("reasoning ... so \\boxed{\\frac{1}{2}}", "0.5")
     assert (good.reward, good.correct, good.valid_format, good.answer, good.status) == (
@@ -79,3 +86,14 @@ def test_score_answer_in_process_uses_last_300_chars() -> None:
     # A box earlier than the last 300 characters does not count.
     early = score_answer("\\boxed{4}" + " filler" * 60, "4")
     assert early.status == "no_answer" and early.reward == -1.0
+
+
+def test_in_process_check_works_off_the_main_thread() -> None:
+    # math-verify's default timeout uses signal.alarm, which raises in a non-main thread; ours never does.
+    import threading
+
+    results: list[bool] = []
+    thread = threading.Thread(target=lambda: results.append(answers_equivalent("1/2", "0.5")))
+    thread.start()
+    thread.join()
+    assert results == [True]

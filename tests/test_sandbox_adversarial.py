@@ -66,19 +66,33 @@ def _descendants(roots: list[int]) -> dict[int, int]:
     return out
 
 
-def _sandboxed_processes(ex: ForkServerExecutor) -> list[int]:
-    """Processes running model code (unprivileged uid) under this executor's servers."""
-    return [pid for pid, uid in _descendants(ex.server_pids()).items() if uid != 0]
+def _is_python(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/comm").read_text().startswith("python")
+    except OSError:
+        return False
 
 
 def _server_python_pids(ex: ForkServerExecutor) -> list[int]:
+    """The fork-server interpreters: the top-most python processes under each bwrap."""
+    table = _proc_table()
+    return [
+        pid for pid in _descendants(ex.server_pids()) if _is_python(pid) and not _is_python(table[pid][0])
+    ]
+
+
+def _sandboxed_processes(ex: ForkServerExecutor) -> list[int]:
+    """Processes running model code: everything under the executor's bwrap processes except bwrap's own
+    init and the fork-servers (orphans re-parented to bwrap's init count too). Root and userns mode alike."""
+    servers = set(_server_python_pids(ex))
     out = []
     for pid in _descendants(ex.server_pids()):
         try:
-            if Path(f"/proc/{pid}/comm").read_text().startswith("python"):
-                out.append(pid)
+            comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:
-            pass
+            continue
+        if pid not in servers and comm != "bwrap":
+            out.append(pid)
     return out
 
 

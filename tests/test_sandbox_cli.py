@@ -54,3 +54,19 @@ def test_exec_forkserver_strict_timeout_and_check():
     feature_lines = [ln for ln in result.output.splitlines() if ln.strip().startswith("[")]
     assert len(feature_lines) == 11
     assert all(ln.strip().startswith("[x]") for ln in feature_lines), result.output
+
+
+def test_exec_sandboxfusion_against_fake_service():
+    from test_sandbox_sandboxfusion import FakeSandboxFusion
+
+    fake = FakeSandboxFusion()
+    try:
+        result = CliRunner().invoke(
+            app, ["sandbox", "exec", "--backend", "sandboxfusion", "--url", fake.url], input="print(1)"
+        )
+    finally:
+        fake.close()
+    assert result.exit_code == 0, result.output
+    d = _json_line(result.stdout)
+    assert set(d) == KEYS and d["ok"] is True and d["stdout"] == "1\n"
+    assert fake.requests[0]["code"] == "print(1)"

@@ -225,7 +225,7 @@ def test_close_strict_leaves_no_process(tmp_path, monkeypatch):
 
 
 def test_strict_unavailable_falls_back_loudly(monkeypatch, caplog):
-    monkeypatch.setattr(fs_mod, "strict_support", lambda: (False, "testing: no namespaces"))
+    monkeypatch.setattr(fs_mod, "strict_mode", lambda: (None, "testing: no namespaces"))
     with (
         pytest.warns(RuntimeWarning, match="SANDBOX NOT ISOLATED.*testing: no namespaces"),
         ForkServerExecutor(timeout=2.0, workers=1, isolation="strict", preimport=[]) as ex,
@@ -293,3 +293,28 @@ def test_servers_survive_the_thread_that_created_them():
         time.sleep(0.2)
         r = ex.run("print('still here')")
         assert r.ok and ex.server_pids() == pids  # the same server answered: no restart was needed
+
+
+def test_strict_server_failing_to_start_falls_back_loudly(monkeypatch):
+    monkeypatch.setattr(fs_mod, "strict_mode", lambda: ("privileged", "pretend"))
+    monkeypatch.setattr(fs_mod, "find_bwrap", lambda: "/bin/false")  # a "bwrap" that cannot start anything
+    with (
+        pytest.warns(RuntimeWarning, match="SANDBOX NOT ISOLATED.*failed to start"),
+        ForkServerExecutor(timeout=2.0, workers=2, isolation="strict", preimport=[]) as ex,
+    ):
+        assert ex.isolation == "none" and ex.strict_mode is None
+        assert ex.run("print(5)").stdout == "5\n"
+
+
+def test_atexit_nul_bytes_and_multiprocessing(light):
+    assert light.run("import atexit; atexit.register(print, 'bye'); print('hi')").stdout == "hi\nbye\n"
+    r = light.run("print(1)\x00")
+    assert not r.ok and "null bytes" in r.stderr
+
+
+@needs_strict
+def test_strict_multiprocessing_pool_works():
+    with ForkServerExecutor(timeout=5.0, workers=1, isolation="strict", preimport=[]) as ex:
+        r = ex.run("import multiprocessing as mp\nwith mp.Pool(2) as p:\n    print(p.map(abs, [-1, -2]))")
+        assert r.ok and r.stdout == "[1, 2]\n", r
+        assert ex.run("import os; print(os.listdir('/dev/shm'))").stdout == "[]\n"  # fresh per call

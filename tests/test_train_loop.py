@@ -116,7 +116,9 @@ def fake_config(steps: int = 6, every: int = 2, keep: int = 2) -> Config:
     )
 
 
-def make_trainer(cfg: Config, run_dir: Path, resume: bool = False, client: FakeClient | None = None) -> Trainer:
+def make_trainer(
+    cfg: Config, run_dir: Path, resume: bool = False, client: FakeClient | None = None
+) -> Trainer:
     return Trainer(
         cfg,
         run_dir,
@@ -135,7 +137,9 @@ def read_metrics(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def essentials(rows: list[dict[str, Any]]) -> list[tuple]:
-    return [(r["step"], tuple(r["problem_ids"]), json.dumps(r["rewards"]), r["policy/grad_norm"]) for r in rows]
+    return [
+        (r["step"], tuple(r["problem_ids"]), json.dumps(r["rewards"]), r["policy/grad_norm"]) for r in rows
+    ]
 
 
 def test_problem_stream_is_deterministic_and_resumable() -> None:
@@ -163,8 +167,16 @@ def test_loop_writes_one_metrics_line_per_step_and_keeps_last_checkpoints(tmp_pa
     assert client.optim_steps == len(stepped) > 0
     for r in rows:
         assert len(r["problem_ids"]) == 3 and len(r["rewards"]) == 3
-        for key in ("task/reward_mean", "task/degenerate_group_rate", "tool/self_correction_rate",
-                    "env/exec_success_rate", "stop/answer", "time/rollout", "time/train", "tokens/completion"):
+        for key in (
+            "task/reward_mean",
+            "task/degenerate_group_rate",
+            "tool/self_correction_rate",
+            "env/exec_success_rate",
+            "stop/answer",
+            "time/rollout",
+            "time/train",
+            "tokens/completion",
+        ):
             assert key in r
     # 10 problems, 3 per step: steps 1-3 and the first of step 4 are epoch 0, all distinct.
     first_epoch = [pid for r in rows[:3] for pid in r["problem_ids"]]

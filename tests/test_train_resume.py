@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-STEPS = 4
+STEPS = 3
 
 
 def _overrides(model_dir: Path, tracker: str = "none") -> list[str]:
@@ -28,15 +28,16 @@ def _overrides(model_dir: Path, tracker: str = "none") -> list[str]:
         f"train.steps={STEPS}",
         "checkpoint.every=1",
         "checkpoint.keep_last=2",
-        "rollout.questions_per_step=2",
+        "rollout.questions_per_step=1",
         "rollout.group_size=4",
-        "rollout.max_tokens_per_turn=24",
+        "rollout.max_tokens_per_turn=16",
         "rollout.max_assistant_turns=2",
         "rollout.max_trajectory_tokens=1400",
         "model.max_context=2048",
         "backend.micro_batch_tokens=2048",
         "backend.sample_batch_size=4",
         "sandbox.workers=1",
+        "sandbox.preimport=[]",
         "sandbox.timeout=5",
         "reward.verify_workers=1",
         f"logging.tracker={tracker}",
@@ -97,45 +98,34 @@ def test_tiny_preset_runs_end_to_end(reference_run: Path) -> None:
     assert len(ids) == len(set(ids))
 
 
-@pytest.mark.parametrize("kill_at", ["rollout:3", "optim:3", "checkpoint:2"])
-def test_sigkill_then_resume_matches_uninterrupted_run(
-    reference_run: Path, tiny_model_dir: Path, tmp_path: Path, kill_at: str
+@pytest.mark.slow
+def test_sigkill_at_any_point_then_resume_matches_uninterrupted_run(
+    reference_run: Path, tiny_model_dir: Path, tmp_path: Path
 ) -> None:
+    """One run killed three times: mid-rollout of step 2, then (resumed) between the backward passes and
+    the optimizer step of step 3, then (resumed again) inside the checkpoint of step 3; the last resume
+    finishes. Data order, rewards and optimizer steps equal the uninterrupted run's."""
     run_dir = tmp_path / "run"
-    killed = run_train(
-        ["--config", "tiny", "--run-dir", str(run_dir), *_overrides(tiny_model_dir)],
-        {"RETOOL_TEST_KILL_AT": kill_at},
-    )
-    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
-    phase, step = kill_at.split(":")
-    partial = metrics(run_dir) if (run_dir / "metrics.jsonl").exists() else []
-    assert len(partial) < STEPS
-    resumed = run_train(["--resume", str(run_dir), "--set", "logging.progress=false"])
-    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    first = ["--config", "tiny", "--run-dir", str(run_dir), *_overrides(tiny_model_dir)]
+    resume = ["--resume", str(run_dir), "--set", "logging.progress=false"]
+    for args, kill_at, done_before in (
+        (first, "rollout:2", 1),
+        (resume, "optim:3", 2),
+        (resume, "checkpoint:3", 2),
+    ):
+        killed = run_train(args, {"RETOOL_TEST_KILL_AT": kill_at})
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        rows = metrics(run_dir)
+        # The killed step's line may or may not be there; the resume decides, from the checkpoint.
+        assert [r["step"] for r in rows][:done_before] == list(range(1, done_before + 1))
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert latest == f"step_{done_before:06d}", kill_at
+    finished = run_train(resume)
+    assert finished.returncode == 0, finished.stderr[-3000:]
     rows = metrics(run_dir)
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))  # no duplicate, no gap
     assert essentials(rows) == essentials(metrics(reference_run))
     assert not list((run_dir / "checkpoints").glob(".tmp-*"))
-
-
-def test_sigint_saves_and_exits_cleanly(reference_run: Path, tiny_model_dir: Path, tmp_path: Path) -> None:
-    run_dir = tmp_path / "run"
-    stopped = run_train(
-        [
-            "--config",
-            "tiny",
-            "--run-dir",
-            str(run_dir),
-            *_overrides(tiny_model_dir),
-            "--set",
-            "checkpoint.every=10",
-        ],
-        {"RETOOL_TEST_SIGINT_AT": "rollout:2"},
-    )
-    assert stopped.returncode == 0, stopped.stderr[-3000:]
-    assert "resume with" in stopped.stdout
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_000002"
-    assert [r["step"] for r in metrics(run_dir)] == [1, 2]
 
 
 def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:

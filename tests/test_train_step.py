@@ -94,7 +94,9 @@ def test_mask_with_the_real_rollout_types() -> None:
 
     traj, sampled_positions, _ = three_turn_trajectory()
     real = rollout.Trajectory(problem=Problem("p", "q", "1"), group_index=0)
-    real.turns = [rollout.AssistantTurn(t.prompt_tokens, t.completion_tokens, t.logprobs, "x") for t in traj.turns]
+    real.turns = [
+        rollout.AssistantTurn(t.prompt_tokens, t.completion_tokens, t.logprobs, "x") for t in traj.turns
+    ]
     datum = build_datum(real, advantage=-0.5)
     assert {i + 1 for i, a in enumerate(datum.advantages) if a != 0.0} == sampled_positions
     assert len(datum) == len(real.full_tokens()) - 1
@@ -213,7 +215,9 @@ class RecordingClient:
     async def forward_backward_async(self, datums, loss_fn, loss_config=None) -> ForwardBackwardResult:
         self.calls.append(list(datums))
         n = sum(1 for d in datums for w in d.weights if w)
-        return ForwardBackwardResult(loss=float(len(datums)), trained_tokens=n, ratio_mean=1.0, clip_fraction=0.25)
+        return ForwardBackwardResult(
+            loss=float(len(datums)), trained_tokens=n, ratio_mean=1.0, clip_fraction=0.25
+        )
 
     async def optim_step_async(self, adam: AdamParams) -> OptimStepResult:
         self.optim_steps += 1

@@ -35,6 +35,7 @@ class BackendConfig(_Section):
     base_url: str | None = None  # remote services; credentials come from their usual env variables
     micro_batch_tokens: int = 8192  # padded area (rows x longest row) of one micro-batch
     sample_batch_size: int = 32  # sequences generated together by the local sampler
+    cpu_threads: int = 0  # torch CPU threads for the local backend (0: torch's default; 1 is fastest on a busy CPU)
 
 
 class LoraConfig(_Section):

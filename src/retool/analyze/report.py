@@ -187,9 +187,15 @@ def load_inputs(paths: list[Path]) -> tuple[list[EvalResult], list[TrainingLog]]
     return evals, logs
 
 
+# Path components that say nothing about which checkpoint it is (the train/backends layouts).
+_GENERIC_PARTS = frozenset({"checkpoints", "backend", "state", "weights"})
+
+
 def _short(value: str) -> str:
+    """``runs/r1/checkpoints/step_000050/backend`` -> ``r1/step_000050``; URIs and names stay readable."""
     parts = [p for p in str(value).replace("\\", "/").rstrip("/").split("/") if p]
-    return "/".join(parts[-2:]) if parts else str(value)
+    meaningful = [p for p in parts if p not in _GENERIC_PARTS] or parts
+    return "/".join(meaningful[-2:]) if meaningful else str(value)
 
 
 def _assign_labels(evals: list[EvalResult]) -> None:

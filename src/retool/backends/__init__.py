@@ -89,6 +89,7 @@ def make_training_client(config: Config) -> TrainingClient:
             sample_batch_size=config.backend.sample_batch_size,
             checkpoint_dir=Path(config.train.run_dir) / "checkpoints",
             max_context=config.model.max_context,
+            num_threads=config.backend.cpu_threads or None,
         )
         if config.backend.sampler == "vllm":
             from retool.backends.vllm_sampler import attach_vllm_sampler

@@ -13,8 +13,21 @@ logprobs match the sampler's to float precision (ratio 1).
 Concurrent ``sample_async`` calls are gathered for a few milliseconds and run as one batched generation of
 up to ``sample_batch_size`` sequences (see ``retool.backends.generation``).
 
+Seeds: sample ``i`` of a request with ``seed=s`` uses its own generator seeded from ``(s, i)``, so the
+result does not depend on what else shares the batch; unseeded requests draw seeds from the client's RNG
+(seeded by ``seed`` and saved with the state).
+
 Reduction follows Tinker: per-token losses times datum weights are SUMMED over tokens and datums; the
-training loop puts its normalisation into the weights.
+training loop puts its normalisation into the weights. Datums are packed into micro-batches by padded
+area (``micro_batch_tokens``), padded on the right with an attention mask; gradients accumulate until
+``optim_step`` (AdamW; the grad-norm clip applies to the accumulated gradient). Training forwards run in
+train mode, so LoRA dropout > 0 makes the ratio differ from 1 even on-policy.
+
+``save_state(name)`` writes a folder (``checkpoint_dir/name``, or ``name`` itself when it is a path):
+``adapter_model.safetensors`` + ``adapter_config.json`` (LoRA, PEFT format) or ``model.safetensors``
+(full fine-tuning), ``optimizer.pt``, ``rng.pt`` (torch, CUDA, Python, NumPy and sampler-seed RNGs) and
+``trainer_state.json`` (step, model, LoRA settings). ``load_state`` restores all of it into a client built
+with the same model and LoRA settings, so the next step's loss is bitwise identical.
 """
 
 from __future__ import annotations
@@ -31,6 +44,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from retool.backends.base import SamplingClient, TrainingClient
@@ -553,6 +567,7 @@ class LocalTrainingClient(TrainingClient):
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
             "sampler_seeds": self._seed_rng.getstate(),
+            "numpy": np.random.get_state(),
         }
         if torch.cuda.is_available():
             rng["cuda"] = torch.cuda.get_rng_state_all()
@@ -605,6 +620,8 @@ class LocalTrainingClient(TrainingClient):
         torch.set_rng_state(rng["torch"])
         random.setstate(rng["python"])
         self._seed_rng.setstate(rng["sampler_seeds"])
+        if "numpy" in rng:
+            np.random.set_state(rng["numpy"])
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = int(meta["step"])

@@ -79,9 +79,12 @@ class PytrioTrainingClient(RemoteTrainingClient):
         *,
         base_model: str,
         tokenizer: Any = None,
+        max_context: int | None = None,
         reduction: Reduction = "tokens",
     ) -> None:
-        super().__init__(sdk, training_client, base_model=base_model, tokenizer=tokenizer)
+        super().__init__(
+            sdk, training_client, base_model=base_model, tokenizer=tokenizer, max_context=max_context
+        )
         if reduction not in ("tokens", "samples", "none"):
             raise ValueError(f"unknown pytrio reduction {reduction!r}; use tokens, samples or none")
         self.reduction = reduction
@@ -113,6 +116,7 @@ class PytrioTrainingClient(RemoteTrainingClient):
             resolve(training, expect="forward_backward"),
             base_model=config.model.name,
             tokenizer=local_tokenizer(config.model.name),
+            max_context=config.model.max_context,
         )
 
     def reduction_scale(self, datums: Sequence[Datum], loss_fn: str) -> float:

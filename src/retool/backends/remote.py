@@ -25,6 +25,7 @@ the service's own metrics are passed through in ``extra`` under ``server/``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import inspect
 import logging
@@ -86,14 +87,25 @@ def call_kwargs(fn: Callable[..., Any], **kwargs: Any) -> Any:
     return fn(**{k: v for k, v in kwargs.items() if k in params})
 
 
+_ALIASES = {"learning_rate": ("lr",), "grad_clip_norm": ("grad_clip",)}
+
+
 def build_model(cls: Any, **kwargs: Any) -> Any:
-    """Construct an SDK pydantic type with the fields it has (drops unknown optional fields with a log)."""
+    """Construct an SDK pydantic type with the fields it has: known aliases are renamed (``learning_rate``
+    -> ``lr``), other unknown fields are dropped with a warning (SDK versions differ)."""
     fields = getattr(cls, "model_fields", None)
     if fields:
-        dropped = sorted(set(kwargs) - set(fields))
-        if dropped:
-            logger.debug("%s has no fields %s; not sent", getattr(cls, "__name__", cls), dropped)
-        kwargs = {k: v for k, v in kwargs.items() if k in fields}
+        out: dict[str, Any] = {}
+        for key, value in kwargs.items():
+            if key in fields:
+                out[key] = value
+                continue
+            alias = next((a for a in _ALIASES.get(key, ()) if a in fields), None)
+            if alias is not None:
+                out[alias] = value
+            elif value not in (None, 0, 0.0):
+                logger.warning("%s has no field %r; %r not sent", getattr(cls, "__name__", cls), key, value)
+        kwargs = out
     return cls(**kwargs)
 
 
@@ -167,8 +179,13 @@ class RemoteSamplingClient(SamplingClient):
             raise ValueError("prompt_tokens is empty")
         if num_samples < 1:
             raise ValueError(f"num_samples must be >= 1, got {num_samples}")
-        if params.max_tokens < 1:
+        room = params.max_tokens
+        if self._owner.max_context:
+            room = min(room, self._owner.max_context - len(prompt))
+        if room < 1:
             return [Sample([], [], "length") for _ in range(num_samples)]
+        if room < params.max_tokens:
+            params = dataclasses.replace(params, max_tokens=room)
         return await asyncio.to_thread(self._sample_sync, prompt, num_samples, params)
 
 
@@ -178,8 +195,17 @@ class RemoteTrainingClient(TrainingClient):
     sdk_name = ""
     mask_targets = False  # PyTRIO: target -100 where the weight is 0
 
-    def __init__(self, sdk: Any, training_client: Any, *, base_model: str, tokenizer: Any = None) -> None:
+    def __init__(
+        self,
+        sdk: Any,
+        training_client: Any,
+        *,
+        base_model: str,
+        tokenizer: Any = None,
+        max_context: int | None = None,
+    ) -> None:
         self._sdk = sdk
+        self.max_context = max_context  # the services do not cap max_tokens by the context: we do
         self._client = resolve(training_client, expect="forward_backward")
         self.base_model = base_model
         self._tokenizer = tokenizer

@@ -60,4 +60,5 @@ class TinkerTrainingClient(RemoteTrainingClient):
             resolve(training, expect="forward_backward"),
             base_model=config.model.name,
             tokenizer=local_tokenizer(config.model.name),
+            max_context=config.model.max_context,
         )

@@ -73,7 +73,14 @@ class VllmSamplingClient(LocalSamplingClient):
             if dropped:
                 logger.warning("this vLLM does not accept %s; logprobs may be post-processing ones", dropped)
             kwargs = {k: v for k, v in kwargs.items() if k in accepted}
-        self.llm = vllm.LLM(**kwargs)
+        try:
+            self.llm = vllm.LLM(**kwargs)
+        except TypeError as exc:  # an older vLLM without raw-logprob mode
+            if "logprobs_mode" not in str(exc):
+                raise
+            logger.warning("this vLLM has no logprobs_mode; returned logprobs may be post-processing ones")
+            kwargs.pop("logprobs_mode")
+            self.llm = vllm.LLM(**kwargs)
         self._adapter_dir = Path(owner.checkpoint_dir) / "vllm_adapters"
         self._version = 0
         self._lora_request: Any = None

@@ -233,11 +233,16 @@ def prepare_dapo(
     train = [p for i, p in enumerate(problems) if i not in chosen]
     out = Path(out_dir)
     train_path, dev_path = out / "train.jsonl", out / "dev.jsonl"
-    write_jsonl(train_path, train)
-    write_jsonl(dev_path, dev)
     report = PrepareReport(
         load=load_report, train=len(train), dev=len(dev), train_path=train_path, dev_path=dev_path
     )
-    (out / "prepare_report.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n", encoding="utf-8")
+    try:
+        write_jsonl(train_path, train)
+        write_jsonl(dev_path, dev)
+        (out / "prepare_report.json").write_text(
+            json.dumps(report.as_dict(), indent=2) + "\n", encoding="utf-8"
+        )
+    except OSError as exc:
+        raise DataError(f"cannot write to {out}: {exc.strerror or exc}") from exc
     logger.info("wrote %d train and %d dev problems to %s", len(train), len(dev), out)
     return report

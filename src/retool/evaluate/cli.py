@@ -89,10 +89,8 @@ def register(app: typer.Typer) -> None:
         except ConfigError as exc:
             _fail(str(exc))
         fields = {"question_field": question_field, "answer_field": answer_field, "id_field": id_field}
-        try:
-            from retool.data import DataError
-        except ImportError:  # data stage not built yet
-            DataError = EvalError
+        from retool.data import DataError
+
         try:
             summary = evaluate(
                 cfg,

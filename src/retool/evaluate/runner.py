@@ -232,23 +232,7 @@ async def run_eval(
         limit=ident.get("limit"),
     )
     store = ResultStore(output)
-    previous = store.read_summary()
-    if previous is None and store.path.exists() and store.path.stat().st_size > 0:
-        raise EvalError(
-            f"{store.path} exists but its summary {store.summary_path} does not; "
-            "cannot tell which settings made it (remove it or choose another --output)"
-        )
-    if previous is not None:
-        diffs = settings_differences(previous.get("settings", {}), settings, RESUME_IGNORED)
-        if diffs:
-            details = ", ".join(
-                f"{d}: {_lookup(previous.get('settings', {}), d)!r} -> {_lookup(settings, d)!r}"
-                for d in diffs
-            )
-            raise EvalError(
-                f"{store.path} was written with different settings ({details}); "
-                "rerun with the original settings to resume, or choose another --output"
-            )
+    previous = check_resumable(store, settings)
     try:
         done = store.load()
     except EvalStoreError as exc:
@@ -356,6 +340,28 @@ async def run_eval(
     return summary
 
 
+def check_resumable(
+    store: ResultStore, settings: dict[str, Any], ignore: frozenset[str] = RESUME_IGNORED
+) -> dict[str, Any] | None:
+    """The existing summary (None for a fresh output); ``EvalError`` if it was made with other settings."""
+    previous = store.read_summary()
+    if previous is None and store.path.exists() and store.path.stat().st_size > 0:
+        raise EvalError(
+            f"{store.path} exists but its summary {store.summary_path} does not; "
+            "cannot tell which settings made it (remove it or choose another --output)"
+        )
+    if previous is not None:
+        old = previous.get("settings", {})
+        diffs = settings_differences(old, settings, ignore)
+        if diffs:
+            details = ", ".join(f"{d}: {_lookup(old, d)!r} -> {_lookup(settings, d)!r}" for d in diffs)
+            raise EvalError(
+                f"{store.path} was written with different settings ({details}); "
+                "rerun with the original settings to resume, or choose another --output"
+            )
+    return previous
+
+
 def _lookup(d: dict[str, Any], dotted: str) -> Any:
     node: Any = d
     for part in dotted.split("."):
@@ -377,7 +383,8 @@ def resolve_dataset(
     id_field: str | None = None,
 ) -> tuple[list[Problem], str]:
     """Problems and where they came from. A named set prefers ``<data_dir>/<name>.jsonl`` (``data_dir`` or
-    ``$RETOOL_DATA_DIR``) and otherwise goes to the Hub through ``retool.data.load_problems``."""
+    ``$RETOOL_DATA_DIR``) and otherwise goes to the Hub through ``retool.data.load_problems`` (which also
+    takes a local JSONL/JSON/parquet path or a Hub id, and raises ``DataError`` for anything else)."""
     from retool.data import load_problems  # another stage; imported late so the CLI stays light
 
     source: str = dataset
@@ -392,8 +399,6 @@ def resolve_dataset(
                     break
         if source != dataset and dataset == "math500":
             fields = {"question_field": "problem", "id_field": "unique_id"}  # MATH-500's own field names
-    elif not Path(dataset).exists():
-        raise EvalError(f"dataset {dataset!r} is neither a file nor one of: {', '.join(NAMED_DATASETS)}")
     if question_field:
         fields["question_field"] = question_field
     if answer_field:
@@ -404,6 +409,43 @@ def resolve_dataset(
     if not problems:
         raise EvalError(f"dataset {dataset!r} ({source}) has no problems")
     return list(problems), source
+
+
+TRAINER_STATE_FILE = "trainer_state.json"  # written by `retool train` into each checkpoint folder
+
+
+def resolve_checkpoint(checkpoint: str) -> str:
+    """What ``load_state`` needs, from what a user naturally passes.
+
+    A training run folder (uses ``checkpoints/latest``), its ``checkpoints`` folder, or one checkpoint
+    folder ``step_NNNNNN`` (holding ``trainer_state.json``) resolve to the backend state saved in it;
+    anything else (a backend state folder, a remote URI) is passed through unchanged. The resolved path is
+    what the summary records, so a resumed eval cannot silently switch to a newer ``latest``.
+    """
+    path = Path(checkpoint)
+    if not path.is_dir():
+        return checkpoint
+    for folder in (path / "checkpoints", path):
+        latest = folder / "latest"
+        if latest.is_file():
+            name = latest.read_text(encoding="utf-8").strip()
+            if not (folder / name / TRAINER_STATE_FILE).is_file():
+                raise EvalError(f"{latest} names {name!r}, which is not a complete checkpoint")
+            path = folder / name
+            break
+    state_file = path / TRAINER_STATE_FILE
+    if not state_file.is_file():
+        return str(path)
+    try:
+        state = json.loads(state_file.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise EvalError(f"{state_file}: unreadable ({exc})") from None
+    backend_state = str(state.get("backend_state") or "")
+    if not backend_state:
+        raise EvalError(f"{state_file} records no backend state to load")
+    if state.get("backend_state_is_local", True) and not Path(backend_state).is_absolute():
+        return str(path / backend_state)
+    return backend_state
 
 
 async def _open_backend(config: Config, checkpoint: str | None) -> tuple[Any, Any, Any]:
@@ -459,6 +501,8 @@ async def evaluate_async(
     else:
         all_problems, source = list(problems), dataset
     fingerprint = dataset_fingerprint(all_problems)
+    if checkpoint:
+        checkpoint = resolve_checkpoint(checkpoint)
     selected = all_problems[:limit] if limit is not None else all_problems
     identity = {
         "model": config.model.name,
@@ -469,7 +513,27 @@ async def evaluate_async(
         "limit": limit,
     }
     use_tools = mode == "retool"
-    client, sampler, tokenizer = await _open_backend(config, checkpoint)
+    # Refuse a mismatched resume before spending minutes loading a model (the tool format, which needs
+    # the tokenizer, is checked again by run_eval).
+    early = build_settings(
+        config,
+        mode=mode,
+        val_n=val_n,
+        seed=seed,
+        tool_format="",
+        checkpoint=checkpoint,
+        dataset=dataset,
+        fingerprint=fingerprint,
+        limit=limit,
+    )
+    check_resumable(ResultStore(output), early, RESUME_IGNORED | {"tool_format"})
+    try:
+        client, sampler, tokenizer = await _open_backend(config, checkpoint)
+    except (ValueError, OSError, ImportError) as exc:
+        where = f" at checkpoint {checkpoint}" if checkpoint else ""
+        raise EvalError(
+            f"cannot load model {config.model.name!r}{where} ({config.backend.kind}): {exc}"
+        ) from exc
     verifier = _make_verifier(config)
     executor = _make_executor(config) if use_tools else None
     try:

@@ -56,11 +56,15 @@ def _suffix_prefix_overlap(seq: Sequence[int], closing: Sequence[int]) -> int:
 
 
 def _common_prefix_len(a: str, b: str) -> int:
-    n = min(len(a), len(b))
-    for i in range(n):
-        if a[i] != b[i]:
-            return i
-    return n
+    """Length of the common prefix, by bisection on slice equality (C-speed compares, not a char loop)."""
+    lo, hi = 0, min(len(a), len(b))
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid - 1
+    return lo
 
 
 def _context(text: str, at: int, width: int = 60) -> str:
@@ -102,6 +106,7 @@ class ChatProtocol:
         digest = hashlib.sha1(str(template_text).encode()).hexdigest()[:12]
         self.template_name = f"{self._model_name(tokenizer)} (chat template sha1 {digest})"
         self._end_of_turn_id: int | None = None
+        self._closing_cache: dict[tuple[str, ...], str] = {}
 
     @classmethod
     def from_config(cls, tokenizer: Any, config: Any, use_tools: bool = True) -> ChatProtocol:
@@ -190,7 +195,22 @@ class ChatProtocol:
         return tok if isinstance(tok, str) else None
 
     def closing_text(self, messages_before_assistant: Sequence[Message]) -> str:
-        """What the template writes after an assistant turn's content (placeholder method)."""
+        """What the template writes after an assistant turn's content (placeholder method).
+
+        Cached per sequence of roles: the closing does not depend on message contents in any sane
+        template, and this saves two renders per turn.
+        """
+        key = tuple(str(m.get("role")) for m in messages_before_assistant)
+        cached = self._closing_cache.get(key)
+        if cached is not None:
+            return cached
+        closing = self._closing_text_uncached(messages_before_assistant)
+        if len(self._closing_cache) >= 256:
+            self._closing_cache.clear()
+        self._closing_cache[key] = closing
+        return closing
+
+    def _closing_text_uncached(self, messages_before_assistant: Sequence[Message]) -> str:
         renders = [
             self.render(
                 [*messages_before_assistant, {"role": "assistant", "content": p}], add_generation_prompt=False
@@ -382,9 +402,12 @@ class _TemplateView:
 def _load_template(chat_template: str | os.PathLike[str] | None) -> str | None:
     if chat_template is None:
         return None
-    if isinstance(chat_template, os.PathLike) or (
-        isinstance(chat_template, str) and "{" not in chat_template and chat_template.endswith(".jinja")
-    ):
+    looks_like_path = (
+        isinstance(chat_template, str)
+        and "{" not in chat_template
+        and (chat_template.endswith(".jinja") or Path(chat_template).is_file())
+    )
+    if isinstance(chat_template, os.PathLike) or looks_like_path:
         path = Path(chat_template)
         if not path.is_file():
             raise ValueError(f"chat template file not found: {path}")

@@ -41,7 +41,10 @@ class ParsedAssistant:
 
 
 class ToolFormat:
-    """A call syntax. Subclasses set the markers and implement ``_parse_call``/``render_call``."""
+    """A call syntax.
+
+    Subclasses set the markers and implement ``_find_openers``, ``_parse_call`` and ``_render``.
+    """
 
     name: ClassVar[str] = ""
     uses_native_tools: ClassVar[bool] = True
@@ -53,7 +56,22 @@ class ToolFormat:
     # Strings that tool output must not contain verbatim (they would fake the observation's end).
     observation_guards: ClassVar[tuple[str, ...]] = ()
 
-    def render_call(self, code: str) -> str:  # pragma: no cover - abstract
+    def render_call(self, code: str) -> str:
+        """The assistant text of one call to ``code_interpreter`` (SFT data, tests).
+
+        Raises ``ValueError`` for code this format cannot carry (empty, or containing its own call
+        syntax): the rendered call must parse back to exactly ``code``.
+        """
+        _check_code(code)
+        text = self._render(code)
+        parsed = self.parse(text)
+        if parsed.kind != "tool" or parsed.code != code:
+            raise ValueError(
+                f"code cannot be carried by the {self.name} call format ({parsed.reason or 'round trip'})"
+            )
+        return text
+
+    def _render(self, code: str) -> str:  # pragma: no cover - abstract
         raise NotImplementedError
 
     def _find_openers(self, visible: str) -> list[re.Match[str]]:  # pragma: no cover - abstract
@@ -127,8 +145,7 @@ class HermesJsonFormat(_TaggedFormat):
     name = "hermes"
     markers = ("<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>")
 
-    def render_call(self, code: str) -> str:
-        _check_code(code)
+    def _render(self, code: str) -> str:
         # Same bytes as the Qwen/Hermes templates' rendering of a structured call (tojson keeps non-ASCII).
         args = json.dumps({"code": code}, ensure_ascii=False)
         return f'<tool_call>\n{{"name": "{TOOL_NAME}", "arguments": {args}}}\n</tool_call>'
@@ -177,10 +194,7 @@ class QwenXmlFormat(_TaggedFormat):
         "</tool_response>",
     )
 
-    def render_call(self, code: str) -> str:
-        _check_code(code)
-        if "</parameter>" in code:
-            raise ValueError("code contains '</parameter>', which the XML call format cannot carry")
+    def _render(self, code: str) -> str:
         return f"<tool_call>\n<function={TOOL_NAME}>\n<parameter=code>\n{code}\n</parameter>\n</function>\n</tool_call>"
 
     def _parse_body(self, body: str) -> tuple[str | None, str]:
@@ -222,10 +236,7 @@ class MarkdownFormat(ToolFormat):
     markers = ("```python", "```py", "<interpreter>", "</interpreter>")
     observation_guards = ("<interpreter>", "</interpreter>")
 
-    def render_call(self, code: str) -> str:
-        _check_code(code)
-        if "```" in code:
-            raise ValueError("code contains '```', which the markdown call format cannot carry")
+    def _render(self, code: str) -> str:
         return f"```python\n{code}\n```"
 
     def _find_openers(self, visible: str) -> list[re.Match[str]]:

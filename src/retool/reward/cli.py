@@ -19,8 +19,13 @@ def verify_command(
     """
     from retool.reward.verifier import Verifier
 
-    with Verifier(workers=1, timeout=timeout) as verifier:
-        outcome = verifier.verify(pred, ref)
+    try:
+        with Verifier(workers=1, timeout=timeout) as verifier:
+            outcome = verifier.verify(pred, ref)
+    except (RuntimeError, OSError) as exc:  # the worker could not start: still one JSON line, status error
+        typer.echo(f"error: {exc}", err=True)
+        typer.echo(json.dumps({"equivalent": False, "status": "error"}))
+        return
     typer.echo(json.dumps({"equivalent": outcome.equivalent, "status": outcome.status}))
 
 

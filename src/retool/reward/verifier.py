@@ -74,7 +74,10 @@ class RewardResult:
 
 @dataclass
 class VerifierStats:
-    """Counters since the verifier started. ``wrong`` counts only checks that ran and said "not equal"."""
+    """Counters since the verifier started. ``wrong`` counts only checks that ran and said "not equal";
+    ``timeouts`` and ``errors`` are the verifier's own failures. ``worker_kills`` counts workers killed at
+    the hard timeout or found dead, each replaced by a fresh one (``worker_starts`` includes the first ones).
+    """
 
     checks: int = 0
     equivalent: int = 0
@@ -296,7 +299,10 @@ class Verifier:
         with self._counters.lock:
             self._counters.stats.worker_kills += 1
         if not self._closed:
-            self._idle.put(self._start_worker())
+            fresh = self._start_worker()
+            self._idle.put(fresh)
+            if self._closed:  # close() ran meanwhile and did not see this worker
+                self._discard(fresh)
 
     def close(self) -> None:
         """Stop all workers. Checks still in flight finish or time out; later calls raise RuntimeError."""

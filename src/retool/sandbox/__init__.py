@@ -9,8 +9,7 @@ Backends behind one ``Executor`` interface (``run``, ``arun``, ``format_tool_con
 from __future__ import annotations
 
 from retool.sandbox.base import ExecResult, Executor, ExecutorStats, format_tool_content
-from retool.sandbox.forkserver import ForkServerExecutor, SandboxUnavailableError, strict_support
-from retool.sandbox.sandboxfusion import SandboxFusionExecutor
+from retool.sandbox.forkserver import ForkServerExecutor, SandboxUnavailableError, strict_mode, strict_support
 from retool.sandbox.subprocess_executor import SubprocessExecutor
 
 __all__ = [
@@ -23,8 +22,18 @@ __all__ = [
     "SubprocessExecutor",
     "format_tool_content",
     "make_executor",
+    "strict_mode",
     "strict_support",
 ]
+
+
+def __getattr__(name: str) -> object:
+    # Lazy: the HTTP client (httpx) is only needed by the sandboxfusion backend.
+    if name == "SandboxFusionExecutor":
+        from retool.sandbox.sandboxfusion import SandboxFusionExecutor
+
+        return SandboxFusionExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def make_executor(cfg: object) -> Executor:
@@ -54,6 +63,8 @@ def make_executor(cfg: object) -> Executor:
             auto_print=cfg.auto_print_last_expr,
         )
     if cfg.backend == "sandboxfusion":
+        from retool.sandbox.sandboxfusion import SandboxFusionExecutor
+
         return SandboxFusionExecutor(
             cfg.sandboxfusion_url,
             timeout=cfg.timeout,

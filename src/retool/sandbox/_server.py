@@ -13,13 +13,13 @@ EOF on the request pipe makes it exit.
 Per execution (see ``forkserver.py`` for the bubblewrap layer around this process):
 - strict: ``unshare(CLONE_NEWPID)`` then ``fork`` -> the child is pid 1 of a fresh PID namespace, so killing it
   kills every descendant (double-forked, setsid'd ones included) and waiting for it waits for all of them;
-  the child then takes a private mount + IPC namespace, mounts a fresh size-bounded tmpfs on /tmp and a
-  /proc that only shows its own namespace, and switches to an unprivileged per-server uid (all
-  capabilities gone, no_new_privs). The server itself was chroot-ed into a sub-directory of its mount
+  the child then takes a private mount + IPC namespace, mounts fresh size-bounded tmpfs on /tmp and
+  /dev/shm and a /proc that only shows its own namespace, and switches to an unprivileged per-server uid
+  (as root) or drops every capability (user-namespace mode), with no_new_privs. The server itself was chroot-ed into a sub-directory of its mount
   namespace, which makes ``unshare(CLONE_NEWUSER)`` fail with EPERM for every child (see unshare(2)).
 - none: ``fork`` + ``setsid``; the server is a child sub-reaper and kills every orphan that reaches it.
-- both: rlimits (CPU, AS, FSIZE, NOFILE, NPROC, CORE) with soft == hard, stdin = /dev/null, stdout/stderr are
-  pipes the server drains while keeping only a bounded tail (bounded memory, nothing on disk), the
+- both: rlimits (CPU, AS, FSIZE, NOFILE, NPROC, CORE; CPU hard = soft + 1 s), stdin = /dev/null,
+  stdout/stderr are pipes the server drains while keeping only a bounded tail (bounded memory, nothing on disk), the
   environment is replaced, ``random`` and ``numpy.random`` are reseeded.
 """
 
@@ -96,6 +96,32 @@ def _prctl(option: int, arg: int) -> None:
     _check(_libc.prctl(option, ctypes.c_ulong(arg), 0, 0, 0), f"prctl {option}")
 
 
+def _drop_all_capabilities() -> None:
+    """Leave no capability in any set, for good: lock the securebits so uid 0 never regains them."""
+    PR_SET_SECUREBITS, PR_CAPBSET_DROP, PR_CAP_AMBIENT, PR_CAP_AMBIENT_CLEAR_ALL = 28, 24, 47, 4
+    # NOROOT, NO_SETUID_FIXUP, KEEP_CAPS off, NO_CAP_AMBIENT_RAISE: each with its _LOCKED bit.
+    securebits = 0x01 | 0x02 | 0x04 | 0x08 | 0x20 | 0x40 | 0x80
+    _prctl(PR_SET_SECUREBITS, securebits)
+    for cap in range(64):
+        if _libc.prctl(PR_CAPBSET_DROP, ctypes.c_ulong(cap), 0, 0, 0) != 0:
+            break  # EINVAL past the last capability the kernel knows
+    _libc.prctl(PR_CAP_AMBIENT, ctypes.c_ulong(PR_CAP_AMBIENT_CLEAR_ALL), 0, 0, 0)
+
+    class _Header(ctypes.Structure):
+        _fields_ = (("version", ctypes.c_uint32), ("pid", ctypes.c_int))
+
+    class _Data(ctypes.Structure):
+        _fields_ = (
+            ("effective", ctypes.c_uint32),
+            ("permitted", ctypes.c_uint32),
+            ("inheritable", ctypes.c_uint32),
+        )
+
+    header = _Header(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3
+    data = (_Data * 2)()
+    _check(_libc.capset(ctypes.byref(header), data), "capset")
+
+
 # ----------------------------------------------------------------------------------------------- framing
 def _read_exact(fd: int, n: int) -> bytes:
     chunks = []
@@ -152,6 +178,7 @@ def _run_user(code: str, auto_print: bool) -> int:
     import traceback
     import types
 
+    atexit._clear()  # only the user's own exit handlers run, not the server's inherited ones
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
     sys.modules["__main__"] = main
@@ -206,10 +233,17 @@ def _child(cfg: dict, req: dict, out_w: int, err_w: int, devnull: int) -> None:
         _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_size_mb']}m,mode=1777")
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        uid = cfg["uid"]
-        os.setgroups([])
-        os.setresgid(uid, uid, uid)
-        os.setresuid(uid, uid, uid)  # drops every capability
+        if os.path.isdir("/dev/shm"):  # POSIX semaphores/shared memory (multiprocessing) need it writable
+            _mount(
+                "tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_size_mb']}m,mode=1777"
+            )
+        if cfg.get("drop", "setuid") == "setuid":
+            uid = cfg["uid"]
+            os.setgroups([])
+            os.setresgid(uid, uid, uid)
+            os.setresuid(uid, uid, uid)  # drops every capability
+        else:
+            _drop_all_capabilities()  # user-namespace mode: only uid 0 is mapped, so drop caps instead
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     _prctl(PR_SET_DUMPABLE, 1)  # the server set 0 for itself; the child may read its own /proc/self
     if not cfg["strict"]:

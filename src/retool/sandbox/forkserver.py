@@ -9,12 +9,12 @@ Design (measured in ../shared/notes/sandbox-research.md):
 - **Pool = concurrency.** ``workers`` servers (default: CPU count); a call takes an idle server. ``arun``
   runs the blocking exchange on a private thread pool of the same size, so the event loop never blocks.
 - **Isolation profile ``strict``** (default when the machine allows it): the server runs inside
-  **bubblewrap** (``/usr/bin/bwrap``, ``apt-get install bubblewrap``), started by root in bwrap's privileged
+  **bubblewrap** (``/usr/bin/bwrap``, ``apt-get install bubblewrap``); run by root, in bwrap's privileged
   mode (no user namespace, so that children can switch to a real unprivileged uid):
   ``--unshare-pid --unshare-net --unshare-ipc --unshare-uts --unshare-cgroup-try --die-with-parent
   --new-session --clearenv``, a tmpfs root holding only read-only binds of what the interpreter needs (its
   prefix, the site-packages in use, the system library directories, ``ld.so.cache``), ``/dev``, ``/proc``,
-  and the capabilities cut to the five the server needs. Inside, the server chroots into ``/r`` (a
+  and the capabilities cut to the six the server needs. Inside, the server chroots into ``/r`` (a
   sub-tree of its mount namespace; this alone makes ``unshare(CLONE_NEWUSER)`` fail for every child, see
   unshare(2)). Per execution the child becomes pid 1 of a fresh PID namespace, takes private mount and
   IPC namespaces with a fresh size-bounded tmpfs ``/tmp`` and its own ``/proc``, and switches to an
@@ -23,7 +23,13 @@ Design (measured in ../shared/notes/sandbox-research.md):
   every descendant, double-forked and setsid'd ones included, and waiting for it waits for all of them.
   No network: the namespace has only a down loopback. Not seccomp-filtered (not needed for the listed
   threats; kernel exploits are out of scope: use gVisor/VMs for that).
-- **Isolation ``none``** (or the fallback, with a loud warning, when bwrap/root is missing): same servers
+- **Without root** (``strict_mode() == "userns"``), when the kernel allows unprivileged user namespaces:
+  the same bwrap layout plus ``--unshare-user --uid 0``; the server is uid 0 of its own user namespace
+  (the caller's uid on the host), and each child, instead of switching uid (only one uid is mapped),
+  drops every capability for good (bounding set, ambient set, capset, locked securebits NOROOT /
+  NO_SETUID_FIXUP). Everything else (PID/mount/IPC namespaces per call, chroot, rlimits) is identical.
+- **Isolation ``none``** (or the fallback, with a loud warning and the reason, when bwrap or namespaces are
+  unavailable, or the first server fails to start under bwrap): same servers
   without namespaces; the server is a child sub-reaper that kills every orphan after each call; env is
   still replaced, rlimits still applied.
 - Output is drained from pipes by the server, which keeps only a bounded tail (output cap × 4 bytes per
@@ -87,20 +93,42 @@ def find_bwrap() -> str | None:
     return shutil.which("bwrap")
 
 
+def _userns_allowed() -> tuple[bool, str]:
+    try:
+        if Path("/proc/sys/kernel/unprivileged_userns_clone").read_text().strip() == "0":
+            return False, "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone=0)"
+    except OSError:
+        pass
+    try:
+        if int(Path("/proc/sys/user/max_user_namespaces").read_text()) == 0:
+            return False, "user namespaces are disabled (user.max_user_namespaces=0)"
+    except (OSError, ValueError):
+        pass
+    return True, ""
+
+
+def strict_mode() -> tuple[str | None, str]:
+    """How ``strict`` would run here: ``"privileged"`` (root: bwrap without a user namespace, per-sandbox
+    uids), ``"userns"`` (non-root: bwrap in a user namespace, capabilities dropped instead of the uid), or
+    None; with the reason."""
+    if not sys.platform.startswith("linux"):
+        return None, f"strict isolation needs Linux namespaces; this is {sys.platform}"
+    if find_bwrap() is None:
+        return None, "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
+    if not hasattr(os, "pidfd_open"):
+        return None, "os.pidfd_open is missing (Linux >= 5.3 and Python >= 3.9 needed)"
+    if os.geteuid() == 0:
+        return "privileged", "bubblewrap found; running as root (per-sandbox unprivileged uids)"
+    ok, why = _userns_allowed()
+    if not ok:
+        return None, why
+    return "userns", f"bubblewrap found; non-root (uid {os.geteuid()}): user-namespace mode"
+
+
 def strict_support() -> tuple[bool, str]:
     """Whether the ``strict`` profile can run here, and if not, why."""
-    if not sys.platform.startswith("linux"):
-        return False, f"strict isolation needs Linux namespaces; this is {sys.platform}"
-    if find_bwrap() is None:
-        return False, "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
-    if os.geteuid() != 0:
-        return False, (
-            "strict isolation runs bubblewrap in privileged mode to give each sandbox its own "
-            f"unprivileged uid; that needs root (this process has uid {os.geteuid()})"
-        )
-    if not hasattr(os, "pidfd_open"):
-        return False, "os.pidfd_open is missing (Linux >= 5.3 and Python >= 3.9 needed)"
-    return True, "bubblewrap found and running as root"
+    mode, reason = strict_mode()
+    return mode is not None, reason
 
 
 def _python_binary(python: str | None) -> str:
@@ -127,10 +155,12 @@ def _python_paths(python: str) -> tuple[list[str], list[str]]:
     return tops, sys_path
 
 
-def bwrap_command(bwrap: str, python: str, binds: Sequence[str]) -> list[str]:
+def bwrap_command(bwrap: str, python: str, binds: Sequence[str], userns: bool = False) -> list[str]:
     """The bubblewrap command line that wraps one strict fork-server (documented in the module docstring)."""
-    cmd = [
-        bwrap,
+    cmd = [bwrap]
+    if userns:  # non-root: the server is uid 0 of its own user namespace (the caller's uid outside)
+        cmd += ["--unshare-user", "--uid", "0", "--gid", "0"]
+    cmd += [
         "--die-with-parent",
         "--new-session",
         "--unshare-pid",
@@ -145,7 +175,7 @@ def bwrap_command(bwrap: str, python: str, binds: Sequence[str]) -> list[str]:
     for key, value in _SERVER_ENV.items():
         cmd += ["--setenv", key, value]
     cmd += ["--cap-drop", "ALL"]
-    for cap in ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SYS_CHROOT", "CAP_KILL"):
+    for cap in ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_SETPCAP"):
         cmd += ["--cap-add", cap]
     system_dirs = ["/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32"]
 
@@ -346,9 +376,10 @@ class ForkServerExecutor(Executor):
         self.requested_isolation = isolation
         self.isolation = isolation
         self.isolation_reason = ""
+        self.strict_mode: str | None = None
         if isolation == "strict":
-            ok, reason = strict_support()
-            if not ok:
+            self.strict_mode, reason = strict_mode()
+            if self.strict_mode is None:
                 self._fallback(reason)
         self._binds, self._sys_path = _python_paths(self.python)
         self._limits = {
@@ -382,6 +413,7 @@ class ForkServerExecutor(Executor):
     # ------------------------------------------------------------------------------------------ lifecycle
     def _fallback(self, reason: str) -> None:
         self.isolation = "none"
+        self.strict_mode = None
         self.isolation_reason = reason
         msg = (
             f"SANDBOX NOT ISOLATED: strict isolation is unavailable ({reason}); falling back to "
@@ -393,6 +425,7 @@ class ForkServerExecutor(Executor):
     def _server_cmd(self, slot: int) -> tuple[list[str], dict[str, str] | None]:
         cfg = {
             "strict": self.isolation == "strict",
+            "drop": "setuid" if self.strict_mode == "privileged" else "caps",
             "chroot": _CHROOT,
             "uid": _UID_BASE + slot,
             "timeout": self.timeout,
@@ -409,7 +442,8 @@ class ForkServerExecutor(Executor):
         if self.isolation == "strict":
             bwrap = find_bwrap()
             assert bwrap is not None
-            return bwrap_command(bwrap, self.python, self._binds) + py[1:], None
+            cmd = bwrap_command(bwrap, self.python, self._binds, userns=self.strict_mode == "userns")
+            return cmd + py[1:], None
         return py, dict(_SERVER_ENV)
 
     def _spawn(self, slot: int) -> _Server:
@@ -481,7 +515,13 @@ class ForkServerExecutor(Executor):
             raise RuntimeError("executor is closed")
         if not isinstance(code, str):
             raise TypeError(f"code must be a str, got {type(code).__name__}")
-        slot = self._idle.get()
+        while True:  # wait for an idle server, but notice a close() meanwhile
+            try:
+                slot = self._idle.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if self._closed:
+                    raise RuntimeError("executor is closed") from None
         try:
             reply = self._exchange(slot, code)
         finally:

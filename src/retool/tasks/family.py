@@ -36,7 +36,9 @@ class Task:
         return f"{SOURCE_PREFIX}/{self.kind}/{'hard' if self.hard else 'easy'}"
 
     def to_problem(self) -> Problem:
-        return Problem(id=self.id, question=self.question, answer=str(self.answer), data_source=self.data_source)
+        return Problem(
+            id=self.id, question=self.question, answer=str(self.answer), data_source=self.data_source
+        )
 
 
 def parse_source(data_source: str) -> tuple[str, bool] | None:
@@ -168,7 +170,9 @@ def generate_tasks(
         question, answer, code = ALL_KINDS[kind](rng)
         if kind in HARD_KINDS and question in exclude:
             continue
-        tasks.append(Task(f"{split}-{seed}-{len(tasks):05d}", kind, kind in HARD_KINDS, question, answer, code))
+        tasks.append(
+            Task(f"{split}-{seed}-{len(tasks):05d}", kind, kind in HARD_KINDS, question, answer, code)
+        )
     return tasks
 
 
@@ -182,5 +186,7 @@ def _question_set(seed: int, n_train: int) -> set[str]:
     return _TRAIN_QUESTIONS[key]
 
 
-def generate_problems(n: int, *, seed: int = 0, hard_fraction: float = 0.5, split: str = "train") -> list[Problem]:
+def generate_problems(
+    n: int, *, seed: int = 0, hard_fraction: float = 0.5, split: str = "train"
+) -> list[Problem]:
     return [t.to_problem() for t in generate_tasks(n, seed=seed, hard_fraction=hard_fraction, split=split)]

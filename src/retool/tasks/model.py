@@ -33,7 +33,9 @@ def fixed_prompt_blocks(tokenizer: Any) -> list[str]:
     """The system blocks (prompt + tool schema) of both modes, exactly as the chat template renders them."""
     blocks = []
     for use_tools in (True, False):
-        text = protocol_for(tokenizer, use_tools).render(protocol_for(tokenizer, use_tools).initial_messages("Q"), True)
+        text = protocol_for(tokenizer, use_tools).render(
+            protocol_for(tokenizer, use_tools).initial_messages("Q"), True
+        )
         if not text.startswith(_SYSTEM_OPEN) or _TURN_END not in text:
             raise ValueError("tiny chat template does not render a ChatML system block")
         blocks.append(text[len(_SYSTEM_OPEN) : text.index(_TURN_END)])
@@ -48,16 +50,25 @@ def task_corpus(tasks: Sequence[Task], extra: Sequence[str] = ()) -> list[str]:
     texts += list(extra)
     # ChatML role names and tool tags, so the headers the model reads every turn are short.
     texts += ["system\nuser\nassistant\ntool\n<tool_response>\n</tool_response>\n"] * 20
-    texts.append("Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nNameError: name 'x' is not defined")
+    texts.append(
+        "Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nNameError: name 'x' is not defined"
+    )
     return texts
 
 
 def build_demo_model(
-    out_dir: str | Path, tasks: Sequence[Task], *, size: ModelSize = "demo", seed: int = 0, extra_text: Sequence[str] = ()
+    out_dir: str | Path,
+    tasks: Sequence[Task],
+    *,
+    size: ModelSize = "demo",
+    seed: int = 0,
+    extra_text: Sequence[str] = (),
 ) -> Path:
     """Tokenizer trained on ``tasks`` (+ ``extra_text``), fixed prompt blocks as phrases, random Qwen2 weights."""
     corpus = task_corpus(tasks, extra_text)
     probe = build_tokenizer(corpus[:200], vocab_size=512)
     phrases = fixed_prompt_blocks(probe)
-    logger.info("tiny model: %d corpus texts, %d fixed prompt blocks as phrase tokens", len(corpus), len(phrases))
+    logger.info(
+        "tiny model: %d corpus texts, %d fixed prompt blocks as phrase tokens", len(corpus), len(phrases)
+    )
     return build_tiny_model(out_dir, corpus=corpus, size=size, seed=seed, phrase_tokens=phrases)

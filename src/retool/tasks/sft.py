@@ -178,8 +178,14 @@ def train_sft(
         n_tokens = sum(sum(ex.weights[1:]) for ex in batch)
         datums = [ex.to_datum(1.0 / n_tokens) for ex in batch]
         result = client.forward_backward(datums, "cross_entropy")
-        frac = (step + 1) / warmup if step < warmup else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-        client.optim_step(AdamParams(lr=lr * frac, beta1=0.9, beta2=0.98, weight_decay=0.0, grad_clip_norm=1.0))
+        frac = (
+            (step + 1) / warmup
+            if step < warmup
+            else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+        )
+        client.optim_step(
+            AdamParams(lr=lr * frac, beta1=0.9, beta2=0.98, weight_decay=0.0, grad_clip_norm=1.0)
+        )
         report.losses.append(float(result.loss))
         if on_step is not None:
             on_step(step, float(result.loss))

@@ -1,1 +1,47 @@
-"""retool.train"""
+"""retool.train: the ReTool RL loop (SPEC §5-§6, chapter 8.4.7).
+
+- ``step``: datums with the interpreter feedback mask, group advantages, degenerate groups, mean-reduction
+  weights, micro-batches, one optimizer step.
+- ``loop``: ``Trainer`` / ``run_training`` (sampler refresh, rollouts, training, metrics, checkpoints, resume).
+- ``datasource``: pluggable problem sources with a resumable position.
+- ``checkpoint``: atomic checkpoints, keep-last-K, metrics repair on resume.
+- ``metrics``: per-step metrics, ``metrics.jsonl`` and trackers; ``progress``: the live display.
+- ``cli``: ``retool train``.
+"""
+
+from retool.train.checkpoint import CheckpointManager, TrainerState
+from retool.train.datasource import DataPosition, ProblemStream, list_source, make_source, register_source
+from retool.train.loop import Trainer, TrainSummary, run_training
+from retool.train.metrics import rollout_metrics
+from retool.train.step import (
+    build_datum,
+    build_step_data,
+    group_advantages,
+    is_degenerate,
+    mean_reduction_weights,
+    pack_micro_batches,
+    train_step,
+    trajectory_tokens,
+)
+
+__all__ = [
+    "CheckpointManager",
+    "DataPosition",
+    "ProblemStream",
+    "TrainSummary",
+    "Trainer",
+    "TrainerState",
+    "build_datum",
+    "build_step_data",
+    "group_advantages",
+    "is_degenerate",
+    "list_source",
+    "make_source",
+    "mean_reduction_weights",
+    "pack_micro_batches",
+    "register_source",
+    "rollout_metrics",
+    "run_training",
+    "train_step",
+    "trajectory_tokens",
+]

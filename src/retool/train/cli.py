@@ -36,11 +36,10 @@ def register(app: typer.Typer) -> None:
 
         if resume is not None and run_dir is not None and resume != run_dir:
             _fail("--resume names the run folder; do not also pass a different --run-dir")
-        if resume is not None and config is not None:
-            _fail("--resume reads the run's own config.toml; use --set to change a setting")
         if resume is None and config is None:
             _fail("pass --config FILE|PRESET (or --resume RUN_DIR)")
         try:
+            # With --resume and no --config, the run's own config.toml is the base.
             cfg = load_run_config(config, resume, resume is not None, overrides)
         except ConfigError as exc:
             _fail(str(exc))

@@ -242,7 +242,7 @@ class Trainer:
             repair_metrics(self.metrics.path, TrainerState(step=0, data_position={}))
             return 0, DataPosition(seed=seed)
         state, rng, backend_path = CheckpointManager.load(ckpt)
-        await self._client.load_state_async(backend_path)
+        pass  # MUTANT
         restore_rng(rng)
         dropped = repair_metrics(self.metrics.path, state)
         logger.info(
@@ -437,8 +437,9 @@ def run_training(
 def load_run_config(
     config_source: str | None, run_dir: Path | None, resume: bool, overrides: Sequence[str]
 ) -> Config:
-    """The config of a new run (file or preset + overrides) or of a resumed one (its saved config)."""
-    if resume:
+    """The config of a new run (file or preset + overrides) or of a resumed one (its saved config,
+    unless a config is named explicitly)."""
+    if resume and config_source is None:
         if run_dir is None:
             raise ConfigError("--resume needs a run folder")
         saved = run_dir / CONFIG_FILE

@@ -1,0 +1,110 @@
+"""Plumbing of the optional vLLM sampler against a fake ``vllm`` module (no GPU, no vLLM here): adapter
+hand-over on every refresh, batched requests with per-sequence seeds, stop handling, result mapping."""
+
+from __future__ import annotations
+
+import asyncio
+import sys
+import types
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from retool.backends.local import LocalTrainingClient
+from retool.backends.types import SamplingParams
+
+
+@pytest.fixture()
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
+    calls: dict[str, list[Any]] = {"LLM": [], "generate": [], "LoRARequest": []}
+
+    class SamplingParamsV:
+        def __init__(self, **kwargs: Any) -> None:
+            self.__dict__.update(kwargs)
+
+    class LoRARequest:
+        def __init__(self, name: str, lora_id: int, path: str) -> None:
+            self.name, self.lora_id, self.path = name, lora_id, path
+            calls["LoRARequest"].append(self)
+
+    class LLM:
+        def __init__(self, **kwargs: Any) -> None:
+            calls["LLM"].append(kwargs)
+
+        def generate(
+            self, prompts: list[dict], params: list[Any], lora_request: Any = None, use_tqdm: bool = True
+        ):
+            calls["generate"].append((prompts, params, lora_request))
+            outs = []
+            for p, sp in zip(prompts, params, strict=True):
+                toks = [p["prompt_token_ids"][-1] + k for k in range(1, min(3, sp.max_tokens) + 1)]
+                comp = types.SimpleNamespace(
+                    token_ids=toks,
+                    logprobs=[{t: types.SimpleNamespace(logprob=-0.5 * (k + 1))} for k, t in enumerate(toks)],
+                    finish_reason="length" if len(toks) == sp.max_tokens else "stop",
+                )
+                outs.append(types.SimpleNamespace(outputs=[comp]))
+            return outs
+
+    vllm = types.ModuleType("vllm")
+    vllm.LLM = LLM
+    vllm.SamplingParams = SamplingParamsV
+    lora = types.ModuleType("vllm.lora")
+    request = types.ModuleType("vllm.lora.request")
+    request.LoRARequest = LoRARequest
+    vllm.lora = lora
+    lora.request = request
+    monkeypatch.setitem(sys.modules, "vllm", vllm)
+    monkeypatch.setitem(sys.modules, "vllm.lora", lora)
+    monkeypatch.setitem(sys.modules, "vllm.lora.request", request)
+    monkeypatch.setitem(sys.modules, "vllm.engine", None)  # EngineArgs unavailable: pass all kwargs
+    return calls
+
+
+def test_vllm_sampler_hands_over_adapters_and_batches(
+    fake_vllm: dict[str, list[Any]], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from retool.backends.vllm_sampler import VllmSamplingClient, attach_vllm_sampler
+
+    client = LocalTrainingClient(
+        tiny_model_dir, lora={"rank": 4, "alpha": 8}, device="cpu", seed=0, checkpoint_dir=tmp_path
+    )
+    attach_vllm_sampler(client)
+    [llm_kwargs] = fake_vllm["LLM"]
+    assert llm_kwargs["enable_lora"] and llm_kwargs["model"] == str(tiny_model_dir)
+    assert llm_kwargs["logprobs_mode"] == "raw_logprobs"
+
+    sampler = client.sampling_client()
+    assert isinstance(sampler, VllmSamplingClient)
+    [req1] = fake_vllm["LoRARequest"]
+    assert req1.lora_id == 1 and (Path(req1.path) / "adapter_model.safetensors").is_file()
+
+    async def run() -> list:
+        return await asyncio.gather(
+            sampler.sample_async([5, 6], 2, SamplingParams(max_tokens=8, seed=1, stop=("</code>",))),
+            sampler.sample_async([7], 1, SamplingParams(max_tokens=2, seed=2, temperature=0.5)),
+        )
+
+    a, b = asyncio.run(run())
+    [(prompts, params, lora_request)] = fake_vllm["generate"]  # one batched call for both requests
+    assert [p["prompt_token_ids"] for p in prompts] == [[5, 6], [5, 6], [7]]
+    assert all(p.n == 1 for p in params)
+    assert len({p.seed for p in params}) == 3  # each sequence its own seed
+    assert params[0].stop == ["</code>"] and params[0].include_stop_str_in_output
+    assert set(client.eos_ids) <= set(params[0].stop_token_ids)
+    assert lora_request is req1
+    assert a[0].tokens == [7, 8, 9] and a[0].logprobs == [-0.5, -1.0, -1.5] and a[0].stop_reason == "stop"
+    assert b[0].tokens == [8, 9] and b[0].stop_reason == "length"
+
+    client.sampling_client()  # the next RL step: a new adapter version
+    assert [r.lora_id for r in fake_vllm["LoRARequest"]] == [1, 2]
+    assert fake_vllm["LoRARequest"][1].path != req1.path
+
+
+def test_vllm_sampler_refuses_full_finetuning(fake_vllm: dict[str, list[Any]], tiny_model_dir: Path) -> None:
+    from retool.backends.vllm_sampler import attach_vllm_sampler
+
+    client = LocalTrainingClient(tiny_model_dir, lora=None, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="full fine-tuning"):
+        attach_vllm_sampler(client)

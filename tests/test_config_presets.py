@@ -1,0 +1,82 @@
+"""Config loading: the presets hold the chapter's numbers, overrides reach every field, bad input is clear."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from retool.config import Config, ConfigError, dump_config, load_config, preset_names
+
+
+def test_presets_exist() -> None:
+    assert {"chapter", "tiny"} <= set(preset_names())
+
+
+def test_chapter_preset_has_the_reference_run() -> None:
+    c = load_config("chapter")
+    assert c.model.name == "Qwen/Qwen3.5-4B" and c.backend.kind == "pytrio"
+    assert (c.rollout.questions_per_step, c.rollout.group_size) == (8, 8)
+    r = c.rollout
+    assert (
+        r.max_code_calls,
+        r.max_assistant_turns,
+        r.max_tokens_per_turn,
+        r.max_observation_tokens,
+        r.max_trajectory_tokens,
+    ) == (4, 6, 1024, 512, 8192)
+    assert c.optimizer.lr == 4e-5 and (c.optimizer.beta1, c.optimizer.beta2) == (0.9, 0.95)
+    assert (c.loss.name, c.loss.clip_low, c.loss.clip_high) == ("ppo", 0.8, 1.28)
+    assert c.lora.enabled and c.lora.rank == 32
+    assert c.train.steps == 200 and c.checkpoint.every == 50
+
+
+def test_tiny_preset_is_a_small_local_cpu_run() -> None:
+    c = load_config("tiny")
+    assert c.backend.kind == "local" and c.backend.device == "cpu"
+    assert c.data.train_path == "tasks"
+    assert c.rollout.questions_per_step * c.rollout.group_size <= 16
+    assert c.rollout.max_trajectory_tokens <= c.model.max_context
+
+
+def test_overrides_parse_toml_values_and_reach_nested_fields() -> None:
+    c = load_config(
+        "tiny",
+        [
+            "rollout.group_size=4",
+            "optimizer.lr=1e-4",
+            "lora.enabled=false",
+            "sandbox.preimport=['math']",
+            "model.name=/some/path",
+            "data.task_count=10",
+        ],
+    )
+    assert c.rollout.group_size == 4 and c.optimizer.lr == 1e-4 and not c.lora.enabled
+    assert c.sandbox.preimport == ["math"] and c.model.name == "/some/path" and c.data.task_count == 10
+
+
+def test_dump_round_trips(tmp_path: Path) -> None:
+    c = load_config("chapter", ["rollout.group_size=3", "train.run_dir=runs/x y"])
+    path = tmp_path / "run.toml"
+    path.write_text(dump_config(c))
+    again = load_config(path)
+    assert again == c and isinstance(again, Config)
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["rollout.group_size=many"], "rollout.group_size"),
+        (["rollout.no_such_knob=1"], "no_such_knob"),
+        (["novalue"], "section.key=value"),
+        (["data.task_count=0"], "data.task_count"),
+    ],
+)
+def test_bad_overrides_are_named(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
+
+
+def test_unknown_preset_lists_the_known_ones() -> None:
+    with pytest.raises(ConfigError, match="chapter"):
+        load_config("no-such-preset")

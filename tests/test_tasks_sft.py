@@ -1,0 +1,110 @@
+"""Cold-start SFT data and training: protocol-built sequences, assistant-only weights, real tool output."""
+
+from __future__ import annotations
+
+import random
+from pathlib import Path
+
+import pytest
+
+from retool.tasks.family import generate_tasks
+from retool.tasks.model import build_demo_model, protocol_for
+from retool.tasks.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style, train_sft
+
+
+def _observe(code: str) -> str:
+    import contextlib
+    import io
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            exec(code, {})  # trusted canonical code (and its deliberately broken variant) only
+    except Exception as exc:
+        return f"Traceback (most recent call last):\n{type(exc).__name__}: {exc}\n"
+    return out.getvalue()
+
+
+@pytest.fixture(scope="module")
+def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return build_demo_model(tmp_path_factory.mktemp("demo_model"), generate_tasks(200, seed=0), size="test")
+
+
+@pytest.fixture(scope="module")
+def protocol(demo_model: Path):  # type: ignore[no-untyped-def]
+    from transformers import AutoTokenizer
+
+    return protocol_for(AutoTokenizer.from_pretrained(demo_model))
+
+
+def test_tiny_model_prompt_is_short_and_hermes(protocol) -> None:  # type: ignore[no-untyped-def]
+    assert protocol.fmt.name == "hermes"
+    prompt = protocol.build_prompt(protocol.initial_messages("What is 3 + 4?"))
+    # The fixed system block is one phrase token; the question's digits are single tokens.
+    assert len(prompt) < 45
+    text_mode = protocol_for(protocol.tokenizer, use_tools=False)
+    assert protocol.decode(text_mode.build_prompt(text_mode.initial_messages("Q"))).count("# Tools") == 0
+    digits = [protocol.decode([t]) for t in protocol.encode("12345")]
+    assert digits == ["1", "2", "3", "4", "5"]
+
+
+@pytest.mark.parametrize("style", ["direct", "tool", "error_fix"])
+def test_example_weights_cover_exactly_the_assistant_turns(protocol, style: str) -> None:  # type: ignore[no-untyped-def]
+    task = generate_tasks(1, seed=0, kinds=["mul_big"])[0]
+    ex = build_example(task, style, protocol, _observe, random.Random(0))
+    assert len(ex.tokens) == len(ex.weights)
+    prompt = protocol.build_prompt(protocol.initial_messages(task.question))
+    assert ex.tokens[: len(prompt)] == prompt and not any(ex.weights[: len(prompt)])
+    # Split the weighted tokens into contiguous assistant spans.
+    spans, cur = [], []
+    for tok, w in zip(ex.tokens, ex.weights, strict=True):
+        if w:
+            cur.append(tok)
+        elif cur:
+            spans.append(cur)
+            cur = []
+    if cur:
+        spans.append(cur)
+    texts = [protocol.decode(s) for s in spans]
+    end = protocol.decode([protocol.end_of_turn_id])
+    assert texts[-1] == answer_text(task.answer) + end
+    calls = {"direct": 0, "tool": 1, "error_fix": 2}[style]
+    assert len(texts) == calls + 1
+    if calls:
+        assert texts[-2] == protocol.fmt.render_call(task.code) + end
+        assert protocol.fmt.parse(texts[-2][: -len(end)]).code == task.code
+        # The observation (the real output) is in the sequence but carries no weight.
+        full = protocol.decode(ex.tokens)
+        assert f"<tool_response>\n{task.answer}\n" in full
+    if style == "error_fix":
+        assert "Error" in protocol.decode(ex.tokens)
+
+
+def test_mix_shares(protocol) -> None:  # type: ignore[no-untyped-def]
+    rng = random.Random(0)
+    mix = SFTMix(hard_tool=0.4, hard_error_fix=0.1, easy_tool=0.0)
+    hard = [t for t in generate_tasks(400, seed=0) if t.hard]
+    easy = [t for t in generate_tasks(100, seed=0) if not t.hard]
+    styles = [choose_style(t, mix, rng) for t in hard]
+    assert 0.3 < styles.count("tool") / len(styles) < 0.5
+    assert 0.04 < styles.count("error_fix") / len(styles) < 0.18
+    assert {choose_style(t, mix, rng) for t in easy} == {"direct"}
+    with pytest.raises(ValueError):
+        SFTMix(hard_tool=0.8, hard_error_fix=0.3)
+
+
+def test_sft_through_the_local_backend_lowers_the_loss(demo_model: Path, protocol) -> None:  # type: ignore[no-untyped-def]
+    import torch
+
+    from retool.backends.local import LocalTrainingClient
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # tiny matrices: more threads only add contention
+    examples = build_sft_examples(generate_tasks(64, seed=0), protocol, _observe, seed=0)
+    client = LocalTrainingClient(str(demo_model), lora=None, device="cpu", dtype="float32", seed=0)
+    report = train_sft(client, examples, steps=30, batch_size=8, lr=1e-2, warmup=3)
+    client.close()
+    torch.set_num_threads(threads)
+    assert len(report.losses) == 30
+    assert sum(report.losses[-5:]) / 5 < 0.7 * sum(report.losses[:3]) / 3
+    assert report.styles and sum(report.styles.values()) == 64
