@@ -116,7 +116,7 @@ def test_analyze_cli_writes_tables_and_pngs(tmp_path: Path, inputs: tuple[Path, 
     out = tmp_path / "report"
     result = CliRunner().invoke(app, ["analyze", *map(str, inputs), "--out", str(out)])
     assert result.exit_code == 0, result.output
-    for name in ("accuracy.png", "format_rate.png", "code_calls.png", "training_curves.png"):
+    for name in ("accuracy.png", "format_rate.png", "code_calls.png", "pass_at_k.png", "training_curves.png"):
         data = (out / name).read_bytes()
         assert data.startswith(PNG_MAGIC) and len(data) > 2000, name
     md = (out / "comparison.md").read_text()

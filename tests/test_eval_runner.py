@@ -317,3 +317,19 @@ def test_resolve_checkpoint_from_run_layout(tmp_path: Path) -> None:
     (ckpts / "latest").write_text("step_000099\n")
     with pytest.raises(EvalError, match="not a complete checkpoint"):
         resolve_checkpoint(str(tmp_path / "run"))
+
+
+def test_save_transcripts_keeps_messages(tmp_path: Path) -> None:
+    class WithMessages(FakeRollout):
+        async def __call__(self, problems: list[Problem], **kw: Any) -> list[list[FakeTraj]]:
+            groups = await super().__call__(problems, **kw)
+            for t in groups[0]:
+                t.messages = [{"role": "user", "content": t.problem.question}]
+            return groups
+
+    run(tmp_path / "a.jsonl", problems=PROBLEMS[:1], rollout=WithMessages(), save_transcripts=True)
+    run(tmp_path / "b.jsonl", problems=PROBLEMS[:1], rollout=WithMessages())
+    a = json.loads((tmp_path / "a.jsonl").read_text())
+    b = json.loads((tmp_path / "b.jsonl").read_text())
+    assert a["candidates"][0]["messages"] == [{"role": "user", "content": PROBLEMS[0].question}]
+    assert "messages" not in b["candidates"][0]

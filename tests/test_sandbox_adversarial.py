@@ -73,12 +73,20 @@ def _is_python(pid: int) -> bool:
         return False
 
 
+def _start_time(pid: int) -> int:
+    stat = Path(f"/proc/{pid}/stat").read_text()
+    return int(stat.rsplit(")", 1)[1].split()[19])
+
+
 def _server_python_pids(ex: ForkServerExecutor) -> list[int]:
-    """The fork-server interpreters: the top-most python processes under each bwrap."""
-    table = _proc_table()
-    return [
-        pid for pid in _descendants(ex.server_pids()) if _is_python(pid) and not _is_python(table[pid][0])
-    ]
+    """The fork-server interpreters: under each bwrap, the oldest python process (an orphan re-parented
+    to bwrap's init is python too, but younger)."""
+    out = []
+    for root in ex.server_pids():
+        pythons = [pid for pid in _descendants([root]) if _is_python(pid)]
+        if pythons:
+            out.append(min(pythons, key=_start_time))
+    return out
 
 
 def _sandboxed_processes(ex: ForkServerExecutor) -> list[int]:

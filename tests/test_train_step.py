@@ -258,3 +258,51 @@ def test_no_datums_no_optimizer_step() -> None:
 def test_mean_reduction_refuses_unmasked_datum() -> None:
     with pytest.raises(ValueError, match="without sampled tokens"):
         mean_reduction_weights([Datum([1, 2], [2, 3], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0])])
+
+
+def test_weights_give_the_mean_gradient_on_the_local_backend(tiny_model_dir) -> None:
+    """Real backend: packed, weighted forward_backward calls accumulate exactly
+    mean_d( mean_{t in completion(d)} ppo_loss_t ), computed here independently with autograd."""
+    local = pytest.importorskip("retool.backends.local")
+    client = local.LocalTrainingClient(
+        tiny_model_dir, lora=None, device="cpu", dtype="float32", micro_batch_tokens=40
+    )
+    gen = torch.Generator().manual_seed(0)
+    vocab = client.vocab_size
+
+    def traj(reward: float, n_prompt: int, n_comp: int) -> Traj:
+        prompt = torch.randint(0, vocab, (n_prompt,), generator=gen).tolist()
+        comp = torch.randint(0, vocab, (n_comp,), generator=gen).tolist()
+        # Sampler logprobs off the learner's by a little, so ratios differ from 1 and some clip.
+        old = (torch.randn(n_comp, generator=gen) * 0.3 - 6.0).tolist()
+        return Traj(turns=[Turn(prompt, comp, old)], reward=reward)
+
+    groups = [
+        [traj(1.0, 5, 3), traj(-1.0, 4, 9), traj(-1.0, 6, 2)],
+        [traj(-1.0, 3, 4), traj(-1.0, 5, 5)],  # degenerate
+        [traj(1.0, 7, 6), traj(-1.0, 2, 1)],
+    ]
+    data = build_step_data(groups)
+    params = client.trainable_parameters()
+    for d in data.datums:  # recompute old logprobs near the learner's so the ratio is O(1)
+        ids = torch.tensor([d.input_tokens])
+        lp = client.target_logprobs(ids, torch.ones_like(ids), torch.tensor([d.target_tokens]))[0].detach()
+        noise = torch.randn(len(d), generator=gen) * 0.3
+        d.logprobs[:] = [float(lp[i] + noise[i]) if w else 0.0 for i, w in enumerate(d.weights)]
+    result = client.forward_backward(data.datums, "ppo", {"clip_low": 0.8, "clip_high": 1.28})
+    assert result.clip_fraction > 0
+    got = [p.grad.clone() for p in params]
+    for p in params:
+        p.grad = None
+    ref = torch.zeros(())
+    for d in data.datums:
+        ids = torch.tensor([d.input_tokens])
+        lp = client.target_logprobs(ids, torch.ones_like(ids), torch.tensor([d.target_tokens]))[0]
+        m = torch.tensor([w != 0.0 for w in d.weights])
+        ratio = torch.exp(lp - torch.tensor(d.logprobs))
+        adv = torch.tensor(d.advantages)
+        per_token = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+        ref = ref + per_token[m].mean()
+    (ref / len(data.datums)).backward()
+    for g, p in zip(got, params, strict=True):
+        assert torch.allclose(g, p.grad, rtol=1e-4, atol=1e-7)

@@ -4,6 +4,7 @@
   error bar and Pass@N as a marker above it;
 - ``format_rate.png``: share of candidates with a valid ``\\boxed{}`` per checkpoint and mode;
 - ``code_calls.png``: mean code calls and tool-call rate per checkpoint and mode;
+- ``pass_at_k.png``: the unbiased pass@k curve of every eval;
 - ``training_curves.png``: reward / correct rate / format rate / code calls per step from ``metrics.jsonl``
   (whichever of those keys the log has).
 """
@@ -24,7 +25,7 @@ CURVE_PANELS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("reward", lambda k: "reward" in k),
     ("correct rate", lambda k: "correct_rate" in k and "without" not in k and "with_code" not in k),
     ("format rate", lambda k: "format_rate" in k),
-    ("code calls", lambda k: "code_calls" in k or "code_share" in k),
+    ("code calls", lambda k: ("code_calls" in k or "code_share" in k) and not k.startswith("stop/")),
 )
 
 
@@ -113,6 +114,23 @@ def plot_evals(evals: list[EvalResult], out_dir: Path) -> list[Path]:
     ax2.set_title("Tool-call rate (% candidates with >= 1 call)")
     ax2.set_ylim(0, 105)
     written.append(_save(fig, out_dir / "code_calls.png", plt))
+
+    from matplotlib.ticker import MaxNLocator
+
+    fig, ax = plt.subplots(figsize=(6.5, 4.5))
+    for e in evals:
+        curve = {int(k): float(v) for k, v in (e.metrics.get("pass_at_k") or {}).items()}
+        if curve:
+            ks = sorted(curve)
+            ax.plot(ks, [100 * curve[k] for k in ks], marker="o", label=f"{e.label} ({e.mode})")
+    ax.set_xlabel("k")
+    ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+    ax.set_ylabel("pass@k (%)")
+    ax.set_title("Unbiased pass@k (k = 1 is Average@N, k = N is Pass@N)")
+    ax.set_ylim(0, 105)
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    written.append(_save(fig, out_dir / "pass_at_k.png", plt))
     return written
 
 
@@ -140,6 +158,8 @@ def plot_training(logs: list[TrainingLog], out_dir: Path) -> list[Path]:
         logger.warning("training logs have no reward / correct / format / code-call keys; no curves drawn")
         return []
     plt = _pyplot()
+    from matplotlib.ticker import MaxNLocator
+
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     for ax, (title, keys) in zip(axes[0], panels, strict=True):
         for log in logs:
@@ -152,6 +172,7 @@ def plot_training(logs: list[TrainingLog], out_dir: Path) -> list[Path]:
                 ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=name)
         ax.set_title(title)
         ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7)
     return [_save(fig, out_dir / "training_curves.png", plt)]

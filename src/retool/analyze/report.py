@@ -449,7 +449,7 @@ def markdown_report(evals: list[EvalResult], logs: list[TrainingLog], warnings: 
             keys = [
                 k
                 for k in last
-                if k != "step" and any(s in k for s in ("reward", "correct_rate", "code_calls"))
+                if not k.startswith("stop/") and any(s in k for s in ("reward", "correct_rate", "code_calls"))
             ]
             shown = ", ".join(f"{k}={last[k]:.4g}" for k in keys[:6])
             parts.append(f"- {log.label}: {len(log.rows)} steps (last step {int(last['step'])}: {shown})")

@@ -139,7 +139,9 @@ def _python_binary(python: str | None) -> str:
 def _python_paths(python: str) -> tuple[list[str], list[str]]:
     """(directories to bind read-only, sys.path entries for the server) for the interpreter in use."""
     paths = sysconfig.get_paths()
-    sys_path = [p for p in (paths.get("purelib"), paths.get("platlib")) if p and os.path.isdir(p)]
+    sys_path = list(
+        dict.fromkeys(p for p in (paths.get("purelib"), paths.get("platlib")) if p and os.path.isdir(p))
+    )
     # Other site dirs in use (e.g. Debian's dist-packages); not the working dir or src trees.
     for p in sys.path:
         if p and os.path.isdir(p) and ("site-packages" in p or "dist-packages" in p) and p not in sys_path:

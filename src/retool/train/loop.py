@@ -30,6 +30,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import re
 import signal
 import time
 from collections.abc import Awaitable, Callable, Sequence
@@ -153,6 +154,8 @@ class Trainer:
         self._tracker = tracker
         self._hooks = _Hooks()
         self._stop_requested = False
+        self._owns_client = False
+        self._owned: list[Any] = []  # components this trainer built, and so closes
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
 
@@ -208,9 +211,12 @@ class Trainer:
 
     def _build_components(self) -> None:
         cfg = self.config
+        if self._source is None:  # first: a bad data path fails before any process starts
+            self._source = make_source(cfg)
         if self._client is None:
             self._resolve_tiny_model()
             self._client = self._make_client()
+            self._owns_client = True
             cfg = self.config
         if self._protocol is None:
             from retool.protocol import ChatProtocol
@@ -220,16 +226,16 @@ class Trainer:
             from retool.sandbox import make_executor
 
             self._executor = make_executor(cfg.sandbox)
+            self._owned.append(self._executor)
         if self._verifier is None:
             from retool.reward import Verifier
 
             self._verifier = Verifier(workers=cfg.reward.verify_workers, timeout=cfg.reward.verify_timeout)
+            self._owned.append(self._verifier)
         if self._rollout_fn is None:
             from retool.rollout import run_group_rollouts
 
             self._rollout_fn = run_group_rollouts
-        if self._source is None:
-            self._source = make_source(cfg)
 
     async def _restore(self) -> tuple[int, DataPosition]:
         """Load the latest checkpoint (when resuming); return the completed step and data position."""
@@ -242,7 +248,7 @@ class Trainer:
             repair_metrics(self.metrics.path, TrainerState(step=0, data_position={}))
             return 0, DataPosition(seed=seed)
         state, rng, backend_path = CheckpointManager.load(ckpt)
-        pass  # MUTANT
+        await self._client.load_state_async(backend_path)
         restore_rng(rng)
         dropped = repair_metrics(self.metrics.path, state)
         logger.info(
@@ -257,7 +263,8 @@ class Trainer:
         if self.config.backend.kind == "local":
             return await self._client.save_state_async(str(folder / "backend")), True
         # Remote services keep the state themselves and hand back a URI; names must be simple.
-        return await self._client.save_state_async(f"{self.run_dir.name}-{name}".replace("/", "-")), False
+        safe = re.sub(r"[^A-Za-z0-9._-]", "-", f"{self.run_dir.name}-{name}").strip(".-") or name
+        return await self._client.save_state_async(safe), False
 
     # -- the loop --------------------------------------------------------------------------------
     def _on_signal(self, signum: int, frame: Any) -> None:
@@ -269,17 +276,21 @@ class Trainer:
     async def run_async(self) -> TrainSummary:
         cfg = self.config
         self._prepare_run_dir()
-        self._build_components()
-        start_step, position = await self._restore()
+        try:
+            self._build_components()
+            start_step, position = await self._restore()
+            tracker = self._tracker or make_tracker(
+                cfg.logging.tracker,
+                self.run_dir,
+                cfg.logging.project,
+                cfg.model_dump(),
+                resume_step=start_step + 1 if self.resume else None,
+            )
+        except BaseException:
+            await self._close_components()
+            raise
         assert self._source is not None
         stream = ProblemStream(self._source, seed=position.seed, position=position)
-        tracker = self._tracker or make_tracker(
-            cfg.logging.tracker,
-            self.run_dir,
-            cfg.logging.project,
-            cfg.model_dump(),
-            resume_step=start_step + 1 if self.resume else None,
-        )
         progress = Progress(cfg.train.steps, start_step, enabled=cfg.logging.progress)
         installed = _install_signals(self._on_signal)
         step = start_step
@@ -399,13 +410,19 @@ class Trainer:
         logger.info("checkpoint %s saved", CheckpointManager.name_for(step))
 
     async def _close_components(self) -> None:
-        for obj in (self._executor, self._verifier):
+        """Close what this trainer built (components passed in belong to the caller)."""
+        for obj in self._owned:
             close = getattr(obj, "close", None)
             if close is not None:
                 try:
                     await asyncio.to_thread(close)
                 except Exception:  # closing must not hide the run's own error
                     logger.exception("closing %s failed", type(obj).__name__)
+        if self._owns_client and self._client is not None:
+            try:
+                await self._client.close_async()
+            except Exception:
+                logger.exception("closing the training client failed")
 
     def run(self) -> TrainSummary:
         return asyncio.run(self.run_async())
