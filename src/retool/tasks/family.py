@@ -7,6 +7,10 @@ small linear systems) are not, unless it calls the interpreter. Every problem ca
 
 Problems are plain ``retool.data.Problem`` objects; the kind and difficulty travel in ``data_source``
 as ``"tasks/<kind>/<easy|hard>"`` so every later stage (rollout, eval, analysis) can group by them.
+
+Questions write their numbers the way the canonical code does (``7**23``, ``52**583 % 668``), so that a
+tiny model's code is a copy of a span of the question: copying is what a small transformer learns fast
+(induction), and the demo is about *when* to call the tool, not about parsing notation.
 """
 
 from __future__ import annotations
@@ -75,7 +79,7 @@ def _mul_big(rng: random.Random) -> tuple[str, int, str]:
 def _digit_sum_pow(rng: random.Random) -> tuple[str, int, str]:
     base, exp = rng.randint(2, 9), rng.randint(20, 60)
     answer = sum(int(d) for d in str(base**exp))
-    question = f"What is the sum of the digits of {base}^{exp}?"
+    question = f"What is the sum of the digits of {base}**{exp}?"
     return question, answer, f"print(sum(int(d) for d in str({base}**{exp})))"
 
 
@@ -106,7 +110,7 @@ def _count_primes(rng: random.Random) -> tuple[str, int, str]:
 
 def _mod_pow(rng: random.Random) -> tuple[str, int, str]:
     a, e, m = rng.randint(2, 99), rng.randint(100, 999), rng.randint(50, 999)
-    return f"What is {a}^{e} mod {m}?", pow(a, e, m), f"print(pow({a}, {e}, {m}))"
+    return f"What is {a}**{e} % {m}?", pow(a, e, m), f"print({a}**{e} % {m})"
 
 
 def _linear_system(rng: random.Random) -> tuple[str, int, str]:
@@ -131,6 +135,9 @@ HARD_KINDS: dict[str, Generator] = {
     "linear_system": _linear_system,
 }
 ALL_KINDS: dict[str, Generator] = {**EASY_KINDS, **HARD_KINDS}
+# The demo's default: every kind whose code copies one span of the question (linear_system needs six
+# numbers rearranged, beyond a few-million-parameter model trained for minutes).
+DEMO_KINDS: tuple[str, ...] = ("add_small", "mul_small", "mul_big", "digit_sum_pow", "count_primes", "mod_pow")
 
 
 def generate_tasks(
