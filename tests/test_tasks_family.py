@@ -7,7 +7,14 @@ import io
 
 import pytest
 
-from retool.tasks.family import ALL_KINDS, EASY_KINDS, HARD_KINDS, generate_problems, generate_tasks, parse_source
+from retool.tasks.family import (
+    ALL_KINDS,
+    EASY_KINDS,
+    HARD_KINDS,
+    generate_problems,
+    generate_tasks,
+    parse_source,
+)
 
 
 def _run(code: str) -> str:
@@ -34,7 +41,7 @@ def test_canonical_code_prints_the_answer_for_every_kind() -> None:
 
 
 def test_test_split_is_held_out_for_hard_problems() -> None:
-    train = {t.question for t in generate_tasks(2000, seed=0, split="train")}
+    train = {t.question for t in generate_tasks(5000, seed=0, split="train")}
     test = generate_tasks(200, seed=0, split="test")
     assert not [t.question for t in test if t.hard and t.question in train]
     assert [t.id for t in test] == sorted({t.id for t in test})

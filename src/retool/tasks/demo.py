@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retool.tasks.family import Task, generate_tasks, parse_source
+from retool.tasks.family import DEMO_KINDS, Task, generate_tasks, parse_source
 
 logger = logging.getLogger(__name__)
 
@@ -41,11 +41,12 @@ class DemoSettings:
     train_tasks: int = 1200
     test_tasks: int = 40
     hard_fraction: float = 0.5
+    kinds: tuple[str, ...] = DEMO_KINDS
     # cold-start SFT
     sft_steps: int = 300
     sft_batch: int = 16
     sft_lr: float = 3e-3
-    sft_hard_tool: float = 0.35
+    sft_hard_tool: float = 0.5
     sft_hard_error_fix: float = 0.1
     sft_easy_tool: float = 0.05
     # evaluation
@@ -68,6 +69,7 @@ class DemoSettings:
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["eval_modes"] = list(self.eval_modes)
+        d["kinds"] = list(self.kinds)
         return d
 
 
@@ -334,9 +336,15 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
 
     # 1. tasks
     t0 = time.perf_counter()
-    train = generate_tasks(settings.train_tasks, seed=settings.seed, hard_fraction=settings.hard_fraction)
+    train = generate_tasks(
+        settings.train_tasks, seed=settings.seed, hard_fraction=settings.hard_fraction, kinds=settings.kinds
+    )
     test = generate_tasks(
-        settings.test_tasks, seed=settings.seed, hard_fraction=settings.hard_fraction, split="test"
+        settings.test_tasks,
+        seed=settings.seed,
+        hard_fraction=settings.hard_fraction,
+        split="test",
+        kinds=settings.kinds,
     )
     write_tasks(out / "tasks" / "train.jsonl", train)
     write_tasks(out / "tasks" / "test.jsonl", test)
@@ -534,9 +542,15 @@ def run_sft(
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, settings.threads))
-    train = generate_tasks(settings.train_tasks, seed=settings.seed, hard_fraction=settings.hard_fraction)
+    train = generate_tasks(
+        settings.train_tasks, seed=settings.seed, hard_fraction=settings.hard_fraction, kinds=settings.kinds
+    )
     test = generate_tasks(
-        settings.test_tasks, seed=settings.seed, hard_fraction=settings.hard_fraction, split="test"
+        settings.test_tasks,
+        seed=settings.seed,
+        hard_fraction=settings.hard_fraction,
+        split="test",
+        kinds=settings.kinds,
     )
     if model is None:
         emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})

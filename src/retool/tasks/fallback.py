@@ -121,7 +121,11 @@ class FallbackHermesProtocol:
 
     @staticmethod
     def render_call(code: str) -> str:
-        return "<tool_call>\n" + json.dumps({"name": "code_interpreter", "arguments": {"code": code}}) + "\n</tool_call>"
+        return (
+            "<tool_call>\n"
+            + json.dumps({"name": "code_interpreter", "arguments": {"code": code}})
+            + "\n</tool_call>"
+        )
 
 
 def trusted_exec(code: str) -> tuple[bool, str, float]:
@@ -132,7 +136,11 @@ def trusted_exec(code: str) -> tuple[bool, str, float]:
         with contextlib.redirect_stdout(out):
             exec(compile(code, "<string>", "exec"), {"__name__": "__main__"})
     except Exception as exc:  # the traceback tail the model would see
-        return False, f"Traceback (most recent call last):\n{type(exc).__name__}: {exc}\n", time.perf_counter() - start
+        return (
+            False,
+            f"Traceback (most recent call last):\n{type(exc).__name__}: {exc}\n",
+            time.perf_counter() - start,
+        )
     return True, out.getvalue(), time.perf_counter() - start
 
 
@@ -216,9 +224,17 @@ def _torch_client_cls() -> Any:
                 mask[i, width - len(p) :] = 1
             stops = [int(s) for s in params.stop]
             out = self.model.generate(
-                input_ids=ids, attention_mask=mask, do_sample=True, temperature=params.temperature,
-                top_p=params.top_p, top_k=0, max_new_tokens=params.max_tokens, eos_token_id=stops,
-                pad_token_id=self.pad_id, output_logits=True, return_dict_in_generate=True,
+                input_ids=ids,
+                attention_mask=mask,
+                do_sample=True,
+                temperature=params.temperature,
+                top_p=params.top_p,
+                top_k=0,
+                max_new_tokens=params.max_tokens,
+                eos_token_id=stops,
+                pad_token_id=self.pad_id,
+                output_logits=True,
+                return_dict_in_generate=True,
             )
             gen = out.sequences[:, width:]
             logits = torch.stack(out.logits, dim=1).float().log_softmax(-1)
@@ -279,8 +295,13 @@ def _torch_client_cls() -> Any:
 
         async def optim_step_async(self, adam):  # type: ignore[no-untyped-def]
             if self.opt is None:
-                self.opt = torch.optim.AdamW(self.model.parameters(), lr=adam.lr, betas=(adam.beta1, adam.beta2),
-                                             eps=adam.eps, weight_decay=adam.weight_decay)
+                self.opt = torch.optim.AdamW(
+                    self.model.parameters(),
+                    lr=adam.lr,
+                    betas=(adam.beta1, adam.beta2),
+                    eps=adam.eps,
+                    weight_decay=adam.weight_decay,
+                )
             for g in self.opt.param_groups:
                 g["lr"] = adam.lr
                 g["betas"] = (adam.beta1, adam.beta2)

@@ -137,7 +137,14 @@ HARD_KINDS: dict[str, Generator] = {
 ALL_KINDS: dict[str, Generator] = {**EASY_KINDS, **HARD_KINDS}
 # The demo's default: every kind whose code copies one span of the question (linear_system needs six
 # numbers rearranged, beyond a few-million-parameter model trained for minutes).
-DEMO_KINDS: tuple[str, ...] = ("add_small", "mul_small", "mul_big", "digit_sum_pow", "count_primes", "mod_pow")
+DEMO_KINDS: tuple[str, ...] = (
+    "add_small",
+    "mul_small",
+    "mul_big",
+    "digit_sum_pow",
+    "count_primes",
+    "mod_pow",
+)
 
 
 def generate_tasks(
@@ -169,7 +176,7 @@ def generate_tasks(
     rng = random.Random(f"retool-tasks/{seed}/{split}")
     # The held-out test split excludes train questions; small easy kinds (81 combinations) still repeat
     # by design: a direct answer to "3 + 5" is the skill, not a memorised item.
-    exclude = _question_set(seed, n_train=2000) if split == "test" else set()
+    exclude = _question_set(seed, tuple(selected), hard_fraction) if split == "test" else set()
     tasks: list[Task] = []
     while len(tasks) < n:
         use_hard = bool(hard) and (not easy or rng.random() < hard_fraction)
@@ -183,13 +190,15 @@ def generate_tasks(
     return tasks
 
 
-_TRAIN_QUESTIONS: dict[tuple[int, int], set[str]] = {}
+_TRAIN_QUESTIONS: dict[tuple[int, tuple[str, ...], float], set[str]] = {}
+_HELD_OUT_AGAINST = 5000  # test questions never equal one of the first 5000 train questions
 
 
-def _question_set(seed: int, n_train: int) -> set[str]:
-    key = (seed, n_train)
+def _question_set(seed: int, kinds: tuple[str, ...], hard_fraction: float) -> set[str]:
+    key = (seed, kinds, hard_fraction)
     if key not in _TRAIN_QUESTIONS:
-        _TRAIN_QUESTIONS[key] = {t.question for t in generate_tasks(n_train, seed=seed, split="train")}
+        train = generate_tasks(_HELD_OUT_AGAINST, seed=seed, hard_fraction=hard_fraction, kinds=kinds)
+        _TRAIN_QUESTIONS[key] = {t.question for t in train}
     return _TRAIN_QUESTIONS[key]
 
 

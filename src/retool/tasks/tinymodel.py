@@ -22,7 +22,7 @@ TINY_CHAT_TEMPLATE = (
     "{%- if tools -%}"
     "{{- '\\n\\n# Tools\\n<tools>' -}}"
     "{%- for tool in tools -%}{{- '\\n' + (tool | tojson) -}}{%- endfor -%}"
-    "{{- '\\n</tools>\\nCall a tool with a JSON object {\"name\": <name>, \"arguments\": <json>} between tool_call tags.' -}}"
+    '{{- \'\\n</tools>\\nCall a tool with a JSON object {"name": <name>, "arguments": <json>} between tool_call tags.\' -}}'
     "{%- endif -%}"
     "{{- '<|im_end|>\\n' -}}"
     "{%- for message in rest -%}"
@@ -51,10 +51,22 @@ ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_respon
 
 ModelSize = Literal["test", "demo"]
 _SIZES: dict[str, dict[str, int]] = {
-    "test": {"hidden_size": 32, "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
-             "intermediate_size": 64, "vocab_size": 512},
-    "demo": {"hidden_size": 192, "num_hidden_layers": 4, "num_attention_heads": 6, "num_key_value_heads": 2,
-             "intermediate_size": 512, "vocab_size": 1024},
+    "test": {
+        "hidden_size": 32,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 64,
+        "vocab_size": 512,
+    },
+    "demo": {
+        "hidden_size": 192,
+        "num_hidden_layers": 4,
+        "num_attention_heads": 6,
+        "num_key_value_heads": 2,
+        "intermediate_size": 512,
+        "vocab_size": 1024,
+    },
 }
 
 
