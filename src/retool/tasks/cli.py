@@ -16,6 +16,21 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
+def _quiet_library_progress() -> None:
+    """The demo prints its own progress lines; per-problem and per-step INFO logs would drown them."""
+    import logging
+
+    for name in (
+        "retool.evaluate.runner",
+        "retool.train.progress",
+        "retool.train.loop",
+        "retool.backends.local",
+        "retool.protocol.formats",
+        "retool.train.checkpoint",
+    ):
+        logging.getLogger(name).setLevel(logging.WARNING)
+
+
 class _Printer:
     """Renders the library's progress events as plain lines on stderr (readable in CI logs too)."""
 

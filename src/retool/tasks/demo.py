@@ -245,8 +245,10 @@ def evaluate_modes(
             )
 
         summary = asyncio.run(go())
-        summary.update(difficulty_breakdown(output))
-        results[mode] = summary
+        # run_eval's summary nests the metrics; keep them flat next to the per-difficulty numbers.
+        flat = dict(summary.get("metrics", summary))
+        flat.update(difficulty_breakdown(output))
+        results[mode] = flat
     return results
 
 

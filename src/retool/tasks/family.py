@@ -10,7 +10,8 @@ as ``"tasks/<kind>/<easy|hard>"`` so every later stage (rollout, eval, analysis)
 
 Questions write their numbers the way the canonical code does (``7**23``, ``52**583 % 668``), so that a
 tiny model's code is a copy of a span of the question: copying is what a small transformer learns fast
-(induction), and the demo is about *when* to call the tool, not about parsing notation.
+(induction), and the demo is about *when* to call the tool, not about parsing notation. Each kind's
+operands have a fixed number of digits, so a copy is also a fixed offset in the token sequence.
 """
 
 from __future__ import annotations
@@ -72,7 +73,7 @@ def _mul_small(rng: random.Random) -> tuple[str, int, str]:
 
 
 def _mul_big(rng: random.Random) -> tuple[str, int, str]:
-    a, b = rng.randint(100, 9999), rng.randint(100, 999)
+    a, b = rng.randint(1000, 9999), rng.randint(100, 999)
     return f"What is {a} * {b}?", a * b, f"print({a} * {b})"
 
 
@@ -102,14 +103,14 @@ _PRIME_PREFIX = _prime_prefix(3001)
 
 
 def _count_primes(rng: random.Random) -> tuple[str, int, str]:
-    n = rng.randint(200, 3000)
+    n = rng.randint(1000, 2999)
     answer = _PRIME_PREFIX[n]
     code = f"print(sum(1 for k in range(2, {n}) if all(k % p for p in range(2, int(k**0.5) + 1))))"
     return f"How many primes are less than {n}?", answer, code
 
 
 def _mod_pow(rng: random.Random) -> tuple[str, int, str]:
-    a, e, m = rng.randint(2, 99), rng.randint(100, 999), rng.randint(50, 999)
+    a, e, m = rng.randint(10, 99), rng.randint(100, 999), rng.randint(100, 999)
     return f"What is {a}**{e} % {m}?", pow(a, e, m), f"print({a}**{e} % {m})"
 
 

@@ -35,9 +35,13 @@ class SFTMix:
     hard_tool: float = 0.35
     hard_error_fix: float = 0.1
     easy_tool: float = 0.05  # otherwise easy problems are answered directly
+    # Loss weight of the answer digits in a *direct* answer to a hard problem. The true number there is
+    # noise the tiny model cannot learn; full weight would spend its capacity memorising it. The decision
+    # to answer directly (the ``\boxed{`` tokens) keeps full weight, which is what RL later corrects.
+    direct_hard_answer_weight: float = 0.1
 
     def __post_init__(self) -> None:
-        for name in ("hard_tool", "hard_error_fix", "easy_tool"):
+        for name in ("hard_tool", "hard_error_fix", "easy_tool", "direct_hard_answer_weight"):
             if not 0.0 <= getattr(self, name) <= 1.0:
                 raise ValueError(f"SFTMix.{name} must be in [0, 1]")
         if self.hard_tool + self.hard_error_fix > 1.0:
@@ -71,7 +75,15 @@ def _broken_variant(code: str, rng: random.Random) -> str:
     return code.replace("print(", "print(x + ", 1) if "print(" in code else "x" + code
 
 
-def build_example(task: Task, style: str, protocol: Any, observe: Observer, rng: random.Random) -> SFTExample:
+def build_example(
+    task: Task,
+    style: str,
+    protocol: Any,
+    observe: Observer,
+    rng: random.Random,
+    direct_hard_answer_weight: float = 1.0,
+    max_observation_tokens: int = 64,
+) -> SFTExample:
     """One SFT trajectory for ``task`` in ``style``, tokenised with ``protocol``."""
     messages = protocol.initial_messages(task.question)
     prompt = protocol.build_prompt(messages)
@@ -88,7 +100,8 @@ def build_example(task: Task, style: str, protocol: Any, observe: Observer, rng:
     for code in calls:
         text = fmt.render_call(code)
         completion = protocol.encode_completion(text)
-        observation = observe(code)
+        # Trimmed exactly as the rollout trims it (the traceback's tail survives).
+        observation = protocol.fit_observation(observe(code), max_observation_tokens)
         tool_msg = protocol.tool_message(observation)
         next_prompt = protocol.build_next_prompt(messages, tokens, completion, tool_msg)
         tokens_with_completion = tokens + completion
@@ -99,7 +112,12 @@ def build_example(task: Task, style: str, protocol: Any, observe: Observer, rng:
         messages = [*messages, protocol.assistant_message(text), tool_msg]
     final = protocol.encode_completion(answer_text(task.answer))
     tokens += final
-    weights += [1.0] * len(final)
+    if style == "direct" and task.hard:
+        head = len(protocol.encode("\\boxed{"))
+        digits = len(final) - head - 2  # the closing brace and the end-of-turn token keep full weight
+        weights += [1.0] * head + [direct_hard_answer_weight] * digits + [1.0, 1.0]
+    else:
+        weights += [1.0] * len(final)
     return SFTExample(task=task, style=style, tokens=tokens, weights=weights)
 
 
@@ -115,11 +133,27 @@ def choose_style(task: Task, mix: SFTMix, rng: random.Random) -> str:
 
 
 def build_sft_examples(
-    tasks: Sequence[Task], protocol: Any, observe: Observer, mix: SFTMix | None = None, seed: int = 0
+    tasks: Sequence[Task],
+    protocol: Any,
+    observe: Observer,
+    mix: SFTMix | None = None,
+    seed: int = 0,
+    max_observation_tokens: int = 64,
 ) -> list[SFTExample]:
     mix = mix or SFTMix()
     rng = random.Random(f"retool-sft/{seed}")
-    return [build_example(t, choose_style(t, mix, rng), protocol, observe, rng) for t in tasks]
+    return [
+        build_example(
+            t,
+            choose_style(t, mix, rng),
+            protocol,
+            observe,
+            rng,
+            mix.direct_hard_answer_weight,
+            max_observation_tokens,
+        )
+        for t in tasks
+    ]
 
 
 @dataclass
