@@ -34,7 +34,7 @@ def main() -> None:
     import torch
 
     from retool.backends.local import LocalTrainingClient
-    from retool.backends.packing import pack_micro_batches, padding_efficiency
+    from retool.backends.packing import greedy_micro_batches, pack_micro_batches, padding_efficiency
     from retool.backends.types import Datum, SamplingParams
     from retool.tasks.tinymodel import build_tiny_model
 
@@ -101,7 +101,7 @@ def main() -> None:
         area = 4096
         packed = pack_micro_batches(lengths, area)
         naive = [list(range(i, min(i + 8, len(lengths)))) for i in range(0, len(lengths), 8)]
-        greedy = _greedy_sorted(lengths, area)
+        greedy = greedy_micro_batches(lengths, area)
         print(
             f"model: {model if args.model else 'tiny-' + args.size}  device: {client.device}  dtype: {client.dtype}"
         )
@@ -141,18 +141,6 @@ def main() -> None:
             f"  arrival order, 8 rows per batch:     {padding_efficiency(lengths, naive):.3f} "
             f"in {len(naive)} micro-batches"
         )
-
-
-def _greedy_sorted(lengths: list[int], area: int) -> list[list[int]]:
-    """Baseline: sort longest first and fill each micro-batch until the area is reached."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= area:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
 
 
 if __name__ == "__main__":

@@ -27,7 +27,7 @@ from typing import Any
 
 from retool.backends.base import SamplingClient
 from retool.backends.types import Sample, SamplingParams
-from retool.config import RolloutConfig, SamplingConfig, SandboxConfig
+from retool.config import RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
 from retool.data.problem import Problem
 from retool.rollout import Trajectory, run_group_rollouts
 
@@ -110,48 +110,21 @@ class LatencySampler(SamplingClient):
         return samples
 
 
-class _SimpleVerifier:
-    """Used only if retool.reward is not importable: exact match of the last box."""
-
-    async def ascore(self, text: str, ref: str) -> Any:
-        from types import SimpleNamespace
-
-        i = text.rfind("\\boxed{")
-        ans = text[i + 7 : text.find("}", i)] if i >= 0 else None
-        ok = ans == ref
-        return SimpleNamespace(
-            reward=1.0 if ok else -1.0,
-            correct=ok,
-            valid_format=ans is not None,
-            answer=ans,
-            status="ok" if ans else "no_answer",
-        )
-
-
 def make_verifier() -> tuple[Any, str]:
-    try:
-        from retool.reward import Verifier
-    except ImportError:
-        return _SimpleVerifier(), "exact-match fallback (retool.reward.Verifier not available)"
-    return Verifier(workers=2, timeout=5.0), "retool.reward.Verifier"
+    from retool.reward import Verifier
+
+    return Verifier.from_config(RewardConfig()), "retool.reward.Verifier (the reward section's defaults)"
 
 
 def make_bench_executor(workers: int, isolation: str) -> tuple[Any, str]:
+    from retool.sandbox import make_executor
+
     cfg = SandboxConfig(
         backend="forkserver", isolation=isolation, timeout=10.0, workers=workers, preimport=["math"]
     )
-    try:
-        from retool.sandbox import make_executor
-    except ImportError:
-        make_executor = None
-    if make_executor is not None:
-        ex = make_executor(cfg)
-        detail = getattr(ex, "isolation", cfg.isolation)
-        return ex, f"{type(ex).__name__} via make_executor (isolation={detail}, workers={workers})"
-    from retool.sandbox.subprocess_executor import SubprocessExecutor
-
-    ex = SubprocessExecutor(timeout=10.0, max_concurrency=workers)
-    return ex, f"SubprocessExecutor FALLBACK (make_executor not available yet; max_concurrency={workers})"
+    ex = make_executor(cfg)
+    detail = getattr(ex, "isolation", cfg.isolation)
+    return ex, f"{type(ex).__name__} via make_executor (isolation={detail}, workers={workers})"
 
 
 def summarize(groups: list[list[Trajectory]]) -> dict[str, float]:

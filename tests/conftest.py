@@ -23,7 +23,9 @@ def shared_data() -> Path:
 def qwen_tokenizers(shared_data: Path) -> dict:
     from transformers import AutoTokenizer
 
-    return {name: AutoTokenizer.from_pretrained(shared_data / "tokenizers" / name) for name in TOKENIZER_NAMES}
+    return {
+        name: AutoTokenizer.from_pretrained(shared_data / "tokenizers" / name) for name in TOKENIZER_NAMES
+    }
 
 
 @pytest.fixture(scope="session")

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from retool.backends.losses import token_loss
-from retool.backends.packing import pack_micro_batches, padding_efficiency
+from retool.backends.packing import greedy_micro_batches, pack_micro_batches, padding_efficiency
 
 LO, HI = 0.8, 1.28
 
@@ -117,17 +117,6 @@ def test_pack_micro_batches_respects_area_and_covers_everything() -> None:
     assert eff > one  # sorting by length wastes less than one big padded batch
 
 
-def _greedy(lengths: list[int], area: int) -> list[list[int]]:
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= area:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
 @pytest.mark.parametrize("seed", range(5))
 def test_packer_uses_fewest_batches_and_least_padding(seed: int) -> None:
     import random
@@ -136,7 +125,7 @@ def test_packer_uses_fewest_batches_and_least_padding(seed: int) -> None:
     lengths = [min(int(rng.lognormvariate(4.3, 0.7)), 700) + 4 for _ in range(40)]
     area = rng.choice([512, 1024, 4096])
     packed = pack_micro_batches(lengths, area)
-    greedy = _greedy(lengths, area)
+    greedy = greedy_micro_batches(lengths, area)
     assert len(packed) == len(greedy)  # greedy filling is count-optimal; so is the packer
     assert padding_efficiency(lengths, packed) >= padding_efficiency(lengths, greedy) - 1e-12
     for b in packed:
@@ -147,3 +136,23 @@ def test_pack_micro_batches_errors() -> None:
     with pytest.raises(ValueError):
         pack_micro_batches([1, 2], 0)
     assert pack_micro_batches([], 10) == []
+
+
+def test_loss_tally_sums_over_calls_and_ignores_untrained_tokens() -> None:
+    from retool.backends.losses import LossTally
+
+    tally = LossTally()
+    assert tally.result().ratio_mean == 1.0 and tally.result().clip_fraction == 0.0  # nothing trained
+    lp = torch.tensor([-1.0, -1.0, -1.0])
+    old = torch.tensor([-1.5, -1.0, -9.0])  # ratios e^0.5 (clipped), 1, e^8 (weight 0: not counted)
+    w = torch.tensor([1.0, 1.0, 0.0])
+    tl = token_loss("ppo", lp, w, old, torch.ones(3))
+    sel = tally.add(tl)
+    tally.add(token_loss("ppo", lp[1:2], w[1:2], old[1:2], torch.ones(1)))
+    assert sel.tolist() == [True, True, False]
+    res = tally.result({"k": 1.0})
+    assert res.trained_tokens == 3 and res.extra == {"k": 1.0}
+    assert res.loss == pytest.approx(float(tl.loss.sum()) - 1.0)
+    assert res.ratio_max == pytest.approx(math.exp(0.5)) and res.ratio_min == pytest.approx(1.0)
+    assert res.ratio_mean == pytest.approx((math.exp(0.5) + 2) / 3)
+    assert res.clip_fraction == pytest.approx(1 / 3)

@@ -333,3 +333,48 @@ def test_save_transcripts_keeps_messages(tmp_path: Path) -> None:
     b = json.loads((tmp_path / "b.jsonl").read_text())
     assert a["candidates"][0]["messages"] == [{"role": "user", "content": PROBLEMS[0].question}]
     assert "messages" not in b["candidates"][0]
+
+
+def test_protocol_and_verifier_follow_the_config() -> None:
+    from retool.config import load_config
+    from retool.evaluate import runner as eval_runner
+
+    class Tok:
+        name_or_path = "fake"
+        chat_template = "{{ messages }}"
+
+    cfg = load_config(
+        None,
+        [
+            "model.tool_format='hermes'",
+            "model.enable_thinking=true",
+            "model.chat_template='{{ custom }}'",
+            "reward.verify_workers=1",
+            "reward.tail_chars=42",
+        ],
+    )
+    protocol = eval_runner._make_protocol(Tok(), cfg, use_tools=False)
+    assert (protocol.fmt.name, protocol.enable_thinking, protocol.chat_template, protocol.use_tools) == (
+        "hermes",
+        True,
+        "{{ custom }}",
+        False,
+    )
+    with eval_runner._make_verifier(cfg) as verifier:
+        assert (verifier.workers, verifier.tail_chars) == (1, 42)
+
+
+def test_prompt_settings_are_recorded_and_old_summaries_still_match() -> None:
+    from retool.config import load_config
+    from retool.evaluate.runner import build_settings, settings_differences
+
+    def settings(*overrides: str) -> dict[str, Any]:
+        return build_settings(
+            load_config(None, list(overrides)), mode="retool", val_n=2, seed=0, tool_format="x"
+        )
+
+    base = settings()
+    older = {k: v for k, v in base.items() if k not in ("enable_thinking", "chat_template")}
+    assert settings_differences(older, base) == []
+    assert settings_differences(base, settings("model.enable_thinking=false")) == ["enable_thinking"]
+    assert settings_differences(base, settings("model.chat_template='{{ x }}'")) == ["chat_template"]

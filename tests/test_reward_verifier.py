@@ -181,3 +181,17 @@ def test_help_lists_prepare_and_verify() -> None:
     result = CliRunner().invoke(app, ["--help"])
     assert result.exit_code == 0
     assert "prepare" in result.stdout and "verify" in result.stdout
+
+
+def test_from_config_wires_the_reward_section() -> None:
+    from retool.config import RewardConfig, load_config
+
+    cfg = load_config(None, ["reward.verify_workers=1", "reward.verify_timeout=3.5", "reward.tail_chars=20"])
+    for source in (cfg, cfg.reward):
+        with Verifier.from_config(source) as v:
+            assert (v.workers, v.timeout, v.tail_chars) == (1, 3.5, 20)
+    # tail_chars decides what is scored: a box more than 20 characters from the end is not read.
+    with Verifier.from_config(RewardConfig(verify_workers=1, tail_chars=20)) as v:
+        late = v.score("\\boxed{4}" + " " * 30, "4")
+        assert (late.valid_format, late.status) == (False, "no_answer")
+        assert v.score("x" * 40 + "\\boxed{4}", "4").correct

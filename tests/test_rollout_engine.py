@@ -205,6 +205,12 @@ def run(
     )
 
 
+def run_one(sampler, protocol, executor, **rollout_kw) -> Trajectory:
+    """The one trajectory of a one-branch group on the first problem."""
+    (group,) = run(PROBLEMS[:1], sampler, protocol, executor, group_size=1, **rollout_kw)
+    return group[0]
+
+
 # -- tests --------------------------------------------------------------------------------------------
 
 
@@ -298,30 +304,20 @@ def test_three_turn_continuity_and_records(tokenizer, protocol):
 def test_self_correction_needs_a_retry(tokenizer, protocol):
     script = {(0, 0, 0): call(protocol, "bad()"), (0, 0, 1): "\\boxed{0}"}
     executor = FakeExecutor({"bad()": ("NameError: name 'bad' is not defined\n", False, 0.0)})
-    (group,) = run(
-        PROBLEMS[:1],
-        ScriptedSampler(tokenizer, protocol, script, group_size=1),
-        protocol,
-        executor,
-        group_size=1,
-    )
-    t = group[0]
+    t = run_one(ScriptedSampler(tokenizer, protocol, script, group_size=1), protocol, executor)
     assert t.correct and t.had_exec_error and not t.had_error_then_correct
 
 
 def test_max_code_calls_ends_without_executing(tokenizer, protocol):
     script = {(0, 0, 0): call(protocol, "print(1)"), (0, 0, 1): call(protocol, "print(2)")}
     executor = FakeExecutor()
-    (group,) = run(
-        PROBLEMS[:1],
+    t = run_one(
         ScriptedSampler(tokenizer, protocol, script, group_size=1),
         protocol,
         executor,
-        group_size=1,
         max_code_calls=1,
         max_assistant_turns=6,
     )
-    t = group[0]
     assert t.stop_reason == "max_code_calls" and t.reward == -1.0 and not t.correct
     assert executor.calls == ["print(1)"] and t.code_calls == 1 and len(t.turns) == 2
     assert t.final_text == t.turns[-1].text
@@ -330,16 +326,13 @@ def test_max_code_calls_ends_without_executing(tokenizer, protocol):
 def test_max_turns_on_a_tool_call(tokenizer, protocol):
     script = {(0, 0, k): call(protocol, f"print({k})") for k in range(6)}
     executor = FakeExecutor()
-    (group,) = run(
-        PROBLEMS[:1],
+    t = run_one(
         ScriptedSampler(tokenizer, protocol, script, group_size=1),
         protocol,
         executor,
-        group_size=1,
         max_code_calls=10,
         max_assistant_turns=3,
     )
-    t = group[0]
     assert t.stop_reason == "max_turns" and t.reward == -1.0
     assert len(t.turns) == 3 and executor.calls == ["print(0)", "print(1)"]
 
@@ -373,30 +366,25 @@ def test_tokens_per_turn_is_capped_by_remaining_trajectory_budget(tokenizer, pro
     script = {(0, 0, 0): call(protocol, "print(1)"), (0, 0, 1): "\\boxed{0}"}
     prompt_len = len(protocol.build_prompt(protocol.initial_messages(PROBLEMS[0].question)))
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=1)
-    (group,) = run(
-        PROBLEMS[:1],
+    t = run_one(
         sampler,
         protocol,
         FakeExecutor(),
-        group_size=1,
         max_tokens_per_turn=64,
         max_trajectory_tokens=prompt_len + 5000,
     )
     assert [r["max_tokens"] for r in sampler.requests] == [64, 64]
-    assert group[0].stop_reason == "answer"
+    assert t.stop_reason == "answer"
 
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=1)
-    (group,) = run(
-        PROBLEMS[:1],
+    t = run_one(
         sampler,
         protocol,
         FakeExecutor(),
-        group_size=1,
         max_tokens_per_turn=64,
         max_trajectory_tokens=prompt_len + 10,
     )
     assert sampler.requests[0]["max_tokens"] == 10
-    t = group[0]
     assert t.turns[0].sampler_stop == "length" and len(t.turns[0].completion_tokens) == 10
     assert len(t.full_tokens()) <= prompt_len + 10
 
@@ -408,16 +396,13 @@ def test_context_full_when_observation_does_not_fit(tokenizer, protocol):
     first_len = len(tokenizer.encode(first, add_special_tokens=False)) + 1
     executor = FakeExecutor({"print('x' * 500)": ("x y z " * 200, True, 0.0)})
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=1)
-    (group,) = run(
-        PROBLEMS[:1],
+    t = run_one(
         sampler,
         protocol,
         executor,
-        group_size=1,
         max_observation_tokens=400,
         max_trajectory_tokens=prompt_len + first_len + 30,
     )
-    t = group[0]
     assert t.stop_reason == "context_full" and t.reward == -1.0
     assert executor.calls == ["print('x' * 500)"] and len(t.turns) == 1 and len(t.observations) == 1
     assert len(sampler.requests) == 1
@@ -437,15 +422,12 @@ def test_observation_trimming_keeps_the_tail(tokenizer, protocol):
     )
     script = {(0, 0, 0): call(protocol, "f0()"), (0, 0, 1): "\\boxed{0}"}
     executor = FakeExecutor({"f0()": (traceback, False, 0.0)})
-    (group,) = run(
-        PROBLEMS[:1],
+    t = run_one(
         ScriptedSampler(tokenizer, protocol, script, group_size=1),
         protocol,
         executor,
-        group_size=1,
         max_observation_tokens=64,
     )
-    t = group[0]
     obs = t.observations[0]
     assert t.observations_trimmed == [True]
     assert obs.rstrip().endswith("ZeroDivisionError: division by zero")
@@ -639,8 +621,7 @@ def test_three_turns_on_real_qwen_templates(qwen_tokenizers, name, fmt):
         }
     )
     sampler = ScriptedSampler(tok, protocol, script, group_size=1)
-    (group,) = run(PROBLEMS[:1], sampler, protocol, executor, group_size=1)
-    t = group[0]
+    t = run_one(sampler, protocol, executor)
     assert t.stop_reason == "answer" and t.correct and t.code_calls == 2 and len(t.turns) == 3
     t.check_continuity()
     assert [x.kind for x in t.turns] == ["tool", "tool", "answer"]

@@ -266,3 +266,75 @@ def test_rollout_metrics_definitions() -> None:
     assert m["env/exec_calls"] == 3 and m["env/exec_error_rate"] == pytest.approx(1 / 3)
     assert m["stop/max_turns"] == 0.25 and m["stop/answer"] == 0.75
     assert m["tokens/completion"] == 12 and m["policy/response_length"] == 3
+
+
+class _TemplatedTokenizer:
+    name_or_path = "fake"
+    chat_template = "{{ messages }}"
+
+
+def test_default_components_follow_the_config(tmp_path: Path) -> None:
+    """The protocol and verifier a trainer builds take every knob of ``model`` and ``reward``."""
+    cfg = load_config(
+        None,
+        [
+            "model.tool_format='hermes'",
+            "model.enable_thinking=false",
+            "model.chat_template='{{ custom }}'",
+            "reward.verify_workers=1",
+            "reward.verify_timeout=2.5",
+            "reward.tail_chars=77",
+        ],
+    )
+    client = FakeClient()
+    client.tokenizer = _TemplatedTokenizer()
+    trainer = Trainer(
+        cfg,
+        tmp_path / "run",
+        client=client,
+        source=list_source(PROBLEMS),
+        executor=object(),
+        rollout_fn=fake_rollouts,
+    )
+    trainer._build_components()
+    try:
+        protocol, verifier = trainer._protocol, trainer._verifier
+        assert (protocol.fmt.name, protocol.enable_thinking, protocol.chat_template) == (
+            "hermes",
+            False,
+            "{{ custom }}",
+        )
+        assert (verifier.workers, verifier.timeout, verifier.tail_chars) == (1, 2.5, 77)
+    finally:
+        import asyncio
+
+        asyncio.run(trainer._close_components())
+
+
+def test_default_client_uses_the_run_folder_in_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """``--run-dir`` / ``--resume`` may name another folder than ``train.run_dir``: the client follows it."""
+    import retool.backends
+
+    seen: list[Config] = []
+    monkeypatch.setattr(retool.backends, "make_training_client", lambda c: seen.append(c) or FakeClient())
+    cfg = load_config(None, ["train.run_dir='elsewhere'", "optimizer.lr=0.25"])
+    trainer = Trainer(cfg, tmp_path / "run")
+    trainer._make_client()
+    assert seen[0].train.run_dir == str(tmp_path / "run")
+    assert seen[0].optimizer.lr == 0.25 and cfg.train.run_dir == "elsewhere"
+
+
+def test_file_source_reads_through_the_data_stage(tmp_path: Path) -> None:
+    from retool.config import DataConfig
+    from retool.train.datasource import DataSourceError, make_source
+
+    path = tmp_path / "train.jsonl"
+    path.write_text(
+        '{"id": "a", "q": "1+1?", "a": "2"}\n{"id": "b", "q": "2+2?", "a": "4"}\n{"id": "c", "q": "", "a": "1"}\n'
+    )
+    source = make_source(
+        DataConfig(train_path=str(path), question_field="q", answer_field="a", shuffle=False)
+    )
+    assert [(p.id, p.question, p.answer) for p in source(0, 0)] == [("a", "1+1?", "2"), ("b", "2+2?", "4")]
+    with pytest.raises(DataSourceError, match=r"missing\.jsonl"):
+        make_source(DataConfig(train_path=str(tmp_path / "missing.jsonl")))

@@ -35,7 +35,8 @@ class BackendConfig(_Section):
     base_url: str | None = None  # remote services; credentials come from their usual env variables
     micro_batch_tokens: int = 8192  # padded area (rows x longest row) of one micro-batch
     sample_batch_size: int = 32  # sequences generated together by the local sampler
-    cpu_threads: int = 0  # torch CPU threads for the local backend (0: torch's default; 1 is fastest on a busy CPU)
+    # torch CPU threads of the local backend (0: torch's default; 1 is fastest on a busy CPU)
+    cpu_threads: int = 0
 
 
 class LoraConfig(_Section):
@@ -157,7 +158,9 @@ def _read_toml(source: str | Path) -> dict[str, Any]:
     elif str(source) in preset_names():
         text = (resources.files("retool") / "presets" / f"{source}.toml").read_text(encoding="utf-8")
     else:
-        raise ConfigError(f"no config file or preset named {str(source)!r} (presets: {', '.join(preset_names())})")
+        raise ConfigError(
+            f"no config file or preset named {str(source)!r} (presets: {', '.join(preset_names())})"
+        )
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:

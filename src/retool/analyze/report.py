@@ -11,11 +11,13 @@ from __future__ import annotations
 import csv
 import json
 import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from retool.evaluate.metrics import summarize
+from retool.evaluate.runner import setting_value
 from retool.evaluate.store import summary_path_for
 
 logger = logging.getLogger(__name__)
@@ -84,8 +86,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def load_training_log(path: Path) -> TrainingLog:
-    rows: list[dict[str, float]] = []
+def _json_lines(path: Path) -> Iterator[Any]:
+    """The parsed lines of a JSONL file, read-only: blank lines skipped, an unreadable one skipped with a
+    warning (analysis never repairs a file)."""
     with path.open(encoding="utf-8") as fh:
         for i, line in enumerate(fh, 1):
             if not line.strip():
@@ -95,10 +98,16 @@ def load_training_log(path: Path) -> TrainingLog:
             except ValueError:
                 logger.warning("%s:%d: skipping an unreadable line", path, i)
                 continue
-            if isinstance(obj, dict):
-                row = _flatten(obj)
-                row.setdefault("step", float(len(rows) + 1))
-                rows.append(row)
+            yield obj
+
+
+def load_training_log(path: Path) -> TrainingLog:
+    rows: list[dict[str, float]] = []
+    for obj in _json_lines(path):
+        if isinstance(obj, dict):
+            row = _flatten(obj)
+            row.setdefault("step", float(len(rows) + 1))
+            rows.append(row)
     if not rows:
         raise AnalyzeError(f"{path}: no metrics lines")
     label = path.parent.name if path.name == "metrics.jsonl" else path.stem
@@ -108,17 +117,9 @@ def load_training_log(path: Path) -> TrainingLog:
 def _read_records(path: Path) -> list[dict[str, Any]]:
     """Eval records, read-only (analysis never repairs a file; a damaged line is skipped with a warning)."""
     records: dict[str, dict[str, Any]] = {}
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                logger.warning("%s:%d: skipping an unreadable line", path, i)
-                continue
-            if isinstance(obj, dict) and "candidates" in obj:
-                records.setdefault(str(obj.get("id")), obj)
+    for obj in _json_lines(path):
+        if isinstance(obj, dict) and "candidates" in obj:
+            records.setdefault(str(obj.get("id")), obj)
     return list(records.values())
 
 
@@ -224,15 +225,6 @@ def _dedupe_training_labels(logs: list[TrainingLog]) -> None:
             log.label = str(log.path)
 
 
-def _get(d: dict[str, Any], dotted: str) -> Any:
-    node: Any = d
-    for part in dotted.split("."):
-        if not isinstance(node, dict):
-            return None
-        node = node.get(part)
-    return node
-
-
 def _leaves(d: Any, prefix: str) -> dict[str, Any]:
     if isinstance(d, dict):
         out: dict[str, Any] = {}
@@ -252,11 +244,11 @@ def compare_settings(evals: list[EvalResult]) -> list[str]:
         names: list[str] = []
         for key in keys:
             for e in group:
-                for name in _leaves(_get(e.settings, key), key):
+                for name in _leaves(setting_value(e.settings, key), key):
                     if name not in names:
                         names.append(name)
         for name in names:
-            values = {e.path.name: _get(e.settings, name) for e in group}
+            values = {e.path.name: setting_value(e.settings, name) for e in group}
             if len({json.dumps(v, sort_keys=True) for v in values.values()}) > 1:
                 shown = ", ".join(f"{file}={value!r}" for file, value in values.items())
                 warnings.append(f"setting '{name}' differs between evals: {shown}")

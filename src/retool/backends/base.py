@@ -31,7 +31,9 @@ def run_sync(coro: Coroutine[Any, Any, T]) -> T:
     except RuntimeError:
         return asyncio.run(coro)
     coro.close()
-    raise RuntimeError("called a synchronous backend method inside a running event loop; await the *_async one")
+    raise RuntimeError(
+        "called a synchronous backend method inside a running event loop; await the *_async one"
+    )
 
 
 class SamplingClient(abc.ABC):

@@ -49,7 +49,7 @@ import torch
 
 from retool.backends.base import SamplingClient, TrainingClient
 from retool.backends.generation import GenRequest, generate_batch
-from retool.backends.losses import LOSS_NAMES, token_loss
+from retool.backends.losses import LOSS_NAMES, LossTally, token_loss
 from retool.backends.packing import pack_micro_batches, padding_efficiency
 from retool.backends.types import (
     AdamParams,
@@ -444,46 +444,25 @@ class LocalTrainingClient(TrainingClient):
         lengths = [len(d) for d in datums]
         batches = pack_micro_batches(lengths, self.micro_batch_tokens)
         self.model.train()
-        total_loss = 0.0
-        trained = 0
-        clipped = 0
-        ratio_sum = 0.0
-        ratio_min = float("inf")
-        ratio_max = float("-inf")
+        tally = LossTally()
         lp_sum = 0.0
         for rows in batches:
             t = self._micro_batch_tensors(datums, rows)
             with torch.set_grad_enabled(backward):
                 lp = self.target_logprobs(t["ids"], t["mask"], t["tgt"])
                 tl = token_loss(loss_fn, lp, t["w"], t["old"], t["adv"], loss_config)
-                loss = tl.loss.sum()
                 if backward:
-                    loss.backward()
-            total_loss += float(loss.detach())
-            sel = tl.trained
-            n_tr = int(sel.sum())
-            if n_tr:
-                trained += n_tr
-                r = tl.ratio[sel]
-                ratio_sum += float(r.sum())
-                ratio_min = min(ratio_min, float(r.min()))
-                ratio_max = max(ratio_max, float(r.max()))
-                clipped += int(tl.clipped[sel].sum())
-                lp_sum += float(lp.detach()[sel].sum())
+                    tl.loss.sum().backward()
+            sel = tally.add(tl)
+            lp_sum += float(lp.detach()[sel].sum())
         if backward:
             self._pending_grads = True
-        return ForwardBackwardResult(
-            loss=total_loss,
-            trained_tokens=trained,
-            ratio_mean=ratio_sum / trained if trained else 1.0,
-            ratio_min=ratio_min if trained else 1.0,
-            ratio_max=ratio_max if trained else 1.0,
-            clip_fraction=clipped / trained if trained else 0.0,
-            extra={
+        return tally.result(
+            {
                 "micro_batches": float(len(batches)),
                 "padding_efficiency": padding_efficiency(lengths, batches),
-                "logprob_mean": lp_sum / trained if trained else 0.0,
-            },
+                "logprob_mean": lp_sum / tally.trained if tally.trained else 0.0,
+            }
         )
 
     async def forward_backward_async(

@@ -14,9 +14,12 @@ that a padded ``lp_old`` of 0 can never overflow.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import math
+from dataclasses import dataclass, field
 
 import torch
+
+from retool.backends.types import ForwardBackwardResult
 
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.28
@@ -32,6 +35,46 @@ class TokenLoss:
     ratio: torch.Tensor  # r (1 for cross_entropy and at masked positions), detached
     clipped: torch.Tensor  # bool: PPO clipping zeroed this token's gradient
     trained: torch.Tensor  # bool: weight != 0
+
+
+@dataclass
+class LossTally:
+    """The metrics of one ``forward_backward`` call, summed over its micro-batches (local) or datums
+    (remote), so every backend reports loss, ratio and clipping alike."""
+
+    loss: float = 0.0
+    trained: int = 0
+    clipped: int = 0
+    ratio_sum: float = 0.0
+    ratio_min: float = math.inf
+    ratio_max: float = -math.inf
+    extra: dict[str, float] = field(default_factory=dict)
+
+    def add(self, tl: TokenLoss) -> torch.Tensor:
+        """Count one ``TokenLoss``; returns its trained-token mask."""
+        self.loss += float(tl.loss.detach().sum())
+        sel = tl.trained
+        n = int(sel.sum())
+        if n:
+            self.trained += n
+            r = tl.ratio[sel]
+            self.ratio_sum += float(r.sum())
+            self.ratio_min = min(self.ratio_min, float(r.min()))
+            self.ratio_max = max(self.ratio_max, float(r.max()))
+            self.clipped += int(tl.clipped[sel].sum())
+        return sel
+
+    def result(self, extra: dict[str, float] | None = None) -> ForwardBackwardResult:
+        n = self.trained
+        return ForwardBackwardResult(
+            loss=self.loss,
+            trained_tokens=n,
+            ratio_mean=self.ratio_sum / n if n else 1.0,
+            ratio_min=self.ratio_min if n else 1.0,
+            ratio_max=self.ratio_max if n else 1.0,
+            clip_fraction=self.clipped / n if n else 0.0,
+            extra=dict(extra or {}),
+        )
 
 
 def clip_thresholds(loss_config: dict[str, float] | None) -> tuple[float, float]:

@@ -35,7 +35,6 @@ from retool.backends.remote import (
     RemoteTrainingClient,
     call_kwargs,
     import_sdk,
-    resolve,
 )
 from retool.backends.types import Datum, ForwardBackwardResult
 
@@ -46,26 +45,6 @@ logger = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
 Reduction = Literal["tokens", "samples", "none"]
-
-
-def lora_flags(target_modules: Sequence[str]) -> dict[str, bool]:
-    """Managed services train whole groups of layers; map module names to their switches."""
-    names = {m.split(".")[-1] for m in target_modules}
-    attn = bool(names & {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"})
-    mlp = bool(names & {"gate_proj", "up_proj", "down_proj", "gate_up_proj"})
-    unembed = "lm_head" in names
-    if not (attn or mlp or unembed):
-        attn = True
-    return {"train_attn": attn, "train_mlp": mlp, "train_unembed": unembed}
-
-
-def local_tokenizer(model_name: str) -> Any:
-    """A local HF folder's tokenizer (so tests and offline runs never download one); else ``None``."""
-    if Path(model_name).is_dir():
-        from transformers import AutoTokenizer
-
-        return AutoTokenizer.from_pretrained(model_name)
-    return None
 
 
 class PytrioTrainingClient(RemoteTrainingClient):
@@ -103,21 +82,7 @@ class PytrioTrainingClient(RemoteTrainingClient):
         rank = config.lora.rank
         if not 4 <= rank <= 64:
             raise ValueError(f"pytrio supports LoRA rank 4-64, config has lora.rank={rank}")
-        service = call_kwargs(sdk.ServiceClient, api_key=api_key)
-        training = call_kwargs(
-            service.create_lora_training_client,
-            base_model=config.model.name,
-            rank=rank,
-            seed=config.train.seed,
-            **lora_flags(config.lora.target_modules),
-        )
-        return cls(
-            sdk,
-            resolve(training, expect="forward_backward"),
-            base_model=config.model.name,
-            tokenizer=local_tokenizer(config.model.name),
-            max_context=config.model.max_context,
-        )
+        return cls.from_lora_service(sdk, call_kwargs(sdk.ServiceClient, api_key=api_key), config)
 
     def reduction_scale(self, datums: Sequence[Datum], loss_fn: str) -> float:
         if self.reduction == "none":

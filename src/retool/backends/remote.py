@@ -31,7 +31,8 @@ import inspect
 import logging
 import math
 from collections.abc import Callable, Sequence
-from typing import Any
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from retool.backends.base import SamplingClient, TrainingClient
 from retool.backends.losses import LOSS_NAMES, clip_thresholds
@@ -44,6 +45,9 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+
+if TYPE_CHECKING:
+    from retool.config import Config
 
 logger = logging.getLogger(__name__)
 
@@ -125,6 +129,26 @@ def _to_list(value: Any) -> list[float]:
 def normalize_stop_reason(reason: Any) -> str:
     text = str(getattr(reason, "value", reason) or "").lower()
     return "length" if ("length" in text or "max" in text) else "stop"
+
+
+def lora_flags(target_modules: Sequence[str]) -> dict[str, bool]:
+    """Managed services train whole groups of layers; map module names to their switches."""
+    names = {m.split(".")[-1] for m in target_modules}
+    attn = bool(names & {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"})
+    mlp = bool(names & {"gate_proj", "up_proj", "down_proj", "gate_up_proj"})
+    unembed = "lm_head" in names
+    if not (attn or mlp or unembed):
+        attn = True
+    return {"train_attn": attn, "train_mlp": mlp, "train_unembed": unembed}
+
+
+def local_tokenizer(model_name: str) -> Any:
+    """A local HF folder's tokenizer (so tests and offline runs never download one); else ``None``."""
+    if Path(model_name).is_dir():
+        from transformers import AutoTokenizer
+
+        return AutoTokenizer.from_pretrained(model_name)
+    return None
 
 
 class RemoteSamplingClient(SamplingClient):
@@ -212,6 +236,26 @@ class RemoteTrainingClient(TrainingClient):
         self.step = 0
 
     # -- SDK helpers ---------------------------------------------------------------------------
+    @classmethod
+    def from_lora_service(cls, sdk: Any, service: Any, config: Config, **kwargs: Any) -> Any:
+        """A LoRA training client of ``config.model.name`` created by the SDK's ``service``: the part of
+        ``from_config`` the managed backends share (credentials and rank limits are their own)."""
+        training = call_kwargs(
+            service.create_lora_training_client,
+            base_model=config.model.name,
+            rank=config.lora.rank,
+            seed=config.train.seed,
+            **lora_flags(config.lora.target_modules),
+        )
+        return cls(
+            sdk,
+            resolve(training, expect="forward_backward"),
+            base_model=config.model.name,
+            tokenizer=local_tokenizer(config.model.name),
+            max_context=config.model.max_context,
+            **kwargs,
+        )
+
     @property
     def types(self) -> Any:
         return getattr(self._sdk, "types", self._sdk)
@@ -292,7 +336,7 @@ class RemoteTrainingClient(TrainingClient):
     ) -> ForwardBackwardResult:
         import torch
 
-        from retool.backends.losses import token_loss
+        from retool.backends.losses import LossTally, token_loss
 
         outs = list(getattr(output, "loss_fn_outputs", None) or [])
         server = {
@@ -309,10 +353,7 @@ class RemoteTrainingClient(TrainingClient):
             trained = sum(sum(1 for w in (d.weights or [1.0] * len(d)) if w != 0) for d in datums)
             loss = next((v for k, v in server.items() if k.endswith(("loss:sum", "loss_sum"))), math.nan)
             return ForwardBackwardResult(loss=loss, trained_tokens=trained, extra=server)
-        total = 0.0
-        n_tr = 0
-        clipped = 0
-        rsum, rmin, rmax = 0.0, math.inf, -math.inf
+        tally = LossTally()
         for d, o in zip(datums, outs, strict=True):
             lp_values = o.get("logprobs") if isinstance(o, dict) else getattr(o, "logprobs", None)
             lp = torch.tensor([float(x) for x in _to_list(lp_values)], dtype=torch.float64)
@@ -320,26 +361,8 @@ class RemoteTrainingClient(TrainingClient):
             w = torch.tensor(d.weights if d.weights else [1.0] * n, dtype=torch.float64)
             old = torch.tensor(d.logprobs, dtype=torch.float64) if d.logprobs else None
             adv = torch.tensor(d.advantages, dtype=torch.float64) if d.advantages else None
-            tl = token_loss(loss_fn, lp, w, old, adv, loss_config)
-            total += float(tl.loss.sum())
-            sel = tl.trained
-            k = int(sel.sum())
-            if k:
-                n_tr += k
-                r = tl.ratio[sel]
-                rsum += float(r.sum())
-                rmin = min(rmin, float(r.min()))
-                rmax = max(rmax, float(r.max()))
-                clipped += int(tl.clipped[sel].sum())
-        return ForwardBackwardResult(
-            loss=total,
-            trained_tokens=n_tr,
-            ratio_mean=rsum / n_tr if n_tr else 1.0,
-            ratio_min=rmin if n_tr else 1.0,
-            ratio_max=rmax if n_tr else 1.0,
-            clip_fraction=clipped / n_tr if n_tr else 0.0,
-            extra=server,
-        )
+            tally.add(token_loss(loss_fn, lp, w, old, adv, loss_config))
+        return tally.result(server)
 
     def _forward_backward_sync(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None

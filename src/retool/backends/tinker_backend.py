@@ -20,14 +20,7 @@ import logging
 import os
 from typing import TYPE_CHECKING, Any
 
-from retool.backends.pytrio_backend import local_tokenizer, lora_flags
-from retool.backends.remote import (
-    BackendUnavailableError,
-    RemoteTrainingClient,
-    call_kwargs,
-    import_sdk,
-    resolve,
-)
+from retool.backends.remote import BackendUnavailableError, RemoteTrainingClient, import_sdk
 
 if TYPE_CHECKING:
     from retool.config import Config
@@ -47,18 +40,4 @@ class TinkerTrainingClient(RemoteTrainingClient):
         service_kwargs: dict[str, Any] = {}
         if config.backend.base_url:
             service_kwargs["base_url"] = config.backend.base_url
-        service = sdk.ServiceClient(**service_kwargs)
-        training = call_kwargs(
-            service.create_lora_training_client,
-            base_model=config.model.name,
-            rank=config.lora.rank,
-            seed=config.train.seed,
-            **lora_flags(config.lora.target_modules),
-        )
-        return cls(
-            sdk,
-            resolve(training, expect="forward_backward"),
-            base_model=config.model.name,
-            tokenizer=local_tokenizer(config.model.name),
-            max_context=config.model.max_context,
-        )
+        return cls.from_lora_service(sdk, sdk.ServiceClient(**service_kwargs), config)

@@ -13,6 +13,7 @@ from retool.evaluate.runner import (
     evaluate_async,
     problem_seed,
     run_eval,
+    setting_value,
     settings_differences,
 )
 from retool.evaluate.store import EvalStoreError, ResultStore, summary_path_for
@@ -27,6 +28,7 @@ __all__ = [
     "evaluate_async",
     "problem_seed",
     "run_eval",
+    "setting_value",
     "settings_differences",
     "summarize",
     "summary_path_for",

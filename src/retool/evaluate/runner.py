@@ -101,6 +101,9 @@ def build_settings(
         },
         "verifier": {"timeout": config.reward.verify_timeout, "tail_chars": config.reward.tail_chars},
         "tool_format": tool_format,
+        # Flat keys (None by default), so summaries written before they were recorded still resume.
+        "enable_thinking": config.model.enable_thinking,
+        "chat_template": config.model.chat_template,
         "sandbox": {
             "backend": s.backend,
             "isolation": s.isolation,
@@ -130,6 +133,16 @@ def settings_differences(
 
     walk(a, b, "")
     return out
+
+
+def setting_value(settings: dict[str, Any], dotted: str) -> Any:
+    """The value of one dotted setting name (as ``settings_differences`` reports it); None when absent."""
+    node: Any = settings
+    for part in dotted.split("."):
+        if not isinstance(node, dict):
+            return None
+        node = node.get(part)
+    return node
 
 
 def _count(value: Any) -> int:
@@ -354,21 +367,14 @@ def check_resumable(
         old = previous.get("settings", {})
         diffs = settings_differences(old, settings, ignore)
         if diffs:
-            details = ", ".join(f"{d}: {_lookup(old, d)!r} -> {_lookup(settings, d)!r}" for d in diffs)
+            details = ", ".join(
+                f"{d}: {setting_value(old, d)!r} -> {setting_value(settings, d)!r}" for d in diffs
+            )
             raise EvalError(
                 f"{store.path} was written with different settings ({details}); "
                 "rerun with the original settings to resume, or choose another --output"
             )
     return previous
-
-
-def _lookup(d: dict[str, Any], dotted: str) -> Any:
-    node: Any = d
-    for part in dotted.split("."):
-        if not isinstance(node, dict):
-            return None
-        node = node.get(part)
-    return node
 
 
 # --- building components from a Config ------------------------------------------------------------
@@ -475,13 +481,13 @@ async def _open_backend(config: Config, checkpoint: str | None) -> tuple[Any, An
 def _make_protocol(tokenizer: Any, config: Config, use_tools: bool) -> Any:
     from retool.protocol import ChatProtocol
 
-    return ChatProtocol(tokenizer, fmt=config.model.tool_format, use_tools=use_tools)
+    return ChatProtocol.from_config(tokenizer, config, use_tools=use_tools)
 
 
 def _make_verifier(config: Config) -> Any:
     from retool.reward import Verifier
 
-    return Verifier(workers=config.reward.verify_workers, timeout=config.reward.verify_timeout)
+    return Verifier.from_config(config.reward)
 
 
 def _make_executor(config: Config) -> Any:

@@ -278,6 +278,14 @@ class Verifier:
         for _ in range(workers):
             self._idle.put(self._start_worker())
 
+    @classmethod
+    def from_config(cls, config: Any) -> Verifier:
+        """The verifier a run's config asks for: a ``retool.config.Config`` or its ``RewardConfig`` section
+        (``verify_workers``, ``verify_timeout``, ``tail_chars``). Training and evaluation both build it here,
+        so the two score answers alike."""
+        reward = getattr(config, "reward", config)
+        return cls(workers=reward.verify_workers, timeout=reward.verify_timeout, tail_chars=reward.tail_chars)
+
     # -- lifecycle -------------------------------------------------------------------------------------------
 
     def _start_worker(self) -> _Worker:

@@ -122,6 +122,20 @@ class SandboxFusionExecutor(Executor):
             return None
         return body if isinstance(body, dict) else None
 
+    def _judge(self, response: httpx.Response, started: float) -> tuple[ExecResult | None, str, bool]:
+        """One HTTP answer as ``(result, why it failed, worth a retry)``; ``result`` is None on failure."""
+        body = self._parse(response)
+        if self._should_retry(response, body):
+            return (
+                None,
+                f"HTTP {response.status_code}: {(body or {}).get('message', response.text[:200])}",
+                True,
+            )
+        if body is None or response.status_code >= 400:
+            # A client error will not improve with retries.
+            return None, f"HTTP {response.status_code}: {response.text[:200]}", False
+        return self._to_result(body, started), "", False
+
     def _run(self, code: str) -> ExecResult:
         started = time.perf_counter()
         why = ""
@@ -134,14 +148,11 @@ class SandboxFusionExecutor(Executor):
                 except httpx.HTTPError as exc:
                     why = f"{type(exc).__name__}: {exc}"
                     continue
-                body = self._parse(response)
-                if self._should_retry(response, body):
-                    why = f"HTTP {response.status_code}: {(body or {}).get('message', response.text[:200])}"
-                    continue
-                if body is None or response.status_code >= 400:
-                    why = f"HTTP {response.status_code}: {response.text[:200]}"
-                    break  # a client error will not improve with retries
-                return self._to_result(body, started)
+                result, why, retry = self._judge(response, started)
+                if result is not None:
+                    return result
+                if not retry:
+                    break
         return self._failure(started, why)
 
     async def arun(self, code: str) -> ExecResult:
@@ -166,15 +177,9 @@ class SandboxFusionExecutor(Executor):
                 except httpx.HTTPError as exc:
                     why = f"{type(exc).__name__}: {exc}"
                     continue
-                body = self._parse(response)
-                if self._should_retry(response, body):
-                    why = f"HTTP {response.status_code}: {(body or {}).get('message', response.text[:200])}"
-                    continue
-                if body is None or response.status_code >= 400:
-                    why = f"HTTP {response.status_code}: {response.text[:200]}"
+                result, why, retry = self._judge(response, started)
+                if result is not None or not retry:
                     break
-                result = self._to_result(body, started)
-                break
         if result is None:
             result = self._failure(started, why)
         with self._stats_lock:

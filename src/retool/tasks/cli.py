@@ -73,8 +73,8 @@ def register(app: typer.Typer) -> None:
     def demo(
         out: Path = typer.Option(Path("runs/demo"), "--out", help="Run folder: every artefact goes here."),
         seed: int = typer.Option(0, help="Seed of tasks, model, SFT order, sampling."),
-        rl_steps: int = typer.Option(12, "--rl-steps", help="RL steps."),
-        sft_steps: int = typer.Option(300, "--sft-steps", help="Cold-start SFT steps."),
+        rl_steps: int = typer.Option(20, "--rl-steps", help="RL steps."),
+        sft_steps: int = typer.Option(1500, "--sft-steps", help="Cold-start SFT steps."),
         group_size: int = typer.Option(8, "--group-size"),
         questions: int = typer.Option(8, "--questions", help="Questions per RL step."),
         val_n: int = typer.Option(4, "--val-n", help="Samples per held-out problem in evaluation."),
@@ -111,7 +111,7 @@ def register(app: typer.Typer) -> None:
             Path("runs/sft"), "--out", help="Output folder (model_sft/, sft_report.json)."
         ),
         model: str = typer.Option("tiny", "--model", help="HF folder to fine-tune, or 'tiny' to build one."),
-        steps: int = typer.Option(300, help="SFT steps."),
+        steps: int = typer.Option(1500, help="SFT steps."),
         batch_size: int = typer.Option(16, "--batch-size"),
         lr: float = typer.Option(3e-3, help="Peak learning rate (cosine decay)."),
         tasks: int = typer.Option(1200, help="Synthetic training problems."),

@@ -43,20 +43,20 @@ class DemoSettings:
     hard_fraction: float = 0.5
     kinds: tuple[str, ...] = DEMO_KINDS
     # cold-start SFT
-    sft_steps: int = 300
+    sft_steps: int = 1500
     sft_batch: int = 16
     sft_lr: float = 3e-3
-    sft_hard_tool: float = 0.5
+    sft_hard_tool: float = 0.6
     sft_hard_error_fix: float = 0.1
     sft_easy_tool: float = 0.05
     # evaluation
     val_n: int = 4
     eval_modes: tuple[str, ...] = ("text-only", "retool")
     # RL
-    rl_steps: int = 12
+    rl_steps: int = 20
     questions_per_step: int = 8
     group_size: int = 8
-    rl_lr: float = 1e-4
+    rl_lr: float = 5e-4
     loss: str = "ppo"
     temperature: float = 1.0
     max_tokens_per_turn: int = 96

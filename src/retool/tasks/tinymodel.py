@@ -59,13 +59,15 @@ _SIZES: dict[str, dict[str, int]] = {
         "intermediate_size": 64,
         "vocab_size": 512,
     },
+    # Two layers: the smallest depth that forms induction (copy) heads, and they form within ~1k SFT steps;
+    # a third layer delayed copying past the demo's time budget in measurements.
     "demo": {
-        "hidden_size": 192,
-        "num_hidden_layers": 4,
-        "num_attention_heads": 6,
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
         "num_key_value_heads": 2,
-        "intermediate_size": 512,
-        "vocab_size": 1024,
+        "intermediate_size": 384,
+        "vocab_size": 512,
     },
 }
 

@@ -53,20 +53,16 @@ def list_source(problems: Sequence[Problem], shuffle: bool = True) -> DataSource
 
 
 def _file_source(cfg: DataConfig) -> DataSource:
-    try:
-        from retool.data import load_problems  # owned by the data stage
-    except ImportError:  # data stage not installed: plain JSONL only
-        load_problems = _read_jsonl_problems
+    from retool.data import DataError, load_problems  # owned by the data stage
+
     try:
         problems = load_problems(
             cfg.train_path, question_field=cfg.question_field, answer_field=cfg.answer_field
         )
-    except (OSError, ValueError, LookupError) as exc:  # DataError is a plain Exception subclass
+    except DataError as exc:
+        raise DataSourceError(str(exc)) from exc
+    except (OSError, ValueError, LookupError) as exc:
         raise DataSourceError(f"cannot load training data {cfg.train_path!r}: {exc}") from exc
-    except Exception as exc:
-        if type(exc).__name__ == "DataError":
-            raise DataSourceError(str(exc)) from exc
-        raise
     logger.info("training set %s: %d problems", cfg.train_path, len(problems))
     return list_source(problems, shuffle=cfg.shuffle)
 
@@ -80,29 +76,6 @@ def _tasks_source(cfg: DataConfig) -> DataSource:
     )
     logger.info("synthetic tasks: %d training problems (seed %d)", len(problems), cfg.seed)
     return list_source(problems, shuffle=cfg.shuffle)
-
-
-def _read_jsonl_problems(
-    path: str, question_field: str = "question", answer_field: str = "answer", id_field: str = "id"
-) -> list[Problem]:
-    import json
-    from pathlib import Path
-
-    problems: list[Problem] = []
-    with open(Path(path), encoding="utf-8") as fh:
-        for n, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            row = json.loads(line)
-            if row.get(question_field) in (None, "") or row.get(answer_field) in (None, ""):
-                continue
-            pid = str(row.get(id_field, f"{Path(path).stem}-{n}"))
-            problems.append(
-                Problem(
-                    pid, str(row[question_field]), str(row[answer_field]), str(row.get("data_source", ""))
-                )
-            )
-    return problems
 
 
 register_source("tasks", _tasks_source)

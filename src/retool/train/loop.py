@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retool.backends.types import AdamParams
+from retool.backends import adam_params_from_config
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.train.checkpoint import CheckpointManager, TrainerState, repair_metrics, restore_rng
 from retool.train.datasource import DataPosition, DataSource, ProblemStream, make_source
@@ -189,25 +189,14 @@ class Trainer:
         self.config = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": str(folder)})})
 
     def _make_client(self) -> Any:
-        cfg = self.config
-        try:
-            from retool.backends import make_training_client
-        except ImportError:  # the backends stage exposes only the local client so far
-            from retool.backends.local import LocalTrainingClient
+        from retool.backends import make_training_client
 
-            return LocalTrainingClient(
-                cfg.model.name,
-                lora=cfg.lora if cfg.lora.enabled else None,
-                device=cfg.backend.device,
-                dtype=cfg.backend.dtype,
-                seed=cfg.train.seed,
-                gguf_file=cfg.model.gguf_file,
-                micro_batch_tokens=cfg.backend.micro_batch_tokens,
-                sample_batch_size=cfg.backend.sample_batch_size,
-                checkpoint_dir=self.run_dir / "checkpoints",
-                max_context=cfg.model.max_context,
-            )
-        return make_training_client(cfg)
+        # The client's own checkpoint folder follows the run folder actually in use (``--run-dir`` /
+        # ``--resume`` may differ from ``train.run_dir``).
+        cfg = self.config
+        return make_training_client(
+            cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(self.run_dir)})})
+        )
 
     def _build_components(self) -> None:
         cfg = self.config
@@ -221,7 +210,7 @@ class Trainer:
         if self._protocol is None:
             from retool.protocol import ChatProtocol
 
-            self._protocol = ChatProtocol(self._client.tokenizer, cfg.model.tool_format)
+            self._protocol = ChatProtocol.from_config(self._client.tokenizer, cfg)
         if self._executor is None:
             from retool.sandbox import make_executor
 
@@ -230,7 +219,7 @@ class Trainer:
         if self._verifier is None:
             from retool.reward import Verifier
 
-            self._verifier = Verifier(workers=cfg.reward.verify_workers, timeout=cfg.reward.verify_timeout)
+            self._verifier = Verifier.from_config(cfg.reward)
             self._owned.append(self._verifier)
         if self._rollout_fn is None:
             from retool.rollout import run_group_rollouts
@@ -355,14 +344,7 @@ class Trainer:
             loss_config={"clip_low": cfg.loss.clip_low, "clip_high": cfg.loss.clip_high}
             if cfg.loss.name == "ppo"
             else None,
-            adam=AdamParams(
-                lr=cfg.optimizer.lr,
-                beta1=cfg.optimizer.beta1,
-                beta2=cfg.optimizer.beta2,
-                eps=cfg.optimizer.eps,
-                weight_decay=cfg.optimizer.weight_decay,
-                grad_clip_norm=cfg.optimizer.grad_clip_norm,
-            ),
+            adam=adam_params_from_config(cfg),
             micro_batch_tokens=cfg.backend.micro_batch_tokens,
             before_optim=lambda: self._hooks("optim", step),
         )

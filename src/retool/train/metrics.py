@@ -29,14 +29,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from retool.rollout.types import STOP_REASONS  # the rollout stage owns the list of stop reasons
 from retool.train.step import trajectory_tokens
 
 logger = logging.getLogger(__name__)
-
-try:  # the rollout stage owns the list of stop reasons
-    from retool.rollout.types import STOP_REASONS
-except ImportError:  # pragma: no cover - rollout stage missing
-    STOP_REASONS = ("answer", "invalid", "max_turns", "max_code_calls", "context_full", "sampler_error")
 
 
 def _n_calls(traj: Any) -> int:

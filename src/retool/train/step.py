@@ -137,35 +137,12 @@ def mean_reduction_weights(datums: Sequence[Datum]) -> list[Datum]:
 def pack_micro_batches(datums: Sequence[Datum], max_tokens: int) -> list[list[int]]:
     """Indices of datums grouped so each micro-batch's padded area (rows x longest row) <= max_tokens.
 
-    Uses the backends' packer when it exists (one packer for the whole project); otherwise a
-    first-fit-decreasing packer: sort by length, longest first, and open a new batch when adding the next
-    datum would push the padded area over the budget. A datum longer than the budget gets a batch alone.
+    The backends' packer over the datums' lengths (one packer for the whole project); a datum longer than
+    the budget gets a batch alone.
     """
-    try:
-        from retool.backends.packing import pack_micro_batches as backend_pack
-    except ImportError:
-        backend_pack = None
-    if backend_pack is not None:
-        return [list(batch) for batch in backend_pack([len(d) for d in datums], max_tokens)]
-    return _pack_local(datums, max_tokens)
+    from retool.backends.packing import pack_micro_batches as backend_pack
 
-
-def _pack_local(datums: Sequence[Datum], max_tokens: int) -> list[list[int]]:
-    order = sorted(range(len(datums)), key=lambda i: len(datums[i]), reverse=True)
-    batches: list[list[int]] = []
-    current: list[int] = []
-    longest = 0
-    for i in order:
-        n = len(datums[i])
-        new_longest = max(longest, n)
-        if current and new_longest * (len(current) + 1) > max_tokens:
-            batches.append(current)
-            current, new_longest = [], n
-        current.append(i)
-        longest = new_longest
-    if current:
-        batches.append(current)
-    return batches
+    return [list(batch) for batch in backend_pack([len(d) for d in datums], max_tokens)]
 
 
 @dataclass
