@@ -46,17 +46,17 @@ class DemoSettings:
     sft_steps: int = 1500
     sft_batch: int = 16
     sft_lr: float = 3e-3
-    sft_hard_tool: float = 0.6
+    sft_hard_tool: float = 0.35
     sft_hard_error_fix: float = 0.1
-    sft_easy_tool: float = 0.05
+    sft_easy_tool: float = 0.3
     # evaluation
     val_n: int = 4
     eval_modes: tuple[str, ...] = ("text-only", "retool")
     # RL
-    rl_steps: int = 20
+    rl_steps: int = 40
     questions_per_step: int = 8
     group_size: int = 8
-    rl_lr: float = 5e-4
+    rl_lr: float = 2e-4
     loss: str = "ppo"
     temperature: float = 1.0
     max_tokens_per_turn: int = 96

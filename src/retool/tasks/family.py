@@ -73,7 +73,7 @@ def _mul_small(rng: random.Random) -> tuple[str, int, str]:
 
 
 def _mul_big(rng: random.Random) -> tuple[str, int, str]:
-    a, b = rng.randint(1000, 9999), rng.randint(100, 999)
+    a, b = rng.randint(100, 999), rng.randint(10, 99)
     return f"What is {a} * {b}?", a * b, f"print({a} * {b})"
 
 
@@ -99,18 +99,18 @@ def _prime_prefix(limit: int) -> list[int]:
     return out
 
 
-_PRIME_PREFIX = _prime_prefix(3001)
+_PRIME_PREFIX = _prime_prefix(1001)
 
 
 def _count_primes(rng: random.Random) -> tuple[str, int, str]:
-    n = rng.randint(1000, 2999)
+    n = rng.randint(100, 999)
     answer = _PRIME_PREFIX[n]
     code = f"print(sum(1 for k in range(2, {n}) if all(k % p for p in range(2, int(k**0.5) + 1))))"
     return f"How many primes are less than {n}?", answer, code
 
 
 def _mod_pow(rng: random.Random) -> tuple[str, int, str]:
-    a, e, m = rng.randint(10, 99), rng.randint(100, 999), rng.randint(100, 999)
+    a, e, m = rng.randint(10, 99), rng.randint(10, 99), rng.randint(10, 99)
     return f"What is {a}**{e} % {m}?", pow(a, e, m), f"print({a}**{e} % {m})"
 
 
