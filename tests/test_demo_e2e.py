@@ -2,6 +2,10 @@
 
 Measured, not asserted from constants: both numbers come from evaluating the SFT and the RL policy on
 the same held-out synthetic problems with the same sampling settings, sandbox and verifier.
+
+Seed 0 is the demo's default. Measured on other seeds (same settings): hard-problem tool use rose from
+38% to 90% (seed 1) and 23% to 98% (seed 2); retool Average@4 rose by 7 and 11 points there, against 26
+at seed 0 -- the gain is bounded by how well SFT taught the tiny model to copy numbers, which varies by seed.
 """
 
 from __future__ import annotations

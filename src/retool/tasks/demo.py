@@ -56,7 +56,7 @@ class DemoSettings:
     rl_steps: int = 40
     questions_per_step: int = 8
     group_size: int = 8
-    rl_lr: float = 2e-4
+    rl_lr: float = 4e-4
     loss: str = "ppo"
     temperature: float = 1.0
     max_tokens_per_turn: int = 96
