@@ -10,6 +10,11 @@ from typing import Any, NoReturn
 
 import typer
 
+from retool.tasks.demo import DemoSettings
+
+# One source of truth for the demo's knobs: the CLI's defaults are the library's.
+_DEFAULTS = DemoSettings()
+
 
 def _fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
@@ -73,13 +78,19 @@ def register(app: typer.Typer) -> None:
     def demo(
         out: Path = typer.Option(Path("runs/demo"), "--out", help="Run folder: every artefact goes here."),
         seed: int = typer.Option(0, help="Seed of tasks, model, SFT order, sampling."),
-        rl_steps: int = typer.Option(20, "--rl-steps", help="RL steps."),
-        sft_steps: int = typer.Option(1500, "--sft-steps", help="Cold-start SFT steps."),
-        group_size: int = typer.Option(8, "--group-size"),
-        questions: int = typer.Option(8, "--questions", help="Questions per RL step."),
-        val_n: int = typer.Option(4, "--val-n", help="Samples per held-out problem in evaluation."),
-        test_tasks: int = typer.Option(40, "--test-tasks", help="Held-out problems."),
-        threads: int = typer.Option(1, help="torch threads (1 leaves a core to the sandbox)."),
+        rl_steps: int = typer.Option(_DEFAULTS.rl_steps, "--rl-steps", help="RL steps."),
+        sft_steps: int = typer.Option(_DEFAULTS.sft_steps, "--sft-steps", help="Cold-start SFT steps."),
+        group_size: int = typer.Option(_DEFAULTS.group_size, "--group-size"),
+        questions: int = typer.Option(
+            _DEFAULTS.questions_per_step, "--questions", help="Questions per RL step."
+        ),
+        val_n: int = typer.Option(
+            _DEFAULTS.val_n, "--val-n", help="Samples per held-out problem in evaluation."
+        ),
+        test_tasks: int = typer.Option(_DEFAULTS.test_tasks, "--test-tasks", help="Held-out problems."),
+        threads: int = typer.Option(
+            _DEFAULTS.threads, help="torch threads (1 leaves a core to the sandbox)."
+        ),
         no_plots: bool = typer.Option(False, "--no-plots"),
     ) -> None:
         """The whole pipeline on a tiny local model: build, SFT, eval, RL, eval; table and plots."""

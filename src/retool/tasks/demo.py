@@ -416,8 +416,10 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
             executor=_KeepOpen(executor),
             verifier=_KeepOpen(verifier),
             protocol=protocol,
+            on_step=lambda step, metrics: emit(
+                "rl_step", {"step": step, "steps": settings.rl_steps, "metrics": metrics}
+            ),
         )
-        trainer._hooks = _MetricsHook(trainer, emit)  # type: ignore[attr-defined]  # progress per step
         trainer.run()
         save_hf(client, out / "model_rl")
         phase("rl", t0)
@@ -450,35 +452,6 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     if settings.plots:
         result.plots = make_plots(out)
     return result
-
-
-class _MetricsHook:
-    """Stands in for the Trainer's test hooks: reports each finished step's metrics as an event."""
-
-    def __init__(self, trainer: Any, emit: Event) -> None:
-        self._trainer = trainer
-        self._emit = emit
-
-    def __call__(self, point: str, step: int) -> None:
-        if point != "metrics":
-            return
-        self._emit(
-            "rl_step",
-            {
-                "step": step,
-                "steps": self._trainer.config.train.steps,
-                "metrics": _last_metrics(self._trainer),
-            },
-        )
-
-
-def _last_metrics(trainer: Any) -> dict[str, Any]:
-    path = Path(trainer.metrics.path)
-    try:
-        last = path.read_text(encoding="utf-8").strip().splitlines()[-1]
-        return json.loads(last)
-    except (OSError, IndexError, ValueError):
-        return {}
 
 
 def write_tasks(path: Path, tasks: Sequence[Task]) -> None:

@@ -118,7 +118,8 @@ class Trainer:
     ``source``: a data source (default: from ``config.data``); ``client``: a TrainingClient (default:
     ``make_training_client(config)``); ``executor``, ``verifier``, ``protocol``: the rollout's
     collaborators; ``rollout_fn``: ``run_group_rollouts``-compatible coroutine; ``reward_fn``: rescore
-    each finished trajectory (replaces ``traj.reward``) before advantages are computed.
+    each finished trajectory (replaces ``traj.reward``) before advantages are computed; ``on_step``:
+    called after every finished step with its metrics (for progress displays such as the demo's).
     """
 
     def __init__(
@@ -135,8 +136,10 @@ class Trainer:
         rollout_fn: RolloutFn | None = None,
         reward_fn: RewardFn | None = None,
         tracker: Tracker | None = None,
+        on_step: Callable[[int, dict[str, Any]], None] | None = None,
     ) -> None:
         self.config = config
+        self._on_step = on_step
         self.run_dir = Path(run_dir)
         self.resume = resume
         self._client = client
@@ -289,6 +292,8 @@ class Trainer:
                 step += 1
                 last = await self._one_step(step, stream, tracker)
                 progress.update(step, last)
+                if self._on_step is not None:
+                    self._on_step(step, last)
                 self._hooks("metrics", step)
         finally:
             progress.close()
