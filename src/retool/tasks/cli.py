@@ -94,6 +94,7 @@ def register(app: typer.Typer) -> None:
         no_plots: bool = typer.Option(False, "--no-plots"),
     ) -> None:
         """The whole pipeline on a tiny local model: build, SFT, eval, RL, eval; table and plots."""
+        _quiet_library_progress()
         from retool.tasks.demo import DemoSettings, markdown_table, run_demo
 
         settings = DemoSettings(
