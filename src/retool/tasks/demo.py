@@ -73,6 +73,17 @@ class DemoSettings:
         return d
 
 
+def demo_tasks(settings: DemoSettings) -> tuple[list[Task], list[Task]]:
+    """The demo's seeded train split and held-out test split."""
+
+    def split(name: str, n: int) -> list[Task]:
+        return generate_tasks(
+            n, seed=settings.seed, hard_fraction=settings.hard_fraction, kinds=settings.kinds, split=name
+        )
+
+    return split("train", settings.train_tasks), split("test", settings.test_tasks)
+
+
 @dataclass
 class DemoResult:
     out: Path
@@ -338,16 +349,7 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
 
     # 1. tasks
     t0 = time.perf_counter()
-    train = generate_tasks(
-        settings.train_tasks, seed=settings.seed, hard_fraction=settings.hard_fraction, kinds=settings.kinds
-    )
-    test = generate_tasks(
-        settings.test_tasks,
-        seed=settings.seed,
-        hard_fraction=settings.hard_fraction,
-        split="test",
-        kinds=settings.kinds,
-    )
+    train, test = demo_tasks(settings)
     write_tasks(out / "tasks" / "train.jsonl", train)
     write_tasks(out / "tasks" / "test.jsonl", test)
     phase("tasks", t0)
@@ -517,16 +519,7 @@ def run_sft(
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     torch.set_num_threads(max(1, settings.threads))
-    train = generate_tasks(
-        settings.train_tasks, seed=settings.seed, hard_fraction=settings.hard_fraction, kinds=settings.kinds
-    )
-    test = generate_tasks(
-        settings.test_tasks,
-        seed=settings.seed,
-        hard_fraction=settings.hard_fraction,
-        split="test",
-        kinds=settings.kinds,
-    )
+    train, test = demo_tasks(settings)
     if model is None:
         emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
         model = build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)  # type: ignore[arg-type]
