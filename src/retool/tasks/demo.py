@@ -84,6 +84,34 @@ def demo_tasks(settings: DemoSettings) -> tuple[list[Task], list[Task]]:
     return split("train", settings.train_tasks), split("test", settings.test_tasks)
 
 
+def cold_start_sft(
+    client: Any,
+    train: Sequence[Task],
+    executor: Any,
+    settings: DemoSettings,
+    emit: Event,
+    on_examples: Callable[[int], None] | None = None,
+) -> Any:
+    """Build the code-interleaved SFT trajectories (real sandbox output) and train on them; return the report."""
+    from retool.tasks.model import protocol_for
+    from retool.tasks.sft import SFTMix, build_sft_examples, train_sft
+
+    protocol = protocol_for(client.tokenizer, True)
+    mix = SFTMix(settings.sft_hard_tool, settings.sft_hard_error_fix, settings.sft_easy_tool)
+    examples = build_sft_examples(train, protocol, sandbox_observer(executor), mix, seed=settings.seed)
+    if on_examples is not None:
+        on_examples(len(examples))
+    return train_sft(
+        client,
+        examples,
+        steps=settings.sft_steps,
+        batch_size=settings.sft_batch,
+        lr=settings.sft_lr,
+        seed=settings.seed,
+        on_step=lambda s, loss: emit("sft_step", {"step": s + 1, "steps": settings.sft_steps, "loss": loss}),
+    )
+
+
 @dataclass
 class DemoResult:
     out: Path
@@ -328,7 +356,6 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
 
     from retool.reward import Verifier
     from retool.tasks.model import build_demo_model, protocol_for
-    from retool.tasks.sft import SFTMix, build_sft_examples, train_sft
     from retool.train.datasource import list_source
     from retool.train.loop import Trainer
 
@@ -367,20 +394,7 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
         t0 = time.perf_counter()
         client = make_client(model_init, settings.seed, out / "checkpoints")
         emit("phase", {"phase": "sft", "detail": f"{client.num_trainable_parameters():,} parameters"})
-        protocol = protocol_for(client.tokenizer, True)
-        mix = SFTMix(settings.sft_hard_tool, settings.sft_hard_error_fix, settings.sft_easy_tool)
-        examples = build_sft_examples(train, protocol, sandbox_observer(executor), mix, seed=settings.seed)
-        report = train_sft(
-            client,
-            examples,
-            steps=settings.sft_steps,
-            batch_size=settings.sft_batch,
-            lr=settings.sft_lr,
-            seed=settings.seed,
-            on_step=lambda s, loss: emit(
-                "sft_step", {"step": s + 1, "steps": settings.sft_steps, "loss": loss}
-            ),
-        )
+        report = cold_start_sft(client, train, executor, settings, emit)
         model_sft = save_hf(client, out / "model_sft")
         result.sft = report.as_dict()
         (out / "sft_report.json").write_text(json.dumps(result.sft, indent=2) + "\n")
@@ -417,7 +431,7 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
             source=list_source([t.to_problem() for t in train]),
             executor=_KeepOpen(executor),
             verifier=_KeepOpen(verifier),
-            protocol=protocol,
+            protocol=protocol_for(client.tokenizer, True),
             on_step=lambda step, metrics: emit(
                 "rl_step", {"step": step, "steps": settings.rl_steps, "metrics": metrics}
             ),
@@ -512,8 +526,7 @@ def run_sft(
     import torch
 
     from retool.reward import Verifier
-    from retool.tasks.model import build_demo_model, protocol_for
-    from retool.tasks.sft import SFTMix, build_sft_examples, train_sft
+    from retool.tasks.model import build_demo_model
 
     emit = on_event or (lambda kind, data: None)
     out = Path(settings.out)
@@ -527,19 +540,14 @@ def run_sft(
     verifier = Verifier(workers=1, timeout=5.0)
     try:
         client = make_client(model, settings.seed, out / "checkpoints")
-        protocol = protocol_for(client.tokenizer, True)
-        mix = SFTMix(settings.sft_hard_tool, settings.sft_hard_error_fix, settings.sft_easy_tool)
-        examples = build_sft_examples(train, protocol, sandbox_observer(executor), mix, seed=settings.seed)
-        emit("phase", {"phase": "sft", "detail": f"{len(examples)} trajectories, {settings.sft_steps} steps"})
-        report = train_sft(
+        report = cold_start_sft(
             client,
-            examples,
-            steps=settings.sft_steps,
-            batch_size=settings.sft_batch,
-            lr=settings.sft_lr,
-            seed=settings.seed,
-            on_step=lambda s, loss: emit(
-                "sft_step", {"step": s + 1, "steps": settings.sft_steps, "loss": loss}
+            train,
+            executor,
+            settings,
+            emit,
+            on_examples=lambda n: emit(
+                "phase", {"phase": "sft", "detail": f"{n} trajectories, {settings.sft_steps} steps"}
             ),
         )
         save_hf(client, out / "model_sft")
