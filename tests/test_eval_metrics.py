@@ -193,3 +193,32 @@ def test_bootstrap_ci_matches_normal_approximation_and_is_seeded() -> None:
     assert M.bootstrap_ci(spread, resamples=200, seed=1) == M.bootstrap_ci(spread, resamples=200, seed=1)
     assert M.bootstrap_ci(spread, resamples=200, seed=1) != M.bootstrap_ci(spread, resamples=200, seed=2)
     assert M.bootstrap_ci([0.25] * 10) == (0.25, 0.25)
+
+
+def _rec(pid: str, correct: list[bool]) -> dict:
+    return {"id": pid, "candidates": [cand(c) for c in correct]}
+
+
+def test_paired_gain_matches_hand_computation_and_pairs_by_id() -> None:
+    before = [_rec("a", [False, False]), _rec("b", [True, False]), _rec("c", [True, True])]
+    after = [_rec("c", [True, True]), _rec("a", [True, True]), _rec("b", [True, False])]  # other order
+    g = M.paired_gain(before, after, resamples=500)
+    # per-problem differences: a +1, b 0, c 0 -> mean 1/3
+    assert g["gain"] == pytest.approx(1 / 3) and g["problems"] == 3
+    lo, hi = g["ci95"]
+    assert 0.0 <= lo <= 1 / 3 <= hi <= 1.0
+    # Every resample's mean lies in {0, 1/3, 2/3, 1}; the interval cannot leave [0, 1].
+    with pytest.raises(ValueError, match="same problems"):
+        M.paired_gain(before, after[:2])
+
+
+def test_paired_interval_is_narrower_than_the_unpaired_spread() -> None:
+    # Problems of very different difficulty, each improved by exactly one of four samples:
+    # pairing removes the difficulty spread, so the interval collapses onto the gain.
+    before = [_rec(f"p{i}", [k < i % 4 for k in range(4)]) for i in range(40)]
+    after = [_rec(f"p{i}", [k <= i % 4 for k in range(4)]) for i in range(40)]
+    g = M.paired_gain(before, after)
+    assert g["gain"] == pytest.approx(0.25)
+    assert g["ci95"] == pytest.approx([0.25, 0.25])
+    lo, hi = M.bootstrap_ci(M.per_problem_accuracy(after))
+    assert hi - lo > 0.1

@@ -69,6 +69,21 @@ class RolloutConfig(_Section):
     scheduling: Literal["per_trajectory", "round_sync"] = "per_trajectory"
 
 
+class FiltersConfig(_Section):
+    """Which sampled groups and trajectories a step learns from. All off: the chapter's recipe."""
+
+    # DAPO dynamic sampling: drop groups whose rewards are all equal (no gradient) and sample more
+    # questions until ``rollout.questions_per_step`` informative groups are collected.
+    dynamic_sampling: bool = False
+    # Questions sampled per round = ceil(oversample * groups still missing); round 0 misses them all.
+    oversample: float = Field(default=1.0, ge=1.0, le=16.0)
+    max_extra_rounds: int = Field(default=2, ge=0)  # rounds after the first; then train on what there is
+    # SimpleTIR: a trajectory whose last turn has neither a complete call nor an answer gets no gradient.
+    void_turn: bool = False
+    # A trajectory cut by a token budget (turn or trajectory) gets no gradient.
+    overlong: bool = False
+
+
 class SamplingConfig(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
@@ -133,6 +148,7 @@ class Config(_Section):
     data: DataConfig = Field(default_factory=DataConfig)
     rollout: RolloutConfig = Field(default_factory=RolloutConfig)
     sampling: SamplingConfig = Field(default_factory=SamplingConfig)
+    filters: FiltersConfig = Field(default_factory=FiltersConfig)
     loss: LossConfig = Field(default_factory=LossConfig)
     optimizer: OptimizerConfig = Field(default_factory=OptimizerConfig)
     sandbox: SandboxConfig = Field(default_factory=SandboxConfig)

@@ -20,6 +20,9 @@ Definitions (N candidates per problem, c of them correct):
   and ended correct): ``self_correction_rate`` over all candidates (as in the training metrics) and
   ``self_correction_given_error`` over candidates that hit an execution error (``None`` if none did).
 - 95% bootstrap CI for Average@N: resample problems with replacement (seeded), percentile interval.
+- Paired gain of B over A on the same problems (``paired_gain``): the mean of the per-problem accuracy
+  differences, with a paired bootstrap interval (problems resampled together, so what both models find
+  easy or hard cancels out and the interval measures the gain, not the spread of problem difficulty).
 """
 
 from __future__ import annotations
@@ -144,6 +147,30 @@ def bootstrap_ci(
     alpha = (1.0 - confidence) / 2.0
     lo, hi = np.quantile(means, [alpha, 1.0 - alpha])
     return (float(lo), float(hi))
+
+
+def paired_gain(
+    before: Sequence[Record],
+    after: Sequence[Record],
+    *,
+    resamples: int = 2000,
+    confidence: float = 0.95,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Average@N of ``after`` minus ``before`` on the same problems, with its paired bootstrap interval.
+
+    Problems are matched by ``id``; both evals must cover the same set (a mismatch is an error, since a
+    gain over different problems means nothing).
+    """
+    acc_a = {str(r["id"]): a for r, a in zip(before, per_problem_accuracy(before), strict=True)}
+    acc_b = {str(r["id"]): a for r, a in zip(after, per_problem_accuracy(after), strict=True)}
+    if set(acc_a) != set(acc_b):
+        missing = sorted(set(acc_a) ^ set(acc_b))
+        raise ValueError(f"paired_gain needs the same problems in both evals; unmatched ids: {missing[:5]}")
+    ids = sorted(acc_a)
+    diffs = [acc_b[i] - acc_a[i] for i in ids]
+    lo, hi = bootstrap_ci(diffs, resamples=resamples, confidence=confidence, seed=seed)
+    return {"gain": _mean(diffs), "ci95": [lo, hi], "problems": len(ids)}
 
 
 def _had_exec_error(c: Candidate) -> bool:

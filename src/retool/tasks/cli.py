@@ -59,6 +59,7 @@ class _Printer:
             self._line(
                 f"   rl step {data['step']}/{data['steps']}  reward {m.get('task/reward_mean', float('nan')):+.2f}"
                 f"  correct {_pct(m.get('task/correct_rate'))}  code {_pct(m.get('tool/code_share'))}"
+                f"  groups {m.get('sampling/groups_kept', 0):.0f}/{m.get('sampling/groups_sampled', 0):.0f}"
                 f"  {m.get('time/step', 0.0):.1f}s"
             )
         elif kind == "eval":
@@ -91,11 +92,19 @@ def register(app: typer.Typer) -> None:
         threads: int = typer.Option(
             _DEFAULTS.threads, help="torch threads (1 leaves a core to the sandbox)."
         ),
+        dynamic_sampling: bool = typer.Option(
+            _DEFAULTS.dynamic_sampling,
+            "--dynamic-sampling/--no-dynamic-sampling",
+            help="DAPO: train only on groups whose rewards differ, sampling more questions to refill.",
+        ),
+        reuse_sft: Path | None = typer.Option(
+            None, "--reuse-sft", help="An earlier demo run: start from its SFT model and SFT evaluation."
+        ),
         no_plots: bool = typer.Option(False, "--no-plots"),
     ) -> None:
         """The whole pipeline on a tiny local model: build, SFT, eval, RL, eval; table and plots."""
         _quiet_library_progress()
-        from retool.tasks.demo import DemoSettings, markdown_table, run_demo
+        from retool.tasks.demo import DemoSettings, gain_line, markdown_table, run_demo
 
         settings = DemoSettings(
             out=str(out),
@@ -107,13 +116,16 @@ def register(app: typer.Typer) -> None:
             val_n=val_n,
             test_tasks=test_tasks,
             threads=threads,
+            dynamic_sampling=dynamic_sampling,
+            reuse_sft=str(reuse_sft) if reuse_sft is not None else None,
             plots=not no_plots,
         )
         try:
             result = run_demo(settings, on_event=_Printer())
-        except FileExistsError as exc:
+        except (FileExistsError, ValueError) as exc:
             _fail(str(exc))
         typer.echo(markdown_table(result.table))
+        typer.echo("\n" + gain_line(result.gain))
         typer.echo(f"\ntimings (s): {json.dumps(result.timings)}")
         typer.echo(f"run folder: {result.out}  (report.md, report.json, eval/, rl/, analysis/)")
 

@@ -39,7 +39,7 @@ class DemoSettings:
     size: str = "demo"
     threads: int = 1  # torch intra-op threads; 1 leaves a core to the sandbox and verifier processes
     train_tasks: int = 1200
-    test_tasks: int = 40
+    test_tasks: int = 200
     hard_fraction: float = 0.5
     kinds: tuple[str, ...] = DEMO_KINDS
     # cold-start SFT
@@ -63,8 +63,20 @@ class DemoSettings:
     max_code_calls: int = 2
     max_assistant_turns: int = 3
     max_trajectory_tokens: int = 640
+    # which groups / trajectories RL learns from (``retool.config.FiltersConfig``)
+    dynamic_sampling: bool = True
+    oversample: float = 1.0
+    max_extra_rounds: int = 2
+    void_turn_filter: bool = False
+    overlong_filter: bool = False
     sandbox_workers: int = 2
+    # Padded area of one micro-batch. Small on CPU: compute grows with the padded area, and short direct
+    # answers batched with long tool transcripts would triple it (measured: 1024 -> 2.7x faster than 4096).
+    micro_batch_tokens: int = 1024
     plots: bool = True
+    # A finished demo run folder: start from its SFT model and SFT evaluation (same seed and tasks) and
+    # redo only RL and its evaluation, e.g. to compare RL settings on one SFT model.
+    reuse_sft: str | None = None
 
     def as_dict(self) -> dict[str, Any]:
         d = asdict(self)
@@ -119,6 +131,7 @@ class DemoResult:
     timings: dict[str, float] = field(default_factory=dict)
     sft: dict[str, Any] = field(default_factory=dict)
     plots: list[str] = field(default_factory=list)
+    gain: dict[str, Any] = field(default_factory=dict)  # RL over SFT, retool mode (see ``demo_gain``)
 
 
 # -- shared components -----------------------------------------------------------------------------
@@ -135,7 +148,7 @@ def demo_config(settings: DemoSettings, model_dir: str | Path, run_dir: str | Pa
                 "kind": "local",
                 "device": "cpu",
                 "dtype": "float32",
-                "micro_batch_tokens": 4096,
+                "micro_batch_tokens": settings.micro_batch_tokens,
                 "sample_batch_size": 64,
             },
             "lora": {"enabled": False},
@@ -155,6 +168,13 @@ def demo_config(settings: DemoSettings, model_dir: str | Path, run_dir: str | Pa
                 "max_trajectory_tokens": settings.max_trajectory_tokens,
             },
             "sampling": {"temperature": settings.temperature, "top_p": 1.0},
+            "filters": {
+                "dynamic_sampling": settings.dynamic_sampling,
+                "oversample": settings.oversample,
+                "max_extra_rounds": settings.max_extra_rounds,
+                "void_turn": settings.void_turn_filter,
+                "overlong": settings.overlong_filter,
+            },
             "loss": {"name": settings.loss},
             "optimizer": {"lr": settings.rl_lr, "beta1": 0.9, "beta2": 0.95},
             "sandbox": _sandbox_section(settings),
@@ -211,7 +231,9 @@ def sandbox_observer(executor: Any) -> Callable[[str], str]:
     return observe
 
 
-def make_client(model_dir: str | Path, seed: int, checkpoint_dir: str | Path) -> Any:
+def make_client(
+    model_dir: str | Path, seed: int, checkpoint_dir: str | Path, micro_batch_tokens: int = 1024
+) -> Any:
     """Full fine-tuning local client (the tiny model has no use for LoRA)."""
     from retool.backends.local import LocalTrainingClient
 
@@ -221,7 +243,7 @@ def make_client(model_dir: str | Path, seed: int, checkpoint_dir: str | Path) ->
         device="cpu",
         dtype="float32",
         seed=seed,
-        micro_batch_tokens=4096,
+        micro_batch_tokens=micro_batch_tokens,
         sample_batch_size=64,
         checkpoint_dir=checkpoint_dir,
         max_context=1024,
@@ -350,14 +372,51 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
 # -- the pipeline ----------------------------------------------------------------------------------
 
 
+# Settings that fix the tasks and the SFT model: a run reusing another's SFT must agree on all of them.
+_SFT_FIELDS = (
+    "seed",
+    "size",
+    "train_tasks",
+    "test_tasks",
+    "hard_fraction",
+    "kinds",
+    "sft_steps",
+    "sft_batch",
+    "sft_lr",
+    "sft_hard_tool",
+    "sft_hard_error_fix",
+    "sft_easy_tool",
+    "val_n",
+    "eval_modes",
+    "micro_batch_tokens",
+)
+
+
+class _Clock:
+    """Phase timings of one demo run, reported through ``emit`` as each phase ends."""
+
+    def __init__(self, result: DemoResult, emit: Event) -> None:
+        self.result, self.emit = result, emit
+        self.t0 = time.perf_counter()
+
+    def start(self) -> None:
+        self.t0 = time.perf_counter()
+
+    def done(self, name: str) -> None:
+        self.result.timings[name] = round(time.perf_counter() - self.t0, 1)
+        self.emit("phase_done", {"phase": name, "seconds": self.result.timings[name]})
+        self.t0 = time.perf_counter()
+
+
 def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResult:
-    """Build, SFT, evaluate, RL, evaluate; write everything under ``settings.out``."""
+    """Build, SFT, evaluate, RL, evaluate; write everything under ``settings.out``.
+
+    RL starts from the saved SFT model with a fresh optimizer, exactly as ``retool train --set
+    model.name=OUT/model_sft`` would, so ``reuse_sft`` runs and the full pipeline take the same path.
+    """
     import torch
 
     from retool.reward import Verifier
-    from retool.tasks.model import build_demo_model, protocol_for
-    from retool.train.datasource import list_source
-    from retool.train.loop import Trainer
 
     emit = on_event or (lambda kind, data: None)
     out = Path(settings.out)
@@ -368,106 +427,220 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     torch.set_num_threads(max(1, settings.threads))
     torch.manual_seed(settings.seed)
     result = DemoResult(out=out)
+    clock = _Clock(result, emit)
     t_all = time.perf_counter()
 
-    def phase(name: str, t0: float) -> None:
-        result.timings[name] = round(time.perf_counter() - t0, 1)
-        emit("phase_done", {"phase": name, "seconds": result.timings[name]})
-
-    # 1. tasks
-    t0 = time.perf_counter()
     train, test = demo_tasks(settings)
     write_tasks(out / "tasks" / "train.jsonl", train)
     write_tasks(out / "tasks" / "test.jsonl", test)
-    phase("tasks", t0)
-
-    # 2. tiny model
-    t0 = time.perf_counter()
-    emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
-    model_init = build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)  # type: ignore[arg-type]
-    phase("model", t0)
+    clock.done("tasks")
+    problems = [t.to_problem() for t in test]
 
     executor = make_executor(settings)
     verifier = Verifier(workers=1, timeout=5.0)
     try:
-        # 3. SFT
-        t0 = time.perf_counter()
-        client = make_client(model_init, settings.seed, out / "checkpoints")
-        emit("phase", {"phase": "sft", "detail": f"{client.num_trainable_parameters():,} parameters"})
-        report = cold_start_sft(client, train, executor, settings, emit)
-        model_sft = save_hf(client, out / "model_sft")
-        result.sft = report.as_dict()
-        (out / "sft_report.json").write_text(json.dumps(result.sft, indent=2) + "\n")
-        phase("sft", t0)
+        if settings.reuse_sft:
+            model_sft, evals = _reuse_sft(settings, out, result)
+            clock.done("reuse_sft")
+        else:
+            model_sft, evals = _sft_phase(settings, out, train, problems, executor, verifier, clock)
 
-        # 4. evaluate SFT
+        emit("phase", {"phase": "rl", "detail": _rl_detail(settings)})
         config = demo_config(settings, model_sft, out / "rl")
-        problems = [t.to_problem() for t in test]
-        evals: dict[str, dict[str, dict[str, Any]]] = {}
-        t0 = time.perf_counter()
-        emit(
-            "phase", {"phase": "eval_sft", "detail": f"{len(problems)} held-out problems x {settings.val_n}"}
-        )
-        evals["sft"] = evaluate_modes(
-            client, problems, settings, config, out / "eval", "sft", executor, verifier
-        )
-        emit("eval", {"model": "sft", "summaries": evals["sft"]})
-        phase("eval_sft", t0)
+        client = make_client(model_sft, settings.seed, out / "checkpoints", settings.micro_batch_tokens)
+        try:
+            _reinforce(client, config, settings, train, executor, verifier, emit)
+            save_hf(client, out / "model_rl")
+            clock.done("rl")
 
-        # 5. RL
-        t0 = time.perf_counter()
-        emit(
-            "phase",
-            {
-                "phase": "rl",
-                "detail": f"{settings.rl_steps} steps x {settings.questions_per_step} "
-                f"questions x {settings.group_size} samples",
-            },
-        )
-        trainer = Trainer(
-            config,
-            out / "rl",
-            client=client,
-            source=list_source([t.to_problem() for t in train]),
-            executor=_KeepOpen(executor),
-            verifier=_KeepOpen(verifier),
-            protocol=protocol_for(client.tokenizer, True),
-            on_step=lambda step, metrics: emit(
-                "rl_step", {"step": step, "steps": settings.rl_steps, "metrics": metrics}
-            ),
-        )
-        trainer.run()
-        save_hf(client, out / "model_rl")
-        phase("rl", t0)
-
-        # 6. evaluate RL
-        t0 = time.perf_counter()
-        emit("phase", {"phase": "eval_rl", "detail": "same problems, settings and verifier"})
-        evals["rl"] = evaluate_modes(
-            client, problems, settings, config, out / "eval", "rl", executor, verifier
-        )
-        emit("eval", {"model": "rl", "summaries": evals["rl"]})
-        phase("eval_rl", t0)
-        client.close()
+            emit("phase", {"phase": "eval_rl", "detail": "same problems, settings and verifier"})
+            evals["rl"] = evaluate_modes(
+                client, problems, settings, config, out / "eval", "rl", executor, verifier
+            )
+            emit("eval", {"model": "rl", "summaries": evals["rl"]})
+            clock.done("eval_rl")
+        finally:
+            client.close()
     finally:
         executor.close()
         verifier.close()
 
-    # 7. report + plots
     result.table = table_rows(evals)
+    result.gain = demo_gain(out / "eval")
     result.timings["total"] = round(time.perf_counter() - t_all, 1)
+    result.timings["rl_share"] = round(result.timings["rl"] / max(result.timings["total"], 1e-9), 3)
+    _write_report(out, settings, result, evals)
+    if settings.plots:
+        result.plots = make_plots(out)
+    return result
+
+
+def _rl_detail(settings: DemoSettings) -> str:
+    detail = (
+        f"{settings.rl_steps} steps x {settings.questions_per_step} questions x {settings.group_size} samples"
+    )
+    return detail + (", dynamic sampling" if settings.dynamic_sampling else "")
+
+
+def _sft_phase(
+    settings: DemoSettings,
+    out: Path,
+    train: Sequence[Task],
+    problems: Sequence[Any],
+    executor: Any,
+    verifier: Any,
+    clock: _Clock,
+) -> tuple[Path, dict[str, dict[str, dict[str, Any]]]]:
+    """Tiny model, cold-start SFT, SFT evaluation; returns the SFT model folder and its evaluation."""
+    from retool.tasks.model import build_demo_model
+
+    emit = clock.emit
+    emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
+    model_init = build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)  # type: ignore[arg-type]
+    clock.done("model")
+
+    client = make_client(model_init, settings.seed, out / "checkpoints", settings.micro_batch_tokens)
+    try:
+        emit("phase", {"phase": "sft", "detail": f"{client.num_trainable_parameters():,} parameters"})
+        report = cold_start_sft(client, train, executor, settings, emit)
+        model_sft = save_hf(client, out / "model_sft")
+        clock.result.sft = report.as_dict()
+        (out / "sft_report.json").write_text(json.dumps(clock.result.sft, indent=2) + "\n")
+        clock.done("sft")
+
+        emit(
+            "phase", {"phase": "eval_sft", "detail": f"{len(problems)} held-out problems x {settings.val_n}"}
+        )
+        config = demo_config(settings, model_sft, out / "rl")
+        evals = {
+            "sft": evaluate_modes(client, problems, settings, config, out / "eval", "sft", executor, verifier)
+        }
+        emit("eval", {"model": "sft", "summaries": evals["sft"]})
+        clock.done("eval_sft")
+    finally:
+        client.close()
+    return model_sft, evals
+
+
+def _reuse_sft(
+    settings: DemoSettings, out: Path, result: DemoResult
+) -> tuple[Path, dict[str, dict[str, dict[str, Any]]]]:
+    """The SFT model and SFT evaluation of an earlier run with the same tasks and SFT settings."""
+    import shutil
+
+    from retool.evaluate.store import summary_path_for
+
+    source = Path(str(settings.reuse_sft))
+    try:
+        earlier = json.loads((source / "settings.json").read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ValueError(f"--reuse-sft {source}: not a finished demo run ({exc})") from None
+    mine = settings.as_dict()
+    differ = [k for k in _SFT_FIELDS if earlier.get(k) != mine.get(k)]
+    if differ:
+        raise ValueError(f"--reuse-sft {source}: its settings differ in {', '.join(differ)}")
+    if not (source / "model_sft" / "config.json").is_file():
+        raise ValueError(f"--reuse-sft {source}: no model_sft/ folder")
+    (out / "eval").mkdir(parents=True, exist_ok=True)
+    evals: dict[str, dict[str, dict[str, Any]]] = {"sft": {}}
+    for mode in settings.eval_modes:
+        records = source / "eval" / f"sft_{mode}.jsonl"
+        for path in (records, summary_path_for(records)):
+            if not path.is_file():
+                raise ValueError(f"--reuse-sft {source}: missing {path.relative_to(source)}")
+            shutil.copy2(path, out / "eval" / path.name)
+        evals["sft"][mode] = _flat_summary(out / "eval" / records.name)
+    if (source / "sft_report.json").is_file():
+        result.sft = json.loads((source / "sft_report.json").read_text())
+    return source / "model_sft", evals
+
+
+def _flat_summary(records_path: Path) -> dict[str, Any]:
+    from retool.evaluate.store import summary_path_for
+
+    summary = json.loads(summary_path_for(records_path).read_text())
+    flat = dict(summary.get("metrics", summary))
+    flat.update(difficulty_breakdown(records_path))
+    return flat
+
+
+def _reinforce(
+    client: Any,
+    config: Any,
+    settings: DemoSettings,
+    train: Sequence[Task],
+    executor: Any,
+    verifier: Any,
+    emit: Event,
+) -> None:
+    from retool.tasks.model import protocol_for
+    from retool.train.datasource import list_source
+    from retool.train.loop import Trainer
+
+    trainer = Trainer(
+        config,
+        Path(config.train.run_dir),
+        client=client,
+        source=list_source([t.to_problem() for t in train]),
+        executor=_KeepOpen(executor),
+        verifier=_KeepOpen(verifier),
+        protocol=protocol_for(client.tokenizer, True),
+        on_step=lambda step, metrics: emit(
+            "rl_step", {"step": step, "steps": settings.rl_steps, "metrics": metrics}
+        ),
+    )
+    trainer.run()
+
+
+def demo_gain(eval_dir: Path, mode: str = "retool") -> dict[str, Any]:
+    """RL minus SFT on the same held-out problems: Average@N with its paired 95% bootstrap interval, and
+    the accuracy change on easy and hard problems."""
+    from retool.evaluate.metrics import paired_gain
+
+    def records(label: str) -> list[dict[str, Any]]:
+        path = eval_dir / f"{label}_{mode}.jsonl"
+        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+
+    sft, rl = records("sft"), records("rl")
+    out: dict[str, Any] = {"mode": mode, "average_at_n": paired_gain(sft, rl, seed=0)}
+    for name, hard in (("easy", False), ("hard", True)):
+
+        def subset(rows: list[dict[str, Any]], hard: bool = hard) -> list[dict[str, Any]]:
+            return [r for r in rows if (parse_source(str(r.get("data_source", ""))) or ("", None))[1] is hard]
+
+        if subset(sft):
+            out[f"{name}_accuracy"] = paired_gain(subset(sft), subset(rl), seed=0)
+    return out
+
+
+def _write_report(
+    out: Path, settings: DemoSettings, result: DemoResult, evals: dict[str, dict[str, dict[str, Any]]]
+) -> None:
     report_json = {
         "settings": settings.as_dict(),
         "table": result.table,
+        "gain": result.gain,
         "timings": result.timings,
         "sft": result.sft,
         "evals": evals,
     }
     (out / "report.json").write_text(json.dumps(report_json, indent=2, default=str) + "\n")
-    (out / "report.md").write_text(markdown_table(result.table) + "\n")
-    if settings.plots:
-        result.plots = make_plots(out)
-    return result
+    (out / "report.md").write_text(markdown_table(result.table) + "\n\n" + gain_line(result.gain) + "\n")
+
+
+def gain_line(gain: dict[str, Any]) -> str:
+    """One sentence: the RL gain with its interval (the demo's claim, as the report and CLI state it)."""
+    if not gain:
+        return ""
+    avg = gain["average_at_n"]
+    lo, hi = avg["ci95"]
+    text = (
+        f"RL over SFT ({gain['mode']} mode, {avg['problems']} held-out problems): Average@N "
+        f"{100 * avg['gain']:+.1f} points (95% paired bootstrap CI {100 * lo:+.1f} to {100 * hi:+.1f})"
+    )
+    if "hard_accuracy" in gain:
+        text += f"; hard problems {100 * gain['hard_accuracy']['gain']:+.1f} points"
+    return text + "."
 
 
 def write_tasks(path: Path, tasks: Sequence[Task]) -> None:
@@ -539,7 +712,7 @@ def run_sft(
     executor = make_executor(settings)
     verifier = Verifier(workers=1, timeout=5.0)
     try:
-        client = make_client(model, settings.seed, out / "checkpoints")
+        client = make_client(model, settings.seed, out / "checkpoints", settings.micro_batch_tokens)
         report = cold_start_sft(
             client,
             train,

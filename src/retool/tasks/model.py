@@ -42,6 +42,24 @@ def fixed_prompt_blocks(tokenizer: Any) -> list[str]:
     return blocks
 
 
+_CODE_PLACEHOLDER = "print(12345)"
+
+
+def call_phrases(tokenizer: Any) -> list[str]:
+    """The fixed text around the code of one tool call, as the protocol's call format renders it.
+
+    In the Hermes format that is ``<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "``
+    and ``"}}\\n</tool_call>``: ~40 BPE tokens around every call, identical each time. As two phrase
+    tokens the question's numbers and their copy in the code sit a few tokens apart, not dozens.
+    """
+    fmt = protocol_for(tokenizer, True).fmt
+    text = fmt.render_call(_CODE_PLACEHOLDER)
+    head, sep, tail = text.partition(_CODE_PLACEHOLDER)
+    if not sep:
+        raise ValueError(f"the {fmt.name} call format does not carry code verbatim")
+    return [p for p in (head, tail) if p.strip()]
+
+
 def task_corpus(tasks: Sequence[Task], extra: Sequence[str] = ()) -> list[str]:
     """Text the tokenizer is trained on: questions, canonical code as the call JSON shows it, answers."""
     import json
@@ -67,8 +85,8 @@ def build_demo_model(
     """Tokenizer trained on ``tasks`` (+ ``extra_text``), fixed prompt blocks as phrases, random Qwen2 weights."""
     corpus = task_corpus(tasks, extra_text)
     probe = build_tokenizer(corpus[:200], vocab_size=512)
-    phrases = fixed_prompt_blocks(probe)
+    phrases = fixed_prompt_blocks(probe) + call_phrases(probe)
     logger.info(
-        "tiny model: %d corpus texts, %d fixed prompt blocks as phrase tokens", len(corpus), len(phrases)
+        "tiny model: %d corpus texts, %d fixed text blocks as phrase tokens", len(corpus), len(phrases)
     )
     return build_tiny_model(out_dir, corpus=corpus, size=size, seed=seed, phrase_tokens=phrases)

@@ -41,6 +41,7 @@ from typing import Any
 from retool.backends import adam_params_from_config
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.train.checkpoint import CheckpointManager, TrainerState, repair_metrics, restore_rng
+from retool.train.collect import collect_groups, round_seed
 from retool.train.datasource import DataPosition, DataSource, ProblemStream, make_source
 from retool.train.metrics import MetricsLog, Tracker, make_tracker, rollout_metrics, scalars_of
 from retool.train.progress import Progress
@@ -306,7 +307,6 @@ class Trainer:
         cfg = self.config
         t_step = time.perf_counter()
         self._hooks("step", step)
-        problems = stream.next_batch(cfg.rollout.questions_per_step)
 
         t0 = time.perf_counter()
         sampler = await self._client.sampling_client_async()  # on-policy: current weights
@@ -320,28 +320,36 @@ class Trainer:
                 fired = True
                 self._hooks("rollout", step)
 
+        async def sample_round(problems: list[Any], round_index: int) -> list[list[Any]]:
+            assert self._rollout_fn is not None
+            groups = await self._rollout_fn(
+                problems,
+                sampler=sampler,
+                protocol=self._protocol,
+                executor=self._executor,
+                verifier=self._verifier,
+                rollout=cfg.rollout,
+                sampling=cfg.sampling,
+                group_size=cfg.rollout.group_size,
+                seed=round_seed(rollout_seed(cfg.train.seed, step), round_index),
+                use_tools=True,
+                on_trajectory=on_trajectory,
+            )
+            if self._reward_fn is not None:
+                for group in groups:
+                    for traj in group:
+                        traj.reward = float(self._reward_fn(traj))
+            return groups
+
         t0 = time.perf_counter()
-        assert self._rollout_fn is not None
-        groups = await self._rollout_fn(
-            problems,
-            sampler=sampler,
-            protocol=self._protocol,
-            executor=self._executor,
-            verifier=self._verifier,
-            rollout=cfg.rollout,
-            sampling=cfg.sampling,
-            group_size=cfg.rollout.group_size,
-            seed=rollout_seed(cfg.train.seed, step),
-            use_tools=True,
-            on_trajectory=on_trajectory,
+        collected = await collect_groups(
+            sample_round, stream.next_batch, cfg.rollout.questions_per_step, cfg.filters
         )
         t_rollout = time.perf_counter() - t0
-        if self._reward_fn is not None:
-            for group in groups:
-                for traj in group:
-                    traj.reward = float(self._reward_fn(traj))
 
-        data = build_step_data(groups)
+        data = build_step_data(
+            collected.groups, drop_void=cfg.filters.void_turn, drop_overlong=cfg.filters.overlong
+        )
         result = await train_step(
             self._client,
             data.datums,
@@ -354,11 +362,18 @@ class Trainer:
             before_optim=lambda: self._hooks("optim", step),
         )
 
+        sampled = collected.sampled
         record: dict[str, Any] = {"step": step}
-        record.update(rollout_metrics(groups))
+        record.update(rollout_metrics(sampled))
         record.update(result.metrics())
-        record["task/degenerate_group_rate"] = data.n_degenerate / data.n_groups if data.n_groups else 0.0
-        record["task/degenerate_groups"] = float(data.n_degenerate)
+        record.update(collected.metrics())
+        n_sampled = len(sampled)
+        n_degenerate = n_sampled - collected.informative
+        record["task/degenerate_group_rate"] = n_degenerate / n_sampled if n_sampled else 0.0
+        record["task/degenerate_groups"] = float(n_degenerate)
+        n_trained_trajs = data.n_trajectories or 1
+        record["filter/void_rate"] = data.n_void / n_trained_trajs
+        record["filter/overlong_rate"] = data.n_overlong / n_trained_trajs
         record["tokens/trained"] = float(sum(1 for d in data.datums for w in d.weights if w != 0.0))
         record["time/refresh"] = t_refresh
         record["time/rollout"] = t_rollout
@@ -366,8 +381,8 @@ class Trainer:
         record["time/checkpoint"] = 0.0
         record["data/epoch"] = float(stream.position.epoch)
         record["data/index"] = float(stream.position.index)
-        record["problem_ids"] = [p.id for p in problems]
-        record["rewards"] = [[float(t.reward) for t in g] for g in groups]
+        record["problem_ids"] = [p.id for p in collected.problems]
+        record["rewards"] = [[float(t.reward) for t in g] for g in sampled]
 
         every = cfg.checkpoint.every
         if (every > 0 and step % every == 0) or step == cfg.train.steps or self._stop_requested:

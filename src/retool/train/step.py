@@ -145,6 +145,28 @@ def pack_micro_batches(datums: Sequence[Datum], max_tokens: int) -> list[list[in
     return [list(batch) for batch in backend_pack([len(d) for d in datums], max_tokens)]
 
 
+def is_void(traj: Any) -> bool:
+    """SimpleTIR's void turn: the trajectory's last turn has neither a complete call nor a final answer.
+
+    An invalid turn (a broken or extra call, text after a call) or an answer turn without a
+    ``\\boxed{}`` (the verifier found no answer) is void. Such turns are full of low-probability tokens;
+    SimpleTIR leaves the whole trajectory out of the update to avoid the gradient spikes they cause.
+    """
+    reason = getattr(traj, "stop_reason", "")
+    return reason == "invalid" or (reason == "answer" and getattr(traj, "reward_status", "") == "no_answer")
+
+
+def is_overlong(traj: Any) -> bool:
+    """Cut by a token budget: the trajectory ran out of context, or its last turn hit the per-turn cap.
+
+    Its reward judges an unfinished attempt, not the policy's answer (DAPO's overlong filtering).
+    """
+    if getattr(traj, "stop_reason", "") == "context_full":
+        return True
+    turns = getattr(traj, "turns", None) or []
+    return bool(turns) and getattr(turns[-1], "sampler_stop", "stop") == "length"
+
+
 @dataclass
 class StepData:
     """The datums one step trains on, and what was skipped."""
@@ -155,25 +177,45 @@ class StepData:
     n_trajectories: int
     n_empty: int  # trajectories without a sampled token (e.g. the sampler failed): nothing to train
     advantages: list[list[float]] = field(default_factory=list)
+    n_void: int = 0  # left out by the void-turn filter
+    n_overlong: int = 0  # left out by the overlong filter (and not already by the void-turn one)
+    # Per group, per trajectory: the index of its datum in ``datums``, or None when it was not trained.
+    datum_index: list[list[int | None]] = field(default_factory=list)
 
 
-def build_step_data(groups: Sequence[Sequence[_TrajectoryLike]]) -> StepData:
-    """Datums of every non-degenerate group, weighted for the exact mean over trained datums."""
+def build_step_data(
+    groups: Sequence[Sequence[_TrajectoryLike]], *, drop_void: bool = False, drop_overlong: bool = False
+) -> StepData:
+    """Datums of every non-degenerate group, weighted for the exact mean over trained datums.
+
+    ``drop_void`` / ``drop_overlong`` leave such trajectories out of the update. Their rewards still
+    count in their group's mean (the baseline is the policy's, filters only withhold gradient), and the
+    mean-reduction weights count only the datums actually trained.
+    """
     raw: list[Datum] = []
-    n_degenerate = 0
-    n_empty = 0
+    n_degenerate = n_empty = n_void = n_overlong = 0
     all_advantages: list[list[float]] = []
+    index: list[list[int | None]] = []
     for group in groups:
         rewards = [float(t.reward) for t in group]
         advantages = group_advantages(rewards)
         all_advantages.append(advantages)
+        slots: list[int | None] = [None] * len(group)
+        index.append(slots)
         if is_degenerate(rewards):
             n_degenerate += 1
             continue
-        for traj, adv in zip(group, advantages, strict=True):
+        for k, (traj, adv) in enumerate(zip(group, advantages, strict=True)):
             if not any(turn.completion_tokens for turn in traj.turns):
                 n_empty += 1
                 continue
+            if drop_void and is_void(traj):
+                n_void += 1
+                continue
+            if drop_overlong and is_overlong(traj):
+                n_overlong += 1
+                continue
+            slots[k] = len(raw)
             raw.append(build_datum(traj, adv))
     return StepData(
         datums=mean_reduction_weights(raw) if raw else [],
@@ -182,6 +224,9 @@ def build_step_data(groups: Sequence[Sequence[_TrajectoryLike]]) -> StepData:
         n_trajectories=sum(len(g) for g in groups),
         n_empty=n_empty,
         advantages=all_advantages,
+        n_void=n_void,
+        n_overlong=n_overlong,
+        datum_index=index,
     )
 
 

@@ -1,0 +1,92 @@
+"""Which groups a step trains on: one sampling round (the chapter), or DAPO's dynamic sampling.
+
+Dynamic sampling over-samples questions, drops the groups whose rewards are all equal (every advantage
+is zero, so they carry no gradient) and samples further rounds until ``target`` informative groups are
+collected or ``max_extra_rounds`` extra rounds are spent; then the step trains on what it has. Extra
+informative groups of the last round are dropped (in sampling order), so every step trains on at most
+``target`` groups, as in DAPO.
+
+Every sampled group still counts in the step's task / tool / environment metrics: they describe the
+policy, and the kept groups alone would be a biased sample of it.
+
+Rounds draw their problems from the run's ``ProblemStream`` (so a resumed run draws the same ones) and
+their sampling seed from ``(step seed, round)``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from retool.config import FiltersConfig
+from retool.data.problem import Problem
+from retool.train.step import is_degenerate
+
+# (problems, round index) -> one group of trajectories per problem, rewards final.
+SampleRound = Callable[[list[Problem], int], Awaitable[list[list[Any]]]]
+# how many problems -> the next problems of the run's stream
+NextProblems = Callable[[int], list[Problem]]
+
+
+@dataclass
+class Collected:
+    """The outcome of one step's sampling."""
+
+    groups: list[list[Any]]  # the groups to train on (informative ones when dynamic sampling is on)
+    sampled: list[list[Any]] = field(default_factory=list)  # every group sampled this step, in order
+    problems: list[Problem] = field(default_factory=list)  # the problem of each sampled group
+    rounds: int = 1
+    informative: int = 0  # sampled groups with differing rewards (before the cut to ``target``)
+
+    def metrics(self) -> dict[str, float]:
+        return {
+            "sampling/rounds": float(self.rounds),
+            "sampling/groups_sampled": float(len(self.sampled)),
+            "sampling/groups_informative": float(self.informative),
+            "sampling/groups_kept": float(len(self.groups)),
+        }
+
+
+def round_seed(step_seed: int, round_index: int) -> int:
+    """Round 0 keeps the step's seed (dynamic sampling off samples exactly as before); later rounds differ."""
+    return step_seed if round_index == 0 else (step_seed + 1_000_033 * round_index) % (2**31 - 1)
+
+
+def questions_for_round(missing: int, oversample: float) -> int:
+    return max(1, math.ceil(oversample * missing - 1e-9))
+
+
+def _rewards(group: Sequence[Any]) -> list[float]:
+    return [float(t.reward) for t in group]
+
+
+async def collect_groups(
+    sample_round: SampleRound, next_problems: NextProblems, target: int, filters: FiltersConfig
+) -> Collected:
+    """Sample this step's groups; with ``filters.dynamic_sampling`` keep only informative ones."""
+    if target < 1:
+        raise ValueError(f"questions per step must be >= 1, got {target}")
+    if not filters.dynamic_sampling:
+        problems = next_problems(target)
+        groups = await sample_round(problems, 0)
+        informative = sum(not is_degenerate(_rewards(g)) for g in groups)
+        return Collected(groups, list(groups), list(problems), rounds=1, informative=informative)
+
+    out = Collected(groups=[])
+    kept: list[list[Any]] = []
+    for round_index in range(1 + filters.max_extra_rounds):
+        missing = target - len(kept)
+        if missing <= 0:
+            break
+        problems = next_problems(questions_for_round(missing, filters.oversample))
+        groups = await sample_round(problems, round_index)
+        out.rounds = round_index + 1
+        out.sampled.extend(groups)
+        out.problems.extend(problems)
+        good = [g for g in groups if not is_degenerate(_rewards(g))]
+        out.informative += len(good)
+        kept.extend(good)
+    out.groups = kept[:target]
+    return out
