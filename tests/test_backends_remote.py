@@ -1,261 +1,147 @@
-"""PyTRIO and Tinker adapters against fake SDK modules that record calls and return canned responses.
+"""The PyTRIO and Tinker adapters through the real SDK packages, against local stub services.
 
-The fake "server" implements the documented loss math on its side (Tinker: plain sum; the PyTRIO fake:
-sum divided by the active-token count, our assumption about the real service), so the tests check that
-what the adapter sends reproduces the loop's weighted loss on each backend.
+Every test here runs the installed ``pytrio`` / ``tinker`` SDK unmodified (request objects, futures,
+serialisation, configuration, credential lookup) against ``sdk_stubs`` servers on 127.0.0.1, and reads
+what the SDK actually put on the wire. Fake modules remain only where no server is involved (a missing
+SDK, ``build_model``'s field mapping).
 """
 
 from __future__ import annotations
 
-import math
+import asyncio
+import json
+import logging
 import sys
-import types
-from dataclasses import dataclass, field
+import warnings
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import pytest
+import pytrio
+import pytrio.client.training
+import tinker
 
-from retool.backends.remote import BackendUnavailableError
+from retool.backends import make_training_client
+from retool.backends.reduction import (
+    ReductionCheckError,
+    batch_totals,
+    check_remote_reduction,
+    probe_datums,
+)
+from retool.backends.remote import BackendUnavailableError, RemoteTrainingClient, StateOrderError
 from retool.backends.types import AdamParams, Datum, SamplingParams
-from retool.config import load_config
+from retool.config import Config, load_config
+from sdk_stubs import (
+    PYTRIO_KEY,
+    TINKER_KEY,
+    PytrioStub,
+    StubServer,
+    TinkerStub,
+    learner_lp,
+    sampled_tokens,
+)
 
-# -- a fake SDK ---------------------------------------------------------------------------------------
-
-
-class Future:
-    def __init__(self, value: Any) -> None:
-        self.value = value
-
-    def result(self, timeout: float | None = None) -> Any:
-        return self.value
-
-
-class _Model:
-    """pydantic-ish: keyword fields only, ``model_fields`` lists them."""
-
-    model_fields: ClassVar[dict[str, Any]] = {}
-
-    def __init__(self, **kwargs: Any) -> None:
-        unknown = set(kwargs) - set(self.model_fields)
-        if unknown:
-            raise TypeError(f"unexpected fields {unknown}")
-        for k, v in self.model_fields.items():
-            setattr(self, k, kwargs.get(k, v))
-
-
-class TensorData(_Model):
-    model_fields: ClassVar[dict[str, Any]] = {"data": None, "dtype": None, "shape": None}
-
-    def tolist(self) -> list:
-        return list(self.data)
-
-
-class ModelInput:
-    def __init__(self, ints: list[int]) -> None:
-        self.ints = list(ints)
-
-    @classmethod
-    def from_ints(cls, ints: list[int]) -> ModelInput:
-        return cls(ints)
-
-    def to_ints(self) -> list[int]:
-        return self.ints
-
-
-class FakeDatum:
-    def __init__(self, model_input: ModelInput, loss_fn_inputs: dict[str, Any]) -> None:
-        self.model_input = model_input
-        self.loss_fn_inputs = loss_fn_inputs
-
-
-class SamplingParamsT(_Model):
-    model_fields: ClassVar[dict[str, Any]] = {
-        "max_tokens": None,
-        "seed": None,
-        "stop": None,
-        "temperature": 1.0,
-        "top_k": -1,
-        "top_p": 1.0,
-    }
-
-
-class AdamParamsT(_Model):
-    model_fields: ClassVar[dict[str, Any]] = {
-        "learning_rate": 1e-4,
-        "beta1": 0.9,
-        "beta2": 0.95,
-        "eps": 1e-12,
-        "weight_decay": 0.0,
-    }
-
-
-def learner_lp(token: int) -> float:
-    """The fake server's 'current policy' logprob of a target token."""
-    return -0.2 - 0.1 * (token % 7)
-
-
-@dataclass
-class Seq:
-    tokens: list[int]
-    logprobs: list[float] | None
-    stop_reason: str
-
-
-@dataclass
-class Recorder:
-    calls: list[tuple[str, Any]] = field(default_factory=list)
-
-    def names(self) -> list[str]:
-        return [c[0] for c in self.calls]
-
-
-class FakeSampler:
-    def __init__(self, rec: Recorder, with_logprobs: bool = True) -> None:
-        self.rec = rec
-        self.with_logprobs = with_logprobs
-
-    def sample(self, prompt: ModelInput, num_samples: int, sampling_params: SamplingParamsT) -> Future:
-        self.rec.calls.append(("sample", (prompt.to_ints(), num_samples, sampling_params)))
-        seqs = []
-        for i in range(num_samples):
-            toks = [10 + i, 11, 12]
-            seqs.append(
-                Seq(
-                    toks,
-                    [learner_lp(t) for t in toks] if self.with_logprobs else None,
-                    "length" if i else "stop",
-                )
-            )
-        return Future(types.SimpleNamespace(sequences=seqs))
-
-
-class FakeTrainer:
-    def __init__(self, rec: Recorder, kind: str, futures_of_clients: bool) -> None:
-        self.rec = rec
-        self.kind = kind
-        self.futures_of_clients = futures_of_clients
-
-    def forward_backward(
-        self, data: list[FakeDatum], loss_fn: str, loss_fn_config: dict | None = None
-    ) -> Future:
-        self.rec.calls.append(("forward_backward", (data, loss_fn, loss_fn_config)))
-        outs = []
-        total = 0.0
-        active = 0
-        lo = (loss_fn_config or {}).get("clip_low_threshold", 0.8)
-        hi = (loss_fn_config or {}).get("clip_high_threshold", 1.2)
-        for d in data:
-            inp = d.loss_fn_inputs
-            if self.kind == "tinker":
-                allowed = {"target_tokens", "logprobs", "advantages", "weights"}
-                assert set(inp) <= allowed, f"tinker raises on unknown keys: {set(inp) - allowed}"
-            tgt = inp["target_tokens"].tolist()
-            lps = [learner_lp(t) if t != -100 else 0.0 for t in tgt]
-            outs.append({"logprobs": TensorData(data=lps, dtype="float32", shape=[len(lps)])})
-            for j, t in enumerate(tgt):
-                if t == -100:
-                    continue
-                active += 1
-                if loss_fn == "cross_entropy":
-                    w = inp["weights"].tolist()[j] if "weights" in inp else 1.0
-                    total += -w * lps[j]
-                else:
-                    a = inp["advantages"].tolist()[j]
-                    r = math.exp(lps[j] - inp["logprobs"].tolist()[j])
-                    if loss_fn == "ppo":
-                        total += -min(r * a, min(max(r, lo), hi) * a)
-                    else:
-                        total += -r * a
-        metrics = {"loss:sum": total, "loss:mean": total / max(active, 1), "token_count": float(active)}
-        return Future(types.SimpleNamespace(loss_fn_outputs=outs, metrics=metrics))
-
-    def optim_step(self, adam_params: AdamParamsT) -> Future:
-        self.rec.calls.append(("optim_step", adam_params))
-        return Future(types.SimpleNamespace(metrics={"optim/grad_norm": 1.5}))
-
-    def save_state(self, name: str) -> Future:
-        self.rec.calls.append(("save_state", name))
-        return Future(types.SimpleNamespace(path=f"{self.kind}://run-1/weights/{name}"))
-
-    def load_state_with_optimizer(self, path: str) -> Future:
-        self.rec.calls.append(("load_state_with_optimizer", path))
-        return Future(None)
-
-    def save_weights_and_get_sampling_client(self) -> Any:
-        self.rec.calls.append(("save_weights_and_get_sampling_client", None))
-        sampler = FakeSampler(self.rec)
-        return Future(sampler) if self.futures_of_clients else sampler
-
-    def get_tokenizer(self) -> Any:
-        self.rec.calls.append(("get_tokenizer", None))
-        return types.SimpleNamespace(eos_token="<|im_end|>", eos_token_id=2)
-
-
-def make_fake_sdk(kind: str, futures_of_clients: bool) -> tuple[types.ModuleType, Recorder]:
-    rec = Recorder()
-    mod = types.ModuleType(kind)
-    t = types.ModuleType(f"{kind}.types")
-    t.TensorData = TensorData
-    t.ModelInput = ModelInput
-    t.Datum = FakeDatum
-    t.SamplingParams = SamplingParamsT
-    t.AdamParams = AdamParamsT
-    mod.types = t
-
-    class ServiceClient:
-        def __init__(self, **kwargs: Any) -> None:
-            rec.calls.append(("ServiceClient", kwargs))
-
-        def create_lora_training_client(
-            self,
-            base_model: str,
-            rank: int = 32,
-            seed: int | None = None,
-            train_mlp: bool = True,
-            train_attn: bool = True,
-            train_unembed: bool = True,
-        ) -> Any:
-            rec.calls.append(
-                (
-                    "create_lora_training_client",
-                    {
-                        "base_model": base_model,
-                        "rank": rank,
-                        "seed": seed,
-                        "train_mlp": train_mlp,
-                        "train_attn": train_attn,
-                        "train_unembed": train_unembed,
-                    },
-                )
-            )
-            trainer = FakeTrainer(rec, kind, futures_of_clients)
-            return Future(trainer) if futures_of_clients else trainer
-
-    mod.ServiceClient = ServiceClient
-    return mod, rec
-
+KINDS = ("pytrio", "tinker")
+PPO = {"clip_low": 0.8, "clip_high": 1.28}
 
 # -- fixtures -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(params=["pytrio", "tinker"])
-def remote(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Recorder, str]:
-    kind = request.param
-    sdk, rec = make_fake_sdk(kind, futures_of_clients=(kind == "tinker"))
-    monkeypatch.setitem(sys.modules, kind, sdk)
-    monkeypatch.setenv("PYTRIO_API_KEY", "test-key")
-    monkeypatch.setenv("TINKER_API_KEY", "test-key")
-    from retool.backends import make_training_client
+@pytest.fixture(scope="module")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small local tokenizer (300 ids) that the adapters load instead of the service's."""
+    from retool.tasks.tinymodel import build_tokenizer
 
-    cfg = load_config(
-        None, [f'backend.kind="{kind}"', 'model.name="Qwen/Qwen3-4B"', "lora.rank=16", "train.seed=7"]
+    folder = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(vocab_size=300).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty HOME and no SDK variables; quick SDK retries so a wrong address fails fast."""
+    folder = tmp_path / "home"
+    folder.mkdir()
+    monkeypatch.setenv("HOME", str(folder))
+    for var in (
+        "PYTRIO_API_KEY",
+        "PYTRIO_BASE_URL",
+        "PYTRIO_ENV",
+        "TINKER_API_KEY",
+        "TINKER_BASE_URL",
+        "TINKER_CREDENTIAL_CMD",
+        "TINKER_PROJECT_ID",
+    ):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    pytrio.configure_observability(enabled=False)
+    pytrio.configure(
+        retry_max_attempts=1,
+        control_retry_timeout_seconds=2,
+        training_retry_timeout_seconds=2,
+        sampling_retry_timeout_seconds=2,
     )
-    client = make_training_client(cfg)
-    return client, rec, kind
+    return folder
+
+
+def make_stub(kind: str, reduction: str | None = None) -> StubServer:
+    if kind == "pytrio":
+        return PytrioStub(reduction or "active_tokens")
+    return TinkerStub(reduction or "sum")
+
+
+def make_cfg(kind: str, tok: Path | str, *extra: str, base_url: str | None = None) -> Config:
+    overrides = [f'backend.kind="{kind}"', f'model.name="{tok}"', "lora.rank=16", "train.seed=7", *extra]
+    if base_url:
+        overrides.append(f'backend.base_url="{base_url}"')
+    return load_config(None, overrides)
+
+
+def set_key(monkeypatch: pytest.MonkeyPatch, kind: str) -> None:
+    if kind == "pytrio":
+        monkeypatch.setenv("PYTRIO_API_KEY", PYTRIO_KEY)
+    else:
+        monkeypatch.setenv("TINKER_API_KEY", TINKER_KEY)
+
+
+def shutdown(client: Any) -> None:
+    """End the SDK's session while the stub still answers (the SDKs close sessions on exit/GC)."""
+    runtime = getattr(client._client, "_runtime", None)  # pytrio
+    if runtime is not None:
+        runtime.shutdown()
+    service = getattr(client, "_service", None)  # tinker
+    if service is not None and service._session_holder is not None:
+        service.close("success").result(timeout=10)
+
+
+@dataclass
+class Remote:
+    kind: str
+    client: Any
+    stub: Any
+
+    def calls(self, forward_only: bool | None = None) -> list[Any]:
+        return [c for c in self.stub.calls if forward_only is None or c.forward_only == forward_only]
+
+
+@pytest.fixture(params=KINDS)
+def remote(
+    request: pytest.FixtureRequest, home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> Iterator[Remote]:
+    kind = request.param
+    set_key(monkeypatch, kind)
+    with make_stub(kind) as stub:
+        client = make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
+        yield Remote(kind, client, stub)
+        shutdown(client)
+        assert stub.errors == []
 
 
 def _datums() -> list[Datum]:
-    # prompt positions weight 0; two trajectories with opposite advantages; loop weights 1/n_tok/n_datums
+    """Prompt positions weight 0; two trajectories with opposite advantages; loop weights 1/n_tok/n_datums;
+    sampler logprobs 0.3 off the learner's either way so PPO clips some tokens."""
     out = []
     for adv, toks in ((1.0, [5, 6, 7, 8, 9]), (-0.5, [5, 6, 13, 14])):
         n = len(toks) - 1
@@ -269,169 +155,604 @@ def _datums() -> list[Datum]:
     return out
 
 
-# -- tests --------------------------------------------------------------------------------------------
+def _mixed_datums() -> list[Datum]:
+    """``_datums`` plus one with a trained position whose advantage is 0: active, not an advantage token."""
+    extra = Datum([3, 4, 5], [4, 5, 6], [0.0, -0.4, -0.5], [0.0, 0.0, 1.0], [0.0, 1.0, 1.0])
+    return [*_datums(), extra]
 
 
-def test_client_creation_resolves_futures_and_passes_lora(remote: tuple[Any, Recorder, str]) -> None:
-    client, rec, _kind = remote
-    assert hasattr(client._client, "forward_backward")  # a future of a client was resolved (tinker)
-    _name, kwargs = next(c for c in rec.calls if c[0] == "create_lora_training_client")
-    assert kwargs["base_model"] == "Qwen/Qwen3-4B" and kwargs["rank"] == 16 and kwargs["seed"] == 7
-    assert kwargs["train_attn"] and not kwargs["train_mlp"]  # default targets are attention projections
+# -- creation, server, futures ------------------------------------------------------------------------
 
 
-def test_forward_backward_masks_folds_weights_and_matches_loop_loss(
-    remote: tuple[Any, Recorder, str],
+def test_client_is_the_real_sdk_client_on_the_configured_server(remote: Remote) -> None:
+    client = remote.client
+    sdk_client = client.sdk_client
+    # A future of a client is resolved: the Tinker wrapper subclasses the client, we must not stop there.
+    expected = pytrio.TrainingClient if remote.kind == "pytrio" else tinker.TrainingClient
+    assert type(sdk_client) is expected
+    assert isinstance(client, RemoteTrainingClient)
+    if remote.kind == "pytrio":
+        body = remote.stub.bodies("/training-runs")[0]
+        assert (body["lora_rank"], body["seed"]) == (16, 7)
+        assert body["train_attn"] and not body["train_mlp"] and not body["train_unembed"]
+    else:
+        body = remote.stub.bodies("/create_model")[0]
+        assert body["lora_config"]["rank"] == 16 and body["lora_config"]["seed"] == 7
+        assert body["lora_config"]["train_attn"] and not body["lora_config"]["train_mlp"]
+    assert client.held_tokenizer is not None and len(client.held_tokenizer) == 300
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")
+def test_a_stubbed_tinker_session_raises_no_future_warning(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    client, rec, kind = remote
+    set_key(monkeypatch, "tinker")
+    with TinkerStub() as stub, warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        client = make_training_client(make_cfg("tinker", tok_dir, base_url=stub.url))
+        asyncio.run(check_remote_reduction(client, "ppo", PPO))
+        client.forward_backward(_datums(), "ppo", PPO)
+        client.optim_step(AdamParams())
+        path = client.save_state("step-1")
+        client.sampling_client().sample([1, 2, 3], 2, SamplingParams(max_tokens=3))
+        resumed = make_training_client(make_cfg("tinker", tok_dir, base_url=stub.url))
+        resumed.load_state(path)
+        resumed.forward_backward(_datums(), "ppo", PPO)
+        shutdown(resumed)
+        shutdown(client)
+    assert [str(w.message) for w in caught if issubclass(w.category, FutureWarning)] == []
+    assert stub.errors == []
+
+
+def test_pytrio_base_url_is_honoured_after_the_sdk_was_imported(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, "pytrio")
+    # pytrio read its environment when this test module imported it; changing it now does nothing to
+    # the SDK unless the adapter re-applies it. backend.base_url wins over the variable.
+    monkeypatch.setenv("PYTRIO_BASE_URL", "http://127.0.0.1:9")  # nothing listens there
+    with PytrioStub() as stub:
+        client = make_training_client(make_cfg("pytrio", tok_dir, base_url=stub.url))
+        assert [r.path for r in stub.requests][:2] == ["/api/openapi/v1/api-key/verify", "/api/sdk/bootstrap"]
+        shutdown(client)
+    with PytrioStub() as stub:
+        monkeypatch.setenv("PYTRIO_BASE_URL", stub.url)  # no backend.base_url: the variable, read now
+        client = make_training_client(make_cfg("pytrio", tok_dir))
+        assert stub.bodies("/training-runs")
+        shutdown(client)
+
+
+def test_tinker_base_url_is_honoured(home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    set_key(monkeypatch, "tinker")
+    monkeypatch.setenv("TINKER_BASE_URL", "http://127.0.0.1:9")
+    with TinkerStub() as stub:
+        client = make_training_client(make_cfg("tinker", tok_dir, base_url=stub.url))
+        assert stub.requests == []  # the Tinker session starts with the first client it creates
+        client.forward_backward(_datums(), "ppo", PPO)
+        assert stub.bodies("/create_model") and stub.calls
+        shutdown(client)
+
+
+# -- what reaches the wire ----------------------------------------------------------------------------
+
+
+def test_forward_backward_masks_folds_weights_and_matches_the_loop_loss(remote: Remote) -> None:
     datums = _datums()
-    res = client.forward_backward(datums, "ppo", {"clip_low": 0.8, "clip_high": 1.28})
-    data, loss_fn, cfg = next(c[1] for c in rec.calls if c[0] == "forward_backward")
-    assert loss_fn == "ppo"
-    assert cfg == {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
+    res = remote.client.forward_backward(datums, "ppo", PPO)
+    [call] = remote.calls()
+    assert call.loss_fn == "ppo" and not call.forward_only
+    assert call.config == pytest.approx({"clip_low_threshold": 0.8, "clip_high_threshold": 1.28})
     n_active = sum(1 for d in datums for w in d.weights if w)
-    scale = float(n_active) if kind == "pytrio" else 1.0
+    scale = float(n_active) if remote.kind == "pytrio" else 1.0
     assert res.extra["reduction_scale"] == scale
-    for d, sent in zip(datums, data, strict=True):
-        inp = sent.loss_fn_inputs
-        assert sent.model_input.to_ints() == d.input_tokens
-        assert set(inp) == {"target_tokens", "logprobs", "advantages"}  # no weights/mask keys for RL losses
-        tgt = inp["target_tokens"].tolist()
-        adv = inp["advantages"].tolist()
+    for d, sent in zip(datums, call.data, strict=True):
+        assert sent.tokens == d.input_tokens
         for j, w in enumerate(d.weights):
             if w == 0:
-                assert adv[j] == 0.0
-                assert tgt[j] == (-100 if kind == "pytrio" else d.target_tokens[j])
+                assert sent.advantages[j] == 0.0
+                assert sent.targets[j] == (-100 if remote.kind == "pytrio" else d.target_tokens[j])
             else:
-                assert tgt[j] == d.target_tokens[j]
-                assert adv[j] == pytest.approx(d.advantages[j] * w * scale)
-        assert inp["target_tokens"].dtype == "int64"
-    # The fake server's own reduction applied to what was sent gives back the loop's weighted sum.
-    server_view = res.extra["server/loss:sum"] if kind == "tinker" else res.extra["server/loss:mean"]
-    assert server_view == pytest.approx(res.loss, rel=1e-6)
+                assert sent.targets[j] == d.target_tokens[j]
+                assert sent.advantages[j] == pytest.approx(d.advantages[j] * w * scale, rel=1e-6)
+    # The service's normalised objective, computed from what was sent, is the loop's weighted sum.
+    assert call.reported_loss == pytest.approx(res.loss, rel=1e-5)
+    assert res.extra["server/loss_ratio"] == pytest.approx(1.0, rel=1e-5)
     assert res.trained_tokens == n_active
-    assert res.ratio_min < 1 < res.ratio_max
-    assert 0 < res.clip_fraction < 1
-    if kind == "pytrio":
-        assert res.extra["server/denominator"] == pytest.approx(scale)
+    assert res.ratio_min < 1 < res.ratio_max and 0 < res.clip_fraction < 1
+    # The real metric names: PyTRIO loss_sum / loss_mean / token_count, Tinker loss:sum.
+    if remote.kind == "pytrio":
+        assert {"server/loss_sum", "server/loss_mean", "server/token_count"} <= set(res.extra)
+        assert res.extra["server/token_count"] == n_active
+    else:
+        assert "server/loss:sum" in res.extra
 
 
-def test_cross_entropy_sends_weights(remote: tuple[Any, Recorder, str]) -> None:
-    client, rec, kind = remote
+def test_only_the_loss_inputs_the_services_know_are_sent(remote: Remote) -> None:
+    remote.client.forward_backward(_datums(), "importance_sampling")
+    remote.client.forward_backward([Datum([1, 2, 3], [2, 3, 4], weights=[0.0, 0.5, 0.5])], "cross_entropy")
+    # The real SDKs forward any key unchecked; read the keys off the wire.
+    if remote.kind == "pytrio":
+        events = [b for b in remote.stub.bodies("/v1/events") if b["type"] == "trainer.forward_backward"]
+        keys = [set(d) - {"model_input", "target_ids"} for e in events for d in e["payload"]["data"]]
+        assert keys == [{"logprobs", "advantages"}] * 2 + [{"weights"}]
+    else:
+        msgs = remote.stub.bodies("/api/v1/forward_backward")
+        keys = [set(d.loss_fn_inputs) for m in msgs for d in m.data]
+        assert keys == [{"target_tokens", "logprobs", "advantages"}] * 2 + [{"target_tokens", "weights"}]
+
+
+def test_cross_entropy_sends_scaled_weights(remote: Remote) -> None:
     datums = [Datum([1, 2, 3], [2, 3, 4], weights=[0.0, 0.5, 0.5])]
-    res = client.forward_backward(datums, "cross_entropy")
-    data, _loss_fn, cfg = next(c[1] for c in rec.calls if c[0] == "forward_backward")
-    assert cfg is None
-    inp = data[0].loss_fn_inputs
-    scale = 2.0 if kind == "pytrio" else 1.0
-    assert inp["weights"].tolist() == [0.0, 0.5 * scale, 0.5 * scale]
-    assert res.loss == pytest.approx(-(0.5 * learner_lp(3) + 0.5 * learner_lp(4)))
+    res = remote.client.forward_backward(datums, "cross_entropy")
+    [call] = remote.calls()
+    scale = 2.0 if remote.kind == "pytrio" else 1.0
+    assert call.data[0].weights == pytest.approx([0.0, 0.5 * scale, 0.5 * scale])
+    assert res.loss == pytest.approx(-(0.5 * learner_lp(3) + 0.5 * learner_lp(4)), rel=1e-6)
+    assert call.reported_loss == pytest.approx(res.loss, rel=1e-5)
 
 
-def test_negative_weights_and_bad_losses_are_refused(remote: tuple[Any, Recorder, str]) -> None:
-    client, rec, _kind = remote
+def test_negative_weights_and_bad_losses_are_refused_before_sending(remote: Remote) -> None:
     d = Datum([1, 2], [2, 3], [-1.0, -1.0], [1.0, 1.0], [1.0, -1.0])
     with pytest.raises(ValueError, match="negative"):
-        client.forward_backward([d], "ppo")
+        remote.client.forward_backward([d], "ppo")
     with pytest.raises(ValueError, match="unknown loss_fn"):
-        client.forward_backward([d], "dro")
+        remote.client.forward_backward([d], "dro")
     with pytest.raises(ValueError, match="needs logprobs"):
-        client.forward_backward([Datum([1], [2])], "importance_sampling")
-    assert "forward_backward" not in rec.names()
+        remote.client.forward_backward([Datum([1], [2])], "importance_sampling")
+    assert remote.calls() == []
 
 
-def test_optim_step_maps_adam_params(remote: tuple[Any, Recorder, str]) -> None:
-    client, rec, _kind = remote
-    res = client.optim_step(AdamParams(lr=4e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01))
-    sent = next(c[1] for c in rec.calls if c[0] == "optim_step")
-    assert (
-        sent.learning_rate == 4e-5 and sent.beta2 == 0.95 and sent.eps == 1e-8 and sent.weight_decay == 0.01
+def test_optim_step_sends_every_adam_field(remote: Remote) -> None:
+    res = remote.client.optim_step(
+        AdamParams(lr=4e-5, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.01, grad_clip_norm=1.0)
     )
-    assert res.grad_norm == 1.5 and client.step == 1
+    if remote.kind == "pytrio":
+        [event] = [b for b in remote.stub.bodies("/v1/events") if b["type"] == "trainer.optimize_step"]
+        sent = event["payload"]["adam_params"]
+    else:
+        sent = remote.stub.bodies("/api/v1/optim_step")[0]["adam_params"]
+    assert sent["learning_rate"] == 4e-5 and sent["beta2"] == 0.95 and sent["eps"] == 1e-8
+    assert sent["weight_decay"] == 0.01 and sent["grad_clip_norm"] == 1.0  # the fakes had no clip field
+    assert res.grad_norm == 0.75 and remote.client.step == 1
 
 
 def test_build_model_aliases_and_drops() -> None:
     from retool.backends.remote import build_model
 
-    class LrAdam(_Model):
+    class LrAdam:  # an SDK version with other field names: no server involved, so a local class
         model_fields: ClassVar[dict[str, Any]] = {"lr": 1e-4, "beta1": 0.9}
 
+        def __init__(self, **kwargs: Any) -> None:
+            self.__dict__.update(kwargs)
+
     p = build_model(LrAdam, learning_rate=3e-5, beta1=0.8, grad_clip_norm=0.0)
-    assert p.lr == 3e-5 and p.beta1 == 0.8
+    assert (p.lr, p.beta1) == (3e-5, 0.8) and not hasattr(p, "grad_clip_norm")
 
 
-def test_sampling_client_and_stop_handling(remote: tuple[Any, Recorder, str]) -> None:
-    client, rec, _kind = remote
-    client.tokenizer = types.SimpleNamespace(eos_token="<|im_end|>", eos_token_id=2)
+# -- sampling -----------------------------------------------------------------------------------------
+
+
+def _sample_params(stub: StubServer, kind: str) -> list[dict[str, Any]]:
+    if kind == "pytrio":
+        return [b["sampling_params"] for b in stub.bodies("/sample")]
+    return [b["sampling_params"] for b in stub.bodies("/api/v1/asample")]
+
+
+def test_sampling_and_stop_handling(remote: Remote) -> None:
+    client, stub = remote.client, remote.stub
     sampler = client.sampling_client()
-    assert rec.names().count("save_weights_and_get_sampling_client") == 1
     out = sampler.sample(
         [1, 2, 3], 2, SamplingParams(max_tokens=16, temperature=0.7, seed=3, stop=("</code>",))
     )
-    prompt, n, params = next(c[1] for c in rec.calls if c[0] == "sample")
-    assert prompt == [1, 2, 3] and n == 2
-    assert params.max_tokens == 16 and params.temperature == 0.7 and params.seed == 3
-    assert params.stop == ["</code>", "<|im_end|>"]  # an explicit stop list keeps EOS
+    params = _sample_params(stub, remote.kind)[-1]
+    assert params["max_tokens"] == 16 and params["temperature"] == 0.7 and params["seed"] == 3
+    assert params["stop"] == ["</code>", "<|im_end|>"]  # an explicit stop list keeps EOS
     assert [s.stop_reason for s in out] == ["stop", "length"]
-    assert out[0].tokens == [10, 11, 12] and out[0].logprobs == pytest.approx(
-        [learner_lp(t) for t in [10, 11, 12]]
-    )
+    assert out[0].tokens == sampled_tokens([1, 2, 3], 0, 16)
+    assert out[0].logprobs == pytest.approx([learner_lp(t) for t in out[0].tokens], rel=1e-6)
     sampler.sample([1], 1, SamplingParams(max_tokens=4))
-    assert [c[1][2].stop for c in rec.calls if c[0] == "sample"][-1] is None  # None keeps the service's EOS
+    assert _sample_params(stub, remote.kind)[-1].get("stop") is None  # None keeps the service's EOS
     sampler.sample([1], 1, SamplingParams(max_tokens=4, stop=(7,)))
-    assert [c[1][2].stop for c in rec.calls if c[0] == "sample"][-1] == [7, 2]
-    # max_tokens is capped by the model context (config model.max_context = 8192)
-    sampler.sample([1] * 8190, 1, SamplingParams(max_tokens=100))
-    assert [c[1][2].max_tokens for c in rec.calls if c[0] == "sample"][-1] == 2
-    n_calls = rec.names().count("sample")
+    params = _sample_params(stub, remote.kind)[-1]
+    # PyTRIO's SDK moves token-id stops to their own field; Tinker sends them as they are.
+    assert params.get("stop_token_ids" if remote.kind == "pytrio" else "stop") == [7, 2]
+    sampler.sample([1] * 8190, 1, SamplingParams(max_tokens=100))  # capped by model.max_context = 8192
+    assert _sample_params(stub, remote.kind)[-1]["max_tokens"] == 2
+    n_sent = len(_sample_params(stub, remote.kind))
     full = sampler.sample([1] * 8192, 2, SamplingParams(max_tokens=100))
-    assert [s.stop_reason for s in full] == ["length", "length"] and rec.names().count("sample") == n_calls
+    assert [s.stop_reason for s in full] == ["length", "length"]
+    assert len(_sample_params(stub, remote.kind)) == n_sent
 
 
-def test_missing_logprobs_is_a_clear_error(remote: tuple[Any, Recorder, str]) -> None:
-    client, rec, _kind = remote
-    from retool.backends.remote import RemoteSamplingClient
-
-    sampler = RemoteSamplingClient(client._sdk, FakeSampler(rec, with_logprobs=False), client)
+def test_missing_sampling_logprobs_is_a_clear_error(remote: Remote) -> None:
+    remote.stub.sample_logprobs = False  # PyTRIO then answers [], Tinker None
+    sampler = remote.client.sampling_client()
     with pytest.raises(RuntimeError, match="no sampling logprobs"):
         sampler.sample([1, 2], 1, SamplingParams(max_tokens=3))
 
 
-def test_checkpoint_paths(remote: tuple[Any, Recorder, str]) -> None:
-    client, rec, kind = remote
-    path = client.save_state("step-10")
-    assert path == f"{kind}://run-1/weights/step-10"
-    client.load_state(path)
-    assert ("load_state_with_optimizer", path) in rec.calls
-    if kind == "pytrio":
+# -- checkpoints and resume ---------------------------------------------------------------------------
+
+
+def test_pytrio_resume_loads_before_training_and_refuses_after(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, "pytrio")
+    with PytrioStub() as stub:
+        cfg = make_cfg("pytrio", tok_dir, base_url=stub.url)
+        client = make_training_client(cfg)
+        client.forward_backward(_datums(), "ppo", PPO)
+        path = client.save_state("step-10")
+        assert path == "pytrio-stub://tr-1/save_state/step-10"
         with pytest.raises(ValueError, match="must match"):
             client.save_state("bad name/with slash")
+        n_events = len(stub.bodies("/v1/events"))
+        with pytest.raises(StateOrderError, match="before any training call"):
+            client.load_state(path)
+        assert len(stub.bodies("/v1/events")) == n_events and not stub.bodies("/training-runs/tr-1")
+
+        resumed = make_training_client(cfg)
+        resumed.load_state(path)
+        [patch] = [r.body for r in stub.requests if r.method == "PATCH"]
+        assert patch == {"source_checkpoint_uri": path, "restore_optimizer": True}
+        [init] = [b for b in stub.bodies("/v1/events") if b["type"] == "trainer.init_run"][-1:]
+        assert init["payload"]["checkpoint_uri"] == path and init["payload"]["load_optimizer"] is True
+        resumed.forward_backward(_datums(), "ppo", PPO)
+        assert stub.runs["tr-2"].events == ["trainer.init_run", "trainer.forward_backward"]
+
+        # The SDK's own refusal (training started behind the adapter's back) is reported the same way.
+        other = make_training_client(cfg)
+        other.sdk_client.save_state("direct").result()
+        with pytest.raises(StateOrderError, match="load_state"):
+            other.load_state(path)
+        for c in (client, resumed, other):
+            shutdown(c)
+        assert stub.errors == []
 
 
-def test_missing_sdk_and_credentials(monkeypatch: pytest.MonkeyPatch, tmp_path: Any) -> None:
-    from retool.backends import make_training_client
+def test_tinker_resume_builds_the_client_from_the_checkpoint(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, "tinker")
+    with TinkerStub() as stub:
+        cfg = make_cfg("tinker", tok_dir, base_url=stub.url)
+        client = make_training_client(cfg)
+        client.forward_backward(_datums(), "ppo", PPO)
+        path = client.save_state("step-10")
+        assert path == "tinker://sess-1:train:0/weights/step-10"
+        resumed = make_training_client(cfg)
+        resumed.load_state(path)
+        # No fresh LoRA model was created for the resumed client: it was built from the checkpoint.
+        assert len(stub.bodies("/create_model")) == 1
+        [load] = stub.bodies("/api/v1/load_weights")
+        assert load["path"] == path and load["optimizer"] is True
+        resumed.forward_backward(_datums(), "ppo", PPO)
+        sent = stub.bodies("/api/v1/forward_backward")[-1]
+        assert sent.model_id == resumed.sdk_client.model_id != client.sdk_client.model_id
+        shutdown(resumed)
+        shutdown(client)
+        assert stub.errors == []
 
-    for kind in ("pytrio", "tinker"):
+
+# -- tokenizer ----------------------------------------------------------------------------------------
+
+
+def test_pytrio_validates_against_the_adapters_tokenizer_without_loading_its_own(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, "pytrio")
+
+    def no_download(model_id: str) -> Any:
+        raise AssertionError(f"the SDK loaded the tokenizer of {model_id} itself")
+
+    monkeypatch.setattr(pytrio.client.training, "get_tokenizer", no_download)
+    with PytrioStub() as stub:
+        client = make_training_client(make_cfg("pytrio", tok_dir, base_url=stub.url))
+        client.forward_backward(_datums(), "ppo", PPO)
+        # The SDK checks ids against the vocabulary it was given: ours has 300 ids.
+        with pytest.raises(Exception, match="outside the tokenizer vocabulary"):
+            client.forward_backward([Datum([1, 300], [2, 3], weights=[1.0, 1.0])], "cross_entropy")
+        shutdown(client)
+
+
+def test_pytrio_says_what_to_do_when_the_sdk_cannot_load_the_tokenizer(
+    home: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, "pytrio")
+
+    def offline(model_id: str) -> Any:
+        raise OSError(f"cannot download {model_id}: offline")
+
+    monkeypatch.setattr(pytrio.client.training, "get_tokenizer", offline)
+    monkeypatch.setattr("retool.backends.pytrio_backend.local_tokenizer", lambda name: None)
+    with PytrioStub() as stub:
+        client = make_training_client(make_cfg("pytrio", "Qwen/Qwen3-4B", base_url=stub.url))
+        assert client.held_tokenizer is None
+        with pytest.raises(BackendUnavailableError, match=r"tokenizer of 'Qwen/Qwen3-4B'.*offline"):
+            client.forward_backward(_datums(), "ppo", PPO)
+        assert stub.calls == []
+        shutdown(client)
+
+
+def test_local_tokenizer_never_downloads(monkeypatch: pytest.MonkeyPatch, tok_dir: Path) -> None:
+    from transformers import AutoTokenizer
+
+    from retool.backends.remote import local_tokenizer
+
+    seen: list[dict[str, Any]] = []
+
+    def from_pretrained(name: str, **kwargs: Any) -> Any:
+        seen.append(kwargs)
+        raise OSError("not in the cache")
+
+    assert len(local_tokenizer(str(tok_dir))) == 300
+    monkeypatch.setattr(AutoTokenizer, "from_pretrained", from_pretrained)
+    assert local_tokenizer("Qwen/Qwen3-4B") is None
+    assert seen == [{"local_files_only": True}]
+
+
+# -- credentials --------------------------------------------------------------------------------------
+
+
+def test_importing_an_sdk_keeps_the_excepthook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from retool.backends.remote import import_sdk
+
+    # pytrio installs its own sys.excepthook when imported; a module that does the same stands in for it
+    # (pytrio itself is already imported by this test module).
+    (tmp_path / "hooking_sdk.py").write_text("import sys\nsys.excepthook = lambda *a: None\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = sys.excepthook
+    import_sdk("hooking_sdk", "hooking")
+    assert sys.excepthook is before
+
+
+def test_missing_sdk_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    for kind in KINDS:
         monkeypatch.setitem(sys.modules, kind, None)  # import fails as if not installed
-        cfg = load_config(None, [f'backend.kind="{kind}"'])
         with pytest.raises(BackendUnavailableError, match=f"retool-rl\\[{kind}\\]"):
-            make_training_client(cfg)
-    monkeypatch.setenv("HOME", str(tmp_path))
-    monkeypatch.delenv("PYTRIO_API_KEY", raising=False)
-    monkeypatch.delenv("TINKER_API_KEY", raising=False)
-    for kind, var in (("pytrio", "PYTRIO_API_KEY"), ("tinker", "TINKER_API_KEY")):
-        sdk, rec = make_fake_sdk(kind, futures_of_clients=False)
-        monkeypatch.setitem(sys.modules, kind, sdk)
-        with pytest.raises(BackendUnavailableError, match=var):
             make_training_client(load_config(None, [f'backend.kind="{kind}"']))
-        assert rec.calls == []  # nothing was contacted
 
 
-def test_pytrio_rank_limits(monkeypatch: pytest.MonkeyPatch) -> None:
-    from retool.backends import make_training_client
+@pytest.mark.parametrize("kind", KINDS)
+def test_no_credentials_contacts_nothing(kind: str, home: Path, tok_dir: Path) -> None:
+    with make_stub(kind) as stub:
+        var = "PYTRIO_API_KEY" if kind == "pytrio" else "TINKER_API_KEY"
+        with pytest.raises(BackendUnavailableError, match=var):
+            make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
+        assert stub.requests == []
 
-    sdk, _rec = make_fake_sdk("pytrio", futures_of_clients=False)
-    monkeypatch.setitem(sys.modules, "pytrio", sdk)
-    monkeypatch.setenv("PYTRIO_API_KEY", "k")
-    with pytest.raises(ValueError, match="rank 4-64"):
-        make_training_client(load_config(None, ['backend.kind="pytrio"', "lora.rank=128"]))
+
+def test_pytrio_named_environment_supplies_key_and_server(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with PytrioStub() as stub:
+        env = home / ".pytrio" / "envs" / "staging"
+        env.mkdir(parents=True)
+        (env / "config.toml").write_text(f'api_key = "{PYTRIO_KEY}"\nbase_url = "{stub.url}"\n')
+        monkeypatch.setenv("PYTRIO_ENV", "staging")
+        client = make_training_client(make_cfg("pytrio", tok_dir))
+        assert stub.requests[0].headers["x-api-key"] == PYTRIO_KEY
+        shutdown(client)
+
+
+def test_pytrio_default_profile_supplies_the_key(home: Path, tok_dir: Path) -> None:
+    with PytrioStub() as stub:
+        (home / ".pytrio").mkdir()
+        (home / ".pytrio" / "config.toml").write_text(f'api_key = "{PYTRIO_KEY}"\n')
+        client = make_training_client(make_cfg("pytrio", tok_dir, base_url=stub.url))
+        assert stub.bodies("/training-runs")
+        shutdown(client)
+
+
+def test_tinker_stored_credentials_supply_the_key(home: Path, tok_dir: Path) -> None:
+    from tinker.lib.credentials import JsonCredentialStore, ManualKey, default_credentials_path
+
+    store = JsonCredentialStore(default_credentials_path())  # ~/.tinker/credentials.json in our HOME
+    store.add_key("k1", ManualKey(key=TINKER_KEY, name="test"))
+    store.set_default("k1")
+    with TinkerStub() as stub:
+        client = make_training_client(make_cfg("tinker", tok_dir, base_url=stub.url))
+        client.forward_backward(_datums(), "ppo", PPO)
+        assert stub.requests[0].headers["x-api-key"] == TINKER_KEY
+        shutdown(client)
+
+
+def test_tinker_credential_command_supplies_the_key(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TINKER_CREDENTIAL_CMD", f"echo {TINKER_KEY}")
+    with TinkerStub() as stub:
+        client = make_training_client(make_cfg("tinker", tok_dir, base_url=stub.url))
+        client.forward_backward(_datums(), "ppo", PPO)
+        # The command's key is exchanged for the service's JWT, which every later request carries.
+        assert stub.bodies("/api/v1/auth/token")
+        assert stub.requests[-1].headers["x-api-key"] == stub.jwt
+        shutdown(client)
+
+
+def test_tinker_malformed_key_is_reported_before_any_request(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("TINKER_API_KEY", "not-a-tinker-key")
+    with TinkerStub() as stub:
+        with pytest.raises(BackendUnavailableError, match="tml-"):
+            make_training_client(make_cfg("tinker", tok_dir, base_url=stub.url))
+        assert stub.requests == []
+
+
+# -- reduction ----------------------------------------------------------------------------------------
+
+
+def test_probe_totals_separate_every_denominator(remote: Remote) -> None:
+    wire = [remote.client.to_wire(d, "ppo") for d in probe_datums(remote.client.held_tokenizer)]
+    totals = batch_totals(wire, "ppo")
+    # PyTRIO masks untrained targets (-100), so only trained positions are active; Tinker sees them all.
+    active = 5 if remote.kind == "pytrio" else 7
+    assert (totals.samples, totals.active_tokens, totals.advantage_tokens) == (2, active, 3)
+    assert len(set(totals.candidates().values())) == 4
+
+
+def test_adapter_counts_the_totals_the_sdk_sends(
+    home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A token with a weight but zero advantage is active, not an advantage token (PyTRIO's count)."""
+    set_key(monkeypatch, "pytrio")
+    with PytrioStub() as stub:
+        client = make_training_client(make_cfg("pytrio", tok_dir, base_url=stub.url))
+        datums = _mixed_datums()
+        client.forward_backward(datums, "ppo", PPO)
+        sent = stub.calls[-1].totals  # what the real SDK put in gradient_accumulation
+        ours = batch_totals([client.to_wire(d, "ppo") for d in datums], "ppo")
+        assert (ours.samples, ours.active_tokens, ours.advantage_tokens) == (
+            sent.samples,
+            sent.active_tokens,
+            sent.advantage_tokens,
+        )
+        assert sent.advantage_tokens == sent.active_tokens - 1
+        shutdown(client)
+
+
+# Cross-entropy has no advantage tokens: a service normalising by them leaves CE summed (the stub does).
+CE_MODE = {"sum": "sum", "samples": "samples", "active_tokens": "active_tokens", "advantage_tokens": "sum"}
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("reduction", ["sum", "samples", "active_tokens", "advantage_tokens"])
+def test_self_check_finds_the_services_denominator(
+    kind: str,
+    reduction: str,
+    home: Path,
+    tok_dir: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    set_key(monkeypatch, kind)
+    with make_stub(kind, reduction) as stub:
+        client = make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
+        before = client.forward_backward(_mixed_datums(), "ppo", PPO).extra["server/loss_ratio"]
+        assumed = "active_tokens" if kind == "pytrio" else "sum"
+        assert (before == pytest.approx(1.0, rel=1e-5)) == (reduction == assumed)
+        n_calls = len(stub.calls)
+        with caplog.at_level(logging.INFO, logger="retool.backends.reduction"):
+            reports = asyncio.run(check_remote_reduction(client, "ppo", PPO))
+        assert [(r.loss_fn, r.mode) for r in reports] == [
+            ("cross_entropy", CE_MODE[reduction]),
+            ("ppo", reduction),
+        ]
+        assert f"normalises ppo by {reduction}" in caplog.text
+        assert all(c.forward_only for c in stub.calls[n_calls:])  # the probe never accumulates a gradient
+        assert len(stub.calls) == n_calls + 2
+        assert asyncio.run(check_remote_reduction(client, "ppo", PPO)) == []  # once per client
+        after = client.forward_backward(_mixed_datums(), "ppo", PPO)
+        assert after.extra["server/loss_ratio"] == pytest.approx(1.0, rel=1e-5)
+        assert stub.calls[-1].reported_loss == pytest.approx(after.loss, rel=1e-5)
+        ce = client.forward_backward([Datum([1, 2, 3], [2, 3, 4], weights=[0.0, 0.5, 0.5])], "cross_entropy")
+        assert ce.extra["server/loss_ratio"] == pytest.approx(1.0, rel=1e-5)
+        shutdown(client)
+        assert stub.errors == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_self_check_refuses_an_unknown_normalisation(
+    kind: str, home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, kind)
+    with make_stub(kind, "per_sequence_mean") as stub:
+        client = make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
+        with pytest.raises(ReductionCheckError, match="matches none of the known normalisations"):
+            asyncio.run(check_remote_reduction(client, "importance_sampling"))
+        assert stub.calls and all(c.forward_only for c in stub.calls)
+        assert not client.reduction_verified
+        shutdown(client)
+
+
+def test_self_check_is_a_no_op_for_other_backends() -> None:
+    assert asyncio.run(check_remote_reduction(object(), "ppo", PPO)) == []
+
+
+# -- a stubbed training run ---------------------------------------------------------------------------
+
+
+async def stub_rollouts(problems: list[Any], *, sampler: Any, group_size: int, **_: Any) -> list[list[Any]]:
+    """Trajectories sampled from the remote sampler; rewards alternate so no group is degenerate."""
+    from retool.rollout import AssistantTurn, Trajectory
+
+    groups = []
+    for pi, problem in enumerate(problems):
+        prompt = [1, 2, 3 + pi]
+        samples = await sampler.sample_async(prompt, group_size, SamplingParams(max_tokens=3))
+        group = []
+        for b, s in enumerate(samples):
+            traj = Trajectory(problem=problem, group_index=b, problem_index=pi)
+            # Sampler logprobs a little off the learner's (as if one step stale): on-policy, the RL loss
+            # of centred advantages is exactly 0 and could not show the service's normalisation.
+            stale = [lp - 0.1 * (b + 1) for lp in s.logprobs]
+            traj.turns = [AssistantTurn(prompt, s.tokens, stale, "x")]
+            traj.reward = 1.0 if b % 2 == 0 else -1.0
+            traj.correct = traj.reward > 0
+            traj.valid_format = True
+            traj.stop_reason = "answer"
+            group.append(traj)
+        groups.append(group)
+    return groups
+
+
+@pytest.mark.filterwarnings("error::FutureWarning")
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_training_run_and_its_resume_through_the_sdk(
+    kind: str, home: Path, tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from retool.data.problem import Problem
+    from retool.train.datasource import list_source
+    from retool.train.loop import Trainer
+
+    set_key(monkeypatch, kind)
+    problems = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(4)]
+    with make_stub(kind, "samples") as stub:
+
+        def run(steps: int, resume: bool) -> Trainer:
+            cfg = make_cfg(
+                kind,
+                tok_dir,
+                f"train.steps={steps}",
+                "checkpoint.every=1",
+                "rollout.questions_per_step=2",
+                "rollout.group_size=2",
+                "logging.tracker='none'",
+                "logging.progress=false",
+                base_url=stub.url,
+            )
+            trainer = Trainer(
+                cfg,
+                tmp_path / "run",
+                resume=resume,
+                source=list_source(problems, shuffle=False),
+                executor=object(),
+                verifier=object(),
+                protocol=object(),
+                rollout_fn=stub_rollouts,
+            )
+            trainer.run()
+            shutdown(trainer._client)
+            return trainer
+
+        run(2, resume=False)
+        kinds = [("probe" if c.forward_only else "train") for c in stub.calls]
+        assert kinds == ["probe", "probe", "train", "train"]  # the check runs once, before training
+        run(3, resume=True)
+        assert [("probe" if c.forward_only else "train") for c in stub.calls][4:] == [
+            "probe",
+            "probe",
+            "train",
+        ]
+        if kind == "pytrio":  # the resumed run bound its checkpoint before the probe started the trainer
+            assert stub.runs["tr-2"].restored_from and stub.runs["tr-2"].events[:2] == [
+                "trainer.init_run",
+                "trainer.forward",
+            ]
+        else:
+            assert stub.bodies("/api/v1/load_weights")[0]["optimizer"] is True
+        rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+        assert [r["step"] for r in rows] == [1, 2, 3]
+        assert all(r["policy/server/loss_ratio"] == pytest.approx(1.0, rel=1e-5) for r in rows)
+        assert stub.errors == []

@@ -1,42 +1,53 @@
-"""PyTRIO adapter (``backend.kind = "pytrio"``) over the ``pytrio`` SDK (optional extra; not run live here).
+"""PyTRIO adapter (``backend.kind = "pytrio"``) over the ``pytrio`` SDK (optional extra).
 
-SDK facts this relies on (pytrio 0.2.9, read from the wheel; see shared notes ``training-apis.md``):
-``ServiceClient(api_key=None)`` logs in inside its constructor; ``create_lora_training_client`` returns the
-client itself (rank 4-64); ``save_weights_and_get_sampling_client()`` blocks and returns a sampler;
-``forward_backward`` / ``optim_step`` / ``save_state`` / ``sample`` return ``APIFuture`` (``.result()``);
-targets equal to ``-100`` are ignored; RL losses take ``target_tokens``, ``logprobs``, ``advantages`` (other
-keys are silently dropped, so per-token weights are folded into the advantages); checkpoint names must
-match ``^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$``; ``load_state`` works only before the first
-training call. Credentials: ``PYTRIO_API_KEY`` or ``~/.pytrio/config.toml`` (``trio login``);
-``PYTRIO_BASE_URL`` selects the server.
+Owns what is PyTRIO-specific: configuring the SDK (server, credentials), masking, the tokenizer hand-off,
+checkpoint names and the load-before-training rule. Exercised through the real SDK against a local stub
+service in the tests; never against the live service here.
 
-Reduction (an ASSUMPTION, not verified against the live service): the server normalises the summed
-token loss by the batch-wide number of active tokens (targets that are not ``-100``), which is what its
-``loss_mean = loss_sum / token_count`` metrics suggest. Our loop's weights already describe the mean over
-trained datums, so the adapter multiplies every advantage (CE: weight) by that count to undo the division
-(``reduction="tokens"``). If the server turns out to divide by the number of samples instead, use
-``reduction="samples"``; ``"none"`` sends the weights unchanged. When the service reports both
-``loss_sum`` and ``loss_mean``, their ratio is logged as ``server/denominator`` so a run can check the
-assumption (it should equal ``reduction_scale``). Use one ``forward_backward`` per ``optim_step``: the
-normalisation is per call.
+SDK facts this relies on (pytrio 0.2.9, read from its code):
+
+- Configuration is process-wide and read once, at import (``pytrio/config/config.py``): environment
+  (``PYTRIO_API_KEY``, ``PYTRIO_BASE_URL``, ``PYTRIO_ENV``) over the profile files (``~/.pytrio/config.toml``,
+  or ``~/.pytrio/envs/<name>/config.toml`` for a named environment chosen by ``PYTRIO_ENV`` or
+  ``trio env use``). Setting an environment variable after the import changes nothing, so the adapter
+  re-applies the SDK's own lookup with ``pytrio.configure`` (home, env, key) and then ``backend.base_url``.
+- ``ServiceClient()`` logs in and opens a session inside its constructor; ``create_lora_training_client``
+  returns the client itself (rank 4-64); ``forward``/``forward_backward``/``optim_step``/``save_state``/
+  ``sample`` return futures; ``save_weights_and_get_sampling_client()`` blocks and returns a sampler.
+- Targets equal to ``-100`` are ignored; RL losses take ``target_tokens``, ``logprobs``, ``advantages``;
+  other keys are silently dropped, so datum weights are folded into the advantages.
+- Every batch's token ids are checked against ``len(get_tokenizer(model_id))``, and ``get_tokenizer``
+  downloads from ModelScope when the tokenizer is not cached: the adapter hands the SDK client its own.
+- ``load_state*`` works only before the first training call (forward, optimizer step, save, sampler):
+  the checkpoint is bound when the service starts the trainer. The adapter refuses a later call with a
+  clear error instead of the SDK's.
+- Checkpoint names must match ``^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$``.
+
+Reduction: the SDK sends ``total_samples``, ``total_active_tokens`` and ``total_advantage_tokens`` with
+every chunk and the server picks the denominator (undocumented). The adapter starts from
+``active_tokens`` and the startup self-check (``retool.backends.reduction``) replaces the assumption with
+the measured one. Use one ``forward_backward`` per call's worth of datums: the normalisation is per call.
 """
 
 from __future__ import annotations
 
+import importlib
 import logging
 import os
 import re
-from collections.abc import Sequence
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any
 
+from retool.backends.reduction import ReductionMode
 from retool.backends.remote import (
     BackendUnavailableError,
     RemoteTrainingClient,
+    StateOrderError,
     call_kwargs,
     import_sdk,
+    local_tokenizer,
+    resolve,
 )
-from retool.backends.types import Datum, ForwardBackwardResult
 
 if TYPE_CHECKING:
     from retool.config import Config
@@ -44,63 +55,94 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
-Reduction = Literal["tokens", "samples", "none"]
+
+
+def configure_sdk(sdk: Any, base_url: str | None) -> None:
+    """Re-read the SDK's configuration from the current environment, as its import did, then apply
+    ``base_url`` (``backend.base_url`` wins over ``PYTRIO_BASE_URL`` and the profile's server)."""
+    configure = getattr(sdk, "configure", None)
+    if configure is None:
+        raise BackendUnavailableError("pytrio backend: this pytrio has no configure(); install pytrio>=0.2.9")
+    env = {k: (os.environ.get(k) or "").strip() or None for k in ("PYTRIO_ENV", "PYTRIO_API_KEY")}
+    # home= reloads the profile files (and the selected environment) the way the SDK does at import.
+    configure(home=str(Path.home()), env=env["PYTRIO_ENV"], api_key=env["PYTRIO_API_KEY"])
+    url = base_url or (os.environ.get("PYTRIO_BASE_URL") or "").strip() or None
+    if url:
+        configure(base_url=url)
+
+
+def credential_problem(sdk: Any) -> str | None:
+    """Why the SDK has no usable API key (``None`` when it has one), by the SDK's own lookup."""
+    try:
+        state = importlib.import_module(f"{getattr(sdk, '__name__', 'pytrio')}.config.config")
+        auth_state, configuration = state.auth_state, state.configuration
+    except (ImportError, AttributeError):  # another SDK layout: fall back to the documented sources
+        if os.environ.get("PYTRIO_API_KEY") or (Path.home() / ".pytrio" / "config.toml").is_file():
+            return None
+        return "no credentials"
+    if auth_state.config_error is not None:
+        return str(auth_state.config_error)
+    if not auth_state.api_key:
+        where = configuration.config_path
+        return f"no API key in PYTRIO_API_KEY or {where}"
+    return None
 
 
 class PytrioTrainingClient(RemoteTrainingClient):
     sdk_name = "pytrio"
     mask_targets = True
-
-    def __init__(
-        self,
-        sdk: Any,
-        training_client: Any,
-        *,
-        base_model: str,
-        tokenizer: Any = None,
-        max_context: int | None = None,
-        reduction: Reduction = "tokens",
-    ) -> None:
-        super().__init__(
-            sdk, training_client, base_model=base_model, tokenizer=tokenizer, max_context=max_context
-        )
-        if reduction not in ("tokens", "samples", "none"):
-            raise ValueError(f"unknown pytrio reduction {reduction!r}; use tokens, samples or none")
-        self.reduction = reduction
+    default_reduction: ReductionMode = "active_tokens"
+    server_loss_key = "loss_sum"
 
     @classmethod
     def from_config(cls, config: Config, sdk: Any = None) -> PytrioTrainingClient:
         sdk = sdk or import_sdk("pytrio", "pytrio")
-        api_key = os.environ.get("PYTRIO_API_KEY")
-        if not api_key and not (Path.home() / ".pytrio" / "config.toml").is_file():
+        configure_sdk(sdk, config.backend.base_url)
+        problem = credential_problem(sdk)
+        if problem is not None:
             raise BackendUnavailableError(
-                "pytrio backend: no credentials; set PYTRIO_API_KEY or run `trio login`"
+                f"pytrio backend: {problem}; set PYTRIO_API_KEY, run `trio login`, "
+                "or select an environment that has a key (PYTRIO_ENV / `trio env use`)"
             )
-        if config.backend.base_url:
-            # The SDK reads its server from the environment; this process-wide setting is intentional.
-            os.environ["PYTRIO_BASE_URL"] = config.backend.base_url
         rank = config.lora.rank
         if not 4 <= rank <= 64:
             raise ValueError(f"pytrio supports LoRA rank 4-64, config has lora.rank={rank}")
-        return cls.from_lora_service(sdk, call_kwargs(sdk.ServiceClient, api_key=api_key), config)
+        service = sdk.ServiceClient()  # the key the SDK resolved above
+        training = call_kwargs(service.create_lora_training_client, **cls.lora_request(config))
+        return cls(
+            sdk,
+            training,
+            base_model=config.model.name,
+            tokenizer=local_tokenizer(config.model.name),
+            max_context=config.model.max_context,
+        )
 
-    def reduction_scale(self, datums: Sequence[Datum], loss_fn: str) -> float:
-        if self.reduction == "none":
-            return 1.0
-        if self.reduction == "samples":
-            return float(len(datums))
-        active = sum(sum(1 for w in (d.weights or [1.0] * len(d)) if w != 0) for d in datums)
-        return float(max(active, 1))
+    def share_tokenizer(self, tokenizer: Any) -> None:
+        # The SDK sizes the vocabulary it validates token ids against with self.get_tokenizer(); on the
+        # instance, ours shadows the method that would load (and maybe download) another copy.
+        if hasattr(self._client, "get_tokenizer"):
+            self._client.get_tokenizer = lambda: tokenizer
 
-    def _forward_backward_sync(
-        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None
-    ) -> ForwardBackwardResult:
-        result = super()._forward_backward_sync(datums, loss_fn, loss_config)
-        s = next((v for k, v in result.extra.items() if k.endswith(("loss:sum", "loss_sum"))), None)
-        m = next((v for k, v in result.extra.items() if k.endswith(("loss:mean", "loss_mean"))), None)
-        if s is not None and m:
-            result.extra["server/denominator"] = s / m
-        return result
+    def prepare_training_call(self) -> None:
+        # Load the tokenizer through our property: the SDK would otherwise load it inside forward and
+        # fail with a download error; ours says what to do.
+        _ = self.tokenizer
+
+    def _load_state_sync(self, path: str) -> None:
+        if self.started:
+            raise StateOrderError(
+                "pytrio: load_state must come before any training call on this client (the service binds "
+                "a checkpoint only when it starts the trainer, at the first forward, optimizer step, save "
+                "or sampler); build a new client and load the state first, as a resumed run does"
+            )
+        loader = getattr(self.sdk_client, "load_state_with_optimizer", None) or self.sdk_client.load_state
+        try:
+            resolve(loader(path))
+        except Exception as exc:
+            if getattr(exc, "code", "") == "validation.already_initialized":
+                raise StateOrderError(f"pytrio: {exc}") from exc
+            raise
+        logger.info("pytrio: loaded state (weights and optimizer) from %s", path)
 
     def check_state_name(self, name: str) -> None:
         if not NAME_RE.match(name):

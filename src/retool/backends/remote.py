@@ -1,8 +1,14 @@
 """Shared adapter logic for managed training services whose SDKs look like Tinker (``pytrio``, ``tinker``).
 
-The SDKs are optional imports; nothing here talks to a network until a client is built. Every SDK call is
-synchronous-then-``.result()`` and runs in a worker thread (``asyncio.to_thread``) so the event loop stays
-free. Objects that an SDK returns as a *future of a client* (Tinker) are resolved with ``.result()``.
+Owns what the two adapters have in common: turning our ``Datum`` into the services' loss inputs, scaling
+them for the service's loss normalisation, resolving SDK futures, metrics, tokenizer hand-off, sampling,
+and checkpoints. The SDKs are optional imports; nothing here talks to a network until a client is built.
+Every SDK call is synchronous-then-``.result()`` and runs in a worker thread (``asyncio.to_thread``) so the
+event loop stays free.
+
+SDK futures are always resolved with ``.result()``: Tinker's futures *of clients* subclass the client
+classes (``BackcompatTrainingClientFuture``), so using one as the client works only through deprecated
+forwarders; we never stop at the wrapper.
 
 How our ``Datum`` maps onto the services' loss inputs:
 
@@ -13,13 +19,17 @@ How our ``Datum`` maps onto the services' loss inputs:
   counts every target that is not ``-100`` as an active token).
 - ``cross_entropy`` sends ``weights`` directly.
 - PPO thresholds go to ``loss_fn_config`` as ``clip_low_threshold`` / ``clip_high_threshold`` (ratios).
-- A per-backend ``reduction_scale(datums)`` multiplies every advantage / CE weight, so that the gradient
-  the loop gets is the one its weights describe (mean over trained datums) whatever the server does with
-  the sum. Tinker sums (scale 1); see ``pytrio_backend`` for PyTRIO's assumption.
+- Only these keys are sent: the real SDKs forward any other key to the service without checking it.
+- Every advantage / CE weight is multiplied by the denominator the service divides by (see
+  ``retool.backends.reduction``), so the gradient the loop gets is the one its weights describe (the mean
+  over trained datums) whatever the service does with the sum. The adapter starts from the SDK's
+  documented or assumed mode and adopts the one the startup self-check measures.
 
 Metrics (loss, ratio stats, clip fraction) are computed client-side from the per-token learner logprobs
 the service returns (``loss_fn_outputs[i]["logprobs"]``), with the same loss code as the local backend;
-the service's own metrics are passed through in ``extra`` under ``server/``.
+the service's own metrics are passed through in ``extra`` under ``server/``, and ``server/loss_ratio``
+(service loss / local loss, 1 while the normalisation is right) is reported for every call whose loss is
+not mostly cancellation.
 """
 
 from __future__ import annotations
@@ -30,12 +40,22 @@ import importlib
 import inspect
 import logging
 import math
+import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from retool.backends.base import SamplingClient, TrainingClient
 from retool.backends.losses import LOSS_NAMES, clip_thresholds
+from retool.backends.reduction import (
+    IGNORE_INDEX,
+    REDUCTION_MODES,
+    BatchTotals,
+    ReductionMode,
+    WireDatum,
+    batch_totals,
+)
 from retool.backends.types import (
     AdamParams,
     Datum,
@@ -51,14 +71,27 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-IGNORE_INDEX = -100
+__all__ = [
+    "IGNORE_INDEX",
+    "BackendUnavailableError",
+    "RemoteSamplingClient",
+    "RemoteTrainingClient",
+    "StateOrderError",
+    "resolve",
+]
 
 
 class BackendUnavailableError(RuntimeError):
     """The SDK of a managed backend is not installed or not configured (the message says how to fix it)."""
 
 
+class StateOrderError(RuntimeError):
+    """``load_state`` was called after training started on a service that loads state only at start."""
+
+
 def import_sdk(module: str, extra: str) -> Any:
+    # pytrio replaces sys.excepthook when imported; the CLI's own error reporting must survive that.
+    hook = sys.excepthook
     try:
         return importlib.import_module(module)
     except ImportError as exc:
@@ -66,17 +99,23 @@ def import_sdk(module: str, extra: str) -> Any:
             f"backend '{module}' needs the '{module}' SDK, which is not installed: "
             f"pip install 'retool-rl[{extra}]' (or set backend.kind=local)"
         ) from exc
+    finally:
+        sys.excepthook = hook
 
 
 def resolve(obj: Any, expect: str | None = None) -> Any:
-    """Resolve SDK futures: call ``.result()`` until the object is not a future (or has ``expect``)."""
+    """Wait for an SDK future: call ``.result()`` until the object has none, then check it has ``expect``.
+
+    Never stops early because the object already looks like the client: Tinker's future-of-client
+    wrappers subclass the client, and every call through them is a deprecated forwarder.
+    """
     for _ in range(4):
-        if expect is not None and hasattr(obj, expect):
-            return obj
         result = getattr(obj, "result", None)
         if not callable(result):
-            return obj
+            break
         obj = result()
+    if expect is not None and not hasattr(obj, expect):
+        raise TypeError(f"SDK returned {type(obj).__name__}, expected an object with .{expect}")
     return obj
 
 
@@ -143,12 +182,26 @@ def lora_flags(target_modules: Sequence[str]) -> dict[str, bool]:
 
 
 def local_tokenizer(model_name: str) -> Any:
-    """A local HF folder's tokenizer (so tests and offline runs never download one); else ``None``."""
-    if Path(model_name).is_dir():
-        from transformers import AutoTokenizer
+    """The model's tokenizer if it is on this machine (a local folder, or the Hugging Face cache), else
+    ``None``. Never downloads: the SDKs would fetch it themselves, and offline runs must not try."""
+    from transformers import AutoTokenizer
 
+    if Path(model_name).is_dir():
         return AutoTokenizer.from_pretrained(model_name)
-    return None
+    try:
+        return AutoTokenizer.from_pretrained(model_name, local_files_only=True)
+    except Exception:  # not cached (OSError), or not a Hub id at all (ValueError, HFValidationError)
+        return None
+
+
+@dataclass(frozen=True)
+class LossProbe:
+    """One forward pass scored two ways: by the service and here (for the reduction self-check)."""
+
+    local_loss: float
+    server_loss: float
+    totals: BatchTotals
+    learner_logprobs: list[list[float]]
 
 
 class RemoteSamplingClient(SamplingClient):
@@ -166,7 +219,7 @@ class RemoteSamplingClient(SamplingClient):
             extra = self._owner.eos_stop(string=isinstance(stop[0], str))
             stop += [s for s in extra if s not in stop]
         return build_model(
-            self._sdk.types.SamplingParams if hasattr(self._sdk, "types") else self._sdk.SamplingParams,
+            self._owner._type("SamplingParams"),
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -186,10 +239,12 @@ class RemoteSamplingClient(SamplingClient):
         out: list[Sample] = []
         for seq in response.sequences:
             tokens = [int(t) for t in seq.tokens]
-            logprobs = getattr(seq, "logprobs", None)
-            if logprobs is None:
-                raise RuntimeError("the service returned no sampling logprobs; RL losses need them")
-            lps = [float(x) for x in _to_list(logprobs)]
+            # Tinker answers None when it has no logprobs, PyTRIO an empty list.
+            lps = [float(x) for x in _to_list(getattr(seq, "logprobs", None))]
+            if tokens and not lps:
+                raise RuntimeError(
+                    f"{self._owner.sdk_name}: the service returned no sampling logprobs; RL losses need them"
+                )
             if len(lps) != len(tokens):
                 raise RuntimeError(f"service returned {len(tokens)} tokens but {len(lps)} logprobs")
             out.append(Sample(tokens, lps, normalize_stop_reason(getattr(seq, "stop_reason", "stop"))))  # type: ignore[arg-type]
@@ -214,10 +269,16 @@ class RemoteSamplingClient(SamplingClient):
 
 
 class RemoteTrainingClient(TrainingClient):
-    """Common adapter body; subclasses set ``sdk_name``, masking and the reduction assumption."""
+    """Common adapter body; subclasses set the SDK's name, masking, loss metric and reduction default.
+
+    ``training_client`` is the SDK's training client, or a future of one, or a zero-argument callable
+    that creates it on first use (so a resume can build the client from the checkpoint instead).
+    """
 
     sdk_name = ""
     mask_targets = False  # PyTRIO: target -100 where the weight is 0
+    default_reduction: ReductionMode = "sum"
+    server_loss_key = ""  # the service's name for the (normalised) loss in ``ForwardBackwardOutput.metrics``
 
     def __init__(
         self,
@@ -227,34 +288,50 @@ class RemoteTrainingClient(TrainingClient):
         base_model: str,
         tokenizer: Any = None,
         max_context: int | None = None,
+        reduction: ReductionMode | None = None,
     ) -> None:
         self._sdk = sdk
         self.max_context = max_context  # the services do not cap max_tokens by the context: we do
-        self._client = resolve(training_client, expect="forward_backward")
+        self._factory: Callable[[], Any] | None = None
+        self._client: Any = None
+        if callable(training_client) and not hasattr(training_client, "forward_backward"):
+            self._factory = training_client
+        else:
+            self._client = resolve(training_client, expect="forward_backward")
         self.base_model = base_model
-        self._tokenizer = tokenizer
+        self._tokenizer: Any = None
         self.step = 0
+        self.started = False  # any call that makes the service start (or change) the trainer's state
+        self.reduction_verified = False  # set by ``reduction.check_remote_reduction``
+        mode = reduction or self.default_reduction
+        if mode not in REDUCTION_MODES:
+            raise ValueError(f"unknown reduction {mode!r}; use one of {', '.join(REDUCTION_MODES)}")
+        self._default_mode: ReductionMode = mode
+        self._modes: dict[str, ReductionMode] = {}
+        if tokenizer is not None:
+            self.tokenizer = tokenizer
 
     # -- SDK helpers ---------------------------------------------------------------------------
     @classmethod
-    def from_lora_service(cls, sdk: Any, service: Any, config: Config, **kwargs: Any) -> Any:
-        """A LoRA training client of ``config.model.name`` created by the SDK's ``service``: the part of
-        ``from_config`` the managed backends share (credentials and rank limits are their own)."""
-        training = call_kwargs(
-            service.create_lora_training_client,
-            base_model=config.model.name,
-            rank=config.lora.rank,
-            seed=config.train.seed,
+    def lora_request(cls, config: Config) -> dict[str, Any]:
+        """The arguments of ``create_lora_training_client`` for ``config`` (both SDKs take these)."""
+        return {
+            "base_model": config.model.name,
+            "rank": config.lora.rank,
+            "seed": config.train.seed,
             **lora_flags(config.lora.target_modules),
-        )
-        return cls(
-            sdk,
-            resolve(training, expect="forward_backward"),
-            base_model=config.model.name,
-            tokenizer=local_tokenizer(config.model.name),
-            max_context=config.model.max_context,
-            **kwargs,
-        )
+        }
+
+    @property
+    def sdk_client(self) -> Any:
+        """The SDK's training client, created now if creation was deferred."""
+        if self._client is None:
+            assert self._factory is not None
+            self._client = resolve(self._factory(), expect="forward_backward")
+            self._factory = None
+            if self._tokenizer is not None:
+                self.share_tokenizer(self._tokenizer)
+        return self._client
 
     @property
     def types(self) -> Any:
@@ -264,14 +341,40 @@ class RemoteTrainingClient(TrainingClient):
         return getattr(self._sdk, name, None) or getattr(self.types, name)
 
     @property
+    def held_tokenizer(self) -> Any:
+        """The tokenizer this adapter already has, or ``None`` (never loads one)."""
+        return self._tokenizer
+
+    @property
     def tokenizer(self) -> Any:  # type: ignore[override]
         if self._tokenizer is None:
-            self._tokenizer = self._client.get_tokenizer()
+            self.tokenizer = self.load_sdk_tokenizer()
         return self._tokenizer
 
     @tokenizer.setter
     def tokenizer(self, value: Any) -> None:
         self._tokenizer = value
+        if value is not None and self._client is not None:
+            self.share_tokenizer(value)
+
+    def load_sdk_tokenizer(self) -> Any:
+        """Ask the SDK for the model's tokenizer (it may download it); a clear error if it cannot."""
+        logger.warning(
+            "%s: no local tokenizer for %r; asking the SDK for it (it downloads it if it is not cached)",
+            self.sdk_name,
+            self.base_model,
+        )
+        try:
+            return self.sdk_client.get_tokenizer()
+        except Exception as exc:
+            raise BackendUnavailableError(
+                f"{self.sdk_name}: could not load the tokenizer of {self.base_model!r} through the SDK "
+                f"({type(exc).__name__}: {exc}). Make it available offline: put the tokenizer files in the "
+                "Hugging Face cache (or a local folder named by model.name)."
+            ) from exc
+
+    def share_tokenizer(self, tokenizer: Any) -> None:
+        """Hook: give the SDK client our tokenizer where it would otherwise load its own."""
 
     def model_input(self, tokens: list[int]) -> Any:
         return self._type("ModelInput").from_ints(tokens)
@@ -289,33 +392,45 @@ class RemoteTrainingClient(TrainingClient):
             return values
         return cls(data=values, dtype=dtype, shape=[len(values)])
 
-    def reduction_scale(self, datums: Sequence[Datum], loss_fn: str) -> float:
+    # -- reduction -----------------------------------------------------------------------------
+    def reduction_for(self, loss_fn: str) -> ReductionMode:
+        """The denominator this adapter assumes the service divides ``loss_fn`` by."""
+        return self._modes.get(loss_fn, self._default_mode)
+
+    def set_reduction(self, loss_fn: str, mode: ReductionMode) -> None:
+        if mode not in REDUCTION_MODES:
+            raise ValueError(f"unknown reduction {mode!r}; use one of {', '.join(REDUCTION_MODES)}")
+        self._modes[loss_fn] = mode
+
+    def reduction_scale(self, totals: BatchTotals, loss_fn: str) -> float:
         """Factor applied to advantages / CE weights so the service's reduction yields the loop's sum."""
-        return 1.0
+        return float(max(totals.denominator(self.reduction_for(loss_fn)), 1))
 
     # -- conversion ----------------------------------------------------------------------------
-    def to_sdk_datum(self, d: Datum, loss_fn: str, scale: float) -> Any:
+    def to_wire(self, d: Datum, loss_fn: str) -> WireDatum:
+        """What the service will see for ``d`` (masking and weight folding done, reduction not yet)."""
         n = len(d)
         w = list(d.weights) if d.weights else [1.0] * n
         targets = [int(t) for t in d.target_tokens]
         if self.mask_targets:
             targets = [t if wi != 0 else IGNORE_INDEX for t, wi in zip(targets, w, strict=True)]
-        inputs: dict[str, Any] = {"target_tokens": self.tensor(targets, "int64")}
+        inputs = [int(t) for t in d.input_tokens]
         if loss_fn == "cross_entropy":
-            inputs["weights"] = self.tensor([float(wi) * scale for wi in w], "float32")
-        else:
-            if any(wi < 0 for wi in w):
-                raise ValueError(f"{self.sdk_name}: negative datum weights cannot be folded into advantages")
-            adv = [
-                float(a) * float(wi) * scale if wi != 0 else 0.0
-                for a, wi in zip(d.advantages, w, strict=True)
-            ]
-            lps = [float(x) if wi != 0 else 0.0 for x, wi in zip(d.logprobs, w, strict=True)]
-            inputs["logprobs"] = self.tensor(lps, "float32")
-            inputs["advantages"] = self.tensor(adv, "float32")
-        return self._type("Datum")(
-            model_input=self.model_input([int(t) for t in d.input_tokens]), loss_fn_inputs=inputs
-        )
+            return WireDatum(inputs, targets, weights=[float(wi) for wi in w])
+        if any(wi < 0 for wi in w):
+            raise ValueError(f"{self.sdk_name}: negative datum weights cannot be folded into advantages")
+        adv = [float(a) * float(wi) if wi != 0 else 0.0 for a, wi in zip(d.advantages, w, strict=True)]
+        lps = [float(x) if wi != 0 else 0.0 for x, wi in zip(d.logprobs, w, strict=True)]
+        return WireDatum(inputs, targets, logprobs=lps, advantages=adv)
+
+    def to_sdk_datum(self, w: WireDatum, scale: float) -> Any:
+        inputs: dict[str, Any] = {"target_tokens": self.tensor(w.targets, "int64")}
+        if w.weights is not None:
+            inputs["weights"] = self.tensor([x * scale for x in w.weights], "float32")
+        if w.logprobs is not None and w.advantages is not None:
+            inputs["logprobs"] = self.tensor(w.logprobs, "float32")
+            inputs["advantages"] = self.tensor([a * scale for a in w.advantages], "float32")
+        return self._type("Datum")(model_input=self.model_input(w.input_tokens), loss_fn_inputs=inputs)
 
     # -- training ------------------------------------------------------------------------------
     def _validate(self, datums: Sequence[Datum], loss_fn: str) -> None:
@@ -331,52 +446,97 @@ class RemoteTrainingClient(TrainingClient):
                     f"datum {k}: loss {loss_fn!r} needs logprobs and advantages for every position"
                 )
 
+    def _server_metrics(self, output: Any) -> dict[str, float]:
+        return {
+            f"server/{k}": float(v)
+            for k, v in dict(getattr(output, "metrics", None) or {}).items()
+            if isinstance(v, int | float)
+        }
+
+    def _learner_logprobs(self, output: Any, n: int) -> list[list[float]] | None:
+        outs = list(getattr(output, "loss_fn_outputs", None) or [])
+        if len(outs) != n:
+            return None
+        lps = []
+        for o in outs:
+            value = o.get("logprobs") if isinstance(o, dict) else getattr(o, "logprobs", None)
+            lps.append([float(x) for x in _to_list(value)])
+        return lps
+
     def _metrics(
-        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, output: Any
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_config: dict[str, float] | None,
+        learner: list[list[float]] | None,
+        server: dict[str, float],
     ) -> ForwardBackwardResult:
         import torch
 
         from retool.backends.losses import LossTally, token_loss
 
-        outs = list(getattr(output, "loss_fn_outputs", None) or [])
-        server = {
-            f"server/{k}": float(v)
-            for k, v in dict(getattr(output, "metrics", None) or {}).items()
-            if isinstance(v, int | float)
-        }
-        if len(outs) != len(datums):
+        if learner is None:
             logger.warning(
-                "service returned %d loss outputs for %d datums; metrics from server only",
-                len(outs),
-                len(datums),
+                "service returned no per-datum logprobs for %d datums; metrics from server only", len(datums)
             )
             trained = sum(sum(1 for w in (d.weights or [1.0] * len(d)) if w != 0) for d in datums)
-            loss = next((v for k, v in server.items() if k.endswith(("loss:sum", "loss_sum"))), math.nan)
+            loss = server.get(f"server/{self.server_loss_key}", math.nan)
             return ForwardBackwardResult(loss=loss, trained_tokens=trained, extra=server)
         tally = LossTally()
-        for d, o in zip(datums, outs, strict=True):
-            lp_values = o.get("logprobs") if isinstance(o, dict) else getattr(o, "logprobs", None)
-            lp = torch.tensor([float(x) for x in _to_list(lp_values)], dtype=torch.float64)
+        magnitude = 0.0  # sum of |per-token loss|: how much of the total could be cancellation
+        for d, values in zip(datums, learner, strict=True):
+            lp = torch.tensor(values, dtype=torch.float64)
             n = len(d)
             w = torch.tensor(d.weights if d.weights else [1.0] * n, dtype=torch.float64)
             old = torch.tensor(d.logprobs, dtype=torch.float64) if d.logprobs else None
             adv = torch.tensor(d.advantages, dtype=torch.float64) if d.advantages else None
-            tally.add(token_loss(loss_fn, lp, w, old, adv, loss_config))
-        return tally.result(server)
+            tl = token_loss(loss_fn, lp, w, old, adv, loss_config)
+            tally.add(tl)
+            magnitude += float(tl.loss.abs().sum())
+        result = tally.result(server)
+        reported = server.get(f"server/{self.server_loss_key}")
+        # The service's loss over ours: 1 while the adapter's normalisation is the service's. Skipped when
+        # the loss is mostly cancellation (on-policy RL with centred advantages sums to ~0): noise.
+        if reported is not None and abs(result.loss) > 1e-3 * magnitude > 0:
+            result.extra["server/loss_ratio"] = reported / result.loss
+        return result
+
+    def _submit(
+        self,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_config: dict[str, float] | None,
+        *,
+        forward_only: bool,
+        scale: float | None = None,
+    ) -> tuple[Any, BatchTotals, float]:
+        """Send one forward(-backward) call; ``scale`` overrides the reduction scale (the probe sends 1)."""
+        self._validate(datums, loss_fn)
+        lo, hi = clip_thresholds(loss_config)
+        wire = [self.to_wire(d, loss_fn) for d in datums]
+        totals = batch_totals(wire, loss_fn)
+        if scale is None:
+            scale = self.reduction_scale(totals, loss_fn)
+        data = [self.to_sdk_datum(w, scale) for w in wire]
+        kwargs: dict[str, Any] = {"loss_fn": loss_fn}
+        if loss_fn == "ppo":
+            kwargs["loss_fn_config"] = {"clip_low_threshold": lo, "clip_high_threshold": hi}
+        self.prepare_training_call()
+        client = self.sdk_client
+        call = client.forward if forward_only else client.forward_backward
+        self.started = True
+        return resolve(call(data, **kwargs), expect="loss_fn_outputs"), totals, scale
+
+    def prepare_training_call(self) -> None:
+        """Hook run before every forward pass (PyTRIO makes sure the SDK has our tokenizer)."""
 
     def _forward_backward_sync(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None
     ) -> ForwardBackwardResult:
-        self._validate(datums, loss_fn)
-        lo, hi = clip_thresholds(loss_config)
-        scale = self.reduction_scale(datums, loss_fn)
-        data = [self.to_sdk_datum(d, loss_fn, scale) for d in datums]
-        cfg = {"clip_low_threshold": lo, "clip_high_threshold": hi} if loss_fn == "ppo" else None
-        kwargs: dict[str, Any] = {"loss_fn": loss_fn}
-        if cfg is not None:
-            kwargs["loss_fn_config"] = cfg
-        output = resolve(self._client.forward_backward(data, **kwargs), expect="loss_fn_outputs")
-        result = self._metrics(datums, loss_fn, loss_config, output)
+        output, _totals, scale = self._submit(datums, loss_fn, loss_config, forward_only=False)
+        server = self._server_metrics(output)
+        learner = self._learner_logprobs(output, len(datums))
+        result = self._metrics(datums, loss_fn, loss_config, learner, server)
         result.extra["reduction_scale"] = scale
         return result
 
@@ -384,6 +544,22 @@ class RemoteTrainingClient(TrainingClient):
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
     ) -> ForwardBackwardResult:
         return await asyncio.to_thread(self._forward_backward_sync, list(datums), loss_fn, loss_config)
+
+    def probe_loss(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None = None
+    ) -> LossProbe:
+        """A forward pass (no gradient) with unscaled weights: the service's loss and ours, for the
+        reduction self-check."""
+        output, totals, _ = self._submit(datums, loss_fn, loss_config, forward_only=True, scale=1.0)
+        learner = self._learner_logprobs(output, len(datums))
+        server = self._server_metrics(output).get(f"server/{self.server_loss_key}")
+        if learner is None or server is None:
+            raise RuntimeError(
+                f"{self.sdk_name}: the forward pass returned no per-datum logprobs or no "
+                f"{self.server_loss_key!r} metric; cannot tell how the service normalises the loss"
+            )
+        local = self._metrics(datums, loss_fn, loss_config, learner, {}).loss
+        return LossProbe(local, server, totals, learner)
 
     def _optim_step_sync(self, adam: AdamParams) -> OptimStepResult:
         params = build_model(
@@ -395,7 +571,8 @@ class RemoteTrainingClient(TrainingClient):
             weight_decay=adam.weight_decay,
             grad_clip_norm=adam.grad_clip_norm,
         )
-        response = resolve(self._client.optim_step(params), expect="metrics")
+        self.started = True
+        response = resolve(self.sdk_client.optim_step(params), expect="metrics")
         metrics = dict(getattr(response, "metrics", None) or {})
         grad_norm = next((float(v) for k, v in metrics.items() if "grad_norm" in k), math.nan)
         self.step += 1
@@ -410,8 +587,9 @@ class RemoteTrainingClient(TrainingClient):
 
     def _save_state_sync(self, name: str) -> str:
         self.check_state_name(name)
-        response = resolve(self._client.save_state(name), expect="path")
-        path = getattr(response, "path", response)
+        self.started = True
+        response = resolve(self.sdk_client.save_state(name), expect="path")
+        path = response.path
         logger.info("%s: saved state %r at %s", self.sdk_name, name, path)
         return str(path)
 
@@ -419,14 +597,15 @@ class RemoteTrainingClient(TrainingClient):
         return await asyncio.to_thread(self._save_state_sync, name)
 
     def _load_state_sync(self, path: str) -> None:
-        loader = getattr(self._client, "load_state_with_optimizer", None) or self._client.load_state
-        resolve(loader(path))
+        """Weights and optimizer state from ``path``; each service has its own way (subclasses)."""
+        raise NotImplementedError
 
     async def load_state_async(self, path: str) -> None:
         await asyncio.to_thread(self._load_state_sync, path)
 
     def _sampling_client_sync(self) -> SamplingClient:
-        client = resolve(self._client.save_weights_and_get_sampling_client(), expect="sample")
+        self.started = True
+        client = resolve(self.sdk_client.save_weights_and_get_sampling_client(), expect="sample")
         return RemoteSamplingClient(self._sdk, client, self)
 
     async def sampling_client_async(self) -> SamplingClient:

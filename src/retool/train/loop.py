@@ -252,6 +252,17 @@ class Trainer:
         )
         return state.step, DataPosition.from_dict(state.data_position)
 
+    async def _check_backend(self) -> None:
+        """Once per run, after any checkpoint is loaded (PyTRIO loads state only before training): a
+        remote backend measures how its service normalises the loss, or refuses to train. No-op locally."""
+        from retool.backends.reduction import check_remote_reduction
+
+        cfg = self.config
+        loss_config = {"clip_low": cfg.loss.clip_low, "clip_high": cfg.loss.clip_high}
+        await check_remote_reduction(
+            self._client, cfg.loss.name, loss_config if cfg.loss.name == "ppo" else None
+        )
+
     async def _save_backend(self, folder: Path, name: str) -> tuple[str, bool]:
         if self.config.backend.kind == "local":
             return await self._client.save_state_async(str(folder / "backend")), True
@@ -272,6 +283,7 @@ class Trainer:
         try:
             self._build_components()
             start_step, position = await self._restore()
+            await self._check_backend()
             tracker = self._tracker or make_tracker(
                 cfg.logging.tracker,
                 self.run_dir,
