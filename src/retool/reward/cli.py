@@ -30,4 +30,5 @@ def verify_command(
 
 
 def register(app: typer.Typer) -> None:
-    app.command("verify")(verify_command)
+    # Answers are often negative ("-0", "-1/2"): an unknown dash-word is an answer, not an option.
+    app.command("verify", context_settings={"ignore_unknown_options": True})(verify_command)
