@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from retool.tasks.family import generate_tasks
+from retool.data.synthetic import generate_tasks
 from retool.tasks.model import build_demo_model, protocol_for
 from retool.tasks.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style, train_sft
 

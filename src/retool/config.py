@@ -19,7 +19,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = "tiny"  # a local HF folder, a Hub id, a .gguf file, or "tiny" (built by `retool demo`)
+    # A local HF folder, a Hub id, a .gguf file, or "tiny": the tiny local model, built on first use into
+    # <train.run_dir>/tiny_model (``retool.backends.resolve_model_name``).
+    name: str = "tiny"
     gguf_file: str | None = None  # a GGUF file name inside `name` when `name` is a folder
     tool_format: Literal["auto", "qwen_xml", "hermes", "markdown"] = "auto"
     enable_thinking: bool | None = None  # passed to templates that read it (Qwen3/3.5); None = their default

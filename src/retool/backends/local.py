@@ -239,10 +239,6 @@ class LocalTrainingClient(TrainingClient):
         if self.micro_batch_tokens <= 0 or self.sample_batch_size <= 0:
             raise ValueError("micro_batch_tokens and sample_batch_size must be positive")
 
-        if self.model_path == "tiny":
-            raise ValueError(
-                "model 'tiny' is built by `retool demo`; pass the folder it wrote as the model path"
-            )
         looks_local = self.model_path.startswith(("/", ".", "~")) or bool(self.gguf_file)
         if looks_local and not Path(self.model_path).expanduser().exists():
             raise FileNotFoundError(f"model path {self.model_path} does not exist")

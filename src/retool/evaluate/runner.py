@@ -454,17 +454,15 @@ def resolve_checkpoint(checkpoint: str) -> str:
     return backend_state
 
 
-def _resolve_tiny_model(config: Config) -> Config:
-    """``model.name = "tiny"`` (the tiny preset) means the model ``retool train`` built into its run folder."""
-    if config.model.name != "tiny" or config.backend.kind != "local" or Path("tiny").exists():
+def _resolve_model(config: Config) -> Config:
+    """The config with ``model.name`` resolved the way the local backend loads it (``"tiny"`` -> its folder,
+    built on first use), so the summary records the model actually evaluated."""
+    if config.backend.kind != "local":
         return config
-    folder = Path(config.train.run_dir) / "tiny_model"
-    if not (folder / "config.json").is_file():
-        raise EvalError(
-            f"model 'tiny' not found at {folder}; train it first (retool train --config tiny) "
-            "or pass --model PATH"
-        )
-    return config.model_copy(update={"model": config.model.model_copy(update={"name": str(folder)})})
+    from retool.backends import resolve_model_name
+
+    name = resolve_model_name(config)
+    return config.model_copy(update={"model": config.model.model_copy(update={"name": name})})
 
 
 async def _open_backend(config: Config, checkpoint: str | None) -> tuple[Any, Any, Any]:
@@ -515,7 +513,7 @@ async def evaluate_async(
     """Evaluate ``config.model`` (optionally at ``checkpoint``) on ``dataset``; see ``run_eval``."""
     if mode not in MODES:
         raise EvalError(f"unknown mode {mode!r} (use one of: {', '.join(MODES)})")
-    config = _resolve_tiny_model(config)
+    config = _resolve_model(config)
     if problems is None:
         all_problems, source = resolve_dataset(dataset, data_dir, **(dataset_fields or {}))
     else:

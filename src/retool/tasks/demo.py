@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from retool.tasks.family import DEMO_KINDS, Task, generate_tasks, parse_source
+from retool.data.synthetic import DEMO_KINDS, Task, generate_tasks, parse_source
 
 logger = logging.getLogger(__name__)
 

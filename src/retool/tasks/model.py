@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from retool.tasks.family import Task
-from retool.tasks.tinymodel import ModelSize, build_tiny_model, build_tokenizer
+from retool.backends.tinymodel import ModelSize, build_tiny_model, build_tokenizer
+from retool.data.synthetic import Task
 
 logger = logging.getLogger(__name__)
 

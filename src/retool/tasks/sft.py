@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from retool.backends.types import AdamParams, Datum
-from retool.tasks.family import Task
+from retool.data.synthetic import Task
 
 logger = logging.getLogger(__name__)
 

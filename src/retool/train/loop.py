@@ -179,19 +179,6 @@ class Trainer:
 
         write_text_atomic(self.run_dir / CONFIG_FILE, dump_config(self.config))
 
-    def _resolve_tiny_model(self) -> None:
-        """``model.name = "tiny"``: the tiny local model, built once into the run folder if not found."""
-        cfg = self.config
-        if cfg.model.name != "tiny" or cfg.backend.kind != "local" or Path("tiny").exists():
-            return
-        folder = self.run_dir / "tiny_model"
-        if not (folder / "config.json").is_file():
-            from retool.tasks.tinymodel import build_tiny_model
-
-            logger.info("building the tiny model into %s", folder)
-            build_tiny_model(folder, size="demo", seed=0)
-        self.config = cfg.model_copy(update={"model": cfg.model.model_copy(update={"name": str(folder)})})
-
     def _make_client(self) -> Any:
         from retool.backends import make_training_client
 
@@ -207,7 +194,6 @@ class Trainer:
         if self._source is None:  # first: a bad data path fails before any process starts
             self._source = make_source(cfg)
         if self._client is None:
-            self._resolve_tiny_model()
             self._client = self._make_client()
             self._owns_client = True
             cfg = self.config
