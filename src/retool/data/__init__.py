@@ -11,6 +11,7 @@ from retool.data.dapo import (
     load_dapo,
     normalize_dapo_row,
     prepare_dapo,
+    split_dev,
     strip_dapo_template,
     write_jsonl,
 )
@@ -31,6 +32,7 @@ __all__ = [
     "load_problems_with_report",
     "normalize_dapo_row",
     "prepare_dapo",
+    "split_dev",
     "strip_dapo_template",
     "write_jsonl",
 ]

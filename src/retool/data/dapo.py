@@ -208,6 +208,20 @@ def write_jsonl(path: Path, problems: Iterable[Problem]) -> int:
     return count
 
 
+def split_dev(
+    problems: list[Problem], dev_size: int = 50, seed: int = 0, *, source: str = "DAPO"
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, dev): ``dev_size`` problems chosen with ``seed`` held out; both keep the source order."""
+    if dev_size >= len(problems):
+        raise DataError(
+            f"{source}: only {len(problems)} usable problems, not enough for a dev split of {dev_size}"
+        )
+    chosen = set(random.Random(seed).sample(range(len(problems)), dev_size))
+    dev = [p for i, p in enumerate(problems) if i in chosen]
+    train = [p for i, p in enumerate(problems) if i not in chosen]
+    return train, dev
+
+
 def prepare_dapo(
     input: str | Path,
     out_dir: str | Path,
@@ -224,13 +238,7 @@ def prepare_dapo(
     if dev_size < 0:
         raise DataError(f"dev size must be >= 0, got {dev_size}")
     problems, load_report = load_dapo(input, split=split)
-    if dev_size >= len(problems):
-        raise DataError(
-            f"{load_report.source}: only {len(problems)} usable problems, not enough for a dev split of {dev_size}"
-        )
-    chosen = set(random.Random(seed).sample(range(len(problems)), dev_size))
-    dev = [p for i, p in enumerate(problems) if i in chosen]
-    train = [p for i, p in enumerate(problems) if i not in chosen]
+    train, dev = split_dev(problems, dev_size, seed, source=load_report.source)
     out = Path(out_dir)
     train_path, dev_path = out / "train.jsonl", out / "dev.jsonl"
     report = PrepareReport(
