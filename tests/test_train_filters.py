@@ -209,9 +209,9 @@ def test_oversample_below_one_is_rejected() -> None:
 
 def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_groups(tmp_path: Path) -> None:
     from tests.test_train_loop import PROBLEMS as LOOP_PROBLEMS
-    from tests.test_train_loop import FakeClient, fake_rollouts
+    from tests.test_train_loop import FakeClient, fake_components, fake_rollouts
 
-    from retool.train.datasource import list_source
+    from retool.env import ProblemListEnv
     from retool.train.loop import Trainer
 
     seen_datums: list[int] = []
@@ -237,11 +237,8 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
     trainer = Trainer(
         cfg,
         tmp_path / "run",
-        client=CountingClient(),
-        source=list_source(LOOP_PROBLEMS, shuffle=True),
-        executor=object(),
-        verifier=object(),
-        protocol=object(),
+        env=ProblemListEnv(LOOP_PROBLEMS, shuffle=True),
+        components=fake_components(CountingClient()),
         rollout_fn=fake_rollouts,
     )
     trainer.run()

@@ -121,6 +121,19 @@ class ChatProtocol:
             chat_template=getattr(model, "chat_template", None),
         )
 
+    def with_tools(self, use_tools: bool) -> ChatProtocol:
+        """The same tokenizer, template, format and thinking setting, with the tool on or off (the two
+        eval modes of one model differ only in this)."""
+        if use_tools == self.use_tools:
+            return self
+        return ChatProtocol(
+            self.tokenizer,
+            self.fmt,
+            use_tools,
+            enable_thinking=self.enable_thinking,
+            chat_template=self.chat_template,
+        )
+
     @staticmethod
     def _model_name(tokenizer: Any) -> str:
         return repr(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)

@@ -30,6 +30,7 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """RL with the code interpreter: rollouts, interpreter-masked PPO steps, metrics, checkpoints."""
         from retool.config import ConfigError, dump_config
+        from retool.data import DataError
         from retool.train.datasource import DataSourceError
         from retool.train.loop import RunDirError, load_run_config, run_training
         from retool.train.metrics import TrackerError
@@ -49,7 +50,7 @@ def register(app: typer.Typer) -> None:
         folder = resume if resume is not None else (run_dir or Path(cfg.train.run_dir))
         try:
             summary = run_training(cfg, folder, resume=resume is not None)
-        except (RunDirError, DataSourceError, TrackerError, ConfigError) as exc:
+        except (RunDirError, DataSourceError, DataError, TrackerError, ConfigError) as exc:
             _fail(str(exc))
         except KeyboardInterrupt:
             typer.echo(
