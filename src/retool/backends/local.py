@@ -63,7 +63,9 @@ from retool.backends.types import (
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
+# The metadata of a saved state. Its name (kept so states saved earlier still load) is also the trainer
+# checkpoint's; ``retool.train.checkpoint`` tells the two apart by their contents.
+BACKEND_META_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 FULL_WEIGHTS_FILE = "model.safetensors"
@@ -556,7 +558,7 @@ class LocalTrainingClient(TrainingClient):
             else {**vars(self.lora), "target_modules": list(self.lora.target_modules)},
             "has_optimizer": self.optimizer is not None,
         }
-        (folder / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        (folder / BACKEND_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         logger.info("saved state (step %d) to %s", self.step, folder)
         return str(folder)
 
@@ -564,9 +566,9 @@ class LocalTrainingClient(TrainingClient):
         from safetensors.torch import load_file, load_model
 
         folder = Path(path)
-        meta_path = folder / STATE_FILE
+        meta_path = folder / BACKEND_META_FILE
         if not meta_path.is_file():
-            raise FileNotFoundError(f"{folder} is not a saved state (no {STATE_FILE})")
+            raise FileNotFoundError(f"{folder} is not a saved state (no {BACKEND_META_FILE})")
         meta = json.loads(meta_path.read_text())
         mine = (
             None
