@@ -251,7 +251,8 @@ class LocalTrainingClient(TrainingClient):
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
+        # transformers / PEFT model classes vary by architecture and wrapping; no narrower type holds.
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
         model.to(self.device)
         if self.lora is not None:
             from peft import LoraConfig, get_peft_model

@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from retool.backends.base import TrainingClient
 from retool.backends.types import Datum
 
 if TYPE_CHECKING:
@@ -193,7 +194,7 @@ def verify_reduction(
 
 
 async def check_remote_reduction(
-    client: Any, loss_fn: str, loss_config: dict[str, float] | None = None
+    client: TrainingClient, loss_fn: str, loss_config: dict[str, float] | None = None
 ) -> list[ReductionReport]:
     """The training loop's start-of-run hook: for a remote backend, verify (once per client) how the
     service normalises ``loss_fn`` and adopt it; for any other backend, do nothing and return ``[]``."""

@@ -346,7 +346,7 @@ class RemoteTrainingClient(TrainingClient):
         return self._tokenizer
 
     @property
-    def tokenizer(self) -> Any:  # type: ignore[override]
+    def tokenizer(self) -> Any:
         if self._tokenizer is None:
             self.tokenizer = self.load_sdk_tokenizer()
         return self._tokenizer

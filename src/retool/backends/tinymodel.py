@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 # ChatML with Hermes JSON tool calls, in the shape of Qwen2.5's template so that the same protocol code
 # drives it. Shorter tool preamble than Qwen's: the tiny model's context is small.
@@ -136,7 +136,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dims = dict(_SIZES[size])
+    dims: dict[str, Any] = dict(_SIZES[size])
     tokenizer = build_tokenizer(corpus, vocab_size=dims.pop("vocab_size"), phrase_tokens=phrase_tokens)
     config = Qwen2Config(
         vocab_size=len(tokenizer),

@@ -9,13 +9,14 @@ without flags. Numeric answers (AIME's integers) become strings.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from retool.data.dapo import _answer_to_str, resolve_rows
 from retool.data.problem import Problem
-from retool.data.readers import BadRow, DataError, iter_hub
+from retool.data.readers import BadRow, DataError, RowItem, iter_hub
 from retool.data.report import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -65,6 +66,7 @@ def load_problems_with_report(
 ) -> tuple[list[Problem], LoadReport]:
     """:func:`load_problems` plus the counts of what was kept and dropped (with row numbers)."""
     text = str(path_or_name)
+    rows: Iterable[RowItem]
     named = NAMED_SETS.get(text.lower()) if not Path(text).exists() else None
     if named is not None:
         try:

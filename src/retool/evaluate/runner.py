@@ -162,6 +162,9 @@ async def run_eval(
     val_n = e.val_n if val_n is None else val_n
     seed = e.seed if seed is None else seed
     _check_request(problems, mode, val_n)
+    sampler = components.sampler
+    if sampler is None:
+        raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
     use_tools = mode == "retool"
     settings = _settings(problems, components, config, mode, val_n, seed, dict(identity or {}))
     store = ResultStore(output)
@@ -190,7 +193,7 @@ async def run_eval(
             pseed = problem_seed(seed, problem.id)
             groups = await rollout_fn(
                 [problem],
-                sampler=components.sampler,
+                sampler=sampler,
                 protocol=components.protocol,
                 executor=components.executor if use_tools else None,
                 verifier=components.verifier,

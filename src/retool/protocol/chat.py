@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from retool.config import Config, ModelConfig
 from retool.protocol.formats import ToolFormat, get_format
 from retool.protocol.prompts import (
     CODE_TOOL,
@@ -109,16 +110,18 @@ class ChatProtocol:
         self._closing_cache: dict[tuple[str, ...], str] = {}
 
     @classmethod
-    def from_config(cls, tokenizer: Any, config: Any, use_tools: bool = True) -> ChatProtocol:
+    def from_config(
+        cls, tokenizer: Any, config: Config | ModelConfig, use_tools: bool = True
+    ) -> ChatProtocol:
         """Build from a ``retool.config.Config`` (its ``model`` section: tool_format, enable_thinking,
         chat_template)."""
-        model = getattr(config, "model", config)
+        model = config.model if isinstance(config, Config) else config
         return cls(
             tokenizer,
-            fmt=getattr(model, "tool_format", "auto"),
+            fmt=model.tool_format,
             use_tools=use_tools,
-            enable_thinking=getattr(model, "enable_thinking", None),
-            chat_template=getattr(model, "chat_template", None),
+            enable_thinking=model.enable_thinking,
+            chat_template=model.chat_template,
         )
 
     def with_tools(self, use_tools: bool) -> ChatProtocol:

@@ -45,7 +45,7 @@ from retool.backends.base import SamplingClient
 from retool.backends.types import Sample, SamplingParams
 from retool.config import RolloutConfig, SamplingConfig
 from retool.data.problem import Problem
-from retool.protocol import parse_assistant
+from retool.protocol import ChatProtocol, parse_assistant
 from retool.rollout.scoring import TrajectoryScorer, VerifierLike, score_final_answer
 from retool.rollout.types import AssistantTurn, Trajectory
 from retool.sandbox.base import Executor
@@ -83,7 +83,7 @@ class _Rollout:
         problems: Sequence[Problem],
         *,
         sampler: SamplingClient,
-        protocol: Any,
+        protocol: ChatProtocol,
         executor: Executor | None,
         verifier: VerifierLike,
         rollout: RolloutConfig,
@@ -423,7 +423,7 @@ async def run_group_rollouts(
     problems: Sequence[Problem],
     *,
     sampler: SamplingClient,
-    protocol: Any,
+    protocol: ChatProtocol,
     executor: Executor | None,
     verifier: VerifierLike,
     rollout: RolloutConfig,

@@ -15,6 +15,7 @@ from typing import Any
 
 from retool.backends.tinymodel import ModelSize, build_tiny_model, build_tokenizer
 from retool.data.synthetic import Task
+from retool.protocol import ChatProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -22,10 +23,8 @@ _SYSTEM_OPEN = "<|im_start|>system\n"
 _TURN_END = "<|im_end|>"
 
 
-def protocol_for(tokenizer: Any, use_tools: bool = True) -> Any:
+def protocol_for(tokenizer: Any, use_tools: bool = True) -> ChatProtocol:
     """The ``retool.protocol.ChatProtocol`` (Hermes, detected from the tiny template)."""
-    from retool.protocol import ChatProtocol
-
     return ChatProtocol(tokenizer, fmt="auto", use_tools=use_tools)
 
 

@@ -55,7 +55,7 @@ def table_rows(evals: Evals) -> list[dict[str, Any]]:
     rows = []
     for stage, by_mode in evals.items():
         for mode, summary in by_mode.items():
-            row = {"model": stage, "mode": mode}
+            row: dict[str, Any] = {"model": stage, "mode": mode}
             row.update({key: summary.get(key) for key, _, _ in TABLE_COLUMNS})
             rows.append(row)
     return rows

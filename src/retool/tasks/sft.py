@@ -19,8 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, Datum
 from retool.data.synthetic import Task
+from retool.protocol import ChatProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ def _broken_variant(code: str, rng: random.Random) -> str:
 def build_example(
     task: Task,
     style: str,
-    protocol: Any,
+    protocol: ChatProtocol,
     observe: Observer,
     rng: random.Random,
     direct_hard_answer_weight: float = 1.0,
@@ -96,7 +98,7 @@ def build_example(
         calls = [_broken_variant(task.code, rng), task.code]
     elif style != "direct":
         raise ValueError(f"unknown SFT style {style!r}")
-    fmt = protocol.fmt if hasattr(protocol, "fmt") else protocol
+    fmt = protocol.fmt
     for code in calls:
         text = fmt.render_call(code)
         completion = protocol.encode_completion(text)
@@ -134,7 +136,7 @@ def choose_style(task: Task, mix: SFTMix, rng: random.Random) -> str:
 
 def build_sft_examples(
     tasks: Sequence[Task],
-    protocol: Any,
+    protocol: ChatProtocol,
     observe: Observer,
     mix: SFTMix | None = None,
     seed: int = 0,
@@ -176,7 +178,7 @@ class SFTReport:
 
 
 def train_sft(
-    client: Any,
+    client: TrainingClient,
     examples: Sequence[SFTExample],
     *,
     steps: int,

@@ -29,13 +29,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from retool.rollout.types import STOP_REASONS  # the rollout stage owns the list of stop reasons
+from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
 from retool.train.step import trajectory_tokens
 
 logger = logging.getLogger(__name__)
 
 
-def _n_calls(traj: Any) -> int:
+def _n_calls(traj: Trajectory) -> int:
     calls = getattr(traj, "code_calls", 0)
     return len(calls) if isinstance(calls, list | tuple) else int(calls or 0)
 
@@ -44,7 +44,7 @@ def _rate(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
-def rollout_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
+def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
     """Task, tool, environment, stop-reason and token metrics of one step's trajectories."""
     trajs = [t for g in groups for t in g]
     n = len(trajs)
