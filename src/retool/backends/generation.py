@@ -112,7 +112,12 @@ def generate_batch(
     max_context: int,
     device: torch.device,
 ) -> list[Sample]:
-    """Generate every request in one left-padded batch; return one ``Sample`` per request, in order."""
+    """Generate every request in one left-padded batch; return one ``Sample`` per request, in order.
+
+    Long because the decode loop is one piece of state (KV cache, attention mask, per-row budgets,
+    stop windows, generators, finished rows) advanced together; split up, every helper would take and
+    return most of it, and this is the sampler's hot path.
+    """
     n = len(requests)
     results: list[Sample | None] = [None] * n
     tokens: list[list[int]] = [[] for _ in range(n)]

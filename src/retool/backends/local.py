@@ -224,7 +224,7 @@ class LocalTrainingClient(TrainingClient):
         attn_implementation: str | None = None,
         num_threads: int | None = None,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if num_threads:
             # Process-wide. On a busy CPU one thread is often several times faster for tiny models.
@@ -250,23 +250,7 @@ class LocalTrainingClient(TrainingClient):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
-        torch.manual_seed(seed)
-        # transformers / PEFT model classes vary by architecture and wrapping; no narrower type holds.
-        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
-        model.to(self.device)
-        if self.lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            torch.manual_seed(seed)  # LoRA A matrices are random: make them a function of the seed
-            peft_cfg = LoraConfig(
-                r=self.lora.rank,
-                lora_alpha=self.lora.alpha,
-                lora_dropout=self.lora.dropout,
-                target_modules=list(self.lora.target_modules),
-                task_type="CAUSAL_LM",
-            )
-            model = get_peft_model(model, peft_cfg)
-        self.model = model
+        self.model = self._load_model(load_kwargs, seed)
         self.model.train()
         config = self._base_config()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -289,6 +273,30 @@ class LocalTrainingClient(TrainingClient):
             f"LoRA r={self.lora.rank}" if self.lora else "full fine-tuning",
             self.num_trainable_parameters(),
         )
+
+    def _load_model(self, load_kwargs: dict[str, Any], seed: int) -> Any:
+        """The weights on ``self.device``, wrapped in a LoRA adapter when one is configured.
+
+        Returns ``Any``: transformers / PEFT model classes vary by architecture and wrapping.
+        """
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
+        model.to(self.device)
+        if self.lora is None:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed)  # LoRA A matrices are random: make them a function of the seed
+        peft_cfg = LoraConfig(
+            r=self.lora.rank,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=list(self.lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, peft_cfg)
 
     # -- helpers -------------------------------------------------------------------------------
     def _base_config(self) -> Any:

@@ -19,9 +19,11 @@ import contextlib
 import logging
 import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from retool.backends.base import SamplingClient
 from retool.components import Components, build_components
 from retool.config import Config
 from retool.data.problem import Problem
@@ -134,6 +136,37 @@ class _Session:
         self.store.write_summary(self.summary("incomplete"))
 
 
+@dataclass(frozen=True)
+class _Plan:
+    """How every problem of one eval is rolled out: same parts, sampling, budgets; its own seed."""
+
+    components: Components
+    sampler: SamplingClient
+    config: Config
+    mode: str
+    val_n: int
+    seed: int
+    rollout_fn: RolloutFn
+
+    async def rollout(self, problem: Problem) -> tuple[list[Trajectory], int]:
+        """``val_n`` candidates for ``problem`` alone (so they do not depend on the problems beside it)."""
+        use_tools = self.mode == "retool"
+        pseed = problem_seed(self.seed, problem.id)
+        groups = await self.rollout_fn(
+            [problem],
+            sampler=self.sampler,
+            protocol=self.components.protocol,
+            executor=self.components.executor if use_tools else None,
+            verifier=self.components.verifier,
+            rollout=self.config.rollout,
+            sampling=self.config.sampling,
+            group_size=self.val_n,
+            seed=pseed,
+            use_tools=use_tools,
+        )
+        return groups[0], pseed
+
+
 async def run_eval(
     problems: Sequence[Problem],
     components: Components,
@@ -162,48 +195,31 @@ async def run_eval(
     val_n = e.val_n if val_n is None else val_n
     seed = e.seed if seed is None else seed
     _check_request(problems, mode, val_n)
-    sampler = components.sampler
-    if sampler is None:
+    if components.sampler is None:
         raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
-    use_tools = mode == "retool"
+    if rollout_fn is None:
+        from retool.rollout import run_group_rollouts
+
+        rollout_fn = run_group_rollouts
+    plan = _Plan(components, components.sampler, config, mode, val_n, seed, rollout_fn)
     settings = _settings(problems, components, config, mode, val_n, seed, dict(identity or {}))
     store = ResultStore(output)
     session = _Session(
         problems, store, settings, check_resumable(store, settings), (bootstrap_resamples, seed)
     )
     todo = session.todo()
+    done = len(problems) - len(todo)
     logger.info(
-        "eval %s: %d problems, %d already done, %d to run (val_n=%d)",
-        mode,
-        len(problems),
-        len(problems) - len(todo),
-        len(todo),
-        val_n,
+        "eval %s: %d problems, %d done, %d to run (val_n=%d)", mode, len(problems), done, len(todo), val_n
     )
     store.write_summary(session.summary("incomplete"))
-    if rollout_fn is None:
-        from retool.rollout import run_group_rollouts
-
-        rollout_fn = run_group_rollouts
     keep = e.save_transcripts if save_transcripts is None else save_transcripts
     semaphore = asyncio.Semaphore(max(1, e.concurrency if concurrency is None else concurrency))
 
     async def one(problem: Problem) -> None:
         async with semaphore:
-            pseed = problem_seed(seed, problem.id)
-            groups = await rollout_fn(
-                [problem],
-                sampler=sampler,
-                protocol=components.protocol,
-                executor=components.executor if use_tools else None,
-                verifier=components.verifier,
-                rollout=config.rollout,
-                sampling=config.sampling,
-                group_size=val_n,
-                seed=pseed,
-                use_tools=use_tools,
-            )
-        session.record(problem, groups[0], pseed, keep)
+            trajectories, pseed = await plan.rollout(problem)
+        session.record(problem, trajectories, pseed, keep)
 
     await _gather_or_save(session, [one(p) for p in todo])
     summary = session.summary()

@@ -328,6 +328,11 @@ class _Rollout:
 
     # -- round-synchronous scheduling (the chapter's scheme) -----------------------------------------
     async def run_round_sync(self) -> list[list[Trajectory]]:
+        """The chapter's scheme: every active trajectory samples, all pending code runs, then a barrier.
+
+        Long because one round is one loop over shared lists (active branches, their pending calls, the
+        next round's requests); kept whole as the benchmark's reference for ``run_per_trajectory``.
+        """
         groups: list[list[Trajectory]] = []
         # Each active entry: (trajectory, prompt, turn index).
         active: list[tuple[Trajectory, list[int], int]] = []
