@@ -1,7 +1,11 @@
 """The one typed configuration of a run: every knob a user sets, loadable from TOML, overridable from the CLI.
 
 ``load_config(path, overrides)`` reads a TOML file (or a named preset from ``retool/presets/``) and
-applies ``section.key=value`` overrides (values parsed as TOML literals, falling back to strings).
+applies ``section.key=value`` overrides (values parsed as TOML literals, falling back to strings);
+``override_config`` applies overrides to a loaded config.
+
+This is the one source of defaults: every command's defaults are these (or a preset's), and its flags
+become overrides only when given (``flag_overrides``), so a flag never silently replaces a config value.
 """
 
 from __future__ import annotations
