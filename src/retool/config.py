@@ -67,6 +67,10 @@ class RolloutConfig(_Section):
     max_trajectory_tokens: int = 8192
     max_inflight_samples: int = 64
     scheduling: Literal["per_trajectory", "round_sync"] = "per_trajectory"
+    # Share of each round's questions rolled out text-only (no tool registered, the text-only system
+    # prompt). 0 trains tool use alone (the chapter); a small share keeps the text-only mode from
+    # collapsing while the tool-mode policy learns to call the tool.
+    text_only_share: float = Field(default=0.0, ge=0.0, lt=1.0)
 
 
 class FiltersConfig(_Section):

@@ -69,6 +69,7 @@ class DemoSettings:
     max_extra_rounds: int = 2
     void_turn_filter: bool = False
     overlong_filter: bool = False
+    text_only_share: float = 0.0  # share of RL questions rolled out text-only (``rollout.text_only_share``)
     sandbox_workers: int = 2
     # Padded area of one micro-batch. Small on CPU: compute grows with the padded area, and short direct
     # answers batched with long tool transcripts would triple it (measured: 1024 -> 2.7x faster than 4096).
@@ -166,6 +167,7 @@ def demo_config(settings: DemoSettings, model_dir: str | Path, run_dir: str | Pa
                 "max_tokens_per_turn": settings.max_tokens_per_turn,
                 "max_observation_tokens": 64,
                 "max_trajectory_tokens": settings.max_trajectory_tokens,
+                "text_only_share": settings.text_only_share,
             },
             "sampling": {"temperature": settings.temperature, "top_p": 1.0},
             "filters": {
@@ -585,6 +587,7 @@ def _reinforce(
         executor=_KeepOpen(executor),
         verifier=_KeepOpen(verifier),
         protocol=protocol_for(client.tokenizer, True),
+        text_protocol=protocol_for(client.tokenizer, False),
         on_step=lambda step, metrics: emit(
             "rl_step", {"step": step, "steps": settings.rl_steps, "metrics": metrics}
         ),

@@ -108,6 +108,14 @@ class TrainSummary:
     last_metrics: dict[str, Any] = field(default_factory=dict)
 
 
+def text_only_count(n_questions: int, share: float) -> int:
+    """How many of a round's questions go text-only: ``share`` of them, rounded, at least one when
+    ``share > 0`` and the round has two or more questions (a round of one stays in tool mode)."""
+    if share <= 0.0 or n_questions < 2:
+        return 0
+    return min(n_questions - 1, max(1, round(share * n_questions)))
+
+
 def rollout_seed(base_seed: int, step: int) -> int:
     """The sampling seed of a step: fixed by the run seed and the step, so a redone step samples alike."""
     return (base_seed * 1_000_003 + step * 7919) % (2**31 - 1)
@@ -134,6 +142,7 @@ class Trainer:
         executor: Any = None,
         verifier: Any = None,
         protocol: Any = None,
+        text_protocol: Any = None,
         rollout_fn: RolloutFn | None = None,
         reward_fn: RewardFn | None = None,
         tracker: Tracker | None = None,
@@ -148,6 +157,7 @@ class Trainer:
         self._executor = executor
         self._verifier = verifier
         self._protocol = protocol
+        self._text_protocol = text_protocol  # for rollout.text_only_share > 0
         self._rollout_fn = rollout_fn
         test_reward = os.environ.get("RETOOL_TEST_REWARD", "")
         if reward_fn is None and test_reward:
@@ -215,6 +225,10 @@ class Trainer:
             from retool.protocol import ChatProtocol
 
             self._protocol = ChatProtocol.from_config(self._client.tokenizer, cfg)
+        if self._text_protocol is None and cfg.rollout.text_only_share > 0:
+            from retool.protocol import ChatProtocol
+
+            self._text_protocol = ChatProtocol.from_config(self._client.tokenizer, cfg, use_tools=False)
         if self._executor is None:
             from retool.sandbox import make_executor
 
@@ -332,21 +346,32 @@ class Trainer:
                 fired = True
                 self._hooks("rollout", step)
 
-        async def sample_round(problems: list[Any], round_index: int) -> list[list[Any]]:
+        async def rollout(problems: list[Any], seed: int, use_tools: bool) -> list[list[Any]]:
             assert self._rollout_fn is not None
-            groups = await self._rollout_fn(
+            if not problems:
+                return []
+            return await self._rollout_fn(
                 problems,
                 sampler=sampler,
-                protocol=self._protocol,
-                executor=self._executor,
+                protocol=self._protocol if use_tools else self._text_protocol,
+                executor=self._executor if use_tools else None,
                 verifier=self._verifier,
                 rollout=cfg.rollout,
                 sampling=cfg.sampling,
                 group_size=cfg.rollout.group_size,
-                seed=round_seed(rollout_seed(cfg.train.seed, step), round_index),
-                use_tools=True,
+                seed=seed,
+                use_tools=use_tools,
                 on_trajectory=on_trajectory,
             )
+
+        async def sample_round(problems: list[Any], round_index: int) -> list[list[Any]]:
+            seed = round_seed(rollout_seed(cfg.train.seed, step), round_index)
+            n_text = text_only_count(len(problems), cfg.rollout.text_only_share)
+            split = len(problems) - n_text  # the last questions of a round go text-only
+            tool_groups, text_groups = await asyncio.gather(
+                rollout(problems[:split], seed, True), rollout(problems[split:], seed ^ 0x5EED, False)
+            )
+            groups = [*tool_groups, *text_groups]
             if self._reward_fn is not None:
                 for group in groups:
                     for traj in group:
@@ -386,6 +411,7 @@ class Trainer:
         n_trained_trajs = data.n_trajectories or 1
         record["filter/void_rate"] = data.n_void / n_trained_trajs
         record["filter/overlong_rate"] = data.n_overlong / n_trained_trajs
+        record["sampling/text_only_groups"] = float(sum(1 for g in sampled if g and not getattr(g[0], "use_tools", True)))
         record["tokens/trained"] = float(sum(1 for d in data.datums for w in d.weights if w != 0.0))
         record["time/refresh"] = t_refresh
         record["time/rollout"] = t_rollout
