@@ -281,6 +281,7 @@ def evaluate_modes(
                 identity={"model": label, "checkpoint": label, "dataset": "tasks-test"},
                 concurrency=len(problems),
                 bootstrap_resamples=200,
+                save_transcripts=True,  # full trajectories for `retool view`
             )
 
         summary = asyncio.run(go())
@@ -467,6 +468,9 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     (out / "report.md").write_text(markdown_table(result.table) + "\n")
     if settings.plots:
         result.plots = make_plots(out)
+    from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
+
+    write_view([out], out / "view")
     return result
 
 

@@ -4,6 +4,7 @@
 
     RUN_DIR/config.toml       the exact config (a resumed run reads it back)
     RUN_DIR/metrics.jsonl     one JSON object per finished step, with "step"
+    RUN_DIR/trajectories.jsonl  sampled trajectories of each step (``retool.view.records``)
     RUN_DIR/tensorboard/      tracker events (when the tracker is TensorBoard)
     RUN_DIR/checkpoints/      see ``retool.train.checkpoint``
 
@@ -45,6 +46,7 @@ from retool.train.datasource import DataPosition, DataSource, ProblemStream, mak
 from retool.train.metrics import MetricsLog, Tracker, make_tracker, rollout_metrics, scalars_of
 from retool.train.progress import Progress
 from retool.train.step import build_step_data, train_step
+from retool.view.records import TRAJECTORIES_FILE, TrajectoryLog
 
 logger = logging.getLogger(__name__)
 
@@ -161,6 +163,9 @@ class Trainer:
         self._owned: list[Any] = []  # components this trainer built, and so closes
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
+        self.trajectories = TrajectoryLog(
+            self.run_dir / TRAJECTORIES_FILE, config.logging.trajectory_groups_per_step, config.train.seed
+        )
 
     # -- setup -----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
@@ -342,6 +347,7 @@ class Trainer:
                     traj.reward = float(self._reward_fn(traj))
 
         data = build_step_data(groups)
+        self.trajectories.write_step(step, groups, data.datums, getattr(self._protocol, "decode", None))
         result = await train_step(
             self._client,
             data.datums,
