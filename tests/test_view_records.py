@@ -119,6 +119,26 @@ def test_turns_carry_code_executor_result_and_observation() -> None:
     assert json.loads(json.dumps(record)) == record  # JSON-ready as it is
 
 
+def test_trajectories_that_ended_early() -> None:
+    from retool.rollout.types import Trajectory
+
+    problem = make_problems(1, 0)[0]
+    empty = Trajectory(problem=problem, group_index=0, stop_reason="context_full")
+    record = trajectory_record(empty, source="train", advantage=0.0, decode=decode)
+    assert record["spans"] == [] and record["turns"] == [] and record["tokens"]["total"] == 0
+    rng = random.Random(0)
+    traj = next(t for t in (make_trajectory(problem, 0, rng) for _ in range(50)) if t.code_calls >= 1)
+    # The executor raised on the first call: its code is recorded, no result, and the trajectory ends.
+    traj.turns = traj.turns[:1]
+    traj.exec_results, traj.observations, traj.observations_trimmed = [], [], []
+    traj.codes = traj.codes[:1]
+    traj.stop_reason, traj.error = "executor_error", "OSError: sandbox gone"
+    record = trajectory_record(traj, source="train", advantage=-1.0, decode=decode)
+    assert record["turns"][0]["code"] == traj.codes[0] and record["turns"][0]["exec"] is None
+    assert [s["role"] for s in record["spans"]] == ["prompt", "completion"]
+    assert record["error"] == "OSError: sandbox gone"
+
+
 def test_select_groups() -> None:
     assert select_groups(8, "all", 0, 1) == list(range(8))
     assert select_groups(8, 0, 0, 1) == []

@@ -85,6 +85,17 @@ def test_site_indexes_every_trajectory_and_chunks_hold_the_records(demo: Path, t
         assert iv["value"] == pytest.approx(ev["metrics"]["average_at_n"])
 
 
+def test_evals_of_one_checkpoint_and_mode_are_told_apart(demo: Path, tmp_path: Path) -> None:
+    import shutil
+
+    for name in ("sft_retool.jsonl", "sft_retool.summary.json"):
+        shutil.copy(demo / "eval" / name, tmp_path / name.replace("sft_retool", "again"))
+    data = page_data(
+        build_site([demo / "eval" / "sft_retool.jsonl", tmp_path / "again.jsonl"], tmp_path / "s").index
+    )
+    assert sorted(s["label"] for s in data["sources"]) == ["sft (again)", "sft (sft_retool)"]
+
+
 def test_hostile_text_cannot_leave_the_data_block(demo: Path, tmp_path: Path) -> None:
     index = build_site([demo], tmp_path / "site").index
     html = index.read_text(encoding="utf-8")

@@ -496,6 +496,7 @@ def build_site(
             }
         )
     chunks.flush()
+    _dedupe_eval_labels(evals, sources)
 
     data = {
         "version": 1,
@@ -520,6 +521,17 @@ def build_site(
         chunks=list(chunks.files),
         seconds=time.perf_counter() - t0,
     )
+
+
+def _dedupe_eval_labels(evals: list[dict[str, Any]], sources: list[dict[str, Any]]) -> None:
+    """Two evals of one checkpoint and mode (other datasets, other seeds) get their file name added."""
+    seen: dict[tuple[str, str], int] = {}
+    for ev in evals:
+        seen[(ev["label"], ev["mode"])] = seen.get((ev["label"], ev["mode"]), 0) + 1
+    for ev in evals:
+        if seen[(ev["label"], ev["mode"])] > 1:
+            ev["label"] = f"{ev['label']} ({Path(ev['path']).stem})"
+            sources[ev["source"]]["label"] = ev["label"]
 
 
 def write_view(paths: Sequence[str | Path], out_dir: str | Path) -> Path | None:

@@ -606,7 +606,8 @@
       });
       return h;
     }
-    h += "<p class='note'>No transcript was saved for this candidate (rerun the eval with --save-transcripts).</p>";
+    if (rec.transcript === false) h += "<p class='note'>No transcript was saved for this candidate (rerun the eval with --save-transcripts).</p>";
+    else h += "<p class='note'>Nothing was sampled (stop: " + esc(rec.stop_reason) + ").</p>";
     if (rec.final_text_tail) h += "<div class='span trained'><div class='tag'><span class='state'>FINAL TEXT (TAIL)</span></div><pre class='text'>\n" + textHtml(rec.final_text_tail) + "</pre></div>";
     return h;
   }
