@@ -24,7 +24,13 @@ from retool.view.site import build_site
 def pick_row(data: dict) -> int:
     rows, sources = data["rows"], data["sources"]
     train = [i for i, r in enumerate(rows) if sources[r["s"]]["kind"] == "train" and r["t"]]
-    pool = [i for i in train if rows[i]["k"] >= 1 and rows[i]["c"]] or train or list(range(len(rows)))
+    # Best: an execution failed, the model called again and got it right; then any correct call.
+    pool = (
+        [i for i in train if rows[i]["e"] and rows[i]["k"] >= 2 and rows[i]["c"]]
+        or [i for i in train if rows[i]["k"] >= 1 and rows[i]["c"]]
+        or train
+        or list(range(len(rows)))
+    )
     if not pool:
         raise SystemExit("no trajectories to show")
     last = max(rows[i]["st"] or 0 for i in pool)

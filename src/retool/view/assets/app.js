@@ -186,7 +186,8 @@
 
   // An SVG line chart of one metric for every run (with an optional min-max band), crosshair tooltip.
   function lineChart(spec, smooth) {
-    const W = 480, H = 210, L = 46, R = 10, T = 10, B = 26;
+    const W = 480, H = 210, R = 10, T = 10, B = 26;
+    let L = 46; // widened below to fit the longest y label
     const box = document.createElement("div");
     box.className = "chart";
     const series = [];
@@ -212,10 +213,14 @@
     if (y0 === y1) { y0 -= 0.5; y1 += 0.5; }
     const pad = (y1 - y0) * 0.06;
     y0 = y0 >= 0 ? Math.max(0, y0 - pad) : y0 - pad; // rates and lengths never dip below 0 on the axis
-    y1 += pad;
+    y1 = spec.pct && y1 <= 1 ? Math.min(1, y1 + pad) : y1 + pad; // nor rates above 100%
+    // As many decimals as a quarter of the axis needs (a ratio that stays within 1e-6 of 1 still reads).
+    const scale = spec.pct ? 100 : 1;
+    const digits = Math.min(9, Math.max(0, Math.ceil(-Math.log10((scale * (y1 - y0)) / 4)) + 1));
+    const fy = (v) => (scale * v).toFixed(digits) + (spec.pct ? "%" : "");
+    L = Math.max(L, 10 + 6 * Math.max(fy(y0).length, fy(y1).length));
     const X = (x) => L + ((x - x0) / (x1 - x0)) * (W - L - R);
     const Y = (y) => T + (1 - (y - y0) / (y1 - y0)) * (H - T - B);
-    const fy = (v) => (spec.pct ? (100 * v).toFixed(Math.abs(y1 - y0) < 0.05 ? 2 : 0) + "%" : Math.abs(v) >= 100 ? v.toFixed(0) : v.toFixed(Math.abs(y1 - y0) < 0.1 ? 3 : 2));
     let svg = "<svg viewBox='0 0 " + W + " " + H + "' role='img'>";
     for (let i = 0; i <= 4; i++) {
       const v = y0 + ((y1 - y0) * i) / 4;
@@ -540,7 +545,11 @@
       "<span class='muted'>" + esc(sourceName(r.s)) + (src.kind === "train" ? " · step " + esc(rec.step) : "") + "</span>";
     if (!compact && problemSources(r.p).length > 1) h += "<a href='#compare/" + r.p + "'>compare across sources →</a>";
     h += "</div>";
-    h += "<div class='answerbox'><div class='" + (right ? "right" : "wrong") + "'><span class='lbl'>boxed answer</span><span class='val'>" +
+    if (compact) {
+      h += "<div class='facts'>" + (right ? "<span class='pill good'>correct</span>" : "<span class='pill bad'>incorrect</span>") +
+        "<span class='pill'>answer <b class='mono'>" + (rec.answer === null || rec.answer === undefined ? "none" : esc(rec.answer)) + "</b> vs <b class='mono'>" + esc(rec.reference) + "</b></span>" +
+        "<span class='pill'>reward " + esc(signed(rec.reward)) + "</span><span class='pill'>adv " + esc(signed(rec.advantage)) + "</span></div>";
+    } else h += "<div class='answerbox'><div class='" + (right ? "right" : "wrong") + "'><span class='lbl'>boxed answer</span><span class='val'>" +
       (rec.answer === null || rec.answer === undefined ? "<span class='muted'>none</span>" : esc(rec.answer)) + "</span></div>" +
       "<div><span class='lbl'>reference</span><span class='val'>" + esc(rec.reference) + "</span></div>" +
       "<div><span class='lbl'>verdict</span><span class='val'>" + (right ? "<span class='pill good'>correct</span>" : "<span class='pill bad'>incorrect</span>") + "</span></div>" +
@@ -549,10 +558,10 @@
     const t = rec.tokens || {};
     h += "<div class='facts'><span class='pill'>stop: " + esc(rec.stop_reason) + "</span><span class='pill'>" + esc(rec.code_calls) + " code calls</span>" +
       (rec.exec_errors ? "<span class='pill bad'>" + esc(rec.exec_errors) + " executor errors</span>" : "") +
-      "<span class='pill'>tokens: prompt " + esc(t.prompt ?? "–") + " · sampled " + esc(t.completion ?? "–") + " · observation " + esc(t.observation ?? "–") + " · trained " + esc(t.trained ?? "–") + "</span>" +
+      "<span class='pill'>tokens: prompt " + esc(t.prompt ?? "–") + " · sampled " + esc(t.completion ?? "–") + " · observation " + esc(t.observation ?? "–") + (rec.mask_source === "datum" || rec.mask_source === "untrained" ? " · trained " + esc(t.trained ?? "–") : "") + "</span>" +
       "<span class='pill'>mask: " + esc(rec.mask_source) + "</span>" + (rec.error ? "<span class='pill bad'>" + esc(rec.error) + "</span>" : "") + "</div>";
     if (rec.mask_source === "untrained") h += "<p class='note'>Not trained: no datum was built from this trajectory (its group's rewards were all equal, or nothing was sampled).</p>";
-    if (rec.mask_source === "turn_structure") h += "<p class='note'>Evaluation: no training datum. Sampled tokens are marked from the turn structure; interpreter output would be masked.</p>";
+    if (rec.mask_source === "turn_structure" && !compact) h += "<p class='note'>Evaluation: no training datum. Sampled tokens are marked from the turn structure; interpreter output would be masked.</p>";
     if (!compact && rec.question) h += "<details open><summary class='muted'>question</summary><div class='question'>" + esc(rec.question) + "</div></details>";
     h += "<div class='legend-spans'><span><i class='sw trained'></i>" + (rec.mask_source === "turn_structure" ? "sampled" : "trained") + "</span><span><i class='sw masked'></i>masked (not trained)</span></div>";
     h += "<div class='spans'>" + bodyHtml(rec) + "</div>";
