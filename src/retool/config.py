@@ -9,7 +9,7 @@ from __future__ import annotations
 import tomllib
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -132,6 +132,8 @@ class LoggingConfig(_Section):
     tracker: Literal["tensorboard", "swanlab", "wandb", "none"] = "tensorboard"
     project: str = "retool"
     progress: bool = True
+    # Groups of each step saved to trajectories.jsonl for `retool view` (0: none, "all": every group).
+    trajectory_groups_per_step: Annotated[int, Field(ge=0)] | Literal["all"] = 2
 
 
 class CheckpointConfig(_Section):

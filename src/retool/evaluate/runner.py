@@ -28,6 +28,7 @@ from retool.config import Config
 from retool.data.problem import Problem
 from retool.evaluate.metrics import summarize
 from retool.evaluate.store import EvalStoreError, ResultStore
+from retool.view.records import attach_eval_transcripts
 
 logger = logging.getLogger(__name__)
 
@@ -308,6 +309,9 @@ async def run_eval(
             )
         trajs = sorted(groups[0], key=lambda t: t.group_index)
         candidates = [candidate_record(t, save_transcripts) for t in trajs]
+        if save_transcripts:  # the viewer's record shape, shared with training (retool.view.records)
+            decode = getattr(components.protocol, "decode", None)
+            attach_eval_transcripts(candidates, trajs, mode=mode, decode=decode)
         broken = sorted({c["stop_reason"] for c in candidates} & INFRA_STOP_REASONS)
         if broken:
             # A sampler or executor failure says nothing about the model; leave the problem for the next run.

@@ -305,6 +305,7 @@ def evaluate_modes(
                 identity={"model": label, "checkpoint": label, "dataset": "tasks-test"},
                 concurrency=len(problems),
                 bootstrap_resamples=200,
+                save_transcripts=True,  # full trajectories for `retool view`
             )
 
         summary = asyncio.run(go())
@@ -474,6 +475,9 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     _write_report(out, settings, result, evals)
     if settings.plots:
         result.plots = make_plots(out)
+    from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
+
+    write_view([out], out / "view")
     return result
 
 

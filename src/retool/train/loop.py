@@ -4,6 +4,7 @@
 
     RUN_DIR/config.toml       the exact config (a resumed run reads it back)
     RUN_DIR/metrics.jsonl     one JSON object per finished step, with "step"
+    RUN_DIR/trajectories.jsonl  sampled trajectories of each step (``retool.view.records``)
     RUN_DIR/tensorboard/      tracker events (when the tracker is TensorBoard)
     RUN_DIR/checkpoints/      see ``retool.train.checkpoint``
 
@@ -46,6 +47,7 @@ from retool.train.datasource import DataPosition, DataSource, ProblemStream, mak
 from retool.train.metrics import MetricsLog, Tracker, make_tracker, rollout_metrics, scalars_of
 from retool.train.progress import Progress
 from retool.train.step import build_step_data, train_step
+from retool.view.records import TRAJECTORIES_FILE, TrajectoryLog
 
 logger = logging.getLogger(__name__)
 
@@ -172,6 +174,9 @@ class Trainer:
         self._owned: list[Any] = []  # components this trainer built, and so closes
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
+        self.trajectories = TrajectoryLog(
+            self.run_dir / TRAJECTORIES_FILE, config.logging.trajectory_groups_per_step, config.train.seed
+        )
 
     # -- setup -----------------------------------------------------------------------------------
     def _prepare_run_dir(self) -> None:
@@ -387,6 +392,10 @@ class Trainer:
         data = build_step_data(
             collected.groups, drop_void=cfg.filters.void_turn, drop_overlong=cfg.filters.overlong
         )
+        # Every sampled group may be shown; the datums mark which of them were trained.
+        self.trajectories.write_step(
+            step, collected.sampled, data.datums, getattr(self._protocol, "decode", None)
+        )
         result = await train_step(
             self._client,
             data.datums,
@@ -411,7 +420,9 @@ class Trainer:
         n_trained_trajs = data.n_trajectories or 1
         record["filter/void_rate"] = data.n_void / n_trained_trajs
         record["filter/overlong_rate"] = data.n_overlong / n_trained_trajs
-        record["sampling/text_only_groups"] = float(sum(1 for g in sampled if g and not getattr(g[0], "use_tools", True)))
+        record["sampling/text_only_groups"] = float(
+            sum(1 for g in sampled if g and not getattr(g[0], "use_tools", True))
+        )
         record["tokens/trained"] = float(sum(1 for d in data.datums for w in d.weights if w != 0.0))
         record["time/refresh"] = t_refresh
         record["time/rollout"] = t_rollout
