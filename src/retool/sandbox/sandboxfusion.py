@@ -20,7 +20,7 @@ from typing import Any
 
 import httpx
 
-from retool.sandbox.base import ExecResult, Executor
+from retool.sandbox.base import ExecResult, Executor, is_memory_failure
 
 logger = logging.getLogger(__name__)
 
@@ -93,7 +93,7 @@ class SandboxFusionExecutor(Executor):
             returncode=returncode,
             timed_out=timed_out,
             latency=time.perf_counter() - started,
-            memory_killed=not ok and "MemoryError" in stderr,
+            memory_killed=not ok and is_memory_failure(stderr, returncode, timed_out),
             truncated=t1 or t2,
         )
 
