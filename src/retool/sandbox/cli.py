@@ -57,9 +57,15 @@ def exec_cmd(
     url: str | None = typer.Option(None, help="SandboxFusion base URL (backend sandboxfusion)."),
 ) -> None:
     """Read Python code from stdin, run it once, print the ExecResult as one JSON line."""
+    from retool.sandbox import SandboxWorkerError
+
     code = sys.stdin.read()
     with _make(backend, isolation, timeout, memory_mb, url, workers=1) as executor:
-        result = executor.run(code)
+        try:
+            result = executor.run(code)
+        except SandboxWorkerError as exc:  # the sandbox itself failed, not the code: no result to print
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
     typer.echo(json.dumps(result.to_json_dict(), ensure_ascii=False))
 
 

@@ -39,10 +39,18 @@ from pathlib import Path
 from typing import Any
 
 from retool.backends import adam_params_from_config
+from retool.backends.guarded import guard_training_client
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.train.checkpoint import CheckpointManager, TrainerState, repair_metrics, restore_rng
 from retool.train.datasource import DataPosition, DataSource, ProblemStream, make_source
-from retool.train.metrics import MetricsLog, Tracker, make_tracker, rollout_metrics, scalars_of
+from retool.train.metrics import (
+    MetricsLog,
+    Tracker,
+    fault_counters,
+    make_tracker,
+    rollout_metrics,
+    scalars_of,
+)
 from retool.train.progress import Progress
 from retool.train.step import build_step_data, train_step
 
@@ -210,6 +218,7 @@ class Trainer:
             self._client = self._make_client()
             self._owns_client = True
             cfg = self.config
+        self._client = guard_training_client(self._client, cfg)  # timeouts + retries (retry.guard)
         if self._protocol is None:
             from retool.protocol import ChatProtocol
 
@@ -366,6 +375,7 @@ class Trainer:
         record["time/checkpoint"] = 0.0
         record["data/epoch"] = float(stream.position.epoch)
         record["data/index"] = float(stream.position.index)
+        record.update(fault_counters(self._client, self._executor, self._verifier))
         record["problem_ids"] = [p.id for p in problems]
         record["rewards"] = [[float(t.reward) for t in g] for g in groups]
 

@@ -8,8 +8,15 @@ Definitions (all over the step's trajectories unless said otherwise):
   ``correct_without_code_rate`` (correct and no call / trajectories), ``correct_with_code_rate``,
   ``self_correction_rate`` (a call failed, a later one was retried and the trajectory ended correct /
   trajectories), ``self_correction_given_error`` (the same over trajectories that hit an error).
-- env: over this step's executions: ``exec_calls``, ``exec_success_rate``, ``exec_error_rate``,
-  ``exec_timeout_rate``, ``exec_mean_latency``, ``exec_max_latency`` (seconds).
+- env: over this step's executions: ``exec_calls``, ``exec_success_rate``, ``exec_error_rate`` (failures
+  other than timeouts and memory-limit kills), ``exec_timeout_rate``, ``exec_memory_limit_rate``,
+  ``exec_mean_latency``, ``exec_max_latency`` (seconds).
+- faults, this step: ``trajectories_lost`` (ended by an infrastructure failure: ``sampler_error`` +
+  ``executor_error``), ``verify_errors`` / ``verify_timeouts`` (answers the verifier could not check,
+  scored -1). Since the trainer's components started (``fault_counters``): ``sandbox_worker_failures``
+  (calls lost to a dead sandbox worker), ``sandbox_worker_restarts``, ``verifier_worker_restarts``,
+  ``remote_calls`` / ``remote_retries`` / ``remote_timeouts`` / ``remote_failures`` /
+  ``remote_replays`` (guarded backend calls, see ``retool.backends.guarded``).
 - policy: ``ratio_mean/min/max``, ``clip_fraction``, ``loss``, ``grad_norm``, ``lr`` (from the backend),
   ``response_length`` (mean sampled tokens per trajectory).
 - stop: share of each stop reason.
@@ -44,6 +51,38 @@ def _rate(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
+_INFRA_STOPS = frozenset({"sampler_error", "executor_error"})
+
+
+def _status(result: Any) -> str:
+    """An execution's outcome (``ExecResult.status``; derived for result-like objects without it)."""
+    status = getattr(result, "status", None)
+    if isinstance(status, str):
+        return status
+    if result.timed_out:
+        return "timeout"
+    return "ok" if result.ok else "error"
+
+
+def fault_counters(client: Any, executor: Any, verifier: Any) -> dict[str, float]:
+    """Fault counters of the trainer's components since they started (absent where a component has none).
+
+    Cumulative, so a chart shows when faults happened; a resumed run starts them again from 0.
+    """
+    out: dict[str, float] = {}
+    counters = getattr(client, "fault_counters", None)
+    if callable(counters):
+        out.update(counters())
+    stats = getattr(executor, "stats", None)
+    for name in ("worker_failures", "worker_restarts"):
+        if isinstance(getattr(stats, name, None), int):
+            out[f"faults/sandbox_{name}"] = float(getattr(stats, name))
+    kills = getattr(getattr(verifier, "stats", None), "worker_kills", None)
+    if isinstance(kills, int):
+        out["faults/verifier_worker_restarts"] = float(kills)
+    return out
+
+
 def rollout_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
     """Task, tool, environment, stop-reason and token metrics of one step's trajectories."""
     trajs = [t for g in groups for t in g]
@@ -75,12 +114,16 @@ def rollout_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
     m["env/exec_calls"] = float(k)
     m["env/exec_success_rate"] = _rate(sum(r.ok and not r.timed_out for r in results), k)
     m["env/exec_timeout_rate"] = _rate(sum(bool(r.timed_out) for r in results), k)
-    m["env/exec_error_rate"] = _rate(sum((not r.ok) and not r.timed_out for r in results), k)
+    m["env/exec_error_rate"] = _rate(sum(_status(r) == "error" for r in results), k)
+    m["env/exec_memory_limit_rate"] = _rate(sum(_status(r) == "memory_limit" for r in results), k)
     m["env/exec_mean_latency"] = _rate(sum(float(r.latency) for r in results), k)
     m["env/exec_max_latency"] = max((float(r.latency) for r in results), default=0.0)
 
     for reason in STOP_REASONS:
         m[f"stop/{reason}"] = _rate(sum(t.stop_reason == reason for t in trajs), n)
+    m["faults/trajectories_lost"] = float(sum(t.stop_reason in _INFRA_STOPS for t in trajs))
+    m["faults/verify_errors"] = float(sum(getattr(t, "reward_status", "") == "error" for t in trajs))
+    m["faults/verify_timeouts"] = float(sum(getattr(t, "reward_status", "") == "timeout" for t in trajs))
 
     prompt = completion = observation = total = 0
     for t in trajs:
