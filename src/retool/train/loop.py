@@ -393,7 +393,10 @@ class Trainer:
     ) -> None:
         t0 = time.perf_counter()
         tmp = self.checkpoints.begin(step)
-        backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
+        try:
+            backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
+        except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
+            raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
         # The metrics line travels inside the checkpoint, so it carries the checkpoint's own cost.
         record["time/checkpoint"] = time.perf_counter() - t0
         record["time/step"] = time.perf_counter() - t_step

@@ -28,6 +28,7 @@ Definitions (all over the step's trajectories unless said otherwise):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -37,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.rollout.types import STOP_REASONS  # the rollout stage owns the list of stop reasons
+from retool.train.checkpoint import RunWriteError
 from retool.train.step import trajectory_tokens
 
 logger = logging.getLogger(__name__)
@@ -157,11 +159,23 @@ class MetricsLog:
         return self.path.stat().st_size if self.path.exists() else 0
 
     def append(self, record: dict[str, Any]) -> None:
+        """Append one line, all of it or nothing: a failed write (ENOSPC...) is cut back off the file, so no
+        torn line is left behind, and raises ``RunWriteError`` naming the file and the step."""
         line = json.dumps(_finite(record), sort_keys=True)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        size = self.offset()
+        try:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, size)  # shrinking needs no space
+            raise RunWriteError(
+                f"appending step {record.get('step')}'s metrics to {self.path} failed: "
+                f"{type(exc).__name__}: {exc}; the file still ends with the previous step, and a resume "
+                f"restores the line from the latest checkpoint (retool train --resume {self.path.parent})"
+            ) from exc
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
