@@ -331,3 +331,47 @@ def test_guard_applies_to_remote_backends_by_default() -> None:
         guard_training_client(service, load_config(None, ["backend.kind='tinker'", "retry.guard='never'"]))
         is service
     )
+
+
+def test_replay_on_the_real_local_backend_gives_the_same_gradient(tiny_model_dir) -> None:
+    """The local backend's ``zero_grad_async`` + replay: after a forward_backward whose answer was lost
+    (applied, then the connection "dropped"), the accumulated gradient equals a fault-free one bitwise."""
+    import torch
+
+    from retool.backends.local import LocalTrainingClient
+
+    client = LocalTrainingClient(tiny_model_dir, device="cpu", seed=0, num_threads=1)
+    datums = [Datum([5, 6, 7, 8], [6, 7, 8, 9], [-1.0] * 4, [a] * 4, [0.1] * 4) for a in (0.5, -1.0, 2.0)]
+
+    async def accumulate(target: Any) -> list[torch.Tensor]:
+        for d in datums:
+            await target.forward_backward_async([d], "ppo", {"clip_low": 0.8, "clip_high": 1.28})
+        return [p.grad.detach().clone() for p in client.trainable_parameters()]
+
+    class DropsOnce:
+        """The real client; the second forward_backward is applied, then its answer is lost."""
+
+        def __init__(self) -> None:
+            self.calls = 0
+
+        async def forward_backward_async(self, *args: Any) -> ForwardBackwardResult:
+            self.calls += 1
+            result = await client.forward_backward_async(*args)
+            if self.calls == 2:
+                raise ConnectionResetError("answer lost after the gradient was accumulated")
+            return result
+
+        def __getattr__(self, name: str) -> Any:
+            return getattr(client, name)
+
+    try:
+        clean = asyncio.run(accumulate(client))
+        asyncio.run(client.zero_grad_async())
+        assert all(p.grad is None for p in client.trainable_parameters())
+        guarded = GuardedTrainingClient(DropsOnce(), policy=POLICY)
+        assert guarded.guard == "replay"
+        replayed = asyncio.run(accumulate(guarded))
+        assert guarded.replays == 1
+        assert all(torch.equal(a, b) for a, b in zip(clean, replayed, strict=True))
+    finally:
+        client.close()

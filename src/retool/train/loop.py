@@ -48,6 +48,7 @@ from retool.train.metrics import (
     Tracker,
     fault_counters,
     make_tracker,
+    raise_if_step_lost,
     rollout_metrics,
     scalars_of,
 )
@@ -345,6 +346,7 @@ class Trainer:
             on_trajectory=on_trajectory,
         )
         t_rollout = time.perf_counter() - t0
+        raise_if_step_lost(groups, step)  # a dead sampler / sandbox stops the run instead of burning steps
         if self._reward_fn is not None:
             for group in groups:
                 for traj in group:

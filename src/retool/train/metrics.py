@@ -66,6 +66,28 @@ def _status(result: Any) -> str:
     return "ok" if result.ok else "error"
 
 
+class StepLostError(RuntimeError):
+    """Every trajectory of a step ended in an infrastructure failure (a dead sampler or sandbox)."""
+
+
+def raise_if_step_lost(groups: Sequence[Sequence[Any]], step: int) -> None:
+    """Stop the run when a whole step was lost to infrastructure failures.
+
+    One lost trajectory is absorbed (it ends, is counted, the step goes on); a step with nothing but
+    lost trajectories means the sampler or the sandbox is down, and going on would only burn steps that
+    train nothing. Raised before the step trains or checkpoints, so a resume redoes it.
+    """
+    trajs = [t for g in groups for t in g]
+    if not trajs or not all(t.stop_reason in _INFRA_STOPS for t in trajs):
+        return
+    reasons = sorted({t.stop_reason for t in trajs})
+    first = next((t.error for t in trajs if getattr(t, "error", None)), "no error text")
+    raise StepLostError(
+        f"step {step}: all {len(trajs)} trajectories ended in infrastructure failures ({', '.join(reasons)}); "
+        f"first error: {first}. Nothing of this step was trained or saved; fix the cause and resume"
+    )
+
+
 def fault_counters(client: Any, executor: Any, verifier: Any) -> dict[str, float]:
     """Fault counters of the trainer's components since they started (absent where a component has none).
 
