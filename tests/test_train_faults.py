@@ -4,7 +4,8 @@ checkpoint stays intact, and a resume continues exactly like an uninterrupted ru
 Faults are injected at the run's write boundaries (the backend's save, torch's RNG file, the trainer
 state, the ``latest`` pointer, the metrics line); the metrics case also uses ``/dev/full``, where the
 kernel itself answers ENOSPC. Fake components (``test_train_loop``'s) keep each run to a fraction of a
-second; ``test_train_worker_faults`` does a full-disk save with the real local backend.
+second; ``test_train_worker_faults`` does a full-disk save with the real local backend. Also here: a step
+whose every trajectory was lost to infrastructure failures stops the run.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from retool.train import metrics as metrics_mod
 from retool.train.checkpoint import CheckpointManager, CheckpointWriteError, RunWriteError
 from retool.train.datasource import list_source
 from retool.train.loop import Trainer
+from retool.train.metrics import StepLostError
 from test_train_loop import (
     PROBLEMS,
     FakeClient,
@@ -217,3 +219,38 @@ def test_metrics_on_a_full_device_real_enospc(tmp_path: Path, reference: list[di
     metrics.unlink()  # space is freed: the file is back
     kept.rename(metrics)
     _resume_matches(run, reference, start=2)
+
+
+def test_a_step_lost_entirely_to_infrastructure_failures_stops_the_run(tmp_path: Path) -> None:
+    """One lost trajectory is absorbed; a step with nothing else means the sampler or sandbox is down."""
+
+    async def rollouts(problems: Any, *, sampler: Any, group_size: int, seed: int, **kw: Any) -> Any:
+        groups = await fake_rollouts(problems, sampler=sampler, group_size=group_size, seed=seed, **kw)
+        step = len(seen) + 1
+        seen.append(step)
+        for g, group in enumerate(groups):
+            for b, traj in enumerate(group):
+                if step == 2 or (step == 1 and (g, b) == (0, 0)):
+                    traj.stop_reason, traj.error = "sampler_error", "ConnectionResetError: sampler died"
+                    traj.reward, traj.correct = -1.0, False
+        return groups
+
+    seen: list[int] = []
+    trainer = Trainer(
+        fake_config(steps=4, every=1),
+        tmp_path / "run",
+        client=FakeClient(),
+        source=list_source(PROBLEMS, shuffle=True),
+        executor=object(),
+        verifier=object(),
+        protocol=object(),
+        rollout_fn=rollouts,
+    )
+    with pytest.raises(
+        StepLostError, match=r"step 2: all 12 trajectories ended in infrastructure failures"
+    ) as info:
+        trainer.run()
+    assert "sampler died" in str(info.value)
+    rows = read_metrics(tmp_path / "run")
+    assert [r["step"] for r in rows] == [1] and rows[0]["faults/trajectories_lost"] == 1.0
+    assert CheckpointManager(tmp_path / "run").latest() == tmp_path / "run" / "checkpoints" / "step_000001"
