@@ -546,13 +546,13 @@ class ForkServerExecutor(Executor):
         """
         server = self._servers[0]
         assert server is not None
-        reply = server.request(
-            {
-                "code": _CHILD_VIEW_CODE % (json.dumps(self._sys_path), json.dumps(self.preimport)),
-                "timeout": 30,
-            },
-            30 + _REPLY_GRACE_S,
-        )
+        code = _CHILD_VIEW_CODE % (json.dumps(self._sys_path), json.dumps(self.preimport))
+        try:
+            reply = server.request({"code": code, "timeout": 30}, 30 + _REPLY_GRACE_S)
+        except (OSError, EOFError, TimeoutError, ValueError) as exc:
+            raise SandboxUnavailableError(
+                f"sandbox server failed its first call: {exc}; {server.log_tail()}"
+            ) from exc
         try:
             problems = json.loads(reply["stdout"])
         except (TypeError, ValueError):
