@@ -219,3 +219,61 @@ def test_environment_closed_to_the_sandbox_uid_is_refused_at_start(tmp_path: Pat
     assert proc.returncode == 1, proc.stdout
     assert "cannot read the environment" in proc.stderr
     assert f"sys.path directory {venv}/lib/" in proc.stderr and "PermissionError" in proc.stderr
+
+
+ROOTLESS_DRIVER = """
+import json, sys
+from retool.sandbox.forkserver import ForkServerExecutor
+with ForkServerExecutor(timeout=5.0, workers=1, preimport=["retool_uvenv_probe"], python=sys.executable) as ex:
+    r = ex.run("import os, retool_uvenv_probe.lazy as m; print(m.__file__, m.VALUE, os.getuid())")
+    print("RESULT " + json.dumps({"mode": ex.strict_mode, "ok": r.ok, "out": r.stdout, "err": r.stderr}))
+"""
+
+
+@pytest.mark.bwrap
+def test_virtualenv_under_tmp_without_root(tmp_path: Path) -> None:
+    """The same for a non-root caller (bubblewrap in a user namespace): the system interpreter's venv
+    under /tmp, used by uid 65534."""
+    from test_sandbox_rootless import SYSTEM_PY, _skip_reason
+
+    reason = _skip_reason()
+    if reason:
+        pytest.skip(reason)
+    venv = Path(tempfile.mkdtemp(prefix="retool-uvenv-", dir="/tmp"))
+    try:
+        venv.chmod(0o755)
+        subprocess.run([SYSTEM_PY, "-m", "venv", "--without-pip", str(venv)], check=True)
+        site = subprocess.run(
+            [str(venv / "bin" / "python"), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+            check=True,
+            capture_output=True,
+            text=True,
+        ).stdout.strip()
+        probe = Path(site) / "retool_uvenv_probe"
+        probe.mkdir()
+        (probe / "__init__.py").write_text("")
+        (probe / "lazy.py").write_text("VALUE = 7\n")
+        subprocess.run(["chmod", "-R", "a+rX", str(venv)], check=True)
+        as_nobody = [
+            "setpriv",
+            "--reuid=65534",
+            "--regid=65534",
+            "--clear-groups",
+            "env",
+            f"PYTHONPATH={SRC}",
+        ]
+        proc = subprocess.run(
+            [*as_nobody, str(venv / "bin" / "python"), "-c", ROOTLESS_DRIVER],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            cwd="/",
+        )
+    finally:
+        shutil.rmtree(venv, ignore_errors=True)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")]
+    assert lines, proc.stderr[-3000:]
+    result = json.loads(lines[0][len("RESULT ") :])
+    assert result["mode"] == "userns" and result["ok"], result
+    path, value, uid = result["out"].split()
+    assert path.startswith(str(venv) + "/") and value == "7" and uid == "0"  # uid 0 of its own namespace

@@ -216,8 +216,8 @@ class RetryStats:
 _RNG = random.Random()
 
 
-def _decide(exc: BaseException, attempt: int, policy: RetryPolicy, what: str, idempotent: bool) -> Failure:
-    """Raise if ``exc`` ends the call; otherwise return its classification (the call is retried)."""
+def _decide(exc: Exception, attempt: int, policy: RetryPolicy, what: str, idempotent: bool) -> None:
+    """Raise if ``exc`` ends the call (permanent, unsafe to re-send, or the last attempt)."""
     kind = classify(exc)
     if kind is Failure.PERMANENT:
         raise exc
@@ -228,7 +228,34 @@ def _decide(exc: BaseException, attempt: int, policy: RetryPolicy, what: str, id
         ) from exc
     if attempt >= policy.attempts:
         raise RetriesExhaustedError(what, attempt, exc) from exc
-    return kind
+
+
+def _after_failure(
+    exc: Exception,
+    attempt: int,
+    policy: RetryPolicy,
+    what: str,
+    idempotent: bool,
+    stats: RetryStats | None,
+    rng: random.Random,
+) -> float:
+    """Count a failed attempt and either raise (the call ends) or return the backoff before the next one."""
+    if isinstance(exc, CallTimeoutError) and stats is not None:
+        stats.add(timeouts=1)
+    try:
+        _decide(exc, attempt, policy, what, idempotent)
+    except BaseException:
+        if stats is not None:
+            stats.add(failures=1)
+        raise
+    wait = policy.delay(attempt, rng, exc)
+    logger.warning(
+        "%s failed (%s: %s); retry %d/%d in %.2fs",
+        what, type(exc).__name__, exc, attempt, policy.attempts - 1, wait,
+    )  # fmt: skip
+    if stats is not None:
+        stats.add(retries=1)
+    return wait
 
 
 def call_with_retry(
@@ -254,21 +281,7 @@ def call_with_retry(
                 return fn()
             return run_with_timeout(fn, policy.timeout, what)
         except Exception as exc:
-            if isinstance(exc, CallTimeoutError) and stats is not None:
-                stats.add(timeouts=1)
-            try:
-                _decide(exc, attempt, policy, what, idempotent)
-            except BaseException:
-                if stats is not None:
-                    stats.add(failures=1)
-                raise
-            wait = policy.delay(attempt, rng, exc)
-            logger.warning(
-                "%s failed (%s: %s); retry %d/%d in %.2fs",
-                what, type(exc).__name__, exc, attempt, policy.attempts - 1, wait,
-            )  # fmt: skip
-            if stats is not None:
-                stats.add(retries=1)
+            wait = _after_failure(exc, attempt, policy, what, idempotent, stats, rng)
             sleep(wait)
 
 
@@ -282,7 +295,7 @@ async def acall_with_retry(
     rng: random.Random | None = None,
     before_retry: Callable[[BaseException], Awaitable[None]] | None = None,
 ) -> T:
-    """Await ``fn()`` under ``policy``; each attempt bounded by ``asyncio.wait_for(policy.timeout)``.
+    """Await ``fn()`` under ``policy``; each attempt bounded by ``policy.timeout`` (a cancellation).
 
     ``before_retry(exc)`` runs before every re-send (after the backoff): an idempotency guard hooks in
     there (e.g. discard an accumulated gradient and replay earlier calls).
@@ -296,21 +309,7 @@ async def acall_with_retry(
         try:
             return await _bounded(fn(), policy.timeout, what)
         except Exception as exc:
-            if isinstance(exc, CallTimeoutError) and stats is not None:
-                stats.add(timeouts=1)
-            try:
-                _decide(exc, attempt, policy, what, idempotent)
-            except BaseException:
-                if stats is not None:
-                    stats.add(failures=1)
-                raise
-            wait = policy.delay(attempt, rng, exc)
-            logger.warning(
-                "%s failed (%s: %s); retry %d/%d in %.2fs",
-                what, type(exc).__name__, exc, attempt, policy.attempts - 1, wait,
-            )  # fmt: skip
-            if stats is not None:
-                stats.add(retries=1)
+            wait = _after_failure(exc, attempt, policy, what, idempotent, stats, rng)
             await asyncio.sleep(wait)
             if before_retry is not None:
                 await before_retry(exc)

@@ -77,6 +77,8 @@ class GuardedSamplingClient(SamplingClient):
         return self._inner
 
     def __getattr__(self, name: str) -> Any:  # tokenizer, batch_limit...: whatever the sampler offers
+        if name == "_inner":  # not set yet (copy / unpickle): no recursion
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     async def sample_async(
@@ -133,6 +135,8 @@ class GuardedTrainingClient(TrainingClient):
         return self._inner.tokenizer
 
     def __getattr__(self, name: str) -> Any:
+        if name == "_inner":
+            raise AttributeError(name)
         return getattr(self._inner, name)
 
     @property
