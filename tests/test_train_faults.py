@@ -18,6 +18,7 @@ from typing import Any
 
 import pytest
 
+from retool.retry import TransientStatusError
 from retool.train import checkpoint as checkpoint_mod
 from retool.train import metrics as metrics_mod
 from retool.train.checkpoint import CheckpointManager, CheckpointWriteError, RunWriteError
@@ -254,3 +255,44 @@ def test_a_step_lost_entirely_to_infrastructure_failures_stops_the_run(tmp_path:
     rows = read_metrics(tmp_path / "run")
     assert [r["step"] for r in rows] == [1] and rows[0]["faults/trajectories_lost"] == 1.0
     assert CheckpointManager(tmp_path / "run").latest() == tmp_path / "run" / "checkpoints" / "step_000001"
+
+
+class FlakyServiceClient(FakeClient):
+    """A remote-like client: the first sampler refresh answers 503; one forward_backward (the second
+    micro-batch after two optimizer steps) is applied but its answer is lost; it can discard its gradient."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.fb_in_step: dict[int, int] = {}
+        self.refresh_failed = False
+
+    async def sampling_client_async(self) -> Any:
+        if not self.refresh_failed:
+            self.refresh_failed = True
+            raise TransientStatusError("HTTP 503: warming up", 503)
+        return await super().sampling_client_async()
+
+    async def forward_backward_async(self, datums: Any, loss_fn: Any, loss_config: Any = None) -> Any:
+        n = self.fb_in_step[self.optim_steps] = self.fb_in_step.get(self.optim_steps, 0) + 1
+        result = await super().forward_backward_async(datums, loss_fn, loss_config)
+        if self.optim_steps == 2 and n == 2:  # the second micro-batch after two optimizer steps
+            raise ConnectionResetError("connection reset after the gradient was accumulated")
+        return result
+
+    async def zero_grad_async(self) -> None:
+        self.grad = 0.0
+
+
+def test_trainer_guards_remote_calls_and_never_double_counts_a_gradient(tmp_path: Path) -> None:
+    cfg = fake_config(steps=6, every=2).model_copy(deep=True)
+    cfg.backend.micro_batch_tokens = 16  # several micro-batches per step: the replay re-issues earlier ones
+    make_trainer(cfg, tmp_path / "reference").run()  # no faults, no guard
+    cfg.retry.guard = "always"
+    cfg.retry.backoff = 0.001
+    make_trainer(cfg, tmp_path / "run", client=FlakyServiceClient()).run()
+    rows = read_metrics(tmp_path / "run")
+    # The same weights after every step, so the same samples, rewards and grad norms.
+    assert essentials(rows) == essentials(read_metrics(tmp_path / "reference"))
+    last = rows[-1]
+    assert last["faults/remote_retries"] == 2 and last["faults/remote_failures"] == 0
+    assert last["faults/remote_replays"] == 1
