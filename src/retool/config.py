@@ -141,6 +141,17 @@ class CheckpointConfig(_Section):
     keep_last: int = 3
 
 
+class RetryConfig(_Section):
+    """Timeouts and retries of calls to the training / sampling backend (``retool.backends.guarded``)."""
+
+    guard: Literal["remote", "always", "never"] = "remote"  # remote: pytrio / tinker only
+    sample_timeout: float = Field(default=900.0, ge=0)  # seconds per sample request (0: none)
+    call_timeout: float = Field(default=1800.0, ge=0)  # forward_backward, optim_step, save, load, refresh
+    attempts: int = Field(default=4, ge=1)  # in all, the first included
+    backoff: float = Field(default=2.0, ge=0)  # full-jitter exponential: uniform(0, backoff * 2^k)
+    max_backoff: float = Field(default=60.0, ge=0)
+
+
 class TrainConfig(_Section):
     steps: int = 200
     seed: int = 0
@@ -162,6 +173,7 @@ class Config(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    retry: RetryConfig = Field(default_factory=RetryConfig)
 
 
 class ConfigError(ValueError):

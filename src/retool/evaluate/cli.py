@@ -90,6 +90,7 @@ def register(app: typer.Typer) -> None:
             _fail(str(exc))
         fields = {"question_field": question_field, "answer_field": answer_field, "id_field": id_field}
         from retool.data import DataError
+        from retool.sandbox import SandboxPreimportError
 
         try:
             summary = evaluate(
@@ -106,7 +107,7 @@ def register(app: typer.Typer) -> None:
                 save_transcripts=save_transcripts,
                 dataset_fields={k: v for k, v in fields.items() if v},
             )
-        except (EvalError, EvalStoreError, DataError) as exc:
+        except (EvalError, EvalStoreError, DataError, SandboxPreimportError) as exc:
             _fail(str(exc))
         typer.echo(format_summary(summary))
         typer.echo(f"records: {output}")

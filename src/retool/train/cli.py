@@ -30,9 +30,12 @@ def register(app: typer.Typer) -> None:
     ) -> None:
         """RL with the code interpreter: rollouts, interpreter-masked PPO steps, metrics, checkpoints."""
         from retool.config import ConfigError, dump_config
+        from retool.retry import RetriesExhaustedError, UnsafeRetryError
+        from retool.sandbox import SandboxPreimportError
+        from retool.train.checkpoint import RunWriteError
         from retool.train.datasource import DataSourceError
         from retool.train.loop import RunDirError, load_run_config, run_training
-        from retool.train.metrics import TrackerError
+        from retool.train.metrics import StepLostError, TrackerError
 
         if resume is not None and run_dir is not None and resume != run_dir:
             _fail("--resume names the run folder; do not also pass a different --run-dir")
@@ -51,6 +54,17 @@ def register(app: typer.Typer) -> None:
             summary = run_training(cfg, folder, resume=resume is not None)
         except (RunDirError, DataSourceError, TrackerError, ConfigError) as exc:
             _fail(str(exc))
+        except (
+            RunWriteError,
+            SandboxPreimportError,
+            StepLostError,
+            UnsafeRetryError,
+            RetriesExhaustedError,
+        ) as exc:
+            # Faults the run cannot go on through; what is on disk is consistent, so say how to go on.
+            typer.echo(f"error: {exc}", err=True)
+            typer.echo(f"resume from the last checkpoint with: retool train --resume {folder}", err=True)
+            raise typer.Exit(1) from None
         except KeyboardInterrupt:
             typer.echo(
                 f"aborted; resume from the last checkpoint with: retool train --resume {folder}", err=True

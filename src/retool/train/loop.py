@@ -40,11 +40,20 @@ from pathlib import Path
 from typing import Any
 
 from retool.backends import adam_params_from_config
+from retool.backends.guarded import guard_training_client
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.train.checkpoint import CheckpointManager, TrainerState, repair_metrics, restore_rng
 from retool.train.collect import collect_groups, round_seed
 from retool.train.datasource import DataPosition, DataSource, ProblemStream, make_source
-from retool.train.metrics import MetricsLog, Tracker, make_tracker, rollout_metrics, scalars_of
+from retool.train.metrics import (
+    MetricsLog,
+    Tracker,
+    fault_counters,
+    make_tracker,
+    raise_if_step_lost,
+    rollout_metrics,
+    scalars_of,
+)
 from retool.train.progress import Progress
 from retool.train.step import build_step_data, train_step
 from retool.view.records import TRAJECTORIES_FILE, TrajectoryLog
@@ -226,6 +235,7 @@ class Trainer:
             self._client = self._make_client()
             self._owns_client = True
             cfg = self.config
+        self._client = guard_training_client(self._client, cfg)  # timeouts + retries (retry.guard)
         if self._protocol is None:
             from retool.protocol import ChatProtocol
 
@@ -377,6 +387,8 @@ class Trainer:
                 rollout(problems[:split], seed, True), rollout(problems[split:], seed ^ 0x5EED, False)
             )
             groups = [*tool_groups, *text_groups]
+            # A round lost entirely to a dead sampler or sandbox stops the run instead of burning steps.
+            raise_if_step_lost(groups, step)
             if self._reward_fn is not None:
                 for group in groups:
                     for traj in group:
@@ -430,6 +442,7 @@ class Trainer:
         record["time/checkpoint"] = 0.0
         record["data/epoch"] = float(stream.position.epoch)
         record["data/index"] = float(stream.position.index)
+        record.update(fault_counters(self._client, self._executor, self._verifier))
         record["problem_ids"] = [p.id for p in collected.problems]
         record["rewards"] = [[float(t.reward) for t in g] for g in sampled]
 
@@ -447,7 +460,10 @@ class Trainer:
     ) -> None:
         t0 = time.perf_counter()
         tmp = self.checkpoints.begin(step)
-        backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
+        try:
+            backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
+        except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
+            raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
         # The metrics line travels inside the checkpoint, so it carries the checkpoint's own cost.
         record["time/checkpoint"] = time.perf_counter() - t0
         record["time/step"] = time.perf_counter() - t_step
