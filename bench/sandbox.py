@@ -16,7 +16,13 @@ import sys
 import time
 from collections.abc import Callable
 
-from retool.sandbox import ExecResult, Executor, ForkServerExecutor, SubprocessExecutor
+from retool.sandbox import (
+    ExecResult,
+    Executor,
+    ForkServerExecutor,
+    SandboxPreimportError,
+    SubprocessExecutor,
+)
 
 TASKS = {
     "print(1)": "print(1)",
@@ -77,7 +83,13 @@ def main(argv: list[str] | None = None) -> int:
     table: dict[tuple[str, str], dict[str, float]] = {}
     for ex_name, make in makers.items():
         t = time.perf_counter()
-        with make() as ex:
+        try:
+            ex = make()
+        except SandboxPreimportError as exc:
+            # The sandbox cannot import what the tasks need (e.g. an environment it cannot see): a
+            # benchmark of it would measure import errors, so stop and say why.
+            raise SystemExit(f"{ex_name} cannot start: {exc}") from None
+        with ex:
             start_s = time.perf_counter() - t
             if isinstance(ex, ForkServerExecutor) and ex.isolation != args.isolation:
                 print(

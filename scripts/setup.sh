@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up retool-rl on a fresh machine (Python >= 3.11, CPU is enough).
 #   bash scripts/setup.sh         # the package and the sandbox's bubblewrap
-#   bash scripts/setup.sh --dev   # plus the test and lint tools
+#   bash scripts/setup.sh --dev   # plus the test and lint tools, and Chromium for the viewer's browser tests
 # torch is pinned first: an unpinned torch with nothing installed would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -24,5 +24,16 @@ if ! command -v bwrap >/dev/null 2>&1; then
       || echo "setup: could not install bubblewrap; the sandbox will fall back with a warning" >&2
   else
     echo "setup: bubblewrap (bwrap) not found; install it for the strict sandbox (e.g. apt-get install bubblewrap)" >&2
+  fi
+fi
+
+# The viewer's browser tests drive Debian's Chromium through Playwright (a dev extra); Playwright's own
+# browser download is never used. Without a browser those tests skip and say why.
+if [ -n "$extras" ] && ! command -v chromium >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    (apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium >/dev/null) \
+      || echo "setup: could not install chromium; the viewer's browser tests will skip" >&2
+  else
+    echo "setup: chromium not found; install it for the viewer's browser tests (e.g. apt-get install chromium)" >&2
   fi
 fi

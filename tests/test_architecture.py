@@ -13,13 +13,14 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "retool"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("config",),  # the typed config, shared by every stage
+    ("config", "retry"),  # the typed config; how remote calls are bounded and retried
     ("data", "protocol", "sandbox", "reward", "backends"),  # the foundations, independent of each other
     ("rollout", "components"),  # the multi-turn loop; the one assembly of a run's parts
     ("env",),  # the environment seam: problems and how a trajectory is scored
     ("train",),
     ("evaluate",),
     ("analyze",),
+    ("view",),  # the trajectory viewer over training runs and evals
     ("tasks",),  # the embedded default (tiny model, SFT, demo) sits on top of the core
     ("cli", "__init__"),  # the command line assembles every stage's commands
     ("__main__",),  # python -m retool
@@ -86,3 +87,38 @@ def test_the_rule_catches_upward_and_lazy_imports(tmp_path: Path) -> None:
         "retool/rollout/engine.py:1: rollout imports retool.components (beside it)",
         "retool/train/loop.py:2: train imports retool.tasks.demo (above it)",
     ]
+
+
+MAX_FUNCTION_LINES = 60
+
+
+def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
+    """Functions whose body (docstring aside) runs past ``limit`` lines without saying why: their
+    docstring must hold a "Long because ..." sentence."""
+    out: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            doc = ast.get_docstring(node) or ""
+            body = node.body[1:] if doc and len(node.body) > 1 else node.body
+            lines = (node.end_lineno or node.lineno) - body[0].lineno + 1
+            if lines > limit and "Long because" not in doc:
+                out.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.name} ({lines} lines)")
+    return out
+
+
+def test_functions_are_short_or_say_why() -> None:
+    assert long_functions(SRC) == []
+
+
+def test_the_length_rule_reads_bodies_and_reasons(tmp_path: Path) -> None:
+    root = tmp_path / "retool"
+    root.mkdir()
+    body, short = ("".join(f"    x{i} = {i}\n" for i in range(n)) for n in (61, 60))
+    (root / "m.py").write_text(
+        f'def long():\n    """Does a lot."""\n{body}\n'
+        f'def explained():\n    """Does a lot.\n\n    Long because it must.\n    """\n{body}\n'
+        f'def short():\n    """Sixty lines is fine."""\n{short}\n'
+    )
+    assert long_functions(root) == ["retool/m.py:1: long (61 lines)"]

@@ -10,7 +10,7 @@ from typer.testing import CliRunner
 from retool.cli import app
 from retool.sandbox import strict_support
 
-KEYS = {"ok", "stdout", "stderr", "returncode", "timed_out", "latency"}
+KEYS = {"ok", "stdout", "stderr", "returncode", "timed_out", "latency", "status"}
 STRICT_OK, STRICT_WHY = strict_support()
 
 
@@ -29,6 +29,7 @@ def test_exec_subprocess_prints_one_json_line():
     assert set(d) == KEYS
     assert d["ok"] is False and d["stdout"] == "hi\n" and "ZeroDivisionError" in d["stderr"]
     assert d["returncode"] == 1 and d["timed_out"] is False and d["latency"] > 0
+    assert d["status"] == "error"
 
 
 def test_exec_rejects_unknown_backend():
@@ -47,13 +48,16 @@ def test_exec_forkserver_strict_timeout_and_check():
     assert result.exit_code == 0, result.output
     d = _json_line(result.stdout)
     assert set(d) == KEYS and d["timed_out"] is True and d["returncode"] is None and d["latency"] < 5
+    assert d["status"] == "timeout"
 
     result = runner.invoke(app, ["sandbox", "check"])
     assert result.exit_code == 0, result.output
     assert "active profile: strict" in result.output
     feature_lines = [ln for ln in result.output.splitlines() if ln.strip().startswith("[")]
-    assert len(feature_lines) == 11
+    assert len(feature_lines) == 11 + 5  # isolation features, then the five default pre-imports
     assert all(ln.strip().startswith("[x]") for ln in feature_lines), result.output
+    for module in ("math", "fractions", "itertools", "numpy", "sympy"):
+        assert f"import {module}" in result.output
 
 
 def test_exec_sandboxfusion_against_fake_service():

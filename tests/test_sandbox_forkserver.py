@@ -16,6 +16,7 @@ from retool.sandbox import (
     ExecResult,
     ForkServerExecutor,
     SandboxFusionExecutor,
+    SandboxPreimportError,
     SubprocessExecutor,
     make_executor,
     strict_support,
@@ -244,10 +245,15 @@ def test_bad_arguments_are_rejected(light):
         light.run(b"print(1)")  # type: ignore[arg-type]
 
 
-def test_missing_preimport_is_reported_not_fatal(caplog):
-    with ForkServerExecutor(timeout=2.0, workers=1, isolation="none", preimport=["no_such_module_xyz"]) as ex:
-        assert ex.run("print(1)").ok
-    assert any("no_such_module_xyz" in rec.getMessage() for rec in caplog.records)
+def test_missing_preimport_fails_the_start_and_leaves_no_process():
+    before = set(_descendants([os.getpid()]))
+    with pytest.raises(SandboxPreimportError) as info:
+        ForkServerExecutor(timeout=2.0, workers=2, isolation="none", preimport=["math", "no_such_module_xyz"])
+    message = str(info.value)
+    assert "'no_such_module_xyz': ModuleNotFoundError" in message and "not installed" in message
+    assert "'math'" not in message  # only the failing module is named
+    leftover = [p for p in set(_descendants([os.getpid()])) - before if _alive(p)]
+    assert leftover == []  # the servers that did start were stopped
 
 
 def test_make_executor_builds_each_backend():

@@ -1,9 +1,15 @@
-"""SandboxFusionExecutor against a local fake server on 127.0.0.1 that speaks SandboxFusion's run_code protocol."""
+"""SandboxFusionExecutor against a local fake server on 127.0.0.1 that speaks SandboxFusion's run_code protocol.
+
+The fake can also misbehave per request: hang past the client's timeout, drop the connection without an
+answer, or answer 503 / 429, for the first N attempts of a code string (``hang:N``, ``drop:N``,
+``flaky:N``, ``busy:N``); the client must retry those and fail loudly once its attempts are spent.
+"""
 
 from __future__ import annotations
 
 import asyncio
 import json
+import socket
 import threading
 import time
 from collections.abc import Iterator
@@ -11,7 +17,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from retool.sandbox import SandboxFusionExecutor
+from retool.sandbox import SandboxFusionExecutor, SandboxWorkerError
+
+DROP = object()  # reply sentinel: close the connection without answering
 
 
 class FakeSandboxFusion:
@@ -22,6 +30,7 @@ class FakeSandboxFusion:
         self.attempts: dict[str, int] = {}
         self.in_flight = 0
         self.max_in_flight = 0
+        self.hang_seconds = 1.5
         self.lock = threading.Lock()
         fake = self
 
@@ -41,16 +50,22 @@ class FakeSandboxFusion:
                 finally:
                     with fake.lock:
                         fake.in_flight -= 1
+                if reply is DROP:
+                    self.close_connection = True
+                    self.connection.shutdown(socket.SHUT_RDWR)
+                    return
                 data = json.dumps(reply).encode() if isinstance(reply, dict) else reply
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                if status == 429:
+                    self.send_header("Retry-After", "0")
                 self.end_headers()
                 self.wfile.write(data)
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+        self.thread = threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True)
         self.thread.start()
 
     @staticmethod
@@ -70,7 +85,7 @@ class FakeSandboxFusion:
             "files": {},
         }
 
-    def reply(self, path: str, body: dict, attempt: int) -> tuple[int, dict | bytes]:
+    def reply(self, path: str, body: dict, attempt: int) -> tuple[int, dict | bytes | object]:
         if path != "/run_code":
             return 404, {"detail": "Not Found"}
         code = body["code"]
@@ -81,9 +96,15 @@ class FakeSandboxFusion:
         if code == "raise":
             tb = 'Traceback (most recent call last):\n  File "/tmp/x.py", line 1\nValueError: x\n'
             return 200, self._run("Failed", "Finished", "", tb, 1)
-        if code.startswith("flaky"):
-            if attempt <= int(code.split(":")[1]):
-                return 503, b"service unavailable"
+        if code.startswith(("flaky", "busy", "hang", "drop")):
+            kind, failures = code.split(":")
+            if attempt <= int(failures):
+                if kind == "hang":
+                    time.sleep(self.hang_seconds)  # past the client's timeout: it gives up first
+                    return 200, self._run("Success", "Finished", "too late\n")
+                if kind == "drop":
+                    return 200, DROP
+                return (429 if kind == "busy" else 503), b"service unavailable"
             return 200, self._run("Success", "Finished", "recovered\n")
         if code == "sandbox-error":
             return 200, {"status": "SandboxError", "message": "no runner", "run_result": None}
@@ -137,20 +158,50 @@ def test_retries_transient_failures(fake):
 
 
 def test_gives_up_with_clear_error(fake):
+    """Spent retries are an infrastructure failure (raised), never an observation for the model."""
     with SandboxFusionExecutor(fake.url, timeout=3, retries=2, backoff=0.01) as ex:
-        r = ex.run("flaky:99")
-        assert not r.ok and "sandbox service unavailable" in r.stderr and "503" in r.stderr
+        with pytest.raises(SandboxWorkerError, match=r"sandbox service unavailable \(HTTP 503"):
+            ex.run("flaky:99")
         assert fake.attempts["flaky:99"] == 3
-        r = ex.run("sandbox-error")
-        assert not r.ok and "no runner" in r.stderr
-        r = ex.run("bad-request")  # client errors are not retried
-        assert not r.ok and "422" in r.stderr and fake.attempts["bad-request"] == 1
+        with pytest.raises(SandboxWorkerError, match="no runner"):
+            ex.run("sandbox-error")
+        assert fake.attempts["sandbox-error"] == 3  # SandboxError: nothing ran, retried like a 503
+        with pytest.raises(SandboxWorkerError, match="422"):
+            ex.run("bad-request")  # client errors are not retried
+        assert fake.attempts["bad-request"] == 1
+        assert ex.stats.calls == 0 and ex.stats.worker_failures == 3
 
 
 def test_unreachable_service():
-    with SandboxFusionExecutor("http://127.0.0.1:9", timeout=1, retries=1, backoff=0.01) as ex:
-        r = ex.run("print(1)")
-    assert not r.ok and "unavailable" in r.stderr and r.returncode is None
+    with (
+        SandboxFusionExecutor("http://127.0.0.1:9", timeout=1, retries=1, backoff=0.01) as ex,
+        pytest.raises(SandboxWorkerError, match=r"unavailable.*ConnectError"),
+    ):
+        ex.run("print(1)")
+
+
+@pytest.mark.parametrize("fault", ["hang", "drop", "flaky", "busy"])
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_hang_drop_503_and_429_are_retried(fake, fault: str, mode: str) -> None:
+    code = f"{fault}:2"
+    # A 0.2 s run timeout + 0.1 s margin: a hanging attempt is abandoned after ~0.3 s (read timeout).
+    with SandboxFusionExecutor(
+        fake.url, timeout=0.2, request_margin=0.1, connect_timeout=1.0, retries=3, backoff=0.01
+    ) as ex:
+        r = ex.run(code) if mode == "sync" else asyncio.run(ex.arun(code))
+        assert r.ok and r.stdout == "recovered\n", r
+        assert fake.attempts[code] == 3
+        assert ex.retry_stats.as_dict() == {"calls": 1, "retries": 2, "timeouts": 0, "failures": 0}
+
+
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_a_service_that_always_hangs_fails_after_bounded_attempts(fake, mode: str) -> None:
+    with SandboxFusionExecutor(
+        fake.url, timeout=0.2, request_margin=0.1, connect_timeout=1.0, retries=1, backoff=0.01
+    ) as ex:
+        with pytest.raises(SandboxWorkerError, match="ReadTimeout"):
+            ex.run("hang:99") if mode == "sync" else asyncio.run(ex.arun("hang:99"))
+        assert fake.attempts["hang:99"] == 2
 
 
 def test_async_concurrency_cap(fake):

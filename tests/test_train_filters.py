@@ -253,3 +253,74 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
         assert r["train/datums"] == 4 * kept  # every trajectory of every kept group, no degenerate one
         if r["sampling/rounds"] > 1:
             assert degenerate > 0
+
+
+# -- text-only share ------------------------------------------------------------------------------------
+
+
+def test_text_only_count() -> None:
+    from retool.train.loop import text_only_count
+
+    assert text_only_count(8, 0.0) == 0
+    assert text_only_count(8, 0.25) == 2
+    assert text_only_count(8, 0.01) == 1  # a positive share always sends at least one question
+    assert text_only_count(1, 0.5) == 0  # a lone question stays in tool mode
+    assert text_only_count(4, 0.9) == 3  # at least one question keeps the tool
+
+
+def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> None:
+    from tests.test_train_loop import PROBLEMS as LOOP_PROBLEMS
+    from tests.test_train_loop import FakeClient, fake_rollouts
+
+    from retool.components import Components
+    from retool.env import ProblemListEnv
+    from retool.train.loop import Trainer
+
+    calls: list[tuple[int, bool, object, object]] = []
+
+    async def recording_rollouts(problems, *, use_tools, protocol, executor, **kw):  # type: ignore[no-untyped-def]
+        calls.append((len(problems), use_tools, protocol, executor))
+        groups = await fake_rollouts(problems, **kw)
+        for g in groups:
+            for t in g:
+                t.use_tools = use_tools
+        return groups
+
+    text_protocol, executor = object(), object()
+
+    class ToolProtocol:  # the text-only protocol is the tool protocol's text-only twin
+        def with_tools(self, use_tools: bool) -> object:
+            return self if use_tools else text_protocol
+
+    tool_protocol = ToolProtocol()
+    cfg = load_config(
+        None,
+        [
+            "train.steps=2",
+            "checkpoint.every=0",
+            "rollout.questions_per_step=4",
+            "rollout.group_size=2",
+            "rollout.text_only_share=0.25",
+            "logging.tracker='none'",
+            "logging.progress=false",
+        ],
+    )
+    Trainer(
+        cfg,
+        tmp_path / "run",
+        env=ProblemListEnv(LOOP_PROBLEMS, shuffle=False),
+        components=Components(
+            backend=FakeClient(), protocol=tool_protocol, verifier=object(), executor=executor
+        ),
+        rollout_fn=recording_rollouts,
+    ).run()
+    # Per step: 3 questions with the tool protocol and executor, 1 text-only with neither the tool
+    # protocol nor an executor.
+    assert sorted(calls, key=lambda c: c[1]) == [
+        (1, False, text_protocol, None),
+        (1, False, text_protocol, None),
+        (3, True, tool_protocol, executor),
+        (3, True, tool_protocol, executor),
+    ]
+    rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["sampling/text_only_groups"] for r in rows] == [1.0, 1.0]

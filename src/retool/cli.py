@@ -30,6 +30,7 @@ _STAGE_CLIS = (
     "retool.train.cli",
     "retool.evaluate.cli",
     "retool.analyze.cli",
+    "retool.view.cli",
 )
 
 

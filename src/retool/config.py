@@ -14,7 +14,7 @@ import tomllib
 from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -82,6 +82,10 @@ class RolloutConfig(_Section):
     max_trajectory_tokens: int = 8192
     max_inflight_samples: int = 64
     scheduling: Literal["per_trajectory", "round_sync"] = "per_trajectory"
+    # Share of each round's questions rolled out text-only (no tool registered, the text-only system
+    # prompt). 0 trains tool use alone (the chapter); a small share keeps the text-only mode from
+    # collapsing while the tool-mode policy learns to call the tool.
+    text_only_share: float = Field(default=0.0, ge=0.0, lt=1.0)
 
 
 class FiltersConfig(_Section):
@@ -143,6 +147,8 @@ class LoggingConfig(_Section):
     tracker: Literal["tensorboard", "swanlab", "wandb", "none"] = "tensorboard"
     project: str = "retool"
     progress: bool = True
+    # Groups of each step saved to trajectories.jsonl for `retool view` (0: none, "all": every group).
+    trajectory_groups_per_step: Annotated[int, Field(ge=0)] | Literal["all"] = 2
 
 
 class CheckpointConfig(_Section):
@@ -174,6 +180,17 @@ class SFTConfig(_Section):
     easy_tool: float = Field(default=0.3, ge=0.0, le=1.0)
 
 
+class RetryConfig(_Section):
+    """Timeouts and retries of calls to the training / sampling backend (``retool.backends.guarded``)."""
+
+    guard: Literal["remote", "always", "never"] = "remote"  # remote: pytrio / tinker only
+    sample_timeout: float = Field(default=900.0, ge=0)  # seconds per sample request (0: none)
+    call_timeout: float = Field(default=1800.0, ge=0)  # forward_backward, optim_step, save, load, refresh
+    attempts: int = Field(default=4, ge=1)  # in all, the first included
+    backoff: float = Field(default=2.0, ge=0)  # full-jitter exponential: uniform(0, backoff * 2^k)
+    max_backoff: float = Field(default=60.0, ge=0)
+
+
 class TrainConfig(_Section):
     steps: int = 200
     seed: int = 0
@@ -197,6 +214,8 @@ class Config(_Section):
     train: TrainConfig = Field(default_factory=TrainConfig)
     eval: EvalConfig = Field(default_factory=EvalConfig)
     sft: SFTConfig = Field(default_factory=SFTConfig)
+
+    retry: RetryConfig = Field(default_factory=RetryConfig)
 
 
 class ConfigError(ValueError):

@@ -530,6 +530,18 @@ class LocalTrainingClient(TrainingClient):
         loop = asyncio.get_running_loop()
         return await loop.run_in_executor(self._executor, self._optim_step, adam)
 
+    def _zero_grad(self) -> None:
+        for p in self.trainable_parameters():
+            p.grad = None
+        self._pending_grads = False
+
+    async def zero_grad_async(self) -> None:
+        """Discard the gradient accumulated since the last ``optim_step`` (the guard of
+        ``retool.backends.guarded`` replays a step's ``forward_backward`` calls after it). Queued on the
+        worker thread, so it runs after any call still in flight there."""
+        loop = asyncio.get_running_loop()
+        await loop.run_in_executor(self._executor, self._zero_grad)
+
     # -- checkpoints ---------------------------------------------------------------------------
     def _state_path(self, name: str) -> Path:
         path = Path(name)

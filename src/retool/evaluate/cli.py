@@ -84,6 +84,7 @@ def eval_command(
     from retool.evaluate.runner import MODES, evaluate
     from retool.evaluate.settings import EvalError
     from retool.evaluate.store import EvalStoreError
+    from retool.sandbox import SandboxPreimportError
 
     if mode not in MODES:
         _fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
@@ -112,7 +113,7 @@ def eval_command(
             checkpoint=checkpoint,
             dataset_fields={k: v for k, v in fields.items() if v},
         )
-    except (EvalError, EvalStoreError, DataError) as exc:
+    except (EvalError, EvalStoreError, DataError, SandboxPreimportError) as exc:
         _fail(str(exc))
     typer.echo(format_summary(summary))
     typer.echo(f"records: {output}")

@@ -39,6 +39,7 @@ from retool.evaluate.settings import (
 )
 from retool.evaluate.store import EvalStoreError, ResultStore, candidate_record, problem_record
 from retool.rollout.types import Trajectory
+from retool.train.records import attach_eval_transcripts
 
 logger = logging.getLogger(__name__)
 
@@ -72,8 +73,10 @@ class _Session:
         settings: dict[str, Any],
         previous: dict[str, Any] | None,
         bootstrap: tuple[int, int],
+        decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.problems, self.store, self.settings = list(problems), store, settings
+        self.decode = decode  # the protocol's, for the viewer's token spans (saved transcripts)
         try:
             self.done = store.load()
         except EvalStoreError as exc:
@@ -116,6 +119,8 @@ class _Session:
         """Append ``problem``'s record, or leave it for the next run when the infrastructure failed."""
         trajs = sorted(trajectories, key=lambda t: t.group_index)
         candidates = [candidate_record(t, keep) for t in trajs]
+        if keep:  # the viewer's record shape, shared with training (retool.train.records)
+            attach_eval_transcripts(candidates, trajs, mode=self.settings["mode"], decode=self.decode)
         broken = sorted({c["stop_reason"] for c in candidates} & INFRA_STOP_REASONS)
         if broken:
             # A sampler or executor failure says nothing about the model; leave the problem for the next run.
@@ -141,7 +146,7 @@ class _Plan:
     """How every problem of one eval is rolled out: same parts, sampling, budgets; its own seed."""
 
     components: Components
-    sampler: SamplingClient
+    sampler: SamplingClient | None  # None only for a custom rollout that never samples
     config: Config
     mode: str
     val_n: int
@@ -195,18 +200,18 @@ async def run_eval(
     val_n = e.val_n if val_n is None else val_n
     seed = e.seed if seed is None else seed
     _check_request(problems, mode, val_n)
-    if components.sampler is None:
-        raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
     if rollout_fn is None:
+        if components.sampler is None:
+            raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
         from retool.rollout import run_group_rollouts
 
         rollout_fn = run_group_rollouts
     plan = _Plan(components, components.sampler, config, mode, val_n, seed, rollout_fn)
     settings = _settings(problems, components, config, mode, val_n, seed, dict(identity or {}))
     store = ResultStore(output)
-    session = _Session(
-        problems, store, settings, check_resumable(store, settings), (bootstrap_resamples, seed)
-    )
+    previous = check_resumable(store, settings)
+    decode = getattr(components.protocol, "decode", None)
+    session = _Session(problems, store, settings, previous, (bootstrap_resamples, seed), decode)
     todo = session.todo()
     done = len(problems) - len(todo)
     logger.info(

@@ -346,6 +346,11 @@ class Verifier:
         with contextlib.suppress(Exception):
             self.close()
 
+    def worker_pids(self) -> list[int]:
+        """PIDs of the live worker processes (for monitoring and fault tests)."""
+        with self._all_lock:
+            return [w.pid for w in self._all if w.process.poll() is None]
+
     @property
     def stats(self) -> VerifierStats:
         """A snapshot of the counters."""

@@ -8,8 +8,21 @@ Backends behind one ``Executor`` interface (``run``, ``arun``, ``format_tool_con
 
 from __future__ import annotations
 
-from retool.sandbox.base import ExecResult, Executor, ExecutorStats, format_tool_content
-from retool.sandbox.forkserver import ForkServerExecutor, SandboxUnavailableError, strict_mode, strict_support
+from retool.sandbox.base import (
+    ExecResult,
+    Executor,
+    ExecutorStats,
+    SandboxWorkerError,
+    format_tool_content,
+    is_memory_failure,
+)
+from retool.sandbox.forkserver import (
+    ForkServerExecutor,
+    SandboxPreimportError,
+    SandboxUnavailableError,
+    strict_mode,
+    strict_support,
+)
 from retool.sandbox.subprocess_executor import SubprocessExecutor
 
 __all__ = [
@@ -18,9 +31,12 @@ __all__ = [
     "ExecutorStats",
     "ForkServerExecutor",
     "SandboxFusionExecutor",
+    "SandboxPreimportError",
     "SandboxUnavailableError",
+    "SandboxWorkerError",
     "SubprocessExecutor",
     "format_tool_content",
+    "is_memory_failure",
     "make_executor",
     "strict_mode",
     "strict_support",

@@ -7,14 +7,16 @@ only use the standard library plus the configured pre-imports.
 Protocol (over the server's stdin/stdout pipes, which it moves to private descriptors at start):
 every message is a 4-byte big-endian length followed by UTF-8 JSON. The server first sends
 ``{"ready": true, ...}``; then, per request ``{"code", "timeout", "auto_print"}``, exactly one reply
-``{"stdout", "stderr", "returncode", "timed_out", "truncated", "memory_killed", "exec_time"}``.
+``{"stdout", "stderr", "returncode", "timed_out", "truncated", "oom_killed", "exec_time"}``; the ready
+message lists the pre-imports that failed as ``preimport_failed: [{"module", "error"}]``.
 EOF on the request pipe makes it exit.
 
 Per execution (see ``forkserver.py`` for the bubblewrap layer around this process):
 - strict: ``unshare(CLONE_NEWPID)`` then ``fork`` -> the child is pid 1 of a fresh PID namespace, so killing it
   kills every descendant (double-forked, setsid'd ones included) and waiting for it waits for all of them;
   the child then takes a private mount + IPC namespace, mounts fresh size-bounded tmpfs on /tmp and
-  /dev/shm and a /proc that only shows its own namespace, and switches to an unprivileged per-server uid
+  /dev/shm (binding back on top the read-only directories of the interpreter that lie below them, e.g. a
+  virtualenv under /tmp) and a /proc that only shows its own namespace, and switches to an unprivileged per-server uid
   (as root) or drops every capability (user-namespace mode), with no_new_privs. The server itself was chroot-ed into a sub-directory of its mount
   namespace, which makes ``unshare(CLONE_NEWUSER)`` fail with EPERM for every child (see unshare(2)).
 - none: ``fork`` + ``setsid``; the server is a child sub-reaper and kills every orphan that reaches it.
@@ -41,6 +43,7 @@ CLONE_NEWPID = 0x20000000
 MS_NOSUID = 2
 MS_NODEV = 4
 MS_NOEXEC = 8
+MS_BIND = 4096
 MS_REC = 1 << 14
 MS_PRIVATE = 1 << 18
 PR_SET_PDEATHSIG = 1
@@ -224,6 +227,12 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _child(cfg: dict, req: dict, out_w: int, err_w: int, devnull: int) -> None:
+    """The forked child that becomes the model's Python: namespaces, mounts, limits, streams, then exec.
+
+    Long because each step depends on the previous one having happened in this very process, in order
+    (unshare before mount, limits before dropping privileges, streams last); split into helpers, the
+    order that makes the isolation hold would no longer be visible in one place.
+    """
     import io
     import resource
 
@@ -231,12 +240,20 @@ def _child(cfg: dict, req: dict, out_w: int, err_w: int, devnull: int) -> None:
     if cfg["strict"]:
         _unshare(CLONE_NEWNS | CLONE_NEWIPC)
         _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+        # Read-only binds below /tmp or /dev/shm (a virtualenv at /tmp/venv) would vanish under the fresh
+        # tmpfs mounted next: hold each by an O_PATH descriptor and bind it back on top afterwards.
+        held = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for path in cfg["rebind"]]
         _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_size_mb']}m,mode=1777")
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
         if os.path.isdir("/dev/shm"):  # POSIX semaphores/shared memory (multiprocessing) need it writable
             _mount(
                 "tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_size_mb']}m,mode=1777"
             )
+        for path, fd in held:
+            os.makedirs(path, mode=0o755, exist_ok=True)
+            # A bind keeps the source mount's read-only flag; the uid switch below adds the owner check.
+            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+            os.close(fd)
         if cfg.get("drop", "setuid") == "setuid":
             uid = cfg["uid"]
             os.setgroups([])
@@ -355,8 +372,27 @@ def _kill_strays(me: int) -> None:
             return
 
 
+def _oom_kills() -> int:
+    """The kernel's count of OOM kills since boot (``/proc/vmstat``, Linux >= 4.13); -1 if unknown."""
+    try:
+        with open("/proc/vmstat", "rb") as fh:
+            for line in fh:
+                if line.startswith(b"oom_kill "):
+                    return int(line.split()[1])
+    except (OSError, ValueError):
+        pass
+    return -1
+
+
 def _execute(cfg: dict, req: dict, devnull: int, pidns_fd: int | None) -> dict:
+    """Run one request in a fresh child and return its result: pipes, fork, bounded reads, the wall-clock
+    kill, the reap of every descendant, and the classification (ok / error / timeout / memory_limit).
+
+    Long because the pipes, the child's pid and the deadline are shared by every stage of one execution
+    and must be cleaned up on every path out of it.
+    """
     started = time.perf_counter()
+    oom_before = _oom_kills()
     timeout = float(req.get("timeout") or cfg["timeout"])
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -443,27 +479,28 @@ def _execute(cfg: dict, req: dict, devnull: int, pidns_fd: int | None) -> dict:
         returncode = os.WEXITSTATUS(status)
     else:
         returncode = -os.WTERMSIG(status)
-    memory_killed = not timed_out and returncode != 0 and "MemoryError" in stderr
+    # The kernel's OOM killer leaves no message, only a SIGKILL: tell it from other kills by its counter.
+    oom_killed = not timed_out and returncode == -signal.SIGKILL and _oom_kills() > oom_before
     return {
         "stdout": stdout,
         "stderr": stderr,
         "returncode": returncode,
         "timed_out": timed_out,
         "truncated": t1 or t2,
-        "memory_killed": memory_killed,
+        "oom_killed": oom_killed,
         "exec_time": time.perf_counter() - started,
     }
 
 
-def _preimport(cfg: dict) -> list[str]:
+def _preimport(cfg: dict) -> list[dict]:
     import importlib
 
     failed = []
     for name in cfg["preimport"]:
         try:
             importlib.import_module(name)
-        except Exception as exc:
-            failed.append(f"{name}: {exc!r}")
+        except BaseException as exc:  # SystemExit from a module's top level counts as a failure too
+            failed.append({"module": name, "error": f"{type(exc).__name__}: {exc}"})
     if cfg.get("warmup") and "sympy" in sys.modules:
         try:  # fill sympy's caches once, so that children inherit them (copy-on-write)
             sympy = sys.modules["sympy"]
@@ -532,7 +569,7 @@ def main() -> None:
                 "returncode": None,
                 "timed_out": False,
                 "truncated": False,
-                "memory_killed": False,
+                "oom_killed": False,
                 "exec_time": 0.0,
                 "server_error": True,
             }

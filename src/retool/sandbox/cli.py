@@ -13,9 +13,17 @@ sandbox_app = typer.Typer(
 )
 
 
-def _make(backend: str, isolation: str, timeout: float, memory_mb: int, url: str | None, workers: int) -> Any:
+def _make(
+    backend: str,
+    isolation: str,
+    timeout: float,
+    memory_mb: int,
+    url: str | None,
+    workers: int,
+    preimport: list[str] | None = None,
+) -> Any:
     from retool.config import SandboxConfig
-    from retool.sandbox import make_executor
+    from retool.sandbox import SandboxPreimportError, make_executor
 
     kwargs: dict[str, Any] = {
         "backend": backend,
@@ -26,12 +34,18 @@ def _make(backend: str, isolation: str, timeout: float, memory_mb: int, url: str
     }
     if url:
         kwargs["sandboxfusion_url"] = url
+    if preimport is not None:
+        kwargs["preimport"] = preimport
     try:
         cfg = SandboxConfig(**kwargs)
     except Exception as exc:  # pydantic ValidationError: one clear line
         typer.echo(f"error: invalid sandbox options: {exc}", err=True)
         raise typer.Exit(2) from exc
-    return make_executor(cfg)
+    try:
+        return make_executor(cfg)
+    except SandboxPreimportError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(1) from exc
 
 
 @sandbox_app.command("exec")
@@ -43,33 +57,70 @@ def exec_cmd(
     url: str | None = typer.Option(None, help="SandboxFusion base URL (backend sandboxfusion)."),
 ) -> None:
     """Read Python code from stdin, run it once, print the ExecResult as one JSON line."""
+    from retool.sandbox import SandboxWorkerError
+
     code = sys.stdin.read()
     with _make(backend, isolation, timeout, memory_mb, url, workers=1) as executor:
-        result = executor.run(code)
+        try:
+            result = executor.run(code)
+        except SandboxWorkerError as exc:  # the sandbox itself failed, not the code: no result to print
+            typer.echo(f"error: {exc}", err=True)
+            raise typer.Exit(1) from exc
     typer.echo(json.dumps(result.to_json_dict(), ensure_ascii=False))
 
 
 @sandbox_app.command("check")
 def check_cmd(
     isolation: str = typer.Option("strict", help="Profile to check: strict | none."),
+    preimport: str | None = typer.Option(
+        None, help="Comma-separated modules to check (default: the configured sandbox.preimport)."
+    ),
 ) -> None:
-    """Print which isolation features are active on this machine (measured from inside a sandbox)."""
+    """Print which isolation features are active on this machine and whether each pre-import is
+    importable by model code (both measured from inside a sandbox). Exit 1 if a probe fails or a module
+    cannot be imported there."""
+    from retool.config import SandboxConfig
     from retool.sandbox.forkserver import find_bwrap, strict_support
-    from retool.sandbox.probe import PROBE_CODE, probe_rows
+    from retool.sandbox.probe import PROBE_CODE, import_probe_code, import_rows, probe_rows
 
+    modules = (
+        [m.strip() for m in preimport.split(",") if m.strip()]
+        if preimport is not None
+        else list(SandboxConfig().preimport)
+    )
     ok, reason = strict_support()
     typer.echo(f"bubblewrap: {find_bwrap() or 'not found'}")
     typer.echo(f"strict profile available: {'yes' if ok else 'no'} ({reason})")
-    with _make("forkserver", isolation, 10.0, 1024, None, workers=1) as executor:
+    # No pre-imports here: the import probe must read every module's files from inside the child.
+    with _make("forkserver", isolation, 30.0, 1024, None, workers=1, preimport=[]) as executor:
         mode = f" ({executor.strict_mode} mode)" if getattr(executor, "strict_mode", None) else ""
         typer.echo(f"active profile: {executor.isolation}{mode}")
         result = executor.run(PROBE_CODE)
+        imports = executor.run(import_probe_code(modules)) if modules else None
     if not result.ok:
         typer.echo(f"probe failed: {result.stderr or result.returncode}", err=True)
         raise typer.Exit(1)
     rows = probe_rows(json.loads(result.stdout))
     for name, active, detail in rows:
         typer.echo(f"  [{'x' if active else ' '}] {name:36s} {detail}")
+    if imports is None:
+        return
+    if not imports.ok:
+        typer.echo(f"import probe failed: {imports.stderr or imports.returncode}", err=True)
+        raise typer.Exit(1)
+    typer.echo("pre-imports, imported afresh inside the sandbox:")
+    missing = []
+    for label, importable, detail in import_rows(json.loads(imports.stdout)):
+        typer.echo(f"  [{'x' if importable else ' '}] {label:36s} {detail}")
+        if not importable:
+            missing.append(label.removeprefix("import "))
+    if missing:
+        typer.echo(
+            f"error: {', '.join(missing)} cannot be imported inside the sandbox; an executor with these "
+            "pre-imports would refuse to start",
+            err=True,
+        )
+        raise typer.Exit(1)
 
 
 def register(app: typer.Typer) -> None:

@@ -34,6 +34,18 @@ Design (measured in ../shared/notes/sandbox-research.md):
   still replaced, rlimits still applied.
 - Output is drained from pipes by the server, which keeps only a bounded tail (output cap × 4 bytes per
   stream): bounded memory, nothing on disk. The server's own stderr goes to an unlinked temp file.
+- **Where the interpreter lives does not matter**: its directories are bound read-only *after* the private
+  ``/tmp`` is mounted (and bound back by each child over its own fresh ``/tmp``), so a virtualenv under
+  ``/tmp`` is seen as it is on the host. Directories under ``/proc`` or ``/dev`` cannot be shown; strict
+  isolation then falls back loudly, naming the path.
+- **A pre-import that fails is an error at start** (``SandboxPreimportError``), naming the module, the
+  error inside the sandbox and where the module is on the host, so a run never trains with a tool that
+  cannot import what the prompt offers.
+- **Faults**: a server found dead while idle is restarted before the call (nothing lost); a server that
+  dies or hangs with a call in flight is killed and restarted, and that one call raises
+  ``SandboxWorkerError`` (the rollout ends its trajectory as ``executor_error``). Counted in
+  ``stats.worker_failures`` / ``stats.worker_restarts``. A run ended by its memory cap is reported as
+  ``status == "memory_limit"`` (see ``retool.sandbox.base.is_memory_failure``).
 """
 
 from __future__ import annotations
@@ -59,7 +71,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from retool.sandbox.base import ExecResult, Executor
+from retool.sandbox.base import ExecResult, Executor, SandboxWorkerError, is_memory_failure
 
 logger = logging.getLogger(__name__)
 
@@ -84,6 +96,40 @@ _SERVER_ENV = {
 
 class SandboxUnavailableError(RuntimeError):
     """The requested isolation cannot be provided on this machine."""
+
+
+# Run in a child at start (see ``_check_child_view``): prints a JSON list of what it could not read.
+_CHILD_VIEW_CODE = """import json, os, sys
+problems = []
+for path in %s:
+    try:
+        os.listdir(path)
+    except OSError as exc:
+        problems.append(f"sys.path directory {path}: {type(exc).__name__}: {exc.strerror}")
+for name in %s:
+    path = getattr(sys.modules.get(name), "__file__", None)
+    if path:
+        try:
+            open(path, "rb").close()
+        except OSError as exc:
+            problems.append(f"pre-import {name!r} at {path}: {type(exc).__name__}: {exc.strerror}")
+print(json.dumps(problems))
+"""
+
+
+class SandboxPreimportError(RuntimeError):
+    """A configured pre-import fails inside the sandbox: the executor refuses to start (a tool that cannot
+    import what the prompt promises would silently turn every such call into an error)."""
+
+
+# The per-execution private mounts of a strict child: binds below them are bound back on top (see _server).
+_CHILD_PRIVATE_DIRS: tuple[str, ...] = ("/tmp", "/dev/shm")
+# Directories the sandbox replaces wholesale, under which nothing of the host can be shown.
+_SANDBOX_OWNED_DIRS: tuple[str, ...] = ("/proc", "/dev")
+
+
+def _is_under(path: str, root: str) -> bool:
+    return path == root or path.startswith(root.rstrip("/") + "/")
 
 
 def find_bwrap() -> str | None:
@@ -208,8 +254,10 @@ def bwrap_command(bwrap: str, python: str, binds: Sequence[str], userns: bool = 
     # Outside /r: just enough to exec the interpreter; the server chroots into /r at once.
     cmd += add_tree("")
     cmd += ["--tmpfs", _CHROOT]
-    cmd += add_tree(_CHROOT)
+    # The private mounts first, the binds after: bwrap mounts in order, so a bind below /tmp (a
+    # virtualenv at /tmp/venv) lands on top of the private /tmp instead of being hidden by it.
     cmd += ["--dev", _CHROOT + "/dev", "--proc", _CHROOT + "/proc", "--tmpfs", _CHROOT + "/tmp"]
+    cmd += add_tree(_CHROOT)
     cmd += ["--remount-ro", _CHROOT, "--chdir", "/"]
     cmd += [python]
     return cmd
@@ -362,6 +410,11 @@ class ForkServerExecutor(Executor):
         warmup: bool = True,
         start_timeout: float = 120.0,
     ) -> None:
+        """Validate and record the limits, choose the isolation, start the pool (see the class docstring).
+
+        Long because the isolation decision (strict, or a loud fallback) needs the interpreter's paths
+        and the first start attempt, and both happen here, before the executor is usable.
+        """
         super().__init__()
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -384,6 +437,17 @@ class ForkServerExecutor(Executor):
             if self.strict_mode is None:
                 self._fallback(reason)
         self._binds, self._sys_path = _python_paths(self.python)
+        self._rebind = [b for b in self._binds if any(_is_under(b, d) for d in _CHILD_PRIVATE_DIRS)]
+        unshowable = [
+            b
+            for b in self._binds
+            if b not in self._rebind and any(_is_under(b, d) for d in _SANDBOX_OWNED_DIRS)
+        ]
+        if unshowable and self.isolation == "strict":
+            self._fallback(
+                f"the interpreter's files at {', '.join(unshowable)} lie below a directory the strict "
+                "sandbox replaces (/proc, /dev); install the environment elsewhere (e.g. /opt)"
+            )
         self._limits = {
             "tmp_size_mb": int(tmp_size_mb),
             "fsize_bytes": int(file_size_mb) << 20,
@@ -403,14 +467,17 @@ class ForkServerExecutor(Executor):
             max_workers=1, thread_name_prefix="sandbox-spawn"
         )
         try:
-            self._start_all()
-        except SandboxUnavailableError as exc:
-            if self.isolation != "strict":
-                self.close()
-                raise
-            self._stop_all()
-            self._fallback(str(exc))
-            self._start_all()
+            try:
+                self._start_all()
+            except SandboxUnavailableError as exc:
+                if self.isolation != "strict":
+                    raise
+                self._stop_all()
+                self._fallback(str(exc))
+                self._start_all()
+        except BaseException:
+            self.close()
+            raise
 
     # ------------------------------------------------------------------------------------------ lifecycle
     def _fallback(self, reason: str) -> None:
@@ -437,6 +504,7 @@ class ForkServerExecutor(Executor):
             "preimport": self.preimport,
             "warmup": self._warmup,
             "sys_path": self._sys_path,
+            "rebind": self._rebind,
             "parent_pid": os.getpid(),
             **self._limits,
         }
@@ -458,11 +526,13 @@ class ForkServerExecutor(Executor):
     def _start_all(self) -> None:
         for slot in range(self.workers):  # start all first: their imports overlap
             self._servers[slot] = self._spawn(slot)
-        for slot, server in enumerate(self._servers):
+        for server in self._servers:
             assert server is not None
             info = server.wait_ready(self._start_timeout)
             if info.get("preimport_failed"):
-                logger.warning("sandbox pre-imports failed: %s", info["preimport_failed"])
+                raise SandboxPreimportError(self._preimport_message(info["preimport_failed"]))
+        self._check_child_view()
+        for slot in range(self.workers):
             self._idle.put(slot)
         logger.info(
             "forkserver sandbox ready: %d workers, isolation=%s, preimport=%s",
@@ -470,6 +540,79 @@ class ForkServerExecutor(Executor):
             self.isolation,
             self.preimport,
         )
+
+    def _check_child_view(self) -> None:
+        """Refuse to start if model code could not read what the server imported.
+
+        The server imports as root (or its namespace's root); a child runs as an unprivileged uid, so a
+        directory the server reads (a virtualenv made with mode 0700, a home directory) may be closed to
+        the child: lazily imported submodules would then fail in every call. One call on the first
+        server lists each sys.path directory and opens each pre-imported module's file, as model code.
+        """
+        server = self._servers[0]
+        assert server is not None
+        code = _CHILD_VIEW_CODE % (json.dumps(self._sys_path), json.dumps(self.preimport))
+        try:
+            reply = server.request({"code": code, "timeout": 30}, 30 + _REPLY_GRACE_S)
+        except (OSError, EOFError, TimeoutError, ValueError) as exc:
+            raise SandboxUnavailableError(
+                f"sandbox server failed its first call: {exc}; {server.log_tail()}"
+            ) from exc
+        try:
+            problems = json.loads(reply["stdout"])
+        except (TypeError, ValueError):
+            raise SandboxPreimportError(
+                f"sandbox self-check failed at start: {reply.get('stderr') or reply.get('returncode')}"
+            ) from None
+        if problems:
+            who = f"uid {_UID_BASE}+" if self.strict_mode == "privileged" else "model code"
+            lines = [f"sandbox start refused: model code (run as {who}) cannot read the environment:"]
+            lines += [f"  - {item}" for item in problems]
+            lines.append(
+                "Fix: make those directories readable by everyone (chmod -R o+rX DIR), or install the "
+                "environment where they are (e.g. /opt/venv)."
+            )
+            raise SandboxPreimportError("\n".join(lines))
+
+    def _preimport_message(self, failed: list[dict[str, str]]) -> str:
+        """Why each pre-import failed inside the sandbox, and where the module is on the host (if it is)."""
+        lines = [
+            f"sandbox pre-import failed (isolation={self.isolation}); the executor does not start, since "
+            "model code could not import what the prompt offers:"
+        ]
+        for item in failed:
+            name, error = item.get("module", "?"), item.get("error", "?")
+            lines.append(f"  - {name!r}: {error} inside the sandbox; {self._host_location(name)}")
+        lines.append(
+            "Fix: install the module into the interpreter's site-packages "
+            f"({', '.join(self._sys_path) or 'none found'}), or remove it from sandbox.preimport."
+        )
+        return "\n".join(lines)
+
+    def _host_location(self, name: str) -> str:
+        import importlib.util
+
+        try:
+            spec = importlib.util.find_spec(name)
+        except (ImportError, ValueError) as exc:
+            return f"on the host it cannot be found either ({type(exc).__name__}: {exc})"
+        if spec is None:
+            return f"it is not installed for {self.python} on the host either"
+        where = spec.origin if spec.origin not in (None, "built-in", "frozen") else None
+        where = where or next(iter(spec.submodule_search_locations or []), None)
+        if where is None:
+            return "on the host it is a built-in module"
+        where = os.path.realpath(where)
+        visible = self.isolation == "none" or any(_is_under(where, b) for b in self._binds)
+        on_path = any(_is_under(where, os.path.realpath(p)) for p in self._sys_path)
+        if visible and on_path:
+            return f"on the host it is {where}, which the sandbox sees, so it fails to import there"
+        if not on_path:
+            return (
+                f"on the host it is {where}, which is not in the sandbox's sys.path "
+                "(only the interpreter's site-packages are; PYTHONPATH and source trees are not)"
+            )
+        return f"on the host it is {where}, a path the sandbox could not see"
 
     def _stop_all(self) -> None:
         for slot, server in enumerate(self._servers):
@@ -528,24 +671,33 @@ class ForkServerExecutor(Executor):
             reply = self._exchange(slot, code)
         finally:
             self._idle.put(slot)
+        timed_out = bool(reply["timed_out"])
         return ExecResult(
-            ok=(not reply["timed_out"]) and reply["returncode"] == 0,
+            ok=(not timed_out) and reply["returncode"] == 0,
             stdout=reply["stdout"],
             stderr=reply["stderr"],
             returncode=reply["returncode"],
-            timed_out=bool(reply["timed_out"]),
+            timed_out=timed_out,
             latency=time.perf_counter() - started,
-            memory_killed=bool(reply.get("memory_killed")),
+            memory_killed=is_memory_failure(
+                reply["stderr"], reply["returncode"], timed_out, bool(reply.get("oom_killed"))
+            ),
             truncated=bool(reply.get("truncated")),
         )
+
+    def _count(self, **deltas: int) -> None:
+        with self._stats_lock:
+            for name, delta in deltas.items():
+                setattr(self.stats, name, getattr(self.stats, name) + delta)
 
     def _exchange(self, slot: int, code: str) -> dict[str, Any]:
         server = self._servers[slot]
         if server is None or not server.alive():
-            if server is not None:
+            if server is not None:  # died while idle (killed from outside): nothing was lost
                 logger.warning("sandbox server %d died (%s); restarting it", slot, server.log_tail(300))
                 server.close(graceful=False)
             server = self._servers[slot] = self._spawn(slot)
+            self._count(worker_restarts=1)
         try:
             server.wait_ready(self._start_timeout)
             return server.request(
@@ -553,16 +705,19 @@ class ForkServerExecutor(Executor):
                 self.timeout + _REPLY_GRACE_S,
             )
         except (OSError, EOFError, TimeoutError, ValueError, SandboxUnavailableError) as exc:
-            # The server hung or died: kill it (its sandbox dies with it) and start a fresh one next time.
-            logger.error("sandbox server %d failed: %s; restarting it", slot, exc)
+            # The server hung or died with this call in flight: kill it (its sandbox dies with it), start
+            # a fresh one for the next call, and fail this call as the infrastructure failure it is (it
+            # must not reach the model as if its own code had failed).
+            log = server.log_tail(300)
             server.close(graceful=False)
-            self._servers[slot] = None if self._closed else self._spawn(slot)
-            return {
-                "stdout": "",
-                "stderr": f"Error: sandbox failure ({exc}).",
-                "returncode": None,
-                "timed_out": False,
-            }
+            self._count(worker_failures=1)
+            if not self._closed:
+                self._servers[slot] = self._spawn(slot)
+                self._count(worker_restarts=1)
+            else:
+                self._servers[slot] = None
+            logger.error("sandbox server %d failed mid-call (%s; %s); restarted it", slot, exc, log)
+            raise SandboxWorkerError(f"sandbox server {slot} failed mid-call: {exc}") from exc
 
     async def arun(self, code: str) -> ExecResult:
         loop = asyncio.get_running_loop()

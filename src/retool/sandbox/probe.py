@@ -1,10 +1,14 @@
 """A self-check that runs *inside* a sandbox and reports what the code can actually do there.
 
-Used by ``retool sandbox check`` and the tests; typer-free so it imports anywhere.
+Used by ``retool sandbox check`` and the tests; typer-free so it imports anywhere. Two probes: the
+isolation features (``PROBE_CODE``, ``probe_rows``) and whether each pre-import is importable by model code
+(``import_probe_code``, ``import_rows``).
 """
 
 from __future__ import annotations
 
+import json
+from collections.abc import Sequence
 from typing import Any
 
 # Runs inside the sandbox and reports what it can observe; every check is an attempt, not a config read.
@@ -87,3 +91,27 @@ def probe_rows(facts: dict[str, Any]) -> list[tuple[str, bool, str]]:
         ("rlimits not raisable", facts["raise_rlimit"] != "allowed", f"AS {facts['rlimit_as_mb']} MiB"),
         ("unshare blocked", facts["unshare_user"] != "allowed", f"unshare(NEWUSER): {facts['unshare_user']}"),
     ]
+
+
+def import_probe_code(modules: Sequence[str]) -> str:
+    """Code that imports each module afresh in a sandboxed child and prints ``{name: [ok, detail]}``.
+
+    Run on an executor with no pre-imports, so every import reads its files inside the sandbox (a
+    pre-imported module would be inherited from the server and prove nothing about what the child sees).
+    """
+    return (
+        "import importlib, json\n"
+        "out = {}\n"
+        f"for name in {json.dumps(list(modules))}:\n"
+        "    try:\n"
+        "        mod = importlib.import_module(name)\n"
+        "        out[name] = [True, getattr(mod, '__file__', None) or 'built-in']\n"
+        "    except BaseException as exc:\n"
+        "        out[name] = [False, f'{type(exc).__name__}: {exc}']\n"
+        "print(json.dumps(out))\n"
+    )
+
+
+def import_rows(facts: dict[str, list[Any]]) -> list[tuple[str, bool, str]]:
+    """(``import NAME``, importable, file or error) for each module of ``import_probe_code``'s output."""
+    return [(f"import {name}", bool(ok), str(detail)) for name, (ok, detail) in facts.items()]

@@ -5,9 +5,15 @@ Protocol (bytedance/SandboxFusion, ``sandbox/server/sandbox_api.py``): ``POST {b
 ``{"status": "Success"|"Failed"|"SandboxError", "message", "compile_result", "run_result": {"status":
 "Finished"|"Error"|"TimeLimitExceeded", "execution_time", "return_code", "stdout", "stderr"}, ...}``.
 
-Transport failures, HTTP 5xx/429 and ``SandboxError`` replies are retried with exponential backoff; a
-semaphore caps concurrent requests (sync and async separately); every request has a timeout of the run
-timeout plus a margin. Isolation is whatever the service provides (its ``lite`` mode allows the internet).
+Faults (the rule is ``retool.retry``'s): every request is bounded in time (httpx's connect / read timeouts,
+plus a wall-clock bound of the run timeout + ``request_margin`` + the connect timeout per attempt on the
+async path); transport failures (refused, reset, dropped, timed out), HTTP 429 / 5xx and ``SandboxError``
+replies are retried ``retries`` times with full-jitter exponential backoff (running code is idempotent for
+us: it changes nothing outside the service's sandbox, so an attempt with an unknown outcome is re-sent).
+When every attempt failed, or the service refuses the request (other 4xx), the call raises
+``SandboxWorkerError``: an infrastructure failure that ends the trajectory as ``executor_error`` instead of
+reaching the model as if its code had failed. A semaphore caps concurrent requests (sync and async
+separately). Isolation is whatever the service provides (its ``lite`` mode allows the internet).
 """
 
 from __future__ import annotations
@@ -16,11 +22,21 @@ import asyncio
 import logging
 import threading
 import time
+from dataclasses import replace
 from typing import Any
 
 import httpx
 
-from retool.sandbox.base import ExecResult, Executor
+from retool.retry import (
+    RetriesExhaustedError,
+    RetryPolicy,
+    RetryStats,
+    TransientStatusError,
+    acall_with_retry,
+    call_with_retry,
+    parse_retry_after,
+)
+from retool.sandbox.base import ExecResult, Executor, SandboxWorkerError, is_memory_failure
 
 logger = logging.getLogger(__name__)
 
@@ -28,12 +44,19 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 
 
 class SandboxFusionError(RuntimeError):
-    """The service could not run the code after all retries."""
+    """The service refused the request (a client error that a retry would not fix)."""
 
 
 def _tail(text: str | None, cap: int) -> tuple[str, bool]:
     text = text or ""
     return (text[-cap:], True) if len(text) > cap else (text, False)
+
+
+def _why(exc: BaseException) -> str:
+    last = exc.last if isinstance(exc, RetriesExhaustedError) else exc
+    if isinstance(last, TransientStatusError | SandboxFusionError):
+        return str(last)
+    return f"{type(last).__name__}: {last}"
 
 
 class SandboxFusionExecutor(Executor):
@@ -47,7 +70,9 @@ class SandboxFusionExecutor(Executor):
         max_concurrency: int = 8,
         retries: int = 3,
         backoff: float = 0.5,
+        max_backoff: float = 30.0,
         request_margin: float = 10.0,
+        connect_timeout: float = 10.0,
     ) -> None:
         super().__init__()
         if timeout <= 0:
@@ -61,7 +86,15 @@ class SandboxFusionExecutor(Executor):
         self.max_concurrency = max(1, int(max_concurrency))
         self.retries = max(0, int(retries))
         self.backoff = float(backoff)
-        self._http_timeout = httpx.Timeout(self.timeout + request_margin, connect=10.0)
+        # The service may take the whole run timeout before it answers; the margin covers its overhead.
+        self._http_timeout = httpx.Timeout(self.timeout + request_margin, connect=connect_timeout)
+        self.policy = RetryPolicy(
+            attempts=self.retries + 1,
+            timeout=self.timeout + request_margin + connect_timeout,
+            backoff=self.backoff,
+            max_backoff=max_backoff,
+        )
+        self.retry_stats = RetryStats()
         limits = httpx.Limits(max_connections=self.max_concurrency)
         self._client = httpx.Client(timeout=self._http_timeout, limits=limits)
         self._sync_sem = threading.BoundedSemaphore(self.max_concurrency)
@@ -93,25 +126,8 @@ class SandboxFusionExecutor(Executor):
             returncode=returncode,
             timed_out=timed_out,
             latency=time.perf_counter() - started,
-            memory_killed=not ok and "MemoryError" in stderr,
+            memory_killed=not ok and is_memory_failure(stderr, returncode, timed_out),
             truncated=t1 or t2,
-        )
-
-    @staticmethod
-    def _should_retry(response: httpx.Response | None, body: dict[str, Any] | None) -> bool:
-        if response is not None and response.status_code in _RETRY_STATUS:
-            return True
-        return body is not None and body.get("status") == "SandboxError"
-
-    def _failure(self, started: float, why: str) -> ExecResult:
-        logger.error("SandboxFusion request failed after %d retries: %s", self.retries, why)
-        return ExecResult(
-            ok=False,
-            stdout="",
-            stderr=f"Error: sandbox service unavailable ({why}).",
-            returncode=None,
-            timed_out=False,
-            latency=time.perf_counter() - started,
         )
 
     @staticmethod
@@ -122,38 +138,46 @@ class SandboxFusionExecutor(Executor):
             return None
         return body if isinstance(body, dict) else None
 
-    def _judge(self, response: httpx.Response, started: float) -> tuple[ExecResult | None, str, bool]:
-        """One HTTP answer as ``(result, why it failed, worth a retry)``; ``result`` is None on failure."""
+    def _judge(self, response: httpx.Response, started: float) -> ExecResult:
+        """One HTTP answer as a result, or the error that says whether a retry could help."""
         body = self._parse(response)
-        if self._should_retry(response, body):
-            return (
-                None,
-                f"HTTP {response.status_code}: {(body or {}).get('message', response.text[:200])}",
-                True,
+        code = response.status_code
+        if code in _RETRY_STATUS:
+            detail = (body or {}).get("message") or response.text[:200]
+            raise TransientStatusError(
+                f"HTTP {code}: {detail}", code, parse_retry_after(response.headers.get("retry-after"))
             )
-        if body is None or response.status_code >= 400:
-            # A client error will not improve with retries.
-            return None, f"HTTP {response.status_code}: {response.text[:200]}", False
-        return self._to_result(body, started), "", False
+        if body is not None and body.get("status") == "SandboxError":
+            # The service's own "no runner available": nothing ran, try again (as a 503 would).
+            raise TransientStatusError(f"HTTP {code}: SandboxError: {body.get('message', '')}", 503)
+        if body is None or code >= 400:
+            raise SandboxFusionError(f"HTTP {code}: {response.text[:200]}")
+        return self._to_result(body, started)
+
+    def _lost(self, started: float, exc: BaseException) -> SandboxWorkerError:
+        why = _why(exc)
+        with self._stats_lock:
+            self.stats.worker_failures += 1
+        logger.error("SandboxFusion call failed after %.1fs: %s", time.perf_counter() - started, why)
+        return SandboxWorkerError(f"sandbox service unavailable ({why})")
 
     def _run(self, code: str) -> ExecResult:
         started = time.perf_counter()
-        why = ""
+
+        def attempt() -> ExecResult:
+            return self._judge(self._client.post(f"{self.url}/run_code", json=self._payload(code)), started)
+
         with self._sync_sem:
-            for attempt in range(self.retries + 1):
-                if attempt:
-                    time.sleep(self.backoff * 2 ** (attempt - 1))
-                try:
-                    response = self._client.post(f"{self.url}/run_code", json=self._payload(code))
-                except httpx.HTTPError as exc:
-                    why = f"{type(exc).__name__}: {exc}"
-                    continue
-                result, why, retry = self._judge(response, started)
-                if result is not None:
-                    return result
-                if not retry:
-                    break
-        return self._failure(started, why)
+            try:
+                # httpx's own timeouts bound the blocking call; no extra thread per request.
+                return call_with_retry(
+                    attempt,
+                    policy=replace(self.policy, timeout=None),
+                    what="SandboxFusion run_code",
+                    stats=self.retry_stats,
+                )
+            except Exception as exc:
+                raise self._lost(started, exc) from exc
 
     async def arun(self, code: str) -> ExecResult:
         started = time.perf_counter()
@@ -166,22 +190,17 @@ class SandboxFusionExecutor(Executor):
             entry = (loop, client, asyncio.Semaphore(self.max_concurrency))
             self._async[id(loop)] = entry
         _, client, sem = entry
-        why = ""
-        result: ExecResult | None = None
+
+        async def attempt() -> ExecResult:
+            return self._judge(await client.post(f"{self.url}/run_code", json=self._payload(code)), started)
+
         async with sem:
-            for attempt in range(self.retries + 1):
-                if attempt:
-                    await asyncio.sleep(self.backoff * 2 ** (attempt - 1))
-                try:
-                    response = await client.post(f"{self.url}/run_code", json=self._payload(code))
-                except httpx.HTTPError as exc:
-                    why = f"{type(exc).__name__}: {exc}"
-                    continue
-                result, why, retry = self._judge(response, started)
-                if result is not None or not retry:
-                    break
-        if result is None:
-            result = self._failure(started, why)
+            try:
+                result = await acall_with_retry(
+                    attempt, policy=self.policy, what="SandboxFusion run_code", stats=self.retry_stats
+                )
+            except Exception as exc:
+                raise self._lost(started, exc) from exc
         with self._stats_lock:
             self.stats.record(result)
         return result

@@ -154,6 +154,9 @@ def demo_command(
     typer.echo("\n" + gain_line(result.gain))
     typer.echo(f"\ntimings (s): {json.dumps(result.timings)}")
     typer.echo(f"run folder: {result.out}  (report.md, report.json, eval/, rl/, analysis/)")
+    typer.echo(
+        f"trajectory viewer: open {result.out / 'view' / 'index.html'}  (rebuild: retool view {result.out})"
+    )
 
 
 def sft_command(

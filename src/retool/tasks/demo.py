@@ -246,6 +246,7 @@ async def _evaluate_mode(
         identity={"model": label, "checkpoint": label, "dataset": "tasks-test"},
         concurrency=len(problems),
         bootstrap_resamples=200,
+        save_transcripts=True,  # full trajectories for `retool view`
     )
 
 
@@ -337,6 +338,9 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     write_report(out, settings.as_dict(), result, evals)
     if settings.plots:
         result.plots = make_plots(out)
+    from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
+
+    write_view([out], out / "view")
     return result
 
 

@@ -12,12 +12,19 @@ A checkpoint is built in a hidden temp folder and renamed into place, and ``late
 atomically after that; a SIGKILL at any moment leaves either the previous checkpoint or the new one,
 never a half-written one that ``latest`` points to.
 
+A write that fails (a full disk, a quota, an I/O error, whatever layer reports it: the OS, torch's zip
+writer, safetensors) raises ``CheckpointWriteError`` naming the checkpoint, the file or stage that failed,
+the folder, and the checkpoint a resume would start from; the half-written temp folder is removed at once
+(it would only hold more of the full disk), and the previous checkpoint is never touched before the new
+one is complete.
+
 This module is the one owner of the layout: ``backend_state_of`` tells every other stage (``retool eval
 --checkpoint``) which backend state a run folder, its ``checkpoints`` folder or one checkpoint holds.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import os
@@ -37,6 +44,15 @@ STATE_FILE = "trainer_state.json"
 
 class CheckpointError(RuntimeError):
     """No usable checkpoint where one was expected; the message says where and why."""
+
+
+class RunWriteError(RuntimeError):
+    """A write of the run's record (a checkpoint, the metrics log) failed; the message says what, where,
+    and what a resume would start from. Nothing written before is damaged."""
+
+
+class CheckpointWriteError(RunWriteError):
+    """Writing a checkpoint failed; the previous checkpoint is intact."""
 
 
 @dataclass
@@ -73,12 +89,18 @@ def _fsync_dir(path: Path) -> None:
 
 
 def write_text_atomic(path: Path, text: str) -> None:
+    """Replace ``path`` by ``text`` all at once: the old content stays until the new one is on disk."""
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    with open(tmp, "w", encoding="utf-8") as fh:
-        fh.write(text)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    try:
+        with open(tmp, "w", encoding="utf-8") as fh:
+            fh.write(text)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()  # a partial temp file would only take more of a full disk
+        raise
     _fsync_dir(path.parent)
 
 
@@ -127,12 +149,30 @@ class CheckpointManager:
 
     def begin(self, step: int) -> Path:
         """A fresh hidden temp folder for the checkpoint of ``step`` (the backend saves into it)."""
-        self.root.mkdir(parents=True, exist_ok=True)
         tmp = self.root / f".tmp-{self.name_for(step)}-{os.getpid()}"
-        if tmp.exists():
-            shutil.rmtree(tmp)
-        tmp.mkdir()
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+            if tmp.exists():
+                shutil.rmtree(tmp)
+            tmp.mkdir()
+        except OSError as exc:
+            raise self.write_error(step, "creating its temp folder", tmp, exc) from exc
         return tmp
+
+    def write_error(self, step: int, stage: str, where: Path, exc: BaseException) -> CheckpointWriteError:
+        """The error for a failed write of checkpoint ``step``; removes its half-written temp folder."""
+        tmp = self.root / f".tmp-{self.name_for(step)}-{os.getpid()}"
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = self.latest()
+        resume = (
+            f"the previous checkpoint {previous} is intact and a resume starts from it"
+            if previous is not None
+            else "there is no earlier checkpoint, so a resume starts from step 0"
+        )
+        return CheckpointWriteError(
+            f"checkpoint {self.name_for(step)}: {stage} ({where}) failed: {type(exc).__name__}: {exc}; "
+            f"{resume} (retool train --resume {self.root.parent}) once the cause is fixed"
+        )
 
     def commit(
         self,
@@ -160,16 +200,32 @@ class CheckpointManager:
                 path = str(p)
         state.backend_state = path
         state.backend_state_is_local = backend_is_local
-        torch.save(capture_rng(), tmp / "rng.pt")
-        write_text_atomic(tmp / STATE_FILE, state.to_json())
-        _fsync_dir(tmp)
+        stage, where = "writing the RNG state", tmp / "rng.pt"
+        try:
+            torch.save(capture_rng(), where)
+            stage, where = "writing the trainer state", tmp / STATE_FILE
+            write_text_atomic(where, state.to_json())
+            _fsync_dir(tmp)
+        except Exception as exc:  # OSError, or torch's RuntimeError around the same ENOSPC
+            raise self.write_error(state.step, stage, where, exc) from exc
         if before_commit is not None:
             before_commit()
-        if final.exists():  # a stale copy of this step from a run that died after the rename
-            shutil.rmtree(final)
-        os.rename(tmp, final)
+        try:
+            if final.exists():  # a stale copy of this step from a run that died after the rename
+                shutil.rmtree(final)
+            os.rename(tmp, final)
+        except OSError as exc:
+            raise self.write_error(state.step, "moving it into place", final, exc) from exc
         _fsync_dir(self.root)
-        write_text_atomic(self.root / LATEST, name + "\n")
+        try:
+            write_text_atomic(self.root / LATEST, name + "\n")
+        except OSError as exc:
+            # The new checkpoint is complete but the pointer still names the previous one, which is
+            # complete too: a resume starts from that one and redoes the steps after it.
+            raise CheckpointWriteError(
+                f"checkpoint {name} is complete, but updating {self.root / LATEST} failed: "
+                f"{type(exc).__name__}: {exc}; a resume starts from the checkpoint it names"
+            ) from exc
         self._prune(keep=name)
         return final
 

@@ -4,6 +4,7 @@
 
     RUN_DIR/config.toml       the exact config (a resumed run reads it back)
     RUN_DIR/metrics.jsonl     one JSON object per finished step, with "step"
+    RUN_DIR/trajectories.jsonl  sampled trajectories of each step (``retool.train.records``)
     RUN_DIR/tensorboard/      tracker events (when the tracker is TensorBoard)
     RUN_DIR/checkpoints/      see ``retool.train.checkpoint``
 
@@ -37,6 +38,7 @@ from typing import Any
 
 from retool.backends import adam_params_from_config
 from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.guarded import guard_training_client
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.data.problem import Problem
@@ -51,8 +53,17 @@ from retool.train.checkpoint import (
 )
 from retool.train.collect import Collected, collect_groups, round_seed
 from retool.train.datasource import DataPosition, ProblemStream
-from retool.train.metrics import MetricsLog, Tracker, make_tracker, rollout_metrics, scalars_of
+from retool.train.metrics import (
+    MetricsLog,
+    Tracker,
+    fault_counters,
+    make_tracker,
+    raise_if_step_lost,
+    rollout_metrics,
+    scalars_of,
+)
 from retool.train.progress import Progress
+from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
 
 logger = logging.getLogger(__name__)
@@ -73,9 +84,6 @@ class RunDirError(RuntimeError):
     """The run folder cannot be used as asked (exists without --resume, or holds no run to resume)."""
 
 
-# --- the trainer --------------------------------------------------------------------------------
-
-
 @dataclass
 class TrainSummary:
     run_dir: Path
@@ -83,6 +91,14 @@ class TrainSummary:
     last_step: int
     interrupted: bool
     last_metrics: dict[str, Any] = field(default_factory=dict)
+
+
+def text_only_count(n_questions: int, share: float) -> int:
+    """How many of a round's questions go text-only: ``share`` of them, rounded, at least one when
+    ``share > 0`` and the round has two or more questions (a round of one stays in tool mode)."""
+    if share <= 0.0 or n_questions < 2:
+        return 0
+    return min(n_questions - 1, max(1, round(share * n_questions)))
 
 
 def rollout_seed(base_seed: int, step: int) -> int:
@@ -120,6 +136,7 @@ class Trainer:
         self.env = env
         self.components = components
         self._owns_components = False
+        self._guarded: TrainingClient | None = None  # the backend behind retries (``[retry]``)
         self._rollout_fn = rollout_fn
         self._tracker = tracker
         self._on_step = on_step
@@ -127,6 +144,9 @@ class Trainer:
         self._stop_requested = False
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
+        self.trajectories = TrajectoryLog(
+            self.run_dir / TRAJECTORIES_FILE, config.logging.trajectory_groups_per_step, config.train.seed
+        )
 
     # -- setup -----------------------------------------------------------------------------------
     def _phase(self, phase: str, step: int) -> None:
@@ -159,6 +179,9 @@ class Trainer:
         if self.components is None:
             self.components = build_components(self._run_config())
             self._owns_components = True
+        # Timeouts and retries around every backend call of training (``retry.guard``); the caller's
+        # components keep their own, unwrapped backend.
+        self._guarded = guard_training_client(self.components.backend, self.config)
         if self._rollout_fn is None:
             from retool.rollout import run_group_rollouts
 
@@ -167,8 +190,8 @@ class Trainer:
 
     @property
     def _backend(self) -> TrainingClient:
-        assert self.components is not None, "components are built when the run starts"
-        return self.components.backend
+        assert self._guarded is not None, "components are built when the run starts"
+        return self._guarded
 
     async def _restore(self) -> tuple[int, DataPosition]:
         """Load the latest checkpoint (when resuming); return the completed step and data position."""
@@ -264,8 +287,7 @@ class Trainer:
         t_step = time.perf_counter()
         self._phase("step", step)
         t0 = time.perf_counter()
-        assert self.components is not None
-        sampler = await self.components.refresh_sampler()  # on-policy: the current weights
+        sampler = await self._backend.sampling_client_async()  # on-policy: the current weights
         times = {"time/refresh": time.perf_counter() - t0}
         t0 = time.perf_counter()
         collected = await self._collect(step, stream, sampler)
@@ -273,6 +295,10 @@ class Trainer:
         data = build_step_data(
             collected.groups, drop_void=cfg.filters.void_turn, drop_overlong=cfg.filters.overlong
         )
+        assert self.components is not None
+        # Every sampled group may be shown; the datums mark which of them were trained.
+        decode = getattr(self.components.protocol, "decode", None)
+        self.trajectories.write_step(step, collected.sampled, data.datums, decode)
         result = await train_step(
             self._backend,
             data.datums,
@@ -282,7 +308,8 @@ class Trainer:
             micro_batch_tokens=cfg.backend.micro_batch_tokens,
             before_optim=lambda: self._phase("optim", step),
         )
-        record = _step_record(step, stream, collected, data, result, times)
+        faults = fault_counters(self._backend, self.components.executor, self.components.verifier)
+        record = _step_record(step, stream, collected, data, result, times, faults)
         every = cfg.checkpoint.every
         if (every > 0 and step % every == 0) or step == cfg.train.steps or self._stop_requested:
             await self._checkpoint(step, stream, record, t_step)
@@ -294,7 +321,8 @@ class Trainer:
 
     async def _collect(self, step: int, stream: ProblemStream, sampler: SamplingClient) -> Collected:
         """This step's groups, rolled out and scored by the environment (``collect_groups`` decides
-        how many rounds: one, or more under dynamic sampling)."""
+        how many rounds: one, or more under dynamic sampling). With ``rollout.text_only_share`` the last
+        questions of each round go text-only (no tool registered, no executor)."""
         cfg = self.config
         parts, env, rollout_fn = self.components, self.env, self._rollout_fn
         assert parts is not None and env is not None and rollout_fn is not None
@@ -307,21 +335,35 @@ class Trainer:
                 fired = True
                 self._phase("rollout", step)
 
-        async def sample_round(problems: list[Problem], round_index: int) -> list[list[Trajectory]]:
+        async def rollout(problems: list[Problem], seed: int, mode: Components) -> list[list[Trajectory]]:
+            if not problems:
+                return []
             return await rollout_fn(
                 problems,
                 sampler=sampler,
-                protocol=parts.protocol,
-                executor=parts.executor,
-                verifier=parts.verifier,
+                protocol=mode.protocol,
+                executor=mode.executor,
+                verifier=mode.verifier,
                 rollout=cfg.rollout,
                 sampling=cfg.sampling,
                 group_size=cfg.rollout.group_size,
-                seed=round_seed(rollout_seed(cfg.train.seed, step), round_index),
-                use_tools=True,
+                seed=seed,
+                use_tools=mode.executor is not None,
                 on_trajectory=on_trajectory,
                 scorer=scorer,
             )
+
+        async def sample_round(problems: list[Problem], round_index: int) -> list[list[Trajectory]]:
+            seed = round_seed(rollout_seed(cfg.train.seed, step), round_index)
+            split = len(problems) - text_only_count(len(problems), cfg.rollout.text_only_share)
+            text_mode = parts.for_mode(False) if split < len(problems) else parts
+            tool_groups, text_groups = await asyncio.gather(
+                rollout(problems[:split], seed, parts), rollout(problems[split:], seed ^ 0x5EED, text_mode)
+            )
+            groups = [*tool_groups, *text_groups]
+            # A round lost entirely to a dead sampler or sandbox stops the run instead of burning steps.
+            raise_if_step_lost(groups, step)
+            return groups
 
         return await collect_groups(
             sample_round, stream.next_batch, cfg.rollout.questions_per_step, cfg.filters
@@ -332,7 +374,10 @@ class Trainer:
     ) -> None:
         t0 = time.perf_counter()
         tmp = self.checkpoints.begin(step)
-        backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
+        try:
+            backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
+        except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
+            raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
         # The metrics line travels inside the checkpoint, so it carries the checkpoint's own cost.
         record["time/checkpoint"] = time.perf_counter() - t0
         record["time/step"] = time.perf_counter() - t_step
@@ -367,6 +412,7 @@ def _step_record(
     data: StepData,
     result: TrainStepResult,
     times: dict[str, float],
+    faults: dict[str, float],
 ) -> dict[str, Any]:
     """The step's metrics line (``time/step`` and ``time/checkpoint`` are filled in by the caller)."""
     sampled = collected.sampled
@@ -381,12 +427,14 @@ def _step_record(
     n_trained_trajs = data.n_trajectories or 1
     record["filter/void_rate"] = data.n_void / n_trained_trajs
     record["filter/overlong_rate"] = data.n_overlong / n_trained_trajs
+    record["sampling/text_only_groups"] = float(sum(1 for g in sampled if g and not g[0].use_tools))
     record["tokens/trained"] = float(sum(1 for d in data.datums for w in d.weights if w != 0.0))
     record.update(times)
     record["time/train"] = result.seconds
     record["time/checkpoint"] = 0.0
     record["data/epoch"] = float(stream.position.epoch)
     record["data/index"] = float(stream.position.index)
+    record.update(faults)
     record["problem_ids"] = [p.id for p in collected.problems]
     record["rewards"] = [[float(t.reward) for t in g] for g in sampled]
     return record

@@ -8,8 +8,15 @@ Definitions (all over the step's trajectories unless said otherwise):
   ``correct_without_code_rate`` (correct and no call / trajectories), ``correct_with_code_rate``,
   ``self_correction_rate`` (a call failed, a later one was retried and the trajectory ended correct /
   trajectories), ``self_correction_given_error`` (the same over trajectories that hit an error).
-- env: over this step's executions: ``exec_calls``, ``exec_success_rate``, ``exec_error_rate``,
-  ``exec_timeout_rate``, ``exec_mean_latency``, ``exec_max_latency`` (seconds).
+- env: over this step's executions: ``exec_calls``, ``exec_success_rate``, ``exec_error_rate`` (failures
+  other than timeouts and memory-limit kills), ``exec_timeout_rate``, ``exec_memory_limit_rate``,
+  ``exec_mean_latency``, ``exec_max_latency`` (seconds).
+- faults, this step: ``trajectories_lost`` (ended by an infrastructure failure: ``sampler_error`` +
+  ``executor_error``), ``verify_errors`` / ``verify_timeouts`` (answers the verifier could not check,
+  scored -1). Since the trainer's components started (``fault_counters``): ``sandbox_worker_failures``
+  (calls lost to a dead sandbox worker), ``sandbox_worker_restarts``, ``verifier_worker_restarts``,
+  ``remote_calls`` / ``remote_retries`` / ``remote_timeouts`` / ``remote_failures`` /
+  ``remote_replays`` (guarded backend calls, see ``retool.backends.guarded``).
 - policy: ``ratio_mean/min/max``, ``clip_fraction``, ``loss``, ``grad_norm``, ``lr`` (from the backend),
   ``response_length`` (mean sampled tokens per trajectory).
 - stop: share of each stop reason.
@@ -21,6 +28,7 @@ Definitions (all over the step's trajectories unless said otherwise):
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import math
@@ -30,6 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
+from retool.train.checkpoint import RunWriteError
 from retool.train.step import trajectory_tokens
 
 logger = logging.getLogger(__name__)
@@ -42,6 +51,60 @@ def _n_calls(traj: Trajectory) -> int:
 
 def _rate(num: float, den: float) -> float:
     return num / den if den else 0.0
+
+
+_INFRA_STOPS = frozenset({"sampler_error", "executor_error"})
+
+
+def _status(result: Any) -> str:
+    """An execution's outcome (``ExecResult.status``; derived for result-like objects without it)."""
+    status = getattr(result, "status", None)
+    if isinstance(status, str):
+        return status
+    if result.timed_out:
+        return "timeout"
+    return "ok" if result.ok else "error"
+
+
+class StepLostError(RuntimeError):
+    """Every trajectory of a step ended in an infrastructure failure (a dead sampler or sandbox)."""
+
+
+def raise_if_step_lost(groups: Sequence[Sequence[Trajectory]], step: int) -> None:
+    """Stop the run when a whole step was lost to infrastructure failures.
+
+    One lost trajectory is absorbed (it ends, is counted, the step goes on); a step with nothing but
+    lost trajectories means the sampler or the sandbox is down, and going on would only burn steps that
+    train nothing. Raised before the step trains or checkpoints, so a resume redoes it.
+    """
+    trajs = [t for g in groups for t in g]
+    if not trajs or not all(t.stop_reason in _INFRA_STOPS for t in trajs):
+        return
+    reasons = sorted({t.stop_reason for t in trajs})
+    first = next((t.error for t in trajs if getattr(t, "error", None)), "no error text")
+    raise StepLostError(
+        f"step {step}: all {len(trajs)} trajectories ended in infrastructure failures ({', '.join(reasons)}); "
+        f"first error: {first}. Nothing of this step was trained or saved; fix the cause and resume"
+    )
+
+
+def fault_counters(client: Any, executor: Any, verifier: Any) -> dict[str, float]:
+    """Fault counters of the trainer's components since they started (absent where a component has none).
+
+    Cumulative, so a chart shows when faults happened; a resumed run starts them again from 0.
+    """
+    out: dict[str, float] = {}
+    counters = getattr(client, "fault_counters", None)
+    if callable(counters):
+        out.update(counters())
+    stats = getattr(executor, "stats", None)
+    for name in ("worker_failures", "worker_restarts"):
+        if isinstance(getattr(stats, name, None), int):
+            out[f"faults/sandbox_{name}"] = float(getattr(stats, name))
+    kills = getattr(getattr(verifier, "stats", None), "worker_kills", None)
+    if isinstance(kills, int):
+        out["faults/verifier_worker_restarts"] = float(kills)
+    return out
 
 
 def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
@@ -75,12 +138,16 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
     m["env/exec_calls"] = float(k)
     m["env/exec_success_rate"] = _rate(sum(r.ok and not r.timed_out for r in results), k)
     m["env/exec_timeout_rate"] = _rate(sum(bool(r.timed_out) for r in results), k)
-    m["env/exec_error_rate"] = _rate(sum((not r.ok) and not r.timed_out for r in results), k)
+    m["env/exec_error_rate"] = _rate(sum(_status(r) == "error" for r in results), k)
+    m["env/exec_memory_limit_rate"] = _rate(sum(_status(r) == "memory_limit" for r in results), k)
     m["env/exec_mean_latency"] = _rate(sum(float(r.latency) for r in results), k)
     m["env/exec_max_latency"] = max((float(r.latency) for r in results), default=0.0)
 
     for reason in STOP_REASONS:
         m[f"stop/{reason}"] = _rate(sum(t.stop_reason == reason for t in trajs), n)
+    m["faults/trajectories_lost"] = float(sum(t.stop_reason in _INFRA_STOPS for t in trajs))
+    m["faults/verify_errors"] = float(sum(getattr(t, "reward_status", "") == "error" for t in trajs))
+    m["faults/verify_timeouts"] = float(sum(getattr(t, "reward_status", "") == "timeout" for t in trajs))
 
     prompt = completion = observation = total = 0
     for t in trajs:
@@ -114,11 +181,23 @@ class MetricsLog:
         return self.path.stat().st_size if self.path.exists() else 0
 
     def append(self, record: dict[str, Any]) -> None:
+        """Append one line, all of it or nothing: a failed write (ENOSPC...) is cut back off the file, so no
+        torn line is left behind, and raises ``RunWriteError`` naming the file and the step."""
         line = json.dumps(_finite(record), sort_keys=True)
-        with open(self.path, "a", encoding="utf-8") as fh:
-            fh.write(line + "\n")
-            fh.flush()
-            os.fsync(fh.fileno())
+        size = self.offset()
+        try:
+            with open(self.path, "a", encoding="utf-8") as fh:
+                fh.write(line + "\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                os.truncate(self.path, size)  # shrinking needs no space
+            raise RunWriteError(
+                f"appending step {record.get('step')}'s metrics to {self.path} failed: "
+                f"{type(exc).__name__}: {exc}; the file still ends with the previous step, and a resume "
+                f"restores the line from the latest checkpoint (retool train --resume {self.path.parent})"
+            ) from exc
 
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():

@@ -1,0 +1,227 @@
+"""Benchmark: does RL, not SFT, carry the demo's result, on every seed? And what does dynamic sampling add?
+
+For each seed the whole ``retool demo`` pipeline runs with its defaults (cold-start SFT, SFT evaluation,
+RL with dynamic sampling, RL evaluation). The ablation then reruns only RL and its evaluation from the
+same SFT model with dynamic sampling off (``DemoSettings.reuse_sft``), so the two RL runs differ in that
+one setting. Everything is evaluated on the same held-out problems with the same sampling settings.
+
+    python bench/learning.py                       # seeds 0..4 with the ablation (about an hour on 2 cores)
+    python bench/learning.py --seeds 0,1 --no-ablation
+    python bench/learning.py --set train.steps=80  # any config key of the demo preset, or a demo field
+
+Prints one table per arm (seed, SFT and RL Average@N, the paired gain with its 95% bootstrap interval,
+hard-problem accuracy, degenerate-group rate, time split) and a comparison of the arms. Finished seeds
+are read back from their ``report.json``: rerun the same command to resume an interrupted bench.
+Results also go to ``OUT/learning.json`` and ``OUT/learning.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import sys
+import time
+from dataclasses import replace
+from pathlib import Path
+from typing import Any
+
+from retool.config import ConfigError
+from retool.tasks.demo import DemoSettings, run_demo
+
+# The issue's targets for the demo, checked per seed.
+TARGET_GAIN = 0.15
+TARGET_HARD_GAIN = 0.25
+TARGET_TOTAL_SECONDS = 480.0
+TARGET_RL_SHARE = 0.40
+
+
+def machine() -> str:
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    import torch
+
+    isa = os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
+    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({isa}), Python {platform.python_version()}"
+
+
+def settings_from(args: argparse.Namespace) -> DemoSettings:
+    """The demo preset with ``--set`` overrides: ``section.key=value`` or a demo-only ``field=value``."""
+    try:
+        return DemoSettings.load(args.set, plots=False)
+    except ConfigError as exc:
+        raise SystemExit(f"--set: {exc}") from None
+
+
+def run_arm(settings: DemoSettings, out: Path, log: logging.Logger) -> dict[str, Any]:
+    """One demo run (or its saved report when it already finished); returns the bench's row."""
+    report_path = out / "report.json"
+    if not report_path.is_file():
+        if out.exists():  # an interrupted run: start it again from scratch
+            import shutil
+
+            shutil.rmtree(out)
+        log.info("running %s", out)
+        run_demo(replace(settings, out=str(out)))
+    report = json.loads(report_path.read_text())
+    return row_of(report, out)
+
+
+def row_of(report: dict[str, Any], out: Path) -> dict[str, Any]:
+    evals, gain, t = report["evals"], report["gain"], report["timings"]
+    metrics = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines() if x.strip()]
+    degenerate = statistics.fmean(m["task/degenerate_group_rate"] for m in metrics) if metrics else 0.0
+    sampled = sum(m.get("sampling/groups_sampled", 0.0) for m in metrics)
+    return {
+        "seed": report["settings"]["seed"],
+        "sft": evals["sft"]["retool"]["average_at_n"],
+        "rl": evals["rl"]["retool"]["average_at_n"],
+        "gain": gain["average_at_n"]["gain"],
+        "ci95": gain["average_at_n"]["ci95"],
+        "problems": gain["average_at_n"]["problems"],
+        "sft_hard": evals["sft"]["retool"]["hard_accuracy"],
+        "rl_hard": evals["rl"]["retool"]["hard_accuracy"],
+        "hard_gain": gain.get("hard_accuracy", {}).get("gain", 0.0),
+        "sft_hard_tool": evals["sft"]["retool"]["hard_tool_call_rate"],
+        "rl_hard_tool": evals["rl"]["retool"]["hard_tool_call_rate"],
+        "rl_text_only": evals["rl"].get("text-only", {}).get("average_at_n"),
+        "sft_text_only": evals["sft"].get("text-only", {}).get("average_at_n"),
+        "rl_easy_tool": evals["rl"]["retool"]["easy_tool_call_rate"],
+        "degenerate_rate": degenerate,
+        "groups_sampled": sampled,
+        "timings": t,
+    }
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def pts(x: float) -> str:
+    return f"{100 * x:+.1f}"
+
+
+def arm_table(rows: list[dict[str, Any]]) -> str:
+    head = (
+        "| seed | SFT Avg@N | RL Avg@N | gain [95% CI] | hard SFT -> RL | tool on hard | text-only SFT -> RL "
+        "| degenerate groups | SFT s | RL s | total s | RL share |"
+    )
+    lines = [head, "|" + "---|" * (head.count("|") - 1)]
+    for r in rows:
+        t = r["timings"]
+        lo, hi = r["ci95"]
+        lines.append(
+            f"| {r['seed']} | {pct(r['sft'])} | {pct(r['rl'])} | {pts(r['gain'])} [{pts(lo)}, {pts(hi)}] "
+            f"| {pct(r['sft_hard'])} -> {pct(r['rl_hard'])} | {pct(r['sft_hard_tool'])} -> {pct(r['rl_hard_tool'])} "
+            f"| {pct(r['sft_text_only'])} -> {pct(r['rl_text_only'])} | {pct(r['degenerate_rate'])} "
+            f"| {t.get('sft', 0.0):.0f} | {t['rl']:.0f} | {t['total']:.0f} | {pct(t.get('rl_share'))} |"
+        )
+    gains = [r["gain"] for r in rows]
+    if len(gains) > 1:
+        lines.append(
+            f"\ngain over seeds: mean {pts(statistics.fmean(gains))}, sd {100 * statistics.stdev(gains):.1f}, "
+            f"min {pts(min(gains))}, max {pts(max(gains))} points"
+        )
+    return "\n".join(lines)
+
+
+def target_check(rows: list[dict[str, Any]]) -> list[str]:
+    notes = []
+    for r in rows:
+        t = r["timings"]
+        misses = []
+        if r["gain"] < TARGET_GAIN:
+            misses.append(f"gain {pts(r['gain'])} < {pts(TARGET_GAIN)}")
+        if r["ci95"][0] <= 0.0:
+            misses.append("CI includes 0")
+        if r["hard_gain"] < TARGET_HARD_GAIN:
+            misses.append(f"hard gain {pts(r['hard_gain'])} < {pts(TARGET_HARD_GAIN)}")
+        if r["problems"] < 200:
+            misses.append(f"{r['problems']} problems < 200")
+        if "sft" in t and t["total"] >= TARGET_TOTAL_SECONDS:
+            misses.append(f"total {t['total']:.0f} s >= {TARGET_TOTAL_SECONDS:.0f} s")
+        if "sft" in t and t.get("rl_share", 0.0) < TARGET_RL_SHARE:
+            misses.append(f"RL share {pct(t.get('rl_share'))} < {pct(TARGET_RL_SHARE)}")
+        notes.append(f"seed {r['seed']}: " + ("all targets met" if not misses else "; ".join(misses)))
+    return notes
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0..4)")
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-learning"))
+    parser.add_argument("--no-ablation", action="store_true", help="skip the dynamic-sampling-off arm")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override: section.key=value of the demo preset, or a demo field (size, eval_modes, plots)",
+    )
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    log = logging.getLogger("bench.learning")
+    log.setLevel(logging.INFO)
+    base = settings_from(args)
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    started = time.perf_counter()
+    arms: dict[str, list[dict[str, Any]]] = {"dynamic sampling on": [], "dynamic sampling off": []}
+    for seed in seeds:
+        on = base.with_seed(seed).with_overrides(["filters.dynamic_sampling=true"])
+        folder = args.out / f"seed{seed}"
+        arms["dynamic sampling on"].append(run_arm(on, folder / "ds_on", log))
+        if not args.no_ablation:
+            off = replace(on, reuse_sft=str(folder / "ds_on")).with_overrides(
+                ["filters.dynamic_sampling=false"]
+            )
+            arms["dynamic sampling off"].append(run_arm(off, folder / "ds_off", log))
+        print(f"seed {seed} done ({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
+
+    lines = [
+        f"machine: {machine()}",
+        f"settings: {json.dumps({k: v for k, v in base.as_dict().items() if k != 'out'})}",
+    ]
+    for name, rows in arms.items():
+        if rows:
+            lines += ["", f"## {name}", "", arm_table(rows)]
+    lines += ["", "## targets (dynamic sampling on)", *target_check(arms["dynamic sampling on"])]
+    if arms["dynamic sampling off"]:
+        on_g = [r["gain"] for r in arms["dynamic sampling on"]]
+        off_g = [r["gain"] for r in arms["dynamic sampling off"]]
+        lines += [
+            "",
+            "## ablation: dynamic sampling on vs off (same SFT model per seed)",
+            "",
+            "| seed | gain on | gain off | degenerate groups on | off | RL s on | off |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for a, b in zip(arms["dynamic sampling on"], arms["dynamic sampling off"], strict=True):
+            lines.append(
+                f"| {a['seed']} | {pts(a['gain'])} | {pts(b['gain'])} | {pct(a['degenerate_rate'])} "
+                f"| {pct(b['degenerate_rate'])} | {a['timings']['rl']:.0f} | {b['timings']['rl']:.0f} |"
+            )
+        lines.append(
+            f"\nmean gain: on {pts(statistics.fmean(on_g))}, off {pts(statistics.fmean(off_g))} points "
+            f"(difference {pts(statistics.fmean(on_g) - statistics.fmean(off_g))})"
+        )
+    text = "\n".join(lines)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "learning.md").write_text(text + "\n")
+    (args.out / "learning.json").write_text(json.dumps({"machine": machine(), "arms": arms}, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
