@@ -199,6 +199,8 @@ async def check_remote_reduction(
     service normalises ``loss_fn`` and adopt it; for any other backend, do nothing and return ``[]``."""
     from retool.backends.remote import RemoteTrainingClient
 
+    # The trainer hands over the retry guard around the adapter; the check talks to the adapter itself.
+    client = getattr(client, "inner", client)
     if not isinstance(client, RemoteTrainingClient) or client.reduction_verified:
         return []
     reports = await asyncio.to_thread(verify_reduction, client, loss_fn, loss_config)
