@@ -198,11 +198,10 @@ async def check_remote_reduction(
 ) -> list[ReductionReport]:
     """The training loop's start-of-run hook: for a remote backend, verify (once per client) how the
     service normalises ``loss_fn`` and adopt it; for any other backend, do nothing and return ``[]``."""
-    from retool.backends.guarded import GuardedTrainingClient
     from retool.backends.remote import RemoteTrainingClient
 
-    if isinstance(client, GuardedTrainingClient):  # the trainer's retries wrap the client; probe the service
-        client = client.inner
+    # The trainer hands over the retry guard around the adapter; the check talks to the adapter itself.
+    client = getattr(client, "inner", client)
     if not isinstance(client, RemoteTrainingClient) or client.reduction_verified:
         return []
     reports = await asyncio.to_thread(verify_reduction, client, loss_fn, loss_config)
