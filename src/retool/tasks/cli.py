@@ -97,30 +97,35 @@ def demo_command(
     config: str = typer.Option("demo", "--config", help=_CONFIG_HELP),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
     seed: int | None = typer.Option(
-        None, help=f"Seed of tasks, model, SFT order, sampling [preset: {_DEMO.train.seed}]."
+        None, help=f"Seed of tasks, model, SFT order, sampling (demo preset: {_DEMO.train.seed})."
     ),
-    rl_steps: int | None = typer.Option(None, "--rl-steps", help=f"RL steps [preset: {_DEMO.train.steps}]."),
+    rl_steps: int | None = typer.Option(
+        None, "--rl-steps", help=f"RL steps (demo preset: {_DEMO.train.steps})."
+    ),
     sft_steps: int | None = typer.Option(
-        None, "--sft-steps", help=f"Cold-start SFT steps [preset: {_DEMO.sft.steps}]."
+        None, "--sft-steps", help=f"Cold-start SFT steps (demo preset: {_DEMO.sft.steps})."
     ),
-    group_size: int | None = typer.Option(None, "--group-size", help=f"[preset: {_DEMO.rollout.group_size}]"),
+    group_size: int | None = typer.Option(
+        None, "--group-size", help=f"(demo preset: {_DEMO.rollout.group_size})"
+    ),
     questions: int | None = typer.Option(
-        None, "--questions", help=f"Questions per RL step [preset: {_DEMO.rollout.questions_per_step}]."
+        None, "--questions", help=f"Questions per RL step (demo preset: {_DEMO.rollout.questions_per_step})."
     ),
     val_n: int | None = typer.Option(
-        None, "--val-n", help=f"Samples per held-out problem in evaluation [preset: {_DEMO.eval.val_n}]."
+        None, "--val-n", help=f"Samples per held-out problem in evaluation (demo preset: {_DEMO.eval.val_n})."
     ),
     test_tasks: int | None = typer.Option(
-        None, "--test-tasks", help=f"Held-out problems [preset: {_DEMO.data.task_test_count}]."
+        None, "--test-tasks", help=f"Held-out problems (demo preset: {_DEMO.data.task_test_count})."
     ),
     threads: int | None = typer.Option(
-        None, help=f"torch threads (1 leaves a core to the sandbox) [preset: {_DEMO.backend.cpu_threads}]."
+        None,
+        help=f"torch threads (1 leaves a core to the sandbox) (demo preset: {_DEMO.backend.cpu_threads}).",
     ),
     dynamic_sampling: bool | None = typer.Option(
         None,
         "--dynamic-sampling/--no-dynamic-sampling",
         help="DAPO: train only on groups whose rewards differ, sampling more questions to refill "
-        f"[preset: {'on' if _DEMO.filters.dynamic_sampling else 'off'}].",
+        f"(demo preset: {'on' if _DEMO.filters.dynamic_sampling else 'off'}).",
     ),
     reuse_sft: Path | None = typer.Option(
         None, "--reuse-sft", help="An earlier demo run: start from its SFT model and SFT evaluation."
@@ -164,29 +169,33 @@ def sft_command(
     model: str = typer.Option("tiny", "--model", help="HF folder to fine-tune, or 'tiny' to build one."),
     config: str = typer.Option("demo", "--config", help=_CONFIG_HELP),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
-    steps: int | None = typer.Option(None, help=f"SFT steps [preset: {_DEMO.sft.steps}]."),
-    batch_size: int | None = typer.Option(None, "--batch-size", help=f"[preset: {_DEMO.sft.batch_size}]"),
+    steps: int | None = typer.Option(None, help=f"SFT steps (demo preset: {_DEMO.sft.steps})."),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", help=f"(demo preset: {_DEMO.sft.batch_size})"
+    ),
     lr: float | None = typer.Option(
-        None, help=f"Peak learning rate (cosine decay) [preset: {_DEMO.sft.lr}]."
+        None, help=f"Peak learning rate (cosine decay) (demo preset: {_DEMO.sft.lr})."
     ),
     tasks: int | None = typer.Option(
-        None, help=f"Synthetic training problems [preset: {_DEMO.data.task_count}]."
+        None, help=f"Synthetic training problems (demo preset: {_DEMO.data.task_count})."
     ),
     hard_tool: float | None = typer.Option(
         None,
         "--hard-tool",
-        help=f"Share of hard problems solved with a call [preset: {_DEMO.sft.hard_tool}].",
+        help=f"Share of hard problems solved with a call (demo preset: {_DEMO.sft.hard_tool}).",
     ),
     hard_error_fix: float | None = typer.Option(
         None,
         "--hard-error-fix",
-        help=f"Share with a failing call then a fix [preset: {_DEMO.sft.hard_error_fix}].",
+        help=f"Share with a failing call then a fix (demo preset: {_DEMO.sft.hard_error_fix}).",
     ),
-    seed: int | None = typer.Option(None, help=f"[preset: {_DEMO.train.seed}]"),
+    seed: int | None = typer.Option(None, help=f"(demo preset: {_DEMO.train.seed})"),
     evaluate: bool = typer.Option(
         True, "--eval/--no-eval", help="Report format rate and accuracy after SFT."
     ),
-    threads: int | None = typer.Option(None, help=f"torch threads [preset: {_DEMO.backend.cpu_threads}]."),
+    threads: int | None = typer.Option(
+        None, help=f"torch threads (demo preset: {_DEMO.backend.cpu_threads})."
+    ),
 ) -> None:
     """Cold-start SFT on code-interleaved trajectories from the synthetic task family."""
     from retool.tasks.demo import run_sft
