@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 DAPO_HUB_ID = "BytedTsinghua-SIA/DAPO-Math-17k"
 DEFAULT_DATA_SOURCE = "math_dapo"
+# The dev split `retool prepare dapo` holds out by default (the ``dapo`` environment splits alike).
+DEV_SIZE, DEV_SEED = 50, 0
 
 # Tolerant of whitespace and of "$Answer"/"Answer" wording drift; anchored so text inside a problem is safe.
 _PREFIX_RE = re.compile(
@@ -209,7 +211,7 @@ def write_jsonl(path: Path, problems: Iterable[Problem]) -> int:
 
 
 def split_dev(
-    problems: list[Problem], dev_size: int = 50, seed: int = 0, *, source: str = "DAPO"
+    problems: list[Problem], dev_size: int = DEV_SIZE, seed: int = DEV_SEED, *, source: str = "DAPO"
 ) -> tuple[list[Problem], list[Problem]]:
     """(train, dev): ``dev_size`` problems chosen with ``seed`` held out; both keep the source order."""
     if dev_size >= len(problems):
@@ -225,8 +227,8 @@ def split_dev(
 def prepare_dapo(
     input: str | Path,
     out_dir: str | Path,
-    dev_size: int = 50,
-    seed: int = 0,
+    dev_size: int = DEV_SIZE,
+    seed: int = DEV_SEED,
     *,
     split: str = "train",
 ) -> PrepareReport:

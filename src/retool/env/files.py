@@ -20,8 +20,6 @@ logger = logging.getLogger(__name__)
 
 # Files `retool prepare dapo` writes into its output folder.
 PREPARED_TRAIN, PREPARED_DEV = "train.jsonl", "dev.jsonl"
-# Held out when DAPO is read raw (not from a prepared folder): the same rule as `retool prepare dapo`.
-DAPO_DEV_SIZE, DAPO_DEV_SEED = 50, 0
 
 
 def data_dir_of(data_dir: str | Path | None) -> Path | None:
@@ -110,7 +108,8 @@ class DapoEnv(ProblemEnv):
                 "test": _load(str(folder / PREPARED_DEV), {}),
             }
         problems, report = load_dapo(self._source)
-        train, dev = split_dev(problems, DAPO_DEV_SIZE, DAPO_DEV_SEED, source=report.source)
+        # Held out by the same rule as `retool prepare dapo` (its default size and seed).
+        train, dev = split_dev(problems, source=report.source)
         return {"train": train, "test": dev}
 
     def problems(self, split: Split) -> list[Problem]:
