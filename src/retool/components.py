@@ -68,6 +68,7 @@ class Components:
             logger.exception("closing the training client failed")
 
     def close(self) -> None:
+        """``aclose`` from synchronous code (inside an event loop, await ``aclose`` instead)."""
         asyncio.run(self.aclose())
 
     def __enter__(self) -> Components:
