@@ -178,6 +178,19 @@ class SFTConfig(_Section):
     hard_tool: float = Field(default=0.35, ge=0.0, le=1.0)
     hard_error_fix: float = Field(default=0.1, ge=0.0, le=1.0)
     easy_tool: float = Field(default=0.3, ge=0.0, le=1.0)
+    # The last ``final_share`` of the steps draw from a second set of trajectories with their own shares.
+    # Cold start in two stages: first the skill (most hard problems solved with the tool: calling and
+    # copying are learned), then the habit (a small share of calls), so that *when* to call is left
+    # to RL. 0: one stage.
+    final_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    final_hard_tool: float = Field(default=0.1, ge=0.0, le=1.0)
+    final_hard_error_fix: float = Field(default=0.05, ge=0.0, le=1.0)
+    final_easy_tool: float = Field(default=0.1, ge=0.0, le=1.0)
+
+    @property
+    def final_steps(self) -> int:
+        """Steps of the second stage (at least one when ``final_share`` > 0)."""
+        return 0 if self.final_share <= 0 else max(1, round(self.final_share * self.steps))
 
 
 class RetryConfig(_Section):

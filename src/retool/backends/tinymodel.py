@@ -60,12 +60,16 @@ _SIZES: dict[str, dict[str, int]] = {
         "vocab_size": 512,
     },
     # Two layers: the smallest depth that forms induction (copy) heads, and they form within ~1k SFT steps;
-    # a third layer delayed copying past the demo's time budget in measurements.
+    # a third layer delayed copying past the demo's time budget in measurements. Eight heads of 16
+    # dimensions with their own keys and values: copying multi-digit numbers (question -> code,
+    # interpreter output -> answer) is learned more reliably than with 4 query heads sharing 2 key/value
+    # heads (measured on held-out hard problems after 1500 SFT steps, seed 1: 59% of tool answers right
+    # against 10%; at about the same cost per step).
     "demo": {
         "hidden_size": 128,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
         "intermediate_size": 384,
         "vocab_size": 512,
     },

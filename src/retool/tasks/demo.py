@@ -181,18 +181,25 @@ def cold_start_sft(
     on_examples: Callable[[int], None] | None = None,
 ) -> SFTReport:
     """Build the code-interleaved SFT trajectories (real sandbox output) and train on them (``[sft]``)."""
-    from retool.tasks.sft import SFTMix, build_sft_examples, train_sft
+    from retool.tasks.sft import SFTExample, SFTMix, build_sft_examples, train_sft
 
     s = config.sft
     assert parts.executor is not None, "SFT observations come from the sandbox"
+    observe = sandbox_observer(parts.executor)
     mix = SFTMix(s.hard_tool, s.hard_error_fix, s.easy_tool)
     seed = config.train.seed
-    examples = build_sft_examples(train, parts.protocol, sandbox_observer(parts.executor), mix, seed=seed)
+    examples = build_sft_examples(train, parts.protocol, observe, mix, seed=seed)
+    final: list[SFTExample] = []
+    if s.final_steps:  # the second stage: the same problems, other styles (other seed)
+        final_mix = SFTMix(s.final_hard_tool, s.final_hard_error_fix, s.final_easy_tool)
+        final = build_sft_examples(train, parts.protocol, observe, final_mix, seed=seed + 7919)
     if on_examples is not None:
-        on_examples(len(examples))
+        on_examples(len(examples) + len(final))
     return train_sft(
         parts.backend,
         examples,
+        final_examples=final,
+        final_steps=s.final_steps,
         steps=s.steps,
         batch_size=s.batch_size,
         lr=s.lr,

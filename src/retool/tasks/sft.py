@@ -187,29 +187,37 @@ def train_sft(
     warmup: int = 10,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    final_examples: Sequence[SFTExample] = (),
+    final_steps: int = 0,
 ) -> SFTReport:
     """Cross-entropy SFT through ``client.forward_backward(..., "cross_entropy")`` + ``optim_step``.
 
     The loss per batch is the mean over assistant tokens (weights scaled by 1 / assistant tokens).
-    Learning rate: linear warm-up then cosine decay to 10%.
+    Learning rate: linear warm-up then cosine decay to 10%, over all ``steps``. With ``final_examples``
+    the last ``final_steps`` steps draw their batches from those instead (a second stage, same schedule).
     """
     import math
     import time
 
     if not examples:
         raise ValueError("no SFT examples")
+    if final_steps and not final_examples:
+        raise ValueError("final_steps > 0 needs final_examples")
     rng = random.Random(f"retool-sft-order/{seed}")
     order: list[int] = []
-    report = SFTReport(steps=steps, examples=len(examples))
-    for ex in examples:
+    report = SFTReport(steps=steps, examples=len(examples) + len(final_examples))
+    for ex in [*examples, *final_examples]:
         report.styles[ex.style] = report.styles.get(ex.style, 0) + 1
     start = time.perf_counter()
+    pool = examples
     for step in range(steps):
+        if final_steps and step == steps - final_steps:
+            pool, order = final_examples, []
         if len(order) < batch_size:
-            fresh = list(range(len(examples)))
+            fresh = list(range(len(pool)))
             rng.shuffle(fresh)
             order += fresh
-        batch = [examples[i] for i in order[:batch_size]]
+        batch = [pool[i] for i in order[:batch_size]]
         del order[:batch_size]
         n_tokens = sum(sum(ex.weights[1:]) for ex in batch)
         datums = [ex.to_datum(1.0 / n_tokens) for ex in batch]
