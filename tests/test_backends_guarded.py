@@ -342,9 +342,14 @@ def test_every_command_gets_the_guard_through_build_components(monkeypatch: pyte
     service = FakeService()
     monkeypatch.setattr(backends, "make_training_client", lambda config: service)
     monkeypatch.setattr("retool.protocol.ChatProtocol.from_config", lambda *a, **k: object())
-    parts = build_components(load_config(None, ["backend.kind='tinker'"]), tools=False)
-    assert isinstance(parts.backend, GuardedTrainingClient) and parts.backend.inner is service
-    assert build_components(load_config(None, []), tools=False).backend is service
+    remote = build_components(load_config(None, ["backend.kind='tinker'"]), tools=False)
+    local = build_components(load_config(None, []), tools=False)
+    try:
+        assert isinstance(remote.backend, GuardedTrainingClient) and remote.backend.inner is service
+        assert local.backend is service
+    finally:
+        remote.verifier.close()
+        local.verifier.close()
 
 
 def test_replay_on_the_real_local_backend_gives_the_same_gradient(tiny_model_dir) -> None:
