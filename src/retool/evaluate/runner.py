@@ -212,8 +212,12 @@ async def run_eval(
     save_transcripts: bool = False,
     rollout_fn: RolloutFn | None = None,
     bootstrap_resamples: int = 2000,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Roll out ``val_n`` candidates per unfinished problem, append records, return the summary.
+
+    ``on_progress(done, total)`` is called once at the start and after each finished problem (progress
+    bars).
 
     ``identity`` carries the run's descriptive settings (model, checkpoint, dataset, dataset_source,
     limit). Finished problems already in ``output`` are skipped; if the existing summary was written with
@@ -287,6 +291,8 @@ async def run_eval(
         }
 
     store.write_summary(current_summary("incomplete", []))
+    if on_progress is not None:
+        on_progress(len(problems) - len(todo), len(problems))
     rollout = rollout_fn or _default_rollout_fn()
     semaphore = asyncio.Semaphore(max(1, concurrency))
     failed: list[str] = []
@@ -340,6 +346,8 @@ async def run_eval(
             record["n"],
         )
         store.write_summary(current_summary("incomplete", failed))
+        if on_progress is not None:
+            on_progress(len(done), len(problems))
 
     tasks = [asyncio.ensure_future(one(p)) for p in todo]
     try:
