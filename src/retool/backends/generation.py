@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,8 +112,11 @@ def generate_batch(
     eos_ids: set[int],
     max_context: int,
     device: torch.device,
+    timings: dict[str, float] | None = None,
 ) -> list[Sample]:
-    """Generate every request in one left-padded batch; return one ``Sample`` per request, in order."""
+    """Generate every request in one left-padded batch; return one ``Sample`` per request, in order.
+
+    ``timings["prefill_seconds"]`` (when given) accumulates the time of the prompt forward pass."""
     n = len(requests)
     results: list[Sample | None] = [None] * n
     tokens: list[list[int]] = [[] for _ in range(n)]
@@ -147,7 +151,10 @@ def generate_batch(
     top_k = per_row([requests[i].params.top_k for i in active], torch.long)
 
     cache_key = _cache_kwarg(model)
+    t_prefill = time.perf_counter()
     out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    if timings is not None:
+        timings["prefill_seconds"] = timings.get("prefill_seconds", 0.0) + time.perf_counter() - t_prefill
     cache = _output_cache(out)
     logits = out.logits[:, -1, :].float()
     last_pos = positions[:, -1:]

@@ -115,6 +115,20 @@ def split_model_path(model_path: str | Path, gguf_file: str | None) -> tuple[str
     return text, gguf_file
 
 
+def _forget_gguf_quantization(model: Any) -> None:
+    """A model read from a GGUF file holds ordinary dequantised tensors (``dtype``), but transformers
+    still marks it as GGUF-quantised, which makes ``save_pretrained`` refuse it and a saved folder point
+    back at a GGUF file. Drop the marks so that merged LoRA weights and checkpoints save as usual."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    quant = getattr(model.config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if quant is not None and str(getattr(method, "value", method)) == "gguf":
+        del model.config.quantization_config
+    if getattr(model, "quantization_method", None) is not None:
+        model.quantization_method = None
+
+
 def _lora_spec(lora: Any) -> LocalLoraSpec | None:
     """Accept a ``LocalLoraSpec``, a ``retool.config.LoraConfig``, a dict, or ``None`` (full fine-tuning)."""
     if lora is None or isinstance(lora, LocalLoraSpec):
@@ -135,6 +149,7 @@ class BackendStats:
     """Work done by a local client's worker thread since it started (see the module docstring)."""
 
     sample_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # part of sample_seconds: the prompts' forward passes
     sampled_sequences: int = 0
     sampled_tokens: int = 0
     prefill_tokens: int = 0
@@ -143,8 +158,11 @@ class BackendStats:
     trained_padded_tokens: int = 0
     forward_seconds: float = 0.0  # forward-only passes (no gradient)
 
-    def add_sampling(self, requests: Sequence[GenRequest], samples: Sequence[Sample], seconds: float) -> None:
+    def add_sampling(
+        self, requests: Sequence[GenRequest], samples: Sequence[Sample], seconds: float, prefill: float = 0.0
+    ) -> None:
         self.sample_seconds += seconds
+        self.prefill_seconds += prefill
         self.sampled_sequences += len(samples)
         self.sampled_tokens += sum(len(s.tokens) for s in samples)
         self.prefill_tokens += sum(len(r.prompt) for r in requests)
@@ -353,6 +371,8 @@ class LocalTrainingClient(TrainingClient):
             load_kwargs["attn_implementation"] = attn_implementation
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
+        if self.gguf_file:
+            _forget_gguf_quantization(model)
         model.to(self.device)
         if self.lora is not None:
             from peft import LoraConfig, get_peft_model
@@ -479,6 +499,7 @@ class LocalTrainingClient(TrainingClient):
         model.eval()
         try:
             out: list[Sample] = []
+            timings: dict[str, float] = {}
             for start in range(0, len(requests), self.sample_batch_size):
                 out.extend(
                     generate_batch(
@@ -489,9 +510,12 @@ class LocalTrainingClient(TrainingClient):
                         eos_ids=self.eos_ids,
                         max_context=self.max_context,
                         device=self.device,
+                        timings=timings,
                     )
                 )
-            self.stats.add_sampling(requests, out, time.perf_counter() - t0)
+            self.stats.add_sampling(
+                requests, out, time.perf_counter() - t0, timings.get("prefill_seconds", 0.0)
+            )
             return out
         finally:
             model.train(was_training)
