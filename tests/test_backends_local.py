@@ -502,3 +502,40 @@ def test_lora_sampling_view_is_merged_shared_and_follows_each_step(tiny_model_di
         assert c.stats.sampled_tokens > 0 and c.stats.trained_tokens > 0
     finally:
         c.close()
+
+
+def test_shared_prompt_prefix_is_run_once_with_the_same_result(client: LocalTrainingClient) -> None:
+    """Prompts with a long common prefix (a system prompt) and suffixes of different lengths: prefilling
+    the prefix once and each suffix after it gives the tokens and logprobs of one full prefill per row."""
+    from retool.backends.generation import MIN_SHARED_PREFIX, shared_prefix_length
+
+    system = _prompt(client, "Solve the problem. Use the code_interpreter tool when it helps. " * 3)
+    assert len(system) > MIN_SHARED_PREFIX
+    prompts = [system + _prompt(client, q) for q in ("What is 3+4?", "How many primes are below 97?", "7*8")]
+    assert shared_prefix_length(prompts) >= len(system)
+    assert shared_prefix_length([prompts[0], prompts[0]]) == len(prompts[0]) - 1  # a token of its own
+
+    def run(share: bool, temperature: float) -> list[Sample]:
+        client.share_prompt_prefix = share
+        try:
+
+            async def go() -> list[list[Sample]]:
+                sampler = await client.sampling_client_async()
+                return await asyncio.gather(
+                    *[
+                        sampler.sample_async(
+                            p, 2, SamplingParams(max_tokens=8, temperature=temperature, seed=k)
+                        )
+                        for k, p in enumerate(prompts)
+                    ]
+                )
+
+            return [s for group in asyncio.run(go()) for s in group]
+        finally:
+            client.share_prompt_prefix = True
+
+    for temperature in (0.0, 1.0):
+        shared, full = run(True, temperature), run(False, temperature)
+        assert [s.tokens for s in shared] == [s.tokens for s in full]
+        for a, b in zip(shared, full, strict=True):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

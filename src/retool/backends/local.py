@@ -401,6 +401,8 @@ class LocalTrainingClient(TrainingClient):
         self._sampler = LocalSamplingClient(self, gather_ms=gather_ms)
         self._pending_grads = False
         self.merge_lora_for_sampling = bool(merge_lora_for_sampling)
+        # Run a batch's common prompt prefix once (``retool.backends.generation``); off only to compare.
+        self.share_prompt_prefix = True
         self._weights_version = 0  # bumped whenever the trainable weights change
         self._merged: _MergedSampler | None = None
         self.stats = BackendStats()
@@ -511,6 +513,7 @@ class LocalTrainingClient(TrainingClient):
                         max_context=self.max_context,
                         device=self.device,
                         timings=timings,
+                        share_prefix=self.share_prompt_prefix,
                     )
                 )
             self.stats.add_sampling(

