@@ -236,12 +236,13 @@ def test_rollout_on_the_real_template_keeps_continuity_and_masks_the_interpreter
     decoded = protocol.decode(tokens)
     assert rendered.startswith(decoded) and str(task.answer) in decoded
     # Interpreter mask: the observation (with the template's closing and next header) has weight 0, the
-    # second turn's sampled tokens are trained.
+    # second turn's sampled tokens are trained. The first turn stopped on the closing fence without an
+    # end-of-turn token, so the template's <|im_end|> is context the sampler did not emit: masked too.
     weights = [0.0, *datum.weights]
     prompt_len = len(traj.turns[0].prompt_tokens)
     runs = _runs(weights, tokens, prompt_len)
     masked = [protocol.decode(t) for trained, t in runs if not trained]
-    assert masked and masked[0].startswith("\n<|im_start|>user\n<interpreter>\n" + str(task.answer))
+    assert masked and masked[0].startswith("<|im_end|>\n<|im_start|>user\n<interpreter>\n" + str(task.answer))
     assert masked[0].endswith("</interpreter><|im_end|>\n<|im_start|>assistant\n")
     assert sum(1 for trained, _ in runs if trained) == 2
 
@@ -252,14 +253,28 @@ def test_one_rl_step_and_an_eval_of_two_problems(
     from retool.tasks.demo import _reinforce, demo_config, evaluate_modes
     from retool.tasks.family import generate_tasks
 
+    trained_before = client.stats.trained_tokens
     out = Path(settings.out)
     train = generate_tasks(4, seed=3, hard_fraction=1.0, kinds=["mul_big"])
     config = demo_config(settings, "smollm2", out / "rl")
     events: list[tuple[str, dict[str, Any]]] = []
-    _reinforce(client, config, settings, train, executor, verifier, lambda k, d: events.append((k, d)))
+    # An untrained model gets -1 everywhere and a degenerate group trains nothing: a fixed reward (+1 for
+    # the first branch, -1 for the second) makes both groups informative, so the step really trains.
+    _reinforce(
+        client,
+        config,
+        settings,
+        train,
+        executor,
+        verifier,
+        lambda k, d: events.append((k, d)),
+        reward_fn=lambda traj: 1.0 if traj.group_index == 0 else -1.0,
+    )
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["step"] == 1
     assert math.isfinite(rows[0]["task/reward_mean"])
+    assert rows[0]["sampling/groups_kept"] == 2
+    assert client.stats.trained_tokens > trained_before
     assert [k for k, _ in events] == ["rl_step"]
 
     problems = [t.to_problem() for t in generate_tasks(2, seed=4, hard_fraction=1.0, split="test")]
@@ -267,4 +282,4 @@ def test_one_rl_step_and_an_eval_of_two_problems(
         client, problems, settings, config, out / "eval", "rl", executor, verifier, modes=["retool"]
     )
     assert summaries["retool"]["problems"] == 2 and summaries["retool"]["candidates"] == 2
-    assert client.stats.sampled_tokens > 0 and client.stats.trained_tokens > 0
+    assert client.stats.sampled_tokens > 0

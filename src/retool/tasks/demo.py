@@ -898,6 +898,7 @@ def _reinforce(
     verifier: Any,
     emit: Event,
     resume: bool = False,
+    reward_fn: Callable[[Any], float] | None = None,
 ) -> None:
     from retool.tasks.model import protocol_for
     from retool.train.datasource import list_source
@@ -907,6 +908,7 @@ def _reinforce(
         config,
         Path(config.train.run_dir),
         resume=resume,
+        reward_fn=reward_fn,  # None: the verifier's reward (tests pass a fixed one)
         client=client,
         source=list_source([t.to_problem() for t in train]),
         executor=_KeepOpen(executor),
