@@ -35,8 +35,8 @@ def main() -> None:
 
     from retool.backends.local import LocalTrainingClient
     from retool.backends.packing import greedy_micro_batches, pack_micro_batches, padding_efficiency
+    from retool.backends.tinymodel import build_tiny_model
     from retool.backends.types import Datum, SamplingParams
-    from retool.tasks.tinymodel import build_tiny_model
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

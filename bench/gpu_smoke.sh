@@ -16,7 +16,7 @@ import torch
 
 from retool.backends.local import LocalTrainingClient
 from retool.backends.types import AdamParams, Datum, SamplingParams
-from retool.tasks.tinymodel import build_tiny_model
+from retool.backends.tinymodel import build_tiny_model
 
 device = sys.argv[1]
 if device == "cuda" and not torch.cuda.is_available():

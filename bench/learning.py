@@ -7,7 +7,7 @@ one setting. Everything is evaluated on the same held-out problems with the same
 
     python bench/learning.py                       # seeds 0..4 with the ablation (about an hour on 2 cores)
     python bench/learning.py --seeds 0,1 --no-ablation
-    python bench/learning.py --set rl_steps=80     # any DemoSettings field
+    python bench/learning.py --set train.steps=80  # any config key of the demo preset, or a demo field
 
 Prints one table per arm (seed, SFT and RL Average@N, the paired gain with its 95% bootstrap interval,
 hard-problem accuracy, degenerate-group rate, time split) and a comparison of the arms. Finished seeds
@@ -25,10 +25,11 @@ import platform
 import statistics
 import sys
 import time
-from dataclasses import fields, replace
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from retool.config import ConfigError
 from retool.tasks.demo import DemoSettings, run_demo
 
 # The issue's targets for the demo, checked per seed.
@@ -53,28 +54,12 @@ def machine() -> str:
     return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({isa}), Python {platform.python_version()}"
 
 
-def _parse_value(raw: str) -> Any:
-    if raw.lower() in ("true", "false"):
-        return raw.lower() == "true"
-    for cast in (int, float):
-        try:
-            return cast(raw)
-        except ValueError:
-            pass
-    if "," in raw:
-        return tuple(x.strip() for x in raw.split(",") if x.strip())
-    return raw
-
-
 def settings_from(args: argparse.Namespace) -> DemoSettings:
-    known = {f.name: f for f in fields(DemoSettings)}
-    overrides: dict[str, Any] = {}
-    for item in args.set:
-        key, sep, raw = item.partition("=")
-        if not sep or key not in known:
-            raise SystemExit(f"--set {item!r}: expected FIELD=VALUE with FIELD one of {', '.join(known)}")
-        overrides[key] = _parse_value(raw)
-    return replace(DemoSettings(plots=False), **overrides)
+    """The demo preset with ``--set`` overrides: ``section.key=value`` or a demo-only ``field=value``."""
+    try:
+        return DemoSettings.load(args.set, plots=False)
+    except ConfigError as exc:
+        raise SystemExit(f"--set: {exc}") from None
 
 
 def run_arm(settings: DemoSettings, out: Path, log: logging.Logger) -> dict[str, Any]:
@@ -178,7 +163,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=Path("runs/bench-learning"))
     parser.add_argument("--no-ablation", action="store_true", help="skip the dynamic-sampling-off arm")
     parser.add_argument(
-        "--set", action="append", default=[], metavar="FIELD=VALUE", help="DemoSettings override"
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override: section.key=value of the demo preset, or a demo field (size, eval_modes, plots)",
     )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -189,11 +178,13 @@ def main(argv: list[str] | None = None) -> int:
     started = time.perf_counter()
     arms: dict[str, list[dict[str, Any]]] = {"dynamic sampling on": [], "dynamic sampling off": []}
     for seed in seeds:
-        on = replace(base, seed=seed, dynamic_sampling=True)
+        on = base.with_seed(seed).with_overrides(["filters.dynamic_sampling=true"])
         folder = args.out / f"seed{seed}"
         arms["dynamic sampling on"].append(run_arm(on, folder / "ds_on", log))
         if not args.no_ablation:
-            off = replace(on, dynamic_sampling=False, reuse_sft=str(folder / "ds_on"))
+            off = replace(on, reuse_sft=str(folder / "ds_on")).with_overrides(
+                ["filters.dynamic_sampling=false"]
+            )
             arms["dynamic sampling off"].append(run_arm(off, folder / "ds_off", log))
         print(f"seed {seed} done ({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
 

@@ -49,7 +49,7 @@ def main() -> None:
 
     from retool.backends.local import LocalTrainingClient
     from retool.backends.types import Datum, SamplingParams
-    from retool.tasks.family import generate_tasks
+    from retool.data.synthetic import generate_tasks
     from retool.tasks.model import protocol_for
     from retool.tasks.real_model import resolve_model_path
 

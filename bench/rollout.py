@@ -182,8 +182,8 @@ async def run_once(
 
 
 async def main_async(args: argparse.Namespace) -> int:
+    from retool.backends.tinymodel import build_tokenizer
     from retool.protocol import ChatProtocol
-    from retool.tasks.tinymodel import build_tokenizer
 
     tokenizer = build_tokenizer()
     protocol = ChatProtocol(tokenizer)

@@ -31,6 +31,6 @@ def qwen_tokenizers(shared_data: Path) -> dict:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny Qwen2 model with its own tokenizer and tool-capable chat template."""
-    from retool.tasks.tinymodel import build_tiny_model
+    from retool.backends.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), size="test", seed=0)

@@ -19,6 +19,16 @@ uses the same names) and then normalised the way the stub is told to (``reductio
 
 The reported loss is the normalised objective the server would differentiate: PyTRIO's ``loss_sum`` metric,
 Tinker's ``loss:sum``. Every request is recorded (``requests``) so tests can read what the SDK really sent.
+
+Faults (``StubServer.fail``): the next requests of a call ("sample", "forward_backward", "optim_step", ...)
+can be answered 503 or 429 (with ``Retry-After`` when ``retry_after`` is set; nothing applied), or be
+applied and then get no answer: the connection is closed at once ("drop") or held open until ``release()``
+("hang"). Both services deduplicate re-sent training requests the way their SDKs rely on: PyTRIO by event
+id (a repeat is answered 409 ``event_exists``, and the SDK then polls ``GET /v1/events/{id}``), Tinker by
+``(model_id, seq_id)`` (a repeat is answered with the original future, applied once; the SDK's retries
+assume this, the real service's behaviour cannot be read from the SDK). ``wire_ids`` lists the id of every
+training request and sample that arrived, re-sends included; ``applied`` counts what took effect, and
+``steps`` how many gradient accumulations each applied optimizer step consumed.
 """
 
 from __future__ import annotations
@@ -29,6 +39,8 @@ import math
 import struct
 import threading
 import uuid
+from collections import Counter, defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -36,6 +48,7 @@ from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
 REDUCTIONS = ("sum", "samples", "active_tokens", "advantage_tokens", "per_sequence_mean")
+FAULTS = ("503", "429", "drop", "hang")
 IGNORE = -100
 PYTRIO_KEY = "trio-test-key"
 TINKER_KEY = "tml-test-key"  # the Tinker SDK refuses keys without the tml- prefix
@@ -155,7 +168,9 @@ def server_loss(
 
 # -- the HTTP plumbing ----------------------------------------------------------------------------
 
-Response = tuple[int, str, bytes]
+# (status, content type, body) and optionally extra headers; status 0 (``DROP``): close, no answer.
+Response = tuple[int, str, bytes] | tuple[int, str, bytes, dict[str, str]]
+DROP: Response = (0, "", b"")
 
 
 def json_response(data: Any, status: int = 200) -> Response:
@@ -170,15 +185,21 @@ class _Handler(BaseHTTPRequestHandler):
         body = self.rfile.read(length) if length else b""
         stub: StubServer = self.server.stub  # type: ignore[attr-defined]
         try:
-            status, ctype, payload = stub.handle(
+            answer = stub.handle(
                 self.command, self.path, {k.lower(): v for k, v in self.headers.items()}, body
             )
         except Exception as exc:  # a stub bug must show up in the SDK's error, not hang it
             stub.errors.append(f"{self.command} {self.path}: {type(exc).__name__}: {exc}")
-            status, ctype, payload = json_response({"code": "stub_error", "message": str(exc)}, 500)
+            answer = json_response({"code": "stub_error", "message": str(exc)}, 500)
+        status, ctype, payload, *extra = answer
+        if status == 0:  # a dropped connection: the client reads no answer at all
+            self.close_connection = True
+            return
         self.send_response(status)
         self.send_header("Content-Type", ctype)
         self.send_header("Content-Length", str(len(payload)))
+        for name, value in (extra[0] if extra else {}).items():
+            self.send_header(name, value)
         self.end_headers()
         self.wfile.write(payload)
 
@@ -199,6 +220,14 @@ class StubServer:
         self.calls: list[SentCall] = []
         self.errors: list[str] = []
         self.sample_logprobs = True  # False: samples come back without logprobs
+        self.faults: dict[str, list[str]] = {}
+        self.retry_after: float | None = None  # Retry-After (seconds) sent with a 503 / 429 fault
+        self.hang_limit = 30.0  # seconds a "hang" holds its connection at most, if nobody releases it
+        self.wire_ids: defaultdict[str, list[str]] = defaultdict(list)
+        self.applied: Counter[str] = Counter()
+        self.steps: list[int] = []
+        self._accumulated = 0  # forward_backward calls applied since the last optimizer step
+        self._released = threading.Event()
         self._lock = threading.Lock()
         self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), _Handler)
         self._httpd.daemon_threads = True
@@ -217,6 +246,7 @@ class StubServer:
         return self
 
     def stop(self) -> None:
+        self.release()
         self._httpd.shutdown()
         self._httpd.server_close()
 
@@ -232,6 +262,46 @@ class StubServer:
 
     def bodies(self, path_suffix: str) -> list[Any]:
         return [r.body for r in self.requests if urlsplit(r.path).path.endswith(path_suffix)]
+
+    # -- faults and what took effect ------------------------------------------------------------
+    def fail(self, call: str, *faults: str) -> None:
+        """Script the next requests of ``call`` (one fault each, in order; see the module docstring)."""
+        unknown = set(faults) - set(FAULTS)
+        if unknown:
+            raise ValueError(f"unknown faults {sorted(unknown)}; use {FAULTS}")
+        with self._lock:
+            self.faults.setdefault(call, []).extend(faults)
+
+    def release(self) -> None:
+        """End every "hang" (now and later): their connections close without an answer."""
+        self._released.set()
+
+    def arrived(self, call: str, request_id: str) -> None:
+        with self._lock:
+            self.wire_ids[call].append(request_id)
+
+    def serve(self, call: str, apply: Callable[[], Response]) -> Response:
+        """Answer one request of ``call``: ``apply()`` makes it take effect and returns the answer, unless
+        the next scripted fault refuses it (503 / 429) or swallows the answer (drop / hang)."""
+        with self._lock:
+            queue = self.faults.get(call)
+            fault = queue.pop(0) if queue else None
+        if fault in ("503", "429"):
+            headers = {} if self.retry_after is None else {"Retry-After": f"{self.retry_after:g}"}
+            code = "service_unavailable" if fault == "503" else "too_many_requests"
+            status, ctype, body = json_response({"code": code, "message": f"stub: {fault}"}, int(fault))
+            return status, ctype, body, headers
+        answer = apply()
+        with self._lock:
+            self.applied[call] += 1
+            if call == "forward_backward":
+                self._accumulated += 1
+            elif call == "optim_step":
+                self.steps.append(self._accumulated)
+                self._accumulated = 0
+        if fault == "hang":
+            self._released.wait(self.hang_limit)
+        return DROP if fault in ("drop", "hang") else answer
 
     def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Response:
         raise NotImplementedError
@@ -252,6 +322,16 @@ def _iso(dt: datetime) -> str:
 
 
 # -- PyTRIO -----------------------------------------------------------------------------------------
+
+# Event types by the call names ``StubServer.fail`` and ``applied`` use (the rest: the part after "trainer.").
+_PYTRIO_CALLS = {
+    "trainer.init_run": "init_run",
+    "trainer.forward": "forward",
+    "trainer.forward_backward": "forward_backward",
+    "trainer.optimize_step": "optim_step",
+    "trainer.save_state": "save_state",
+    "trainer.save_weights": "save_weights",
+}
 
 
 @dataclass
@@ -278,6 +358,7 @@ class PytrioStub(StubServer):
         self.runs: dict[str, _PytrioRun] = {}
         self.checkpoints: dict[str, _PytrioRun] = {}
         self.sessions: list[str] = []
+        self.event_replies: dict[str, bytes] = {}  # event id -> the msgpack reply of the applied event
 
     # Control responses share these pieces.
     def _actor(self) -> dict[str, Any]:
@@ -422,39 +503,64 @@ class PytrioStub(StubServer):
         if route == "/v1/events" and method == "POST":  # transport/actor/event/submit.py
             envelope = msgpack.unpackb(body, raw=False)
             self.record(method, route, headers, envelope)
-            run = self.runs[envelope["metadata"]["run_id"]]
-            run.events.append(envelope["type"])
-            result = self._event(run, envelope["type"], envelope["payload"])
-            reply = {
-                "version": 1,
-                "event_id": envelope["event_id"],
-                "type": envelope["type"],
-                "status": "succeeded",
-                "result": result,
-                "usage": {"input_tokens": 0, "output_tokens": 0},
-            }
-            return 200, "application/msgpack", msgpack.packb(reply, use_bin_type=True)
+            kind, event_id = envelope["type"], envelope["event_id"]
+            call = _PYTRIO_CALLS.get(kind, kind)
+            self.arrived(call, event_id)
+            with self._lock:
+                seen = event_id in self.event_replies
+            if seen:  # the event id is the idempotency key: the SDK then polls the original event
+                return json_response({"code": "event_exists", "message": f"event {event_id} exists"}, 409)
+
+            def apply() -> Response:
+                run = self.runs[envelope["metadata"]["run_id"]]
+                run.events.append(kind)
+                result = self._event(run, kind, envelope["payload"])
+                reply = {
+                    "version": 1,
+                    "event_id": event_id,
+                    "type": kind,
+                    "status": "succeeded",
+                    "result": result,
+                    "usage": {"input_tokens": 0, "output_tokens": 0},
+                }
+                packed = msgpack.packb(reply, use_bin_type=True)
+                with self._lock:
+                    self.event_replies[event_id] = packed
+                return 200, "application/msgpack", packed
+
+            return self.serve(call, apply)
+        if route.startswith("/v1/events/") and method == "GET":  # transport/actor/event/get.py
+            self.record(method, route, headers, None)
+            with self._lock:
+                packed = self.event_replies.get(route.rsplit("/", 1)[1])
+            if packed is None:
+                return json_response({"code": "not_found", "message": f"stub: no event {route}"}, 404)
+            return 200, "application/msgpack", packed
         if route.startswith("/v1/sampling-runs/") and route.endswith("/sample"):
             request = json.loads(body)  # transport/actor/sampling_run/sample.py (JSON in and out)
             self.record(method, route, headers, request)
-            prompt = [t for c in request["prompt"]["chunks"] for t in c["tokens"]]
-            params = request["sampling_params"]
-            seqs = []
-            for i in range(int(request["num_samples"])):
-                toks = sampled_tokens(prompt, i, int(params["max_tokens"]))
-                seqs.append(
-                    {
-                        "tokens": toks,
-                        "text": None,
-                        "logprobs": [learner_lp(t) for t in toks]
-                        if request["return_token_logprobs"] and self.sample_logprobs
-                        else [],
-                        "stop_reason": "length" if i % 2 else "stop",
-                    }
-                )
-            return json_response({"request_id": request["request_id"], "sequences": seqs})
+            self.arrived("sample", request["request_id"])
+            return self.serve("sample", lambda: self._sample(request))
         self.record(method, route, headers, body)
         return json_response({"code": "not_found", "message": f"stub: no route {method} {route}"}, 404)
+
+    def _sample(self, request: dict[str, Any]) -> Response:
+        prompt = [t for c in request["prompt"]["chunks"] for t in c["tokens"]]
+        params = request["sampling_params"]
+        seqs = []
+        for i in range(int(request["num_samples"])):
+            toks = sampled_tokens(prompt, i, int(params["max_tokens"]))
+            seqs.append(
+                {
+                    "tokens": toks,
+                    "text": None,
+                    "logprobs": [learner_lp(t) for t in toks]
+                    if request["return_token_logprobs"] and self.sample_logprobs
+                    else [],
+                    "stop_reason": "length" if i % 2 else "stop",
+                }
+            )
+        return json_response({"request_id": request["request_id"], "sequences": seqs})
 
     def _event(self, run: _PytrioRun, kind: str, payload: dict[str, Any]) -> dict[str, Any]:
         if kind == "trainer.init_run":
@@ -526,6 +632,7 @@ class TinkerStub(StubServer):
         self.futures: dict[str, Response] = {}
         self.models: dict[str, dict[str, Any]] = {}
         self.checkpoints: dict[str, dict[str, Any]] = {}
+        self.by_seq_id: dict[str, Response] = {}  # "<model_id>:<seq_id>" -> the answer given when applied
         self._n = 0
         self._sessions = 0
 
@@ -588,11 +695,19 @@ class TinkerStub(StubServer):
                 json_response({"type": "load_weights", "path": data["path"], "model_id": model_id}), model_id
             )
         if route == "/api/v1/optim_step":
-            return self._future(json_response({"metrics": {"grad_norm:mean": 0.75}}))
+            return self._once(
+                "optim_step",
+                f"{data['model_id']}:{data.get('seq_id')}",
+                lambda: self._future(json_response({"metrics": {"grad_norm:mean": 0.75}})),
+            )
         if route == "/api/v1/save_weights":
             path = f"tinker://{data['model_id']}/weights/{data['path']}"
-            self.checkpoints[path] = self.models[data["model_id"]]
-            return self._future(json_response({"path": path, "type": "save_weights"}))
+
+            def save() -> Response:
+                self.checkpoints[path] = self.models[data["model_id"]]
+                return self._future(json_response({"path": path, "type": "save_weights"}))
+
+            return self._once("save_state", f"{data['model_id']}:{data.get('seq_id')}", save)
         if route == "/api/v1/save_weights_for_sampler":
             sid = f"samp-{uuid.uuid4().hex[:8]}"
             return self._future(
@@ -601,7 +716,8 @@ class TinkerStub(StubServer):
         if route == "/api/v1/asample":
             # sampling_client.py asserts the promise names one sequence id per sample.
             ids = [f"seq-{uuid.uuid4().hex[:8]}" for _ in range(int(data["num_samples"]))]
-            return self._future(self._sample(data), sample_sequence_ids=ids)
+            self.arrived("sample", str(data.get("seq_id")))
+            return self.serve("sample", lambda: self._future(self._sample(data), sample_sequence_ids=ids))
         if route == "/api/v1/retrieve_future":
             with self._lock:
                 result = self.futures.get(data["request_id"])
@@ -612,8 +728,23 @@ class TinkerStub(StubServer):
             return json_response({})
         return json_response({"detail": f"stub: no route {method} {route}"}, 404)
 
+    def _once(self, call: str, key: str, apply: Callable[[], Response]) -> Response:
+        """A training request, applied once per ``(model_id, seq_id)``: a re-send gets the first answer."""
+        self.arrived(call, key)
+        with self._lock:
+            known = self.by_seq_id.get(key)
+        if known is not None:
+            return known
+
+        def apply_and_keep() -> Response:
+            answer = apply()
+            with self._lock:
+                self.by_seq_id[key] = answer
+            return answer
+
+        return self.serve(call, apply_and_keep)
+
     def _forward_backward(self, headers: dict[str, str], body: bytes) -> Response:
-        import numpy as np
         from tinker.proto import tinker_public_pb2 as pb
 
         if headers.get("content-encoding") == "zstd":
@@ -624,6 +755,12 @@ class TinkerStub(StubServer):
         self.record("POST", "/api/v1/forward_backward", headers, msg)
         if headers.get("x-api-key") not in (TINKER_KEY, self.jwt):
             return json_response({"detail": "bad API key"}, 401)
+        call = "forward" if msg.forward_only else "forward_backward"
+        return self._once(call, f"{msg.model_id}:{msg.seq_id}", lambda: self._apply_forward(msg))
+
+    def _apply_forward(self, msg: Any) -> Response:
+        import numpy as np
+        from tinker.proto import tinker_public_pb2 as pb
 
         def tensor(t: Any) -> list[float]:
             dtype = np.float32 if t.dtype == pb.DTYPE_FLOAT32 else np.int64

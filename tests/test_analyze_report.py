@@ -13,7 +13,7 @@ from retool.analyze import AnalyzeError, analyze, compare_settings, load_inputs
 from retool.cli import app
 from retool.config import Config
 from retool.evaluate.metrics import summarize
-from retool.evaluate.runner import build_settings
+from retool.evaluate.settings import build_settings
 from retool.evaluate.store import summary_path_for
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"

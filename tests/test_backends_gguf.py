@@ -207,7 +207,7 @@ def test_phrase_tokens_that_transformers_would_split_are_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     from retool.backends.gguf_export import export_qwen2_gguf
-    from retool.tasks.tinymodel import build_tiny_model
+    from retool.backends.tinymodel import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "m", size="test", phrase_tokens=["Solve it step by step."])
     with caplog.at_level(logging.WARNING, logger="retool.backends.gguf_export"):

@@ -114,8 +114,32 @@ def test_top_k_1_and_tiny_top_p_are_greedy(client: LocalTrainingClient) -> None:
 def test_missing_model_path_is_clear(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         LocalTrainingClient(str(tmp_path / "nope"), device="cpu")
-    with pytest.raises(ValueError, match="retool demo"):
-        LocalTrainingClient("tiny", device="cpu")
+
+
+def test_model_name_tiny_is_built_once_into_the_run_folder(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from retool.backends import resolve_model_name, tinymodel
+    from retool.config import load_config
+
+    built: list[tuple[Path, str, int]] = []
+
+    def fake_build(out_dir: Path, size: str = "test", seed: int = 0, **_: object) -> Path:
+        built.append((Path(out_dir), size, seed))
+        Path(out_dir).mkdir(parents=True)
+        (Path(out_dir) / "config.json").write_text("{}")
+        return Path(out_dir)
+
+    monkeypatch.setattr(tinymodel, "build_tiny_model", fake_build)
+    monkeypatch.chdir(tmp_path)
+    cfg = load_config("tiny", [f'train.run_dir="{tmp_path / "run"}"'])
+    folder = tmp_path / "run" / "tiny_model"
+    assert resolve_model_name(cfg) == str(folder)
+    assert resolve_model_name(cfg) == str(folder)  # found, not rebuilt
+    assert built == [(folder, "demo", 0)]
+    assert resolve_model_name(load_config("tiny", ["model.name='/models/x'"])) == "/models/x"
+    (tmp_path / "tiny").mkdir()  # a folder literally named "tiny" is a model path like any other
+    assert resolve_model_name(cfg) == "tiny"
 
 
 def test_seeds_are_reproducible_and_independent_of_batch(client: LocalTrainingClient) -> None:

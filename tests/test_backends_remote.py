@@ -52,7 +52,7 @@ PPO = {"clip_low": 0.8, "clip_high": 1.28}
 @pytest.fixture(scope="module")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small local tokenizer (300 ids) that the adapters load instead of the service's."""
-    from retool.tasks.tinymodel import build_tokenizer
+    from retool.backends.tinymodel import build_tokenizer
 
     folder = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(vocab_size=300).save_pretrained(folder)
@@ -702,8 +702,10 @@ async def stub_rollouts(problems: list[Any], *, sampler: Any, group_size: int, *
 def test_a_training_run_and_its_resume_through_the_sdk(
     kind: str, home: Path, tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from retool.backends import make_training_client
+    from retool.components import Components
     from retool.data.problem import Problem
-    from retool.train.datasource import list_source
+    from retool.env import ProblemListEnv
     from retool.train.loop import Trainer
 
     set_key(monkeypatch, kind)
@@ -722,18 +724,19 @@ def test_a_training_run_and_its_resume_through_the_sdk(
                 "logging.progress=false",
                 base_url=stub.url,
             )
+            parts = Components(
+                backend=make_training_client(cfg), protocol=object(), verifier=object(), executor=object()
+            )
             trainer = Trainer(
                 cfg,
                 tmp_path / "run",
                 resume=resume,
-                source=list_source(problems, shuffle=False),
-                executor=object(),
-                verifier=object(),
-                protocol=object(),
+                env=ProblemListEnv(problems, shuffle=False),
+                components=parts,
                 rollout_fn=stub_rollouts,
             )
             trainer.run()
-            shutdown(trainer._client)
+            shutdown(parts.backend)
             return trainer
 
         run(2, resume=False)

@@ -135,14 +135,21 @@ def tokenizer(shared_data: Path) -> Any:
 
 
 def run_mode(tokenizer: Any, mode: str, output: Path) -> tuple[dict, FakeSampler]:
-    from retool.evaluate import EvalComponents, run_eval
+    from retool.components import Components
+    from retool.evaluate import run_eval
     from retool.protocol import ChatProtocol
     from retool.reward import Verifier
 
     protocol = ChatProtocol(tokenizer, fmt="auto", use_tools=mode == "retool")
     sampler = FakeSampler(tokenizer, protocol.fmt, mode)
     with Verifier(workers=1, timeout=10.0) as verifier:
-        comps = EvalComponents(sampler=sampler, protocol=protocol, verifier=verifier, executor=FakeExecutor())
+        comps = Components(
+            backend=None,  # type: ignore[arg-type]  # an eval samples; it never trains
+            protocol=protocol,
+            verifier=verifier,
+            executor=FakeExecutor(),
+            sampler=sampler,
+        )
         summary = asyncio.run(
             run_eval(PROBLEMS, comps, config=_problem_cfg(), mode=mode, output=output, val_n=4, seed=0)
         )
@@ -217,19 +224,32 @@ CHILD = r"""
 import sys
 sys.path.insert(0, {tests!r})
 import test_eval_rollout as T
+from retool import components
 from retool.evaluate import runner
 from transformers import AutoTokenizer
 
 tok = AutoTokenizer.from_pretrained({tokenizer_dir!r})
 kill_at = {kill_at}
 
-async def open_backend(config, checkpoint):
-    from retool.protocol import ChatProtocol
-    fmt = ChatProtocol(tok, use_tools=True).fmt
-    return None, T.FakeSampler(tok, fmt, "retool", kill_at_request=kill_at), tok
+class FakeBackend:
+    tokenizer = tok
 
-runner._open_backend = open_backend
-runner._make_executor = lambda config: T.FakeExecutor()
+    async def close_async(self):
+        pass
+
+def fake_parts(config, tools=True):
+    from retool.protocol import ChatProtocol
+    from retool.reward import Verifier
+    protocol = ChatProtocol.from_config(tok, config, use_tools=tools)
+    parts = components.Components(FakeBackend(), protocol, Verifier.from_config(config), T.FakeExecutor())
+    parts.refresh_sampler = lambda: _sampler(parts, protocol)
+    return parts
+
+async def _sampler(parts, protocol):
+    parts.sampler = T.FakeSampler(tok, protocol.fmt, "retool", kill_at_request=kill_at)
+    return parts.sampler
+
+runner.build_components = fake_parts  # the harness's backend and sandbox; everything else is real
 from retool.cli import app
 app(sys.argv[1:], prog_name="retool")
 """
@@ -310,6 +330,8 @@ def test_eval_sigkill_resume(tokenizer: Any, shared_data: Path, tmp_path: Path) 
 def test_evaluate_local_backend_tiny_model(tiny_model_dir: Path, tmp_path: Path) -> None:
     """The real path: local backend sampler, ChatProtocol, forkserver sandbox; results independent of how
     many problems run at once (per-problem seeds), and a rerun of a finished eval does nothing."""
+    from retool.config import override_config
+    from retool.env import ProblemListEnv
     from retool.evaluate import evaluate
 
     cfg = _problem_cfg()
@@ -317,10 +339,11 @@ def test_evaluate_local_backend_tiny_model(tiny_model_dir: Path, tmp_path: Path)
     cfg.backend.device = "cpu"
     cfg.rollout.max_tokens_per_turn = 16
     cfg.sandbox.workers = 1
+    cfg.eval.val_n = 2
     probs = [Problem(id=f"t{i}", question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(3)]
-    kw = {"mode": "retool", "dataset": "toy", "val_n": 2, "problems": probs}
-    a = evaluate(cfg, output=tmp_path / "a.jsonl", concurrency=1, **kw)
-    b = evaluate(cfg, output=tmp_path / "b.jsonl", concurrency=3, **kw)
+    kw = {"mode": "retool", "env": ProblemListEnv(probs, name="toy")}
+    a = evaluate(override_config(cfg, ["eval.concurrency=1"]), output=tmp_path / "a.jsonl", **kw)
+    b = evaluate(override_config(cfg, ["eval.concurrency=3"]), output=tmp_path / "b.jsonl", **kw)
     assert a["status"] == b["status"] == "complete" and a["metrics"]["candidates"] == 6
     assert a["settings"]["tool_format"] == "hermes" and a["settings"]["model"] == str(tiny_model_dir)
 
@@ -329,5 +352,5 @@ def test_evaluate_local_backend_tiny_model(tiny_model_dir: Path, tmp_path: Path)
         return {r["id"]: [c["final_text_tail"] for c in r["candidates"]] for r in rows}
 
     assert texts(tmp_path / "a.jsonl") == texts(tmp_path / "b.jsonl")
-    again = evaluate(cfg, output=tmp_path / "a.jsonl", concurrency=2, **kw)
+    again = evaluate(override_config(cfg, ["eval.concurrency=2"]), output=tmp_path / "a.jsonl", **kw)
     assert again["metrics"] == a["metrics"] and again["timing"]["sessions"] == 2

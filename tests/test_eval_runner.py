@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
+from retool.components import Components
 from retool.config import Config
 from retool.data.problem import Problem
-from retool.evaluate import EvalComponents, EvalError, ResultStore, problem_seed, run_eval, summary_path_for
+from retool.evaluate import EvalError, ResultStore, problem_seed, run_eval, summary_path_for
 from retool.sandbox.base import ExecResult
 
 PROBLEMS = [Problem(id=f"q{i}", question=f"What is {i}+{i}?", answer=str(2 * i)) for i in range(6)]
@@ -83,8 +84,15 @@ class FakeRollout:
         return [list(reversed(out))]  # out of order on purpose: the runner sorts by branch
 
 
-def components() -> EvalComponents:
-    return EvalComponents(sampler=object(), protocol=object(), verifier=object(), executor="EXECUTOR")
+def components() -> Components:
+    """Stand-ins: the fake rollout never touches them, only passes them through."""
+    return Components(
+        backend=None,  # type: ignore[arg-type]  # an eval samples; it never trains
+        protocol=object(),  # type: ignore[arg-type]
+        verifier=object(),  # type: ignore[arg-type]
+        executor="EXECUTOR",  # type: ignore[arg-type]
+        sampler=object(),  # type: ignore[arg-type]
+    )
 
 
 def run(output: Path, problems=PROBLEMS, *, mode: str = "retool", rollout: FakeRollout | None = None, **kw):
@@ -243,24 +251,27 @@ def test_summary_path_for() -> None:
     assert summary_path_for("r/x.out") == Path("r/x.out.summary.json")
 
 
-def test_resolve_named_dataset_prefers_local_dir(shared_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from retool.evaluate.runner import resolve_dataset
+def test_named_dataset_prefers_local_dir(shared_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from retool.config import DataConfig
+    from retool.env import EnvOptions, make_env
 
-    problems, source = resolve_dataset("aime2025", shared_data)
-    assert source == str(shared_data / "aime2025.jsonl") and len(problems) == 30
+    env = make_env("aime2025", EnvOptions(data=DataConfig(data_dir=str(shared_data))))
+    problems = env.problems("test")
+    assert env.source == str(shared_data / "aime2025.jsonl") and len(problems) == 30
     assert problems[0].id == "2025-I-1" and problems[0].answer == "70"
     monkeypatch.setenv("RETOOL_DATA_DIR", str(shared_data))
-    problems, source = resolve_dataset("math500")
-    assert source.endswith("math500.jsonl") and len(problems) == 500
+    env = make_env("math500")
+    problems = env.problems("test")
+    assert env.source.endswith("math500.jsonl") and len(problems) == 500
     assert len({p.id for p in problems}) == 500 and "/" in problems[0].id  # MATH's unique_id paths
 
 
-def test_resolve_missing_path_is_a_data_error(tmp_path: Path) -> None:
+def test_missing_path_is_a_data_error(tmp_path: Path) -> None:
     from retool.data import DataError
-    from retool.evaluate.runner import resolve_dataset
+    from retool.env import make_env
 
     with pytest.raises(DataError):
-        resolve_dataset(str(tmp_path / "nope.jsonl"))
+        make_env(str(tmp_path / "nope.jsonl")).problems("test")
 
 
 def test_cli_refuses_mismatched_resume_before_loading_a_model(tmp_path: Path) -> None:
@@ -296,8 +307,8 @@ def test_cli_refuses_mismatched_resume_before_loading_a_model(tmp_path: Path) ->
     assert bad.exit_code == 2 and "--mode" in bad.output
 
 
-def test_resolve_checkpoint_from_run_layout(tmp_path: Path) -> None:
-    from retool.evaluate.runner import resolve_checkpoint
+def test_eval_checkpoint_resolves_through_the_train_layout(tmp_path: Path) -> None:
+    from retool.train.checkpoint import CheckpointError, backend_state_of
 
     ckpts = tmp_path / "run" / "checkpoints"
     for step in ("step_000005", "step_000010"):
@@ -307,16 +318,19 @@ def test_resolve_checkpoint_from_run_layout(tmp_path: Path) -> None:
         )
     (ckpts / "latest").write_text("step_000010\n")
     want = str(ckpts / "step_000010" / "backend")
-    assert resolve_checkpoint(str(tmp_path / "run")) == want
-    assert resolve_checkpoint(str(ckpts)) == want
-    assert resolve_checkpoint(str(ckpts / "step_000005")) == str(ckpts / "step_000005" / "backend")
-    assert resolve_checkpoint(str(ckpts / "step_000005" / "backend")) == str(
-        ckpts / "step_000005" / "backend"
+    assert backend_state_of(str(tmp_path / "run")) == want
+    assert backend_state_of(str(ckpts)) == want
+    assert backend_state_of(str(ckpts / "step_000005")) == str(ckpts / "step_000005" / "backend")
+    assert backend_state_of(str(ckpts / "step_000005" / "backend")) == str(ckpts / "step_000005" / "backend")
+    assert backend_state_of("tinker://run-1/weights/5") == "tinker://run-1/weights/5"
+    # The local backend's own state folder holds a file of the same name, with other keys: passed through.
+    (ckpts / "step_000005" / "backend" / "trainer_state.json").write_text(
+        json.dumps({"step": 5, "lora": None})
     )
-    assert resolve_checkpoint("tinker://run-1/weights/5") == "tinker://run-1/weights/5"
+    assert backend_state_of(str(ckpts / "step_000005" / "backend")) == str(ckpts / "step_000005" / "backend")
     (ckpts / "latest").write_text("step_000099\n")
-    with pytest.raises(EvalError, match="not a complete checkpoint"):
-        resolve_checkpoint(str(tmp_path / "run"))
+    with pytest.raises(CheckpointError, match="not a complete checkpoint"):
+        backend_state_of(str(tmp_path / "run"))
 
 
 def test_save_transcripts_keeps_messages(tmp_path: Path) -> None:
@@ -335,38 +349,9 @@ def test_save_transcripts_keeps_messages(tmp_path: Path) -> None:
     assert "messages" not in b["candidates"][0]
 
 
-def test_protocol_and_verifier_follow_the_config() -> None:
-    from retool.config import load_config
-    from retool.evaluate import runner as eval_runner
-
-    class Tok:
-        name_or_path = "fake"
-        chat_template = "{{ messages }}"
-
-    cfg = load_config(
-        None,
-        [
-            "model.tool_format='hermes'",
-            "model.enable_thinking=true",
-            "model.chat_template='{{ custom }}'",
-            "reward.verify_workers=1",
-            "reward.tail_chars=42",
-        ],
-    )
-    protocol = eval_runner._make_protocol(Tok(), cfg, use_tools=False)
-    assert (protocol.fmt.name, protocol.enable_thinking, protocol.chat_template, protocol.use_tools) == (
-        "hermes",
-        True,
-        "{{ custom }}",
-        False,
-    )
-    with eval_runner._make_verifier(cfg) as verifier:
-        assert (verifier.workers, verifier.tail_chars) == (1, 42)
-
-
 def test_prompt_settings_are_recorded_and_old_summaries_still_match() -> None:
     from retool.config import load_config
-    from retool.evaluate.runner import build_settings, settings_differences
+    from retool.evaluate.settings import build_settings, settings_differences
 
     def settings(*overrides: str) -> dict[str, Any]:
         return build_settings(
@@ -378,3 +363,45 @@ def test_prompt_settings_are_recorded_and_old_summaries_still_match() -> None:
     assert settings_differences(older, base) == []
     assert settings_differences(base, settings("model.enable_thinking=false")) == ["enable_thinking"]
     assert settings_differences(base, settings("model.chat_template='{{ x }}'")) == ["chat_template"]
+
+
+def test_cli_flags_override_the_config_only_when_given(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Every ``retool eval`` default comes from the config; ``--temperature`` / ``--top-p`` and the rest
+    apply only when passed (they used to replace the config's sampling even when absent)."""
+    from typer.testing import CliRunner
+
+    from retool.cli import app
+    from retool.evaluate import runner
+
+    seen: list[Any] = []
+
+    def fake_evaluate(cfg: Config, **kw: Any) -> dict:
+        seen.append((cfg, kw))
+        raise EvalError("stop here")
+
+    monkeypatch.setattr(runner, "evaluate", fake_evaluate)
+    base = ["eval", "--mode", "retool", "-o", str(tmp_path / "e.jsonl")]
+    CliRunner().invoke(app, [*base, "--set", "sampling.top_p=0.9", "--set", "eval.val_n=3"])
+    cfg, kw = seen[-1]
+    assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.eval.val_n) == (1.0, 0.9, 3)
+    assert (cfg.eval.dataset, cfg.eval.seed, cfg.eval.concurrency, cfg.eval.save_transcripts) == (
+        "aime2025",
+        0,
+        4,
+        False,
+    )
+    assert kw["dataset_fields"] == {} and kw["checkpoint"] is None
+    given = ["--top-p", "0.7", "--temperature", "0.6", "--val-n", "5", "--dataset", "math500"]
+    given += ["--data-dir", str(tmp_path), "--save-transcripts", "--question-field", "q"]
+    result = CliRunner().invoke(app, [*base, "--set", "sampling.top_p=0.9", *given])
+    assert result.exit_code == 2 and "stop here" in result.output
+    cfg, kw = seen[-1]
+    assert (cfg.sampling.temperature, cfg.sampling.top_p, cfg.eval.val_n) == (0.6, 0.7, 5)
+    assert (cfg.eval.dataset, cfg.data.data_dir, cfg.eval.save_transcripts) == (
+        "math500",
+        str(tmp_path),
+        True,
+    )
+    assert kw["dataset_fields"] == {"question_field": "q"}

@@ -42,53 +42,56 @@ def smollm2_file() -> Path:
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
     from retool.tasks.real_model import real_model_settings
 
-    return real_model_settings(
-        "smollm2",
-        out=str(tmp_path_factory.mktemp("smollm2")),
-        lora_rank=8,
-        train_tasks=8,
-        rl_steps=1,
-        questions_per_step=2,
-        group_size=2,
-        val_n=1,
-        max_tokens_per_turn=24,
-        max_assistant_turns=2,
-        max_code_calls=1,
-        dynamic_sampling=False,
-        checkpoint_every=0,
-        sample_batch_size=8,
-        micro_batch_tokens=1024,
-    )
+    small = [
+        "lora.rank=8",
+        "lora.alpha=16",
+        "data.task_count=8",
+        "train.steps=1",
+        "rollout.questions_per_step=2",
+        "rollout.group_size=2",
+        "eval.val_n=1",
+        "rollout.max_tokens_per_turn=24",
+        "rollout.max_assistant_turns=2",
+        "rollout.max_code_calls=1",
+        "filters.dynamic_sampling=false",
+        "checkpoint.every=0",
+        "backend.sample_batch_size=8",
+        "backend.micro_batch_tokens=1024",
+    ]
+    return real_model_settings("smollm2", small, out=str(tmp_path_factory.mktemp("smollm2")))
 
 
 @pytest.fixture(scope="module")
-def client(smollm2_file: Path, settings: Any) -> Any:
+def config(smollm2_file: Path, settings: Any) -> Any:
+    from retool.tasks.demo import phase_config, with_available_isolation
+
+    return phase_config(with_available_isolation(settings.config), smollm2_file, Path(settings.out) / "rl")
+
+
+@pytest.fixture(scope="module")
+def parts(config: Any) -> Any:
     import torch
 
-    from retool.tasks.demo import client_for
+    from retool.components import build_components
 
     torch.set_num_threads(1)
-    c = client_for(settings, smollm2_file, Path(settings.out) / "checkpoints")
-    yield c
-    c.close()
+    with build_components(config) as p:
+        yield p
 
 
 @pytest.fixture(scope="module")
-def executor(settings: Any) -> Any:
-    from retool.tasks.demo import make_executor
-
-    ex = make_executor(settings)
-    yield ex
-    ex.close()
+def client(parts: Any) -> Any:
+    return parts.backend
 
 
 @pytest.fixture(scope="module")
-def verifier() -> Any:
-    from retool.reward import Verifier
+def executor(parts: Any) -> Any:
+    return parts.executor
 
-    v = Verifier(workers=1, timeout=5.0)
-    yield v
-    v.close()
+
+@pytest.fixture(scope="module")
+def verifier(parts: Any) -> Any:
+    return parts.verifier
 
 
 def _protocol(client: Any, use_tools: bool = True) -> Any:
@@ -126,8 +129,8 @@ def test_gguf_loads_as_llama_with_lora_and_markdown_protocol(client: Any) -> Non
 
 
 def test_sft_example_is_the_template_render_and_masks_the_observation(client: Any, executor: Any) -> None:
+    from retool.data.synthetic import generate_tasks
     from retool.tasks.demo import sandbox_observer
-    from retool.tasks.family import generate_tasks
     from retool.tasks.sft import build_example
 
     protocol = _protocol(client)
@@ -169,8 +172,8 @@ def _calls(text: str, fmt: Any) -> tuple[str, str]:
 def test_one_sft_step_moves_only_the_adapter(client: Any, executor: Any) -> None:
     import torch
 
+    from retool.data.synthetic import generate_tasks
     from retool.tasks.demo import sandbox_observer
-    from retool.tasks.family import generate_tasks
     from retool.tasks.sft import SFTMix, build_sft_examples, train_sft
 
     tasks = generate_tasks(2, seed=1, hard_fraction=1.0, kinds=["mul_big", "mod_pow"])
@@ -200,16 +203,14 @@ class _CallFirst:
 
 
 def test_rollout_on_the_real_template_keeps_continuity_and_masks_the_interpreter(
-    client: Any, executor: Any, verifier: Any, settings: Any
+    client: Any, executor: Any, verifier: Any, config: Any
 ) -> None:
+    from retool.data.synthetic import generate_tasks
     from retool.rollout import run_group_rollouts
-    from retool.tasks.demo import demo_config
-    from retool.tasks.family import generate_tasks
     from retool.train.step import build_datum
 
     task = generate_tasks(1, seed=2, hard_fraction=1.0, kinds=["mul_big"])[0]
     protocol = _protocol(client)
-    config = demo_config(settings, "unused", Path(settings.out) / "unused")
 
     async def go() -> Any:
         sampler = _CallFirst(await client.sampling_client_async(), protocol, task.code)
@@ -247,39 +248,34 @@ def test_rollout_on_the_real_template_keeps_continuity_and_masks_the_interpreter
     assert sum(1 for trained, _ in runs if trained) == 2
 
 
-def test_one_rl_step_and_an_eval_of_two_problems(
-    client: Any, executor: Any, verifier: Any, settings: Any
-) -> None:
-    from retool.tasks.demo import _reinforce, demo_config, evaluate_modes
-    from retool.tasks.family import generate_tasks
+def test_one_rl_step_and_an_eval_of_two_problems(parts: Any, config: Any, settings: Any) -> None:
+    from retool.data.synthetic import generate_tasks
+    from retool.env import ProblemListEnv
+    from retool.tasks.demo import evaluate_modes
+    from retool.train.loop import Trainer
 
+    class FirstBranchWins(ProblemListEnv):
+        """An untrained model gets -1 everywhere and a degenerate group trains nothing: +1 for the first
+        branch, -1 for the second makes both groups informative, so the step really trains."""
+
+        async def score(self, trajectory: Any, verifier: Any) -> None:
+            await super().score(trajectory, verifier)
+            trajectory.reward = 1.0 if trajectory.group_index == 0 else -1.0
+
+    client = parts.backend
     trained_before = client.stats.trained_tokens
     out = Path(settings.out)
-    train = generate_tasks(4, seed=3, hard_fraction=1.0, kinds=["mul_big"])
-    config = demo_config(settings, "smollm2", out / "rl")
-    events: list[tuple[str, dict[str, Any]]] = []
-    # An untrained model gets -1 everywhere and a degenerate group trains nothing: a fixed reward (+1 for
-    # the first branch, -1 for the second) makes both groups informative, so the step really trains.
-    _reinforce(
-        client,
-        config,
-        settings,
-        train,
-        executor,
-        verifier,
-        lambda k, d: events.append((k, d)),
-        reward_fn=lambda traj: 1.0 if traj.group_index == 0 else -1.0,
-    )
+    train = [t.to_problem() for t in generate_tasks(4, seed=3, hard_fraction=1.0, kinds=["mul_big"])]
+    steps: list[int] = []
+    Trainer(
+        config, out / "rl", env=FirstBranchWins(train), components=parts, on_step=lambda s, m: steps.append(s)
+    ).run()
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
-    assert len(rows) == 1 and rows[0]["step"] == 1
-    assert math.isfinite(rows[0]["task/reward_mean"])
+    assert len(rows) == 1 and rows[0]["step"] == 1 and steps == [1]
     assert rows[0]["sampling/groups_kept"] == 2
     assert client.stats.trained_tokens > trained_before
-    assert [k for k, _ in events] == ["rl_step"]
 
     problems = [t.to_problem() for t in generate_tasks(2, seed=4, hard_fraction=1.0, split="test")]
-    summaries = evaluate_modes(
-        client, problems, settings, config, out / "eval", "rl", executor, verifier, modes=["retool"]
-    )
+    summaries = evaluate_modes(parts, problems, settings, config, out / "eval", "rl", ["retool"])
     assert summaries["retool"]["problems"] == 2 and summaries["retool"]["candidates"] == 2
     assert client.stats.sampled_tokens > 0

@@ -164,6 +164,20 @@ def test_cli_verify_prints_one_json_line() -> None:
     assert json.loads(result.stdout.strip()) == {"equivalent": False, "status": "error"}
 
 
+def test_cli_verify_takes_negative_answers() -> None:
+    from retool.cli import app
+
+    runner = CliRunner()
+    result = runner.invoke(app, ["verify", "-0", "0"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.strip()) == {"equivalent": True, "status": "ok"}
+    result = runner.invoke(app, ["verify", "--timeout", "4", "-1/2", "-0.5"])
+    assert result.exit_code == 0, result.output
+    assert json.loads(result.stdout.strip()) == {"equivalent": True, "status": "ok"}
+    result = runner.invoke(app, ["verify", "-3", "3"])
+    assert json.loads(result.stdout.strip()) == {"equivalent": False, "status": "ok"}
+
+
 def test_cli_verify_subprocess_has_no_main_guard_problem(tmp_path) -> None:
     # A script without `if __name__ == "__main__"` must work: workers never re-import the caller's main.
     script = tmp_path / "unguarded.py"

@@ -8,26 +8,24 @@ from pathlib import Path
 
 import pytest
 
-from retool.tasks.demo import DemoSettings, gain_line, run_demo
+from retool.tasks.demo import DemoSettings, run_demo
+from retool.tasks.report import gain_line
 
 
-def small(out: Path, **kw: object) -> DemoSettings:
-    return DemoSettings(
-        out=str(out),
-        seed=3,
-        size="test",
-        train_tasks=40,
-        test_tasks=8,
-        sft_steps=3,
-        sft_batch=4,
-        val_n=2,
-        rl_steps=2,
-        questions_per_step=2,
-        group_size=2,
-        max_extra_rounds=1,
-        plots=False,
-        **kw,  # type: ignore[arg-type]
-    )
+def small(out: Path) -> DemoSettings:
+    """The demo preset, shrunk to a minute: the same path through every phase."""
+    sets = [
+        "data.task_count=40",
+        "data.task_test_count=8",
+        "sft.steps=3",
+        "sft.batch_size=4",
+        "eval.val_n=2",
+        "train.steps=2",
+        "rollout.questions_per_step=2",
+        "rollout.group_size=2",
+        "filters.max_extra_rounds=1",
+    ]
+    return DemoSettings.load(sets, out=str(out), size="test", plots=False).with_seed(3)
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +58,9 @@ def test_reuse_sft_redoes_only_rl_from_the_same_model(
     first_run: tuple[DemoSettings, Path], tmp_path: Path
 ) -> None:
     settings, first = first_run
-    again = replace(settings, out=str(tmp_path / "b"), reuse_sft=str(first), dynamic_sampling=False)
+    again = replace(settings, out=str(tmp_path / "b"), reuse_sft=str(first)).with_overrides(
+        ["filters.dynamic_sampling=false"]
+    )
     result = run_demo(again)
     assert "sft" not in result.timings and "reuse_sft" in result.timings
     for mode in ("retool", "text-only"):
@@ -78,10 +78,24 @@ def test_reuse_sft_refuses_other_tasks_or_missing_runs(
     first_run: tuple[DemoSettings, Path], tmp_path: Path
 ) -> None:
     settings, first = first_run
-    with pytest.raises(ValueError, match="differ in seed"):
-        run_demo(replace(settings, out=str(tmp_path / "c"), seed=4, reuse_sft=str(first)))
+    with pytest.raises(ValueError, match=r"differ in seed, config\.data\.seed"):
+        run_demo(replace(settings, out=str(tmp_path / "c"), reuse_sft=str(first)).with_seed(4))
     with pytest.raises(ValueError, match="not a finished demo run"):
         run_demo(replace(settings, out=str(tmp_path / "d"), reuse_sft=str(tmp_path / "nowhere")))
+
+
+def test_settings_are_the_preset_plus_demo_fields() -> None:
+    from retool.config import ConfigError, load_config
+
+    settings = DemoSettings.load(["train.steps=7", "size=test", "eval_modes=['retool']"], plots=False)
+    assert settings.config == load_config("demo", ["train.steps=7"])
+    assert (settings.size, settings.eval_modes, settings.plots) == ("test", ("retool",), False)
+    seeded = settings.with_seed(5)
+    assert (seeded.seed, seeded.config.data.seed, seeded.config.eval.seed) == (5, 5, 5)
+    recorded = seeded.as_dict()
+    assert recorded["seed"] == 5 and recorded["config"]["train"]["steps"] == 7
+    with pytest.raises(ConfigError, match="demo field"):
+        DemoSettings.load(["no_such_field=1"])
 
 
 def test_gain_line_states_interval() -> None:

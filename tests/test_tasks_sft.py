@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from retool.tasks.family import generate_tasks
+from retool.data.synthetic import generate_tasks
 from retool.tasks.model import build_demo_model, protocol_for
 from retool.tasks.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style, train_sft
 
@@ -108,3 +108,38 @@ def test_sft_through_the_local_backend_lowers_the_loss(demo_model: Path, protoco
     assert len(report.losses) == 30
     assert sum(report.losses[-5:]) / 5 < 0.7 * sum(report.losses[:3]) / 3
     assert report.styles and sum(report.styles.values()) == 64
+
+
+def test_two_stage_sft_draws_its_last_steps_from_the_final_examples(protocol) -> None:  # type: ignore[no-untyped-def]
+    """The second stage (``final_examples``) takes over exactly for the last ``final_steps`` steps."""
+    from retool.backends.types import ForwardBackwardResult, OptimStepResult
+    from retool.config import SFTConfig
+
+    tasks = generate_tasks(40, seed=1)
+    first = build_sft_examples(tasks, protocol, _observe, SFTMix(1.0, 0.0, 1.0), seed=0)
+    final = build_sft_examples(tasks, protocol, _observe, SFTMix(0.0, 0.0, 0.0), seed=1)
+    final_tokens = {tuple(ex.tokens) for ex in final}
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.batches: list[list[tuple[int, ...]]] = []
+
+        def forward_backward(self, datums, loss_fn, loss_config=None):  # type: ignore[no-untyped-def]
+            self.batches.append([(*d.input_tokens, d.target_tokens[-1]) for d in datums])
+            return ForwardBackwardResult(loss=1.0, trained_tokens=1)
+
+        def optim_step(self, adam):  # type: ignore[no-untyped-def]
+            return OptimStepResult(grad_norm=0.0, lr=adam.lr)
+
+    rec = Recorder()
+    report = train_sft(rec, first, steps=10, batch_size=4, final_examples=final, final_steps=3)  # type: ignore[arg-type]
+    assert len(rec.batches) == 10 and report.examples == len(first) + len(final)
+    in_final = [all(seq in final_tokens for seq in batch) for batch in rec.batches]
+    assert in_final == [False] * 7 + [True] * 3
+    # The first stage's examples are all tool transcripts, the final ones all direct answers.
+    assert {ex.style for ex in final} == {"direct"} and {ex.style for ex in first} == {"tool"}
+    with pytest.raises(ValueError, match="final_examples"):
+        train_sft(rec, first, steps=4, final_steps=2)  # type: ignore[arg-type]
+    assert SFTConfig(steps=1500, final_share=0.2).final_steps == 300
+    assert SFTConfig(steps=3, final_share=0.2).final_steps == 1
+    assert SFTConfig(steps=10).final_steps == 0

@@ -18,17 +18,18 @@ from typing import Any
 
 import pytest
 
+from retool.env import ProblemListEnv
 from retool.retry import TransientStatusError
 from retool.train import checkpoint as checkpoint_mod
 from retool.train import metrics as metrics_mod
 from retool.train.checkpoint import CheckpointManager, CheckpointWriteError, RunWriteError
-from retool.train.datasource import list_source
 from retool.train.loop import Trainer
 from retool.train.metrics import StepLostError
 from test_train_loop import (
     PROBLEMS,
     FakeClient,
     essentials,
+    fake_components,
     fake_config,
     fake_rollouts,
     make_trainer,
@@ -201,17 +202,7 @@ def test_metrics_on_a_full_device_real_enospc(tmp_path: Path, reference: list[di
             metrics.rename(kept)
             metrics.symlink_to("/dev/full")
 
-    trainer = Trainer(
-        fake_config(steps=6, every=2),
-        run,
-        client=FakeClient(),
-        source=list_source(PROBLEMS, shuffle=True),
-        executor=object(),
-        verifier=object(),
-        protocol=object(),
-        rollout_fn=fake_rollouts,
-        on_step=fill_disk,
-    )
+    trainer = make_trainer(fake_config(steps=6, every=2), run, on_step=fill_disk)
     with pytest.raises(
         RunWriteError, match=r"appending step 2's metrics to .*metrics\.jsonl failed: OSError: \[Errno 28\]"
     ):
@@ -240,11 +231,8 @@ def test_a_step_lost_entirely_to_infrastructure_failures_stops_the_run(tmp_path:
     trainer = Trainer(
         fake_config(steps=4, every=1),
         tmp_path / "run",
-        client=FakeClient(),
-        source=list_source(PROBLEMS, shuffle=True),
-        executor=object(),
-        verifier=object(),
-        protocol=object(),
+        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        components=fake_components(),
         rollout_fn=rollouts,
     )
     with pytest.raises(

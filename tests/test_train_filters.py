@@ -209,9 +209,9 @@ def test_oversample_below_one_is_rejected() -> None:
 
 def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_groups(tmp_path: Path) -> None:
     from tests.test_train_loop import PROBLEMS as LOOP_PROBLEMS
-    from tests.test_train_loop import FakeClient, fake_rollouts
+    from tests.test_train_loop import FakeClient, fake_components, fake_rollouts
 
-    from retool.train.datasource import list_source
+    from retool.env import ProblemListEnv
     from retool.train.loop import Trainer
 
     seen_datums: list[int] = []
@@ -237,11 +237,8 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
     trainer = Trainer(
         cfg,
         tmp_path / "run",
-        client=CountingClient(),
-        source=list_source(LOOP_PROBLEMS, shuffle=True),
-        executor=object(),
-        verifier=object(),
-        protocol=object(),
+        env=ProblemListEnv(LOOP_PROBLEMS, shuffle=True),
+        components=fake_components(CountingClient()),
         rollout_fn=fake_rollouts,
     )
     trainer.run()
@@ -275,7 +272,8 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
     from tests.test_train_loop import PROBLEMS as LOOP_PROBLEMS
     from tests.test_train_loop import FakeClient, fake_rollouts
 
-    from retool.train.datasource import list_source
+    from retool.components import Components
+    from retool.env import ProblemListEnv
     from retool.train.loop import Trainer
 
     calls: list[tuple[int, bool, object, object]] = []
@@ -288,7 +286,13 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
                 t.use_tools = use_tools
         return groups
 
-    tool_protocol, text_protocol, executor = object(), object(), object()
+    text_protocol, executor = object(), object()
+
+    class ToolProtocol:  # the text-only protocol is the tool protocol's text-only twin
+        def with_tools(self, use_tools: bool) -> object:
+            return self if use_tools else text_protocol
+
+    tool_protocol = ToolProtocol()
     cfg = load_config(
         None,
         [
@@ -304,12 +308,10 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
     Trainer(
         cfg,
         tmp_path / "run",
-        client=FakeClient(),
-        source=list_source(LOOP_PROBLEMS, shuffle=False),
-        executor=executor,
-        verifier=object(),
-        protocol=tool_protocol,
-        text_protocol=text_protocol,
+        env=ProblemListEnv(LOOP_PROBLEMS, shuffle=False),
+        components=Components(
+            backend=FakeClient(), protocol=tool_protocol, verifier=object(), executor=executor
+        ),
         rollout_fn=recording_rollouts,
     ).run()
     # Per step: 3 questions with the tool protocol and executor, 1 text-only with neither the tool

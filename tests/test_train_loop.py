@@ -10,12 +10,15 @@ from typing import Any
 import pytest
 
 from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult, Sample
-from retool.config import Config, load_config
+from retool.components import Components
+from retool.config import Config, load_config, override_config
 from retool.data.problem import Problem
+from retool.env import ProblemListEnv
 from retool.train.checkpoint import CheckpointManager
-from retool.train.datasource import DataPosition, ProblemStream, list_source
+from retool.train.datasource import DataPosition, ProblemStream
 from retool.train.loop import RunDirError, Trainer, run_training
 from retool.train.metrics import rollout_metrics
+from train_harness import phase_signals
 
 try:
     from retool.rollout import AssistantTurn, Trajectory
@@ -116,19 +119,22 @@ def fake_config(steps: int = 6, every: int = 2, keep: int = 2) -> Config:
     )
 
 
+def fake_components(client: Any = None) -> Components:
+    """A fake backend with stand-ins for the parts only the real rollout would touch."""
+    return Components(backend=client or FakeClient(), protocol=object(), verifier=object(), executor=object())
+
+
 def make_trainer(
-    cfg: Config, run_dir: Path, resume: bool = False, client: FakeClient | None = None
+    cfg: Config, run_dir: Path, resume: bool = False, client: FakeClient | None = None, **hooks: Any
 ) -> Trainer:
     return Trainer(
         cfg,
         run_dir,
         resume=resume,
-        client=client or FakeClient(),
-        source=list_source(PROBLEMS, shuffle=True),
-        executor=object(),
-        verifier=object(),
-        protocol=object(),
+        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        components=fake_components(client),
         rollout_fn=fake_rollouts,
+        **hooks,
     )
 
 
@@ -143,7 +149,7 @@ def essentials(rows: list[dict[str, Any]]) -> list[tuple]:
 
 
 def test_problem_stream_is_deterministic_and_resumable() -> None:
-    source = list_source(PROBLEMS, shuffle=True)
+    source = ProblemListEnv(PROBLEMS, shuffle=True).epoch
     whole = ProblemStream(source, seed=3)
     ids = [p.id for _ in range(7) for p in whole.next_batch(3)]  # 21 problems: crosses two epochs
     assert sorted(ids[:10]) == sorted(p.id for p in PROBLEMS) == sorted(ids[10:20])
@@ -217,14 +223,12 @@ def test_resume_after_crash_matches_an_uninterrupted_run(tmp_path: Path, crash_a
     assert essentials(resumed) == essentials(reference)
 
 
-def test_sigint_saves_a_checkpoint_and_stops_cleanly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_sigint_saves_a_checkpoint_and_stops_cleanly(tmp_path: Path) -> None:
     cfg = fake_config(steps=6, every=100)
     make_trainer(cfg, tmp_path / "ref").run()
-    monkeypatch.setenv("RETOOL_TEST_SIGINT_AT", "rollout:2")
-    summary = make_trainer(cfg, tmp_path / "run").run()
+    summary = make_trainer(cfg, tmp_path / "run", on_phase=phase_signals(sigint_at=["rollout:2"])).run()
     assert summary.interrupted and summary.last_step == 2
     assert CheckpointManager(tmp_path / "run").latest().name == "step_000002"
-    monkeypatch.delenv("RETOOL_TEST_SIGINT_AT")
     make_trainer(cfg, tmp_path / "run", resume=True).run()
     assert essentials(read_metrics(tmp_path / "run")) == essentials(read_metrics(tmp_path / "ref"))
 
@@ -236,11 +240,8 @@ def test_run_training_with_tensorboard(tmp_path: Path) -> None:
     run_training(
         cfg,
         tmp_path / "run",
-        client=FakeClient(),
-        source=list_source(PROBLEMS),
-        executor=object(),
-        verifier=object(),
-        protocol=object(),
+        env=ProblemListEnv(PROBLEMS),
+        components=fake_components(),
         rollout_fn=fake_rollouts,
     )
     assert list((tmp_path / "run" / "tensorboard").glob("events.out.tfevents.*"))
@@ -268,73 +269,45 @@ def test_rollout_metrics_definitions() -> None:
     assert m["tokens/completion"] == 12 and m["policy/response_length"] == 3
 
 
-class _TemplatedTokenizer:
-    name_or_path = "fake"
-    chat_template = "{{ messages }}"
-
-
-def test_default_components_follow_the_config(tmp_path: Path) -> None:
-    """The protocol and verifier a trainer builds take every knob of ``model`` and ``reward``."""
-    cfg = load_config(
-        None,
-        [
-            "model.tool_format='hermes'",
-            "model.enable_thinking=false",
-            "model.chat_template='{{ custom }}'",
-            "reward.verify_workers=1",
-            "reward.verify_timeout=2.5",
-            "reward.tail_chars=77",
-        ],
-    )
-    client = FakeClient()
-    client.tokenizer = _TemplatedTokenizer()
-    trainer = Trainer(
-        cfg,
-        tmp_path / "run",
-        client=client,
-        source=list_source(PROBLEMS),
-        executor=object(),
-        rollout_fn=fake_rollouts,
-    )
-    trainer._build_components()
-    try:
-        protocol, verifier = trainer._protocol, trainer._verifier
-        assert (protocol.fmt.name, protocol.enable_thinking, protocol.chat_template) == (
-            "hermes",
-            False,
-            "{{ custom }}",
-        )
-        assert (verifier.workers, verifier.timeout, verifier.tail_chars) == (1, 2.5, 77)
-    finally:
-        import asyncio
-
-        asyncio.run(trainer._close_components())
-
-
-def test_default_client_uses_the_run_folder_in_use(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    """``--run-dir`` / ``--resume`` may name another folder than ``train.run_dir``: the client follows it."""
-    import retool.backends
+def test_default_components_are_built_for_the_run_folder_in_use(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``--run-dir`` / ``--resume`` may name another folder than ``train.run_dir``: the components the
+    trainer builds follow it (the backend keeps its own checkpoints there), and it closes them."""
+    from retool.train import loop
 
     seen: list[Config] = []
-    monkeypatch.setattr(retool.backends, "make_training_client", lambda c: seen.append(c) or FakeClient())
-    cfg = load_config(None, ["train.run_dir='elsewhere'", "optimizer.lr=0.25"])
-    trainer = Trainer(cfg, tmp_path / "run")
-    trainer._make_client()
-    assert seen[0].train.run_dir == str(tmp_path / "run")
-    assert seen[0].optimizer.lr == 0.25 and cfg.train.run_dir == "elsewhere"
+    closed: list[bool] = []
 
+    class Built(Components):
+        async def aclose(self) -> None:
+            closed.append(True)
 
-def test_file_source_reads_through_the_data_stage(tmp_path: Path) -> None:
-    from retool.config import DataConfig
-    from retool.train.datasource import DataSourceError, make_source
-
-    path = tmp_path / "train.jsonl"
-    path.write_text(
-        '{"id": "a", "q": "1+1?", "a": "2"}\n{"id": "b", "q": "2+2?", "a": "4"}\n{"id": "c", "q": "", "a": "1"}\n'
+    monkeypatch.setattr(
+        loop,
+        "build_components",
+        lambda c: seen.append(c) or Built(FakeClient(), object(), object(), object()),
     )
-    source = make_source(
-        DataConfig(train_path=str(path), question_field="q", answer_field="a", shuffle=False)
-    )
-    assert [(p.id, p.question, p.answer) for p in source(0, 0)] == [("a", "1+1?", "2"), ("b", "2+2?", "4")]
-    with pytest.raises(DataSourceError, match=r"missing\.jsonl"):
-        make_source(DataConfig(train_path=str(tmp_path / "missing.jsonl")))
+    cfg = override_config(fake_config(steps=1), ["train.run_dir='elsewhere'"])
+    Trainer(cfg, tmp_path / "run", env=ProblemListEnv(PROBLEMS), rollout_fn=fake_rollouts).run()
+    assert seen[0].train.run_dir == str(tmp_path / "run") and cfg.train.run_dir == "elsewhere"
+    assert seen[0].optimizer.lr == cfg.optimizer.lr
+    assert closed == [True]
+
+
+def test_components_passed_in_stay_open(tmp_path: Path) -> None:
+    closed: list[bool] = []
+
+    class Lent(Components):
+        async def aclose(self) -> None:  # pragma: no cover - must not be called
+            closed.append(True)
+
+    parts = Lent(FakeClient(), object(), object(), object())
+    Trainer(
+        fake_config(steps=1),
+        tmp_path / "run",
+        env=ProblemListEnv(PROBLEMS),
+        components=parts,
+        rollout_fn=fake_rollouts,
+    ).run()
+    assert closed == []

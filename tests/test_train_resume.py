@@ -1,8 +1,9 @@
 """`retool train` on the tiny local model: end to end on CPU, and SIGKILL at precise points then resume.
 
-The tiny random model solves nothing, so every real reward is -1 and every group degenerate; these runs set
-``RETOOL_TEST_REWARD=parity`` (reward from the parity of the sampled tokens) so that groups are mixed and
-real optimizer steps happen, which is what makes a resumed run's samples depend on restored weights.
+The tiny random model solves nothing, so every real reward is -1 and every group degenerate; these runs go
+through ``tests/train_harness.py`` (the real CLI with a parity-scored environment and a phase hook that
+kills the process) so that groups are mixed and real optimizer steps happen, which is what makes a
+resumed run's samples depend on restored weights.
 """
 
 from __future__ import annotations
@@ -46,14 +47,17 @@ def _overrides(model_dir: Path, tracker: str = "none") -> list[str]:
     return [arg for s in sets for arg in ("--set", s)]
 
 
+HARNESS = Path(__file__).with_name("train_harness.py")
+
+
 def run_train(
-    args: list[str], env_extra: dict[str, str] | None = None, timeout: float = 240
+    args: list[str], kill_at: str | None = None, timeout: float = 240
 ) -> subprocess.CompletedProcess:
     env = dict(os.environ)
-    env.update({"RETOOL_TEST_REWARD": "parity", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
-    env.update(env_extra or {})
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"})
+    faults = ["--parity", *(["--kill-at", kill_at] if kill_at else [])]
     return subprocess.run(
-        [sys.executable, "-m", "retool.cli", "train", *args],
+        [sys.executable, str(HARNESS), *faults, "--", "train", *args],
         env=env,
         capture_output=True,
         text=True,
@@ -113,7 +117,7 @@ def test_sigkill_at_any_point_then_resume_matches_uninterrupted_run(
         (resume, "optim:3", 2),
         (resume, "checkpoint:3", 2),
     ):
-        killed = run_train(args, {"RETOOL_TEST_KILL_AT": kill_at})
+        killed = run_train(args, kill_at=kill_at)
         assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
         rows = metrics(run_dir)
         # The killed step's line may or may not be there; the resume decides, from the checkpoint.

@@ -10,8 +10,8 @@ worker thread) a failing generation batch on that thread.
 To make the tiny, untrained model exercise the sandbox and the verifier, tests A and B sample from a
 scripted sampler (every branch calls the tool once, then boxes an answer) over the tiny model's own
 tokenizer and chat template; training (``forward_backward`` / ``optim_step`` / checkpoints) is the real
-local backend's. Rewards come from the parity of the sampled tokens (``parity_reward``) so that groups
-are mixed and real optimizer steps happen.
+local backend's. Rewards come from the parity of the sampled tokens (``train_harness.ParityScoredEnv``) so
+that groups are mixed and real optimizer steps happen.
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import asyncio
 import errno
 import os
 import signal
+import tempfile
 import time
 from pathlib import Path
 from typing import Any
@@ -29,17 +30,26 @@ import pytest
 from retool.backends import make_training_client
 from retool.backends.base import SamplingClient
 from retool.backends.types import Sample, SamplingParams
+from retool.components import Components
 from retool.config import Config, load_config
+from retool.env import env_from_config
 from retool.protocol import ChatProtocol
 from retool.reward import Verifier
 from retool.sandbox import ExecResult, ForkServerExecutor
 from retool.train.checkpoint import CheckpointManager, CheckpointWriteError
-from retool.train.loop import Trainer, parity_reward
+from retool.train.loop import Trainer
 from retool.train.metrics import MetricsLog
+from train_harness import ParityScoredEnv
 
 STEPS = 3
 GROUP = 4
-SLOW_CODE = "import time\ntime.sleep(60)\nprint('never')"
+# The slow call says which fork-server runs it (its parent) before it sleeps, so the test kills that one
+# and no other (a server busy with a fast call at the same moment would otherwise look alike).
+SLOW_MARK = Path(tempfile.gettempdir()) / f"retool-test-slow-call-{os.getpid()}"
+SLOW_CODE = (
+    f"import os, time\nopen({str(SLOW_MARK) + '.tmp'!r}, 'w').write(str(os.getppid()))\n"
+    f"os.rename({str(SLOW_MARK) + '.tmp'!r}, {str(SLOW_MARK)!r})\ntime.sleep(60)\nprint('never')"
+)
 
 
 def tiny_config(model_dir: Path, **extra: Any) -> Config:
@@ -111,19 +121,6 @@ class ScriptedClient:
         return getattr(self._inner, name)
 
 
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
 def _gone(pid: int) -> bool:
     try:
         return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z"
@@ -151,16 +148,14 @@ class ServerKiller:
     async def arun(self, code: str) -> ExecResult:
         if code != self.trigger or self.killed:
             return await self.inner.arun(code)
+        SLOW_MARK.unlink(missing_ok=True)
         task = asyncio.ensure_future(self.inner.arun(code))
-        busy: list[int] = []
-
-        def running() -> bool:
-            busy[:] = [pid for pid in self.inner.server_pids() if _children(pid)]
-            return bool(busy)
-
-        await _until(running, "the call's child to start")
-        os.kill(busy[0], signal.SIGKILL)
-        self.killed.append(busy[0])
+        await _until(SLOW_MARK.is_file, "the slow call to start")
+        server = int(SLOW_MARK.read_text())
+        SLOW_MARK.unlink()
+        assert server in self.inner.server_pids()
+        os.kill(server, signal.SIGKILL)
+        self.killed.append(server)
         return await task
 
     def __getattr__(self, name: str) -> Any:  # format_tool_content, stats, timeout
@@ -189,9 +184,29 @@ class VerifierKiller:
         return getattr(self.inner, name)
 
 
-def _run(cfg: Config, run_dir: Path, resume: bool = False, **components: Any) -> list[dict[str, Any]]:
-    trainer = Trainer(cfg, run_dir, resume=resume, reward_fn=parity_reward, **components)
-    summary = trainer.run()
+def _trainer(
+    cfg: Config,
+    run_dir: Path,
+    resume: bool = False,
+    *,
+    client: Any,
+    executor: Any,
+    verifier: Any,
+    protocol: Any = None,
+) -> Trainer:
+    """The real trainer on the tiny tasks, scored by parity, with these (real or wrapped) parts."""
+    protocol = protocol or ChatProtocol.from_config(client.tokenizer, cfg)
+    return Trainer(
+        cfg,
+        run_dir,
+        resume=resume,
+        env=ParityScoredEnv(env_from_config(cfg)),
+        components=Components(backend=client, protocol=protocol, verifier=verifier, executor=executor),
+    )
+
+
+def _run(cfg: Config, run_dir: Path, resume: bool = False, **parts: Any) -> list[dict[str, Any]]:
+    summary = _trainer(cfg, run_dir, resume, **parts).run()
     assert summary.last_step == STEPS and not summary.interrupted
     rows = MetricsLog(run_dir / "metrics.jsonl").read()
     assert [r["step"] for r in rows] == list(range(1, STEPS + 1))
@@ -343,10 +358,9 @@ def test_full_disk_while_the_local_backend_saves(parts: Any, tmp_path: Path) -> 
         run_dir = tmp_path / "run"
         sampler.group_requests = 0
         with pytest.raises(CheckpointWriteError) as info:
-            Trainer(
+            _trainer(
                 cfg,
                 run_dir,
-                reward_fn=parity_reward,
                 client=ScriptedClient(client, sampler),
                 protocol=protocol,
                 executor=executor,

@@ -19,9 +19,9 @@ from typing import Any
 
 import pytest
 
+from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog, read_records
 from retool.train.step import build_step_data, trajectory_tokens
 from retool.view.browser import BrowserUnavailable, check_available, launch, open_site
-from retool.view.records import TRAJECTORIES_FILE, TrajectoryLog, read_records
 from retool.view.site import build_site
 from retool.view.synthetic import HOSTILE, decode, make_problems, make_trajectory, write_demo_like
 

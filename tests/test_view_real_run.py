@@ -6,22 +6,18 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-import pytest
-
 from retool.config import load_config
+from retool.train.records import TRAJECTORIES_FILE, read_records
 from retool.train.step import trajectory_tokens
-from retool.view.records import TRAJECTORIES_FILE, read_records
 from retool.view.site import build_site
 
 
-def test_one_real_step_gives_viewable_records(
-    tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    from retool.backends import make_training_client
+def test_one_real_step_gives_viewable_records(tiny_model_dir: Path, tmp_path: Path) -> None:
+    from retool.components import build_components
+    from retool.env import env_from_config
     from retool.train.loop import Trainer
+    from train_harness import ParityScoredEnv
 
-    # Parity rewards make the random model's groups mixed, so its datums are actually trained.
-    monkeypatch.setenv("RETOOL_TEST_REWARD", "parity")
     cfg = load_config(
         "tiny",
         [
@@ -42,7 +38,8 @@ def test_one_real_step_gives_viewable_records(
             "logging.trajectory_groups_per_step='all'",
         ],
     )
-    client = make_training_client(cfg)
+    parts = build_components(cfg)
+    client = parts.backend
     trained: list = []
     real_forward_backward = client.forward_backward_async
 
@@ -51,7 +48,8 @@ def test_one_real_step_gives_viewable_records(
         return await real_forward_backward(datums, loss_fn, loss_config)
 
     client.forward_backward_async = spy
-    trainer = Trainer(cfg, tmp_path / "run", client=client)
+    # Parity rewards make the random model's groups mixed, so its datums are actually trained.
+    trainer = Trainer(cfg, tmp_path / "run", env=ParityScoredEnv(env_from_config(cfg)), components=parts)
     written: dict = {}
     real_write = trainer.trajectories.write_step
 
@@ -63,7 +61,7 @@ def test_one_real_step_gives_viewable_records(
     try:
         trainer.run()
     finally:
-        client.close()
+        parts.close()
     records = list(read_records(tmp_path / "run" / TRAJECTORIES_FILE))
     assert len(records) == 8 and {r["step"] for r in records} == {1}
     assert written["decode"] is not None  # the protocol's own decode: the text is the tokens' text

@@ -13,12 +13,12 @@ from typing import Any
 import pytest
 
 from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult
+from retool.components import Components
 from retool.config import ConfigError, load_config
 from retool.data.problem import Problem
-from retool.train.datasource import list_source
+from retool.env import ProblemListEnv
 from retool.train.loop import Trainer
-from retool.train.step import build_step_data, trajectory_tokens
-from retool.view.records import (
+from retool.train.records import (
     TRAJECTORIES_FILE,
     TrajectoryLog,
     cut_from_step,
@@ -27,6 +27,7 @@ from retool.view.records import (
     select_groups,
     trajectory_record,
 )
+from retool.train.step import build_step_data, trajectory_tokens
 from retool.view.synthetic import decode, encode, make_problems, make_trajectory
 
 
@@ -241,11 +242,8 @@ def run_trainer(tmp_path: Path, groups_per_step: Any) -> tuple[Path, FakeClient]
     Trainer(
         cfg,
         run,
-        client=client,
-        source=list_source(make_problems(6, 0)),
-        executor=object(),
-        verifier=object(),
-        protocol=CharProtocol(),
+        env=ProblemListEnv(make_problems(6, 0)),
+        components=Components(backend=client, protocol=CharProtocol(), verifier=object(), executor=object()),
         rollout_fn=synthetic_rollouts,
     ).run()
     return run, client
@@ -319,7 +317,7 @@ def test_eval_transcripts_use_the_record_shape(tmp_path: Path) -> None:
 
 def test_eval_without_transcripts_has_no_record(tmp_path: Path) -> None:
     from retool.config import Config
-    from retool.evaluate.runner import EvalComponents, run_eval
+    from retool.evaluate.runner import run_eval
 
     async def rollout(problems, *, group_size, seed, **_):
         rng = random.Random(seed)
@@ -328,7 +326,7 @@ def test_eval_without_transcripts_has_no_record(tmp_path: Path) -> None:
     asyncio.run(
         run_eval(
             make_problems(1, 0),
-            EvalComponents(sampler=None, protocol=CharProtocol(), verifier=None),
+            Components(backend=None, protocol=CharProtocol(), verifier=None),
             config=Config(),
             mode="retool",
             output=tmp_path / "ev.jsonl",

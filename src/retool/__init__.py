@@ -4,7 +4,9 @@ Pipeline stages (one subpackage each, data flowing one way)::
 
     data -> protocol -> rollout <-> sandbox -> reward -> train -> evaluate -> analyze
 
-``backends`` hides where sampling and training happen; ``tasks`` holds the embedded tiny-model demo.
+``backends`` hides where sampling and training happen; ``env`` says which problems a run sees and how a
+trajectory is scored; ``components`` builds a run's parts from its config; ``tasks`` holds the embedded
+tiny-model demo on top of it all. ``docs/ARCHITECTURE.md`` draws the layers.
 """
 
 __version__ = "0.1.0"

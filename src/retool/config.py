@@ -1,12 +1,17 @@
 """The one typed configuration of a run: every knob a user sets, loadable from TOML, overridable from the CLI.
 
 ``load_config(path, overrides)`` reads a TOML file (or a named preset from ``retool/presets/``) and
-applies ``section.key=value`` overrides (values parsed as TOML literals, falling back to strings).
+applies ``section.key=value`` overrides (values parsed as TOML literals, falling back to strings);
+``override_config`` applies overrides to a loaded config.
+
+This is the one source of defaults: every command's defaults are these (or a preset's), and its flags
+become overrides only when given (``flag_overrides``), so a flag never silently replaces a config value.
 """
 
 from __future__ import annotations
 
 import tomllib
+from collections.abc import Sequence
 from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
@@ -19,7 +24,9 @@ class _Section(BaseModel):
 
 
 class ModelConfig(_Section):
-    name: str = "tiny"  # a local HF folder, a Hub id, a .gguf file, or "tiny" (built by `retool demo`)
+    # A local HF folder, a Hub id, a .gguf file, or "tiny": the tiny local model, built on first use into
+    # <train.run_dir>/tiny_model (``retool.backends.resolve_model_name``).
+    name: str = "tiny"
     gguf_file: str | None = None  # a GGUF file name inside `name` when `name` is a folder
     tool_format: Literal["auto", "qwen_xml", "hermes", "markdown"] = "auto"
     enable_thinking: bool | None = None  # passed to templates that read it (Qwen3/3.5); None = their default
@@ -51,13 +58,21 @@ class LoraConfig(_Section):
 
 
 class DataConfig(_Section):
-    train_path: str = ""  # JSONL written by `retool prepare`, or "tasks" for the synthetic task family
+    """Where problems come from: an environment (``retool.env``) named by ``train_path``."""
+
+    # A registered environment (tasks, dapo, aime2025, aime2024, math500), a JSONL / JSON / parquet file
+    # (e.g. the train.jsonl `retool prepare` writes), a folder `retool prepare dapo` wrote, or a Hub id.
+    train_path: str = ""
     question_field: str = "question"
     answer_field: str = "answer"
     shuffle: bool = True
     seed: int = 0
-    task_count: int = Field(default=2000, ge=1)  # train_path = "tasks": how many synthetic problems
+    data_dir: str | None = None  # where named sets are looked for first (<name>.jsonl); else $RETOOL_DATA_DIR
+    # The synthetic task family (env "tasks"): problems per split, share of hard ones, kinds (empty: all).
+    task_count: int = Field(default=2000, ge=1)
+    task_test_count: int = Field(default=200, ge=1)
     task_hard_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    task_kinds: list[str] = Field(default_factory=list)
 
 
 class RolloutConfig(_Section):
@@ -144,6 +159,43 @@ class CheckpointConfig(_Section):
     keep_last: int = 3
 
 
+class EvalConfig(_Section):
+    """``retool eval``'s defaults (its flags override them). Sampling comes from ``[sampling]``."""
+
+    dataset: str = "aime2025"  # an environment name or a path, as data.train_path
+    val_n: int = Field(default=12, ge=1)  # candidates per problem (the N of Average@N)
+    seed: int = 0
+    concurrency: int = Field(default=4, ge=1)  # problems rolled out at once
+    limit: int | None = Field(default=None, ge=1)  # only the first N problems
+    save_transcripts: bool = False
+
+
+class SFTConfig(_Section):
+    """Cold-start SFT on code-interleaved trajectories of the synthetic task family (``retool sft``)."""
+
+    steps: int = Field(default=1500, ge=1)
+    batch_size: int = Field(default=16, ge=1)
+    lr: float = 3e-3  # peak learning rate (linear warm-up, cosine decay to 10%)
+    # Shares of trajectory styles: hard problems solved with a call / with a failing call then a fix
+    # (the rest answer directly); easy problems solved with a call.
+    hard_tool: float = Field(default=0.35, ge=0.0, le=1.0)
+    hard_error_fix: float = Field(default=0.1, ge=0.0, le=1.0)
+    easy_tool: float = Field(default=0.3, ge=0.0, le=1.0)
+    # The last ``final_share`` of the steps draw from a second set of trajectories with their own shares.
+    # Cold start in two stages: first the skill (most hard problems solved with the tool: calling and
+    # copying are learned), then the habit (a small share of calls), so that *when* to call is left
+    # to RL. 0: one stage.
+    final_share: float = Field(default=0.0, ge=0.0, le=1.0)
+    final_hard_tool: float = Field(default=0.1, ge=0.0, le=1.0)
+    final_hard_error_fix: float = Field(default=0.05, ge=0.0, le=1.0)
+    final_easy_tool: float = Field(default=0.1, ge=0.0, le=1.0)
+
+    @property
+    def final_steps(self) -> int:
+        """Steps of the second stage (at least one when ``final_share`` > 0)."""
+        return 0 if self.final_share <= 0 else max(1, round(self.final_share * self.steps))
+
+
 class RetryConfig(_Section):
     """Timeouts and retries of calls to the training / sampling backend (``retool.backends.guarded``)."""
 
@@ -176,6 +228,9 @@ class Config(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     train: TrainConfig = Field(default_factory=TrainConfig)
+    eval: EvalConfig = Field(default_factory=EvalConfig)
+    sft: SFTConfig = Field(default_factory=SFTConfig)
+
     retry: RetryConfig = Field(default_factory=RetryConfig)
 
 
@@ -226,9 +281,28 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
     return data
 
 
-def load_config(source: str | Path | None = None, overrides: list[str] | None = None) -> Config:
+def load_config(source: str | Path | None = None, overrides: Sequence[str] | None = None) -> Config:
     data = _read_toml(source) if source is not None else {}
     apply_overrides(data, list(overrides or []))
+    return _validate(data)
+
+
+def override_config(config: Config, overrides: Sequence[str]) -> Config:
+    """``config`` with ``section.key=value`` overrides applied (validated like a loaded file)."""
+    if not overrides:
+        return config
+    return _validate(apply_overrides(config.model_dump(), list(overrides)))
+
+
+def flag_overrides(flags: dict[str, Any]) -> list[str]:
+    """``section.key=value`` overrides for the command-line flags that were given (value not None).
+
+    Every command's defaults live in the config; a flag is an override that applies only when passed.
+    """
+    return [f"{key}={_toml_literal(value)}" for key, value in flags.items() if value is not None]
+
+
+def _validate(data: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
@@ -256,6 +330,6 @@ def _toml_literal(value: Any) -> str:
         return repr(value)
     if isinstance(value, str):
         return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
-    if isinstance(value, list):
+    if isinstance(value, list | tuple):
         return "[" + ", ".join(_toml_literal(v) for v in value) + "]"
     raise TypeError(f"cannot write {type(value).__name__} as TOML")

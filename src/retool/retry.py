@@ -14,6 +14,12 @@ Three outcomes of a failed attempt (``classify``):
   ``forward_backward`` and ``optim_step``).
 - ``PERMANENT``: anything else (4xx, bad arguments, bugs). Never retried.
 
+An exception may state its outcome itself (an ``outcome`` attribute holding a ``Failure``), and
+``classify`` then believes it: an adapter whose SDK re-sends requests internally knows what the last
+attempt's status cannot say (a final 429 proves nothing about the earlier attempts the SDK made), and an
+SDK may report "no HTTP answer" as ``status_code = 0``, which is no status at all (see
+``retool.backends.remote.RemoteCallError``).
+
 The rule (``call_with_retry`` / ``acall_with_retry``): at most ``policy.attempts`` attempts; between them
 "full jitter" exponential backoff, ``uniform(0, min(max_backoff, backoff * 2**k))`` (a ``Retry-After``
 the server sent is honoured up to ``max_backoff``); an ``UNKNOWN`` failure of a non-idempotent call raises
@@ -124,6 +130,9 @@ def _names(exc: BaseException) -> set[str]:
 
 def classify(exc: BaseException) -> Failure:
     """What a failed attempt means for retrying it (see the module docstring)."""
+    declared = getattr(exc, "outcome", None)
+    if isinstance(declared, Failure):  # the raiser knew better than the status (module docstring)
+        return declared
     names = _names(exc)
     if names & _NOT_SENT_NAMES or isinstance(exc, ConnectionRefusedError):
         return Failure.NOT_SENT

@@ -17,7 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.evaluate.metrics import summarize
-from retool.evaluate.runner import setting_value
+from retool.evaluate.settings import setting_value
 from retool.evaluate.store import summary_path_for
 
 logger = logging.getLogger(__name__)

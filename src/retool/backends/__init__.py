@@ -4,11 +4,13 @@
 - ``pytrio`` / ``tinker``: thin adapters over the managed services' SDKs (optional installs).
 
 ``make_training_client(config)`` picks one from ``config.backend.kind``. Heavy modules (torch,
-transformers, the SDKs) are imported only when a client is built.
+transformers, the SDKs) are imported only when a client is built. It also owns what the model name
+``"tiny"`` means (see ``resolve_model_name``).
 """
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -24,6 +26,8 @@ from retool.backends.types import (
 
 if TYPE_CHECKING:
     from retool.config import Config
+
+logger = logging.getLogger(__name__)
 
 __all__ = [
     "AdamParams",
@@ -72,6 +76,31 @@ def adam_params_from_config(config: Config) -> AdamParams:
     )
 
 
+TINY_MODEL = "tiny"
+TINY_MODEL_FOLDER = "tiny_model"
+
+
+def resolve_model_name(config: Config) -> str:
+    """The model the local backend loads for ``config.model.name``.
+
+    ``"tiny"`` (the ``tiny`` preset's model) means one thing everywhere: the tiny local model
+    (``retool.backends.tinymodel``, size ``demo``, seed 0), built on first use into
+    ``<train.run_dir>/tiny_model`` and loaded from there afterwards, so ``retool train`` and ``retool eval``
+    with the same run folder use the same model. A folder literally named ``tiny`` in the working directory
+    wins. Any other name is returned unchanged.
+    """
+    name = config.model.name
+    if name != TINY_MODEL or Path(TINY_MODEL).exists():
+        return name
+    folder = Path(config.train.run_dir) / TINY_MODEL_FOLDER
+    if not (folder / "config.json").is_file():
+        from retool.backends.tinymodel import build_tiny_model
+
+        logger.info("building the tiny model into %s", folder)
+        build_tiny_model(folder, size="demo", seed=0)
+    return str(folder)
+
+
 def make_training_client(config: Config) -> TrainingClient:
     """Build the training client that ``config.backend.kind`` names (local / pytrio / tinker)."""
     kind = config.backend.kind
@@ -79,7 +108,7 @@ def make_training_client(config: Config) -> TrainingClient:
         from retool.backends.local import LocalTrainingClient
 
         client = LocalTrainingClient(
-            config.model.name,
+            resolve_model_name(config),
             lora=config.lora if config.lora.enabled else None,
             device=config.backend.device,
             dtype=config.backend.dtype,

@@ -142,7 +142,12 @@ def generate_batch(
     """Generate every request in one left-padded batch; return one ``Sample`` per request, in order.
 
     ``share_prefix``: run the batch's common prompt prefix once (see the module docstring).
-    ``timings["prefill_seconds"]`` (when given) accumulates the time of the prompt forward passes."""
+    ``timings["prefill_seconds"]`` (when given) accumulates the time of the prompt forward passes.
+
+    Long because the decode loop is one piece of state (KV cache, attention mask, per-row budgets,
+    stop windows, generators, finished rows) advanced together; split up, every helper would take and
+    return most of it, and this is the sampler's hot path.
+    """
     n = len(requests)
     results: list[Sample | None] = [None] * n
     tokens: list[list[int]] = [[] for _ in range(n)]

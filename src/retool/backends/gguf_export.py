@@ -72,7 +72,11 @@ def _tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
 
 
 def export_qwen2_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
-    """Write ``model_dir`` (an HF Qwen2 folder with a fast BPE tokenizer) to ``out_file`` as f32 GGUF."""
+    """Write ``model_dir`` (an HF Qwen2 folder with a fast BPE tokenizer) to ``out_file`` as f32 GGUF.
+
+    Long because a GGUF file is one writer filled in order (architecture keys, tokenizer, chat template,
+    tensors); the steps read as the format's own checklist.
+    """
     import gguf
     import numpy as np
     import torch

@@ -131,7 +131,7 @@ class GuardedTrainingClient(TrainingClient):
         return self._inner
 
     @property
-    def tokenizer(self) -> Any:  # type: ignore[override]
+    def tokenizer(self) -> Any:
         return self._inner.tokenizer
 
     def __getattr__(self, name: str) -> Any:

@@ -72,7 +72,9 @@ from retool.backends.types import (
 
 logger = logging.getLogger(__name__)
 
-STATE_FILE = "trainer_state.json"
+# The metadata of a saved state. Its name (kept so states saved earlier still load) is also the trainer
+# checkpoint's; ``retool.train.checkpoint`` tells the two apart by their contents.
+BACKEND_META_FILE = "trainer_state.json"
 OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 FULL_WEIGHTS_FILE = "model.safetensors"
@@ -211,7 +213,9 @@ class _MergedSampler:
         plain = copy.deepcopy(base, memo)
         pairs: list[tuple[Any, torch.nn.Linear]] = []
         for name, layer in live.items():
-            inner: torch.nn.Linear = layer.base_layer
+            inner = layer.base_layer
+            if not isinstance(inner, torch.nn.Linear):  # a LoRA layout this view does not know
+                return None
             merged = torch.nn.Linear(
                 inner.in_features, inner.out_features, bias=inner.bias is not None, device="meta"
             )
@@ -339,7 +343,7 @@ class LocalTrainingClient(TrainingClient):
         num_threads: int | None = None,
         merge_lora_for_sampling: bool = True,
     ) -> None:
-        from transformers import AutoModelForCausalLM, AutoTokenizer
+        from transformers import AutoTokenizer
 
         if num_threads:
             # Process-wide. On a busy CPU one thread is often several times faster for tiny models.
@@ -356,10 +360,6 @@ class LocalTrainingClient(TrainingClient):
         if self.micro_batch_tokens <= 0 or self.sample_batch_size <= 0:
             raise ValueError("micro_batch_tokens and sample_batch_size must be positive")
 
-        if self.model_path == "tiny":
-            raise ValueError(
-                "model 'tiny' is built by `retool demo`; pass the folder it wrote as the model path"
-            )
         looks_local = self.model_path.startswith(("/", ".", "~")) or bool(self.gguf_file)
         if looks_local and not Path(self.model_path).expanduser().exists():
             raise FileNotFoundError(f"model path {self.model_path} does not exist")
@@ -369,24 +369,7 @@ class LocalTrainingClient(TrainingClient):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
-        if self.gguf_file:
-            _forget_gguf_quantization(model)
-        model.to(self.device)
-        if self.lora is not None:
-            from peft import LoraConfig, get_peft_model
-
-            torch.manual_seed(seed)  # LoRA A matrices are random: make them a function of the seed
-            peft_cfg = LoraConfig(
-                r=self.lora.rank,
-                lora_alpha=self.lora.alpha,
-                lora_dropout=self.lora.dropout,
-                target_modules=list(self.lora.target_modules),
-                task_type="CAUSAL_LM",
-            )
-            model = get_peft_model(model, peft_cfg)
-        self.model = model
+        self.model = self._load_model(load_kwargs, seed)
         self.model.train()
         config = self._base_config()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -415,6 +398,32 @@ class LocalTrainingClient(TrainingClient):
             f"LoRA r={self.lora.rank}" if self.lora else "full fine-tuning",
             self.num_trainable_parameters(),
         )
+
+    def _load_model(self, load_kwargs: dict[str, Any], seed: int) -> Any:
+        """The weights on ``self.device``, wrapped in a LoRA adapter when one is configured.
+
+        Returns ``Any``: transformers / PEFT model classes vary by architecture and wrapping.
+        """
+        from transformers import AutoModelForCausalLM
+
+        torch.manual_seed(seed)
+        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
+        if self.gguf_file:
+            _forget_gguf_quantization(model)
+        model.to(self.device)
+        if self.lora is None:
+            return model
+        from peft import LoraConfig, get_peft_model
+
+        torch.manual_seed(seed)  # LoRA A matrices are random: make them a function of the seed
+        peft_cfg = LoraConfig(
+            r=self.lora.rank,
+            lora_alpha=self.lora.alpha,
+            lora_dropout=self.lora.dropout,
+            target_modules=list(self.lora.target_modules),
+            task_type="CAUSAL_LM",
+        )
+        return get_peft_model(model, peft_cfg)
 
     # -- helpers -------------------------------------------------------------------------------
     def _base_config(self) -> Any:
@@ -727,7 +736,7 @@ class LocalTrainingClient(TrainingClient):
             else {**vars(self.lora), "target_modules": list(self.lora.target_modules)},
             "has_optimizer": self.optimizer is not None,
         }
-        (folder / STATE_FILE).write_text(json.dumps(meta, indent=2) + "\n")
+        (folder / BACKEND_META_FILE).write_text(json.dumps(meta, indent=2) + "\n")
         logger.info("saved state (step %d) to %s", self.step, folder)
         return str(folder)
 
@@ -735,9 +744,9 @@ class LocalTrainingClient(TrainingClient):
         from safetensors.torch import load_file, load_model
 
         folder = Path(path)
-        meta_path = folder / STATE_FILE
+        meta_path = folder / BACKEND_META_FILE
         if not meta_path.is_file():
-            raise FileNotFoundError(f"{folder} is not a saved state (no {STATE_FILE})")
+            raise FileNotFoundError(f"{folder} is not a saved state (no {BACKEND_META_FILE})")
         meta = json.loads(meta_path.read_text())
         mine = (
             None

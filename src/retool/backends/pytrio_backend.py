@@ -23,6 +23,35 @@ SDK facts this relies on (pytrio 0.2.9, read from its code):
   clear error instead of the SDK's.
 - Checkpoint names must match ``^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$``.
 
+Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote``):
+
+- Training calls (``forward_backward``, ``optim_step``, ``save_state``, the sampler refresh's weight save)
+  are *events* on one ordered queue per training run (``transport/actor/training_run/coordinator.py``).
+  Each event gets a random ``event_id`` once (``protocol/actor/events/event.py``); the SDK re-sends the same
+  envelope on connection errors, timeouts and HTTP 408/429/500/502/503/504 for
+  ``training_retry_timeout_seconds`` (default 15 min; ``transport/retry.py``,
+  ``transport/actor/http_base.py``), and the Actor deduplicates by that id: a repeat is answered 409
+  ``event_exists`` and the SDK polls the original event (``transport/actor/event/submit.py``: "event ID
+  is the idempotency key"). That layer is the one that re-sends training calls, and it is safe.
+- The event id cannot be chosen by the caller, and once a submission fails for good the coordinator marks
+  the whole run broken: every later event raises ``PyTrioError(code="training.run_broken")``. So this
+  layer never re-sends a training call (no ``dedupes_request_ids``), and there is no event that discards an
+  accumulated gradient (no ``zero_grad_async``): after a failed submission the adapter reports a permanent
+  failure that says to resume from the last checkpoint. A failed *poll* of an accepted event leaves the
+  run alive, but the event may have been applied: an unknown outcome, which the guard does not re-send
+  for ``forward_backward`` / ``optim_step``.
+- Errors are ``PyTrioError`` subclasses with ``status_code``, ``code`` and ``retryable``. A request that got
+  no HTTP answer (connection refused or reset, read timeout) is reported with ``status_code = 0`` and
+  ``retryable = True`` (``http_base.py`` wraps the httpx error ``from None``), and a sample whose first
+  chunk never came as ``code = "actor.sampling.first_chunk_timeout"``: the adapter restates both as
+  unknown outcomes (``sdk_outcome``), so the guard re-sends samples on them. Real statuses (429, 503 ...)
+  pass through. ``Retry-After`` is not kept by the SDK (its own retries ignore it too).
+- Sampling requests (``transport/actor/sampling_run/sample.py``) change no state; the SDK retries them for
+  ``sampling_retry_timeout_seconds`` and the guard re-sends them after that or after its own timeout.
+  Cancelling the SDK's future (the guard's timeout) cancels the request's task and frees its slot.
+- The SDK's retries are configured process-wide with ``pytrio.configure(...)`` and read when a client is
+  created; nothing sets them per call, and the adapter leaves them as the user's profile has them.
+
 Reduction: the SDK sends ``total_samples``, ``total_active_tokens`` and ``total_advantage_tokens`` with
 every chunk and the server picks the denominator (undocumented). The adapter starts from
 ``active_tokens`` and the startup self-check (``retool.backends.reduction``) replaces the assumption with
@@ -41,6 +70,7 @@ from typing import TYPE_CHECKING, Any
 from retool.backends.reduction import ReductionMode
 from retool.backends.remote import (
     BackendUnavailableError,
+    PendingCall,
     RemoteTrainingClient,
     StateOrderError,
     call_kwargs,
@@ -48,6 +78,7 @@ from retool.backends.remote import (
     local_tokenizer,
     resolve,
 )
+from retool.retry import Failure
 
 if TYPE_CHECKING:
     from retool.config import Config
@@ -55,6 +86,9 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
+
+# PyTrioError codes of a training run the SDK will not accept events for any more.
+DEAD_RUN_CODES = frozenset({"training.run_broken", "training.run_closed"})
 
 
 def configure_sdk(sdk: Any, base_url: str | None) -> None:
@@ -128,7 +162,29 @@ class PytrioTrainingClient(RemoteTrainingClient):
         # fail with a download error; ours says what to do.
         _ = self.tokenizer
 
-    def _load_state_sync(self, path: str) -> None:
+    def sdk_outcome(self, exc: BaseException) -> tuple[Failure, str] | None:
+        """See the module docstring (Faults). Only ``PyTrioError``s are read; names, not imports, since
+        the SDK is optional."""
+        names = {cls.__name__ for cls in type(exc).__mro__}
+        if "PyTrioError" not in names:
+            return None
+        code = str(getattr(exc, "code", "") or "")
+        if "ActorEventSubmitError" in names or code in DEAD_RUN_CODES:
+            return (
+                Failure.PERMANENT,
+                "the SDK re-sent this request under the same event id for its whole retry window "
+                "(training_retry_timeout_seconds), gave up and stopped this training run, so no later "
+                "call on it can succeed; resume from the last checkpoint",
+            )
+        status = getattr(exc, "status_code", 0)
+        if isinstance(status, int) and status > 0:
+            return None  # a real HTTP status: retool.retry reads it
+        no_answer = bool(getattr(exc, "retryable", False)) or code.endswith("_timeout")
+        if no_answer or names & {"ActorEventGetError", "EventPollingError"}:
+            return Failure.UNKNOWN, "no answer from the service after the SDK's own retries"
+        return None
+
+    def _load_state_sync(self, pending: PendingCall, path: str) -> None:
         if self.started:
             raise StateOrderError(
                 "pytrio: load_state must come before any training call on this client (the service binds "
@@ -137,7 +193,7 @@ class PytrioTrainingClient(RemoteTrainingClient):
             )
         loader = getattr(self.sdk_client, "load_state_with_optimizer", None) or self.sdk_client.load_state
         try:
-            resolve(loader(path))
+            resolve(pending.hold(loader(path)))
         except Exception as exc:
             if getattr(exc, "code", "") == "validation.already_initialized":
                 raise StateOrderError(f"pytrio: {exc}") from exc

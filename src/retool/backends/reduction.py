@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, Literal
 
+from retool.backends.base import TrainingClient
 from retool.backends.types import Datum
 
 if TYPE_CHECKING:
@@ -193,12 +194,14 @@ def verify_reduction(
 
 
 async def check_remote_reduction(
-    client: Any, loss_fn: str, loss_config: dict[str, float] | None = None
+    client: TrainingClient, loss_fn: str, loss_config: dict[str, float] | None = None
 ) -> list[ReductionReport]:
     """The training loop's start-of-run hook: for a remote backend, verify (once per client) how the
     service normalises ``loss_fn`` and adopt it; for any other backend, do nothing and return ``[]``."""
     from retool.backends.remote import RemoteTrainingClient
 
+    # The trainer hands over the retry guard around the adapter; the check talks to the adapter itself.
+    client = getattr(client, "inner", client)
     if not isinstance(client, RemoteTrainingClient) or client.reduction_verified:
         return []
     reports = await asyncio.to_thread(verify_reduction, client, loss_fn, loss_config)

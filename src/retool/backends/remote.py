@@ -2,9 +2,9 @@
 
 Owns what the two adapters have in common: turning our ``Datum`` into the services' loss inputs, scaling
 them for the service's loss normalisation, resolving SDK futures, metrics, tokenizer hand-off, sampling,
-and checkpoints. The SDKs are optional imports; nothing here talks to a network until a client is built.
-Every SDK call is synchronous-then-``.result()`` and runs in a worker thread (``asyncio.to_thread``) so the
-event loop stays free.
+and checkpoints, and how SDK calls are run and their failures reported for the retry guard (below). The
+SDKs are optional imports; nothing here talks to a network until a client is built. Every SDK call is
+synchronous-then-``.result()`` and runs on its own worker thread so the event loop stays free.
 
 SDK futures are always resolved with ``.result()``: Tinker's futures *of clients* subclass the client
 classes (``BackcompatTrainingClientFuture``), so using one as the client works only through deprecated
@@ -30,21 +30,48 @@ the service returns (``loss_fn_outputs[i]["logprobs"]``), with the same loss cod
 the service's own metrics are passed through in ``extra`` under ``server/``, and ``server/loss_ratio``
 (service loss / local loss, 1 while the normalisation is right) is reported for every call whose loss is
 not mostly cancellation.
+
+Faults (timeouts, retries, idempotency). The trainer wraps these adapters in
+``retool.backends.guarded.GuardedTrainingClient``, which bounds every call by a per-call timeout and
+retries transient failures by ``retool.retry``'s rule. What the adapters contribute:
+
+- Every SDK call runs on a daemon thread of its own (``retool.retry.to_thread_with_timeout``), never in
+  the event loop's shared pool: when the guard's timeout gives up on a call, the blocked thread can neither
+  exhaust a pool nor hold up the interpreter's exit. The adapter then cancels the SDK's future, so the SDK
+  stops its own retries and polling and frees what the call held (a PyTRIO sample slot, which a hung
+  request otherwise keeps until the SDK's one-hour first-chunk timeout; a Tinker request turn).
+- SDK exceptions propagate unchanged where ``retool.retry.classify`` reads them right (HTTP status,
+  ``response`` with ``Retry-After``, ``APIConnectionError`` ...). Where it cannot, they are restated as
+  ``RemoteCallError`` (chained with ``from``, keeping status and ``Retry-After``) with the outcome the
+  guard must assume: each SDK's own rules (``sdk_outcome``: PyTRIO reports "no HTTP answer" as status 0;
+  a PyTRIO training run is dead after one failed event submission), and for ``forward_backward`` /
+  ``optim_step`` never "not sent": both SDKs re-send those calls themselves before they give up, so a final
+  429 says nothing about the earlier attempts.
+- Idempotency: neither service lets *this* layer re-send a training call safely. Both SDKs re-send it
+  under an idempotency id of their own (PyTRIO: the event id; Tinker: the per-client ``seq_id``) that a
+  new call from here cannot reuse, and neither service can discard an accumulated gradient. So the
+  adapters declare no request dedupe (``dedupes_request_ids = False``) and no ``zero_grad_async``, and the
+  guard applies its third rule: only the SDK re-sends ``forward_backward`` / ``optim_step``; an outcome
+  still unknown after that stops the step (``optim_step`` refuses the doubtful gradient) and the run
+  resumes from its last checkpoint. Sampling, checkpoints and sampler refreshes are re-sent by the guard.
+  The SDK facts behind this are in ``pytrio_backend`` and ``tinker_backend``.
 """
 
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import dataclasses
 import importlib
 import inspect
 import logging
 import math
 import sys
+import threading
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from retool.backends.base import SamplingClient, TrainingClient
 from retool.backends.losses import LOSS_NAMES, clip_thresholds
@@ -65,15 +92,19 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.retry import Failure, classify, retry_after_of, status_code_of, to_thread_with_timeout
 
 if TYPE_CHECKING:
     from retool.config import Config
 
 logger = logging.getLogger(__name__)
 
+T = TypeVar("T")
+
 __all__ = [
     "IGNORE_INDEX",
     "BackendUnavailableError",
+    "RemoteCallError",
     "RemoteSamplingClient",
     "RemoteTrainingClient",
     "StateOrderError",
@@ -87,6 +118,72 @@ class BackendUnavailableError(RuntimeError):
 
 class StateOrderError(RuntimeError):
     """``load_state`` was called after training started on a service that loads state only at start."""
+
+
+class RemoteCallError(RuntimeError):
+    """An SDK failure restated for the retry guard: ``outcome`` is what ``retool.retry.classify`` must
+    assume (the SDK's own exception, with the details, is the ``__cause__``)."""
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        outcome: Failure,
+        status_code: int | None = None,
+        retry_after: float | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.outcome = outcome
+        self.status_code = status_code
+        self.retry_after = retry_after
+
+
+def cancel_future(obj: Any) -> None:
+    """Best effort: stop the SDK's work on a call nobody waits for any more.
+
+    Tinker's futures hand out their ``concurrent.futures.Future`` through ``.future()`` (cancelling it
+    cancels the SDK's task: its retries, its polling, its request turn); PyTRIO's have ``.cancel()``.
+    Methods are looked up on the type so Tinker's future-of-client wrappers never forward to the client.
+    """
+    kind = type(obj)
+    try:
+        if callable(getattr(kind, "future", None)):
+            inner = obj.future()
+            if isinstance(inner, concurrent.futures.Future):
+                inner.cancel()
+                return
+        if callable(getattr(kind, "cancel", None)):
+            obj.cancel()
+    except Exception:  # a courtesy to the SDK: the call's outcome is already "unknown" to the caller
+        logger.debug("could not cancel an abandoned SDK future %r", obj, exc_info=True)
+
+
+class PendingCall:
+    """The SDK future of one call in flight, cancelled if the caller stops waiting (the guard's timeout).
+
+    The worker thread ``hold``s the future as soon as the SDK returns it; ``abandon`` comes from the event
+    loop. Whichever comes second cancels, so a future handed over after the timeout is cancelled too.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._future: Any = None
+        self._abandoned = False
+
+    def hold(self, future: Any) -> Any:
+        with self._lock:
+            self._future = future
+            abandoned = self._abandoned
+        if abandoned:
+            cancel_future(future)
+        return future
+
+    def abandon(self) -> None:
+        with self._lock:
+            self._abandoned = True
+            future = self._future
+        if future is not None:
+            cancel_future(future)
 
 
 def import_sdk(module: str, extra: str) -> Any:
@@ -228,14 +325,14 @@ class RemoteSamplingClient(SamplingClient):
             stop=stop,
         )
 
-    def _sample_sync(self, prompt: list[int], num_samples: int, params: SamplingParams) -> list[Sample]:
+    def _sample_sync(
+        self, pending: PendingCall, prompt: list[int], num_samples: int, params: SamplingParams
+    ) -> list[Sample]:
         model_input = self._owner.model_input(prompt)
-        response = resolve(
-            self._client.sample(
-                prompt=model_input, num_samples=num_samples, sampling_params=self._params(params)
-            ),
-            expect="sequences",
+        future = self._client.sample(
+            prompt=model_input, num_samples=num_samples, sampling_params=self._params(params)
         )
+        response = resolve(pending.hold(future), expect="sequences")
         out: list[Sample] = []
         for seq in response.sequences:
             tokens = [int(t) for t in seq.tokens]
@@ -265,7 +362,7 @@ class RemoteSamplingClient(SamplingClient):
             return [Sample([], [], "length") for _ in range(num_samples)]
         if room < params.max_tokens:
             params = dataclasses.replace(params, max_tokens=room)
-        return await asyncio.to_thread(self._sample_sync, prompt, num_samples, params)
+        return await self._owner.call_sdk("sample", self._sample_sync, prompt, num_samples, params)
 
 
 class RemoteTrainingClient(TrainingClient):
@@ -279,6 +376,13 @@ class RemoteTrainingClient(TrainingClient):
     mask_targets = False  # PyTRIO: target -100 where the weight is 0
     default_reduction: ReductionMode = "sum"
     server_loss_key = ""  # the service's name for the (normalised) loss in ``ForwardBackwardOutput.metrics``
+    # The retry guard's idempotency declarations (``retool.backends.guarded``): no request id this layer
+    # sends is deduplicated by either service, and neither can discard an accumulated gradient (so no
+    # ``zero_grad_async`` either). The guard's rule for that case applies; see the module docstring.
+    dedupes_request_ids = False
+    # Both SDKs re-send forward_backward / optim_step on transient failures before they raise, under an
+    # idempotency id of their own: a failure they report for those calls never proves "not sent".
+    sdk_resends_training_calls = True
 
     def __init__(
         self,
@@ -310,6 +414,52 @@ class RemoteTrainingClient(TrainingClient):
         self._modes: dict[str, ReductionMode] = {}
         if tokenizer is not None:
             self.tokenizer = tokenizer
+
+    # -- running SDK calls ---------------------------------------------------------------------
+    async def call_sdk(self, what: str, fn: Callable[..., T], *args: Any, idempotent: bool = True) -> T:
+        """Run the blocking SDK call ``fn(pending, *args)`` on its own daemon thread.
+
+        No timeout here: the guard's per-call timeout cancels this await, and then the SDK's future that
+        ``fn`` handed to ``pending`` is cancelled. Failures are re-raised as ``restate`` says.
+        """
+        pending = PendingCall()
+        try:
+            return await to_thread_with_timeout(
+                fn, pending, *args, timeout=None, what=f"{self.sdk_name} {what}"
+            )
+        except asyncio.CancelledError:
+            pending.abandon()
+            raise
+        except Exception as exc:
+            restated = self.restate(exc, what, idempotent=idempotent)
+            if restated is exc:
+                raise
+            raise restated from exc
+
+    def sdk_outcome(self, exc: BaseException) -> tuple[Failure, str] | None:
+        """Hook: the outcome of a failed call where this SDK's exception misleads ``classify``, and why;
+        ``None`` to let ``classify`` read it."""
+        return None
+
+    def restate(self, exc: Exception, what: str, *, idempotent: bool) -> Exception:
+        """``exc`` as the retry guard must read it: unchanged when ``classify`` reads it right, else a
+        ``RemoteCallError`` stating the outcome (see the module docstring)."""
+        told = self.sdk_outcome(exc)
+        outcome, why = told if told is not None else (classify(exc), "")
+        if not idempotent and self.sdk_resends_training_calls and outcome is Failure.NOT_SENT:
+            # The last attempt was refused, but the SDK re-sent the call before: an earlier attempt may
+            # have been applied, and a call from here would carry a new idempotency id.
+            outcome = Failure.UNKNOWN
+            why = "the SDK re-sent it before giving up, so an earlier attempt may have been applied"
+        if told is None and outcome is classify(exc):
+            return exc
+        status = status_code_of(exc)
+        return RemoteCallError(
+            f"{self.sdk_name} {what}: {why} ({type(exc).__name__}: {exc})",
+            outcome=outcome,
+            status_code=status if status and status > 0 else None,
+            retry_after=retry_after_of(exc),
+        )
 
     # -- SDK helpers ---------------------------------------------------------------------------
     @classmethod
@@ -346,7 +496,7 @@ class RemoteTrainingClient(TrainingClient):
         return self._tokenizer
 
     @property
-    def tokenizer(self) -> Any:  # type: ignore[override]
+    def tokenizer(self) -> Any:
         if self._tokenizer is None:
             self.tokenizer = self.load_sdk_tokenizer()
         return self._tokenizer
@@ -509,6 +659,7 @@ class RemoteTrainingClient(TrainingClient):
         *,
         forward_only: bool,
         scale: float | None = None,
+        pending: PendingCall | None = None,
     ) -> tuple[Any, BatchTotals, float]:
         """Send one forward(-backward) call; ``scale`` overrides the reduction scale (the probe sends 1)."""
         self._validate(datums, loss_fn)
@@ -525,15 +676,24 @@ class RemoteTrainingClient(TrainingClient):
         client = self.sdk_client
         call = client.forward if forward_only else client.forward_backward
         self.started = True
-        return resolve(call(data, **kwargs), expect="loss_fn_outputs"), totals, scale
+        future = call(data, **kwargs)
+        if pending is not None:
+            pending.hold(future)
+        return resolve(future, expect="loss_fn_outputs"), totals, scale
 
     def prepare_training_call(self) -> None:
         """Hook run before every forward pass (PyTRIO makes sure the SDK has our tokenizer)."""
 
     def _forward_backward_sync(
-        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None
+        self,
+        pending: PendingCall,
+        datums: Sequence[Datum],
+        loss_fn: str,
+        loss_config: dict[str, float] | None,
     ) -> ForwardBackwardResult:
-        output, _totals, scale = self._submit(datums, loss_fn, loss_config, forward_only=False)
+        output, _totals, scale = self._submit(
+            datums, loss_fn, loss_config, forward_only=False, pending=pending
+        )
         server = self._server_metrics(output)
         learner = self._learner_logprobs(output, len(datums))
         result = self._metrics(datums, loss_fn, loss_config, learner, server)
@@ -543,7 +703,14 @@ class RemoteTrainingClient(TrainingClient):
     async def forward_backward_async(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
     ) -> ForwardBackwardResult:
-        return await asyncio.to_thread(self._forward_backward_sync, list(datums), loss_fn, loss_config)
+        return await self.call_sdk(
+            "forward_backward",
+            self._forward_backward_sync,
+            list(datums),
+            loss_fn,
+            loss_config,
+            idempotent=False,
+        )
 
     def probe_loss(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None = None
@@ -561,7 +728,7 @@ class RemoteTrainingClient(TrainingClient):
         local = self._metrics(datums, loss_fn, loss_config, learner, {}).loss
         return LossProbe(local, server, totals, learner)
 
-    def _optim_step_sync(self, adam: AdamParams) -> OptimStepResult:
+    def _optim_step_sync(self, pending: PendingCall, adam: AdamParams) -> OptimStepResult:
         params = build_model(
             self._type("AdamParams"),
             learning_rate=adam.lr,
@@ -572,42 +739,42 @@ class RemoteTrainingClient(TrainingClient):
             grad_clip_norm=adam.grad_clip_norm,
         )
         self.started = True
-        response = resolve(self.sdk_client.optim_step(params), expect="metrics")
+        response = resolve(pending.hold(self.sdk_client.optim_step(params)), expect="metrics")
         metrics = dict(getattr(response, "metrics", None) or {})
         grad_norm = next((float(v) for k, v in metrics.items() if "grad_norm" in k), math.nan)
         self.step += 1
         return OptimStepResult(grad_norm=grad_norm, lr=adam.lr)
 
     async def optim_step_async(self, adam: AdamParams) -> OptimStepResult:
-        return await asyncio.to_thread(self._optim_step_sync, adam)
+        return await self.call_sdk("optim_step", self._optim_step_sync, adam, idempotent=False)
 
     # -- checkpoints and samplers --------------------------------------------------------------
     def check_state_name(self, name: str) -> None:
         """Hook for services that restrict checkpoint names."""
 
-    def _save_state_sync(self, name: str) -> str:
+    def _save_state_sync(self, pending: PendingCall, name: str) -> str:
         self.check_state_name(name)
         self.started = True
-        response = resolve(self.sdk_client.save_state(name), expect="path")
+        response = resolve(pending.hold(self.sdk_client.save_state(name)), expect="path")
         path = response.path
         logger.info("%s: saved state %r at %s", self.sdk_name, name, path)
         return str(path)
 
     async def save_state_async(self, name: str) -> str:
-        return await asyncio.to_thread(self._save_state_sync, name)
+        return await self.call_sdk("save_state", self._save_state_sync, name)
 
-    def _load_state_sync(self, path: str) -> None:
+    def _load_state_sync(self, pending: PendingCall, path: str) -> None:
         """Weights and optimizer state from ``path``; each service has its own way (subclasses)."""
         raise NotImplementedError
 
     async def load_state_async(self, path: str) -> None:
-        await asyncio.to_thread(self._load_state_sync, path)
+        await self.call_sdk("load_state", self._load_state_sync, path)
 
-    def _sampling_client_sync(self) -> SamplingClient:
+    def _sampling_client_sync(self, pending: PendingCall) -> SamplingClient:
         self.started = True
-        client = resolve(self.sdk_client.save_weights_and_get_sampling_client(), expect="sample")
-        return RemoteSamplingClient(self._sdk, client, self)
+        future = pending.hold(self.sdk_client.save_weights_and_get_sampling_client())
+        return RemoteSamplingClient(self._sdk, resolve(future, expect="sample"), self)
 
     async def sampling_client_async(self) -> SamplingClient:
         """Saves the current weights as sampler weights on the service and returns a sampler over them."""
-        return await asyncio.to_thread(self._sampling_client_sync)
+        return await self.call_sdk("sampling_client", self._sampling_client_sync)

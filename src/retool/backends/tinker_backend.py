@@ -25,6 +25,33 @@ SDK facts this relies on (tinker 0.38.0, read from its code):
   text; ``stop=None`` keeps EOS as a stop while an explicit list replaces it (so the adapter appends EOS to
   any stop list). Paths look like ``tinker://<run>/weights/<name>``.
 
+Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote``):
+
+- Every training request carries ``seq_id``, reserved once per call from the training client's counter
+  (``lib/public_interfaces/training_client.py``: ``seq_id=request_id + 1``); the service orders a model's
+  requests by it. The SDK re-sends ``forward_backward`` / ``optim_step`` with that same ``seq_id`` in two
+  layers: the HTTP client's retries (``_base_client.py``: up to ``DEFAULT_MAX_RETRIES = 10``, 0.5-10 s
+  backoff, ``Retry-After`` honoured, on connection errors, timeouts, 408/409/429/5xx; the same
+  ``X-Idempotency-Key`` on each) and ``InternalClientHolder.execute_with_retries`` (the same request again
+  for up to 5 minutes). A re-send is safe only because the service applies a ``seq_id`` once; the SDK's
+  design relies on that, we cannot check it from the SDK's code, and the stub service here models it.
+- Neither layer can be switched off through a public setting (``ServiceClient`` ignores unknown keyword
+  arguments, the holder builds its HTTP clients with the default ``max_retries``, ``execute_with_retries``
+  has no switch), and they are the safe re-senders: a call from here would reserve a *new* ``seq_id``,
+  which the service cannot tell from a new micro-batch. So this layer never re-sends a training call
+  (no ``dedupes_request_ids``), and there is no API that discards an accumulated gradient (no
+  ``zero_grad_async``): an outcome still unknown once the SDK gives up stops the step.
+- Errors: ``APIStatusError`` subclasses with ``status_code`` and ``response`` (``RateLimitError`` 429,
+  ``InternalServerError`` 5xx ...), ``APIConnectionError`` / ``APITimeoutError`` without a response, all
+  read correctly by ``retool.retry.classify``. A result the service lost (``RetryableException``, HTTP
+  410 on the future) and a request it failed (``RequestFailedError``, ``category`` server or unknown) are
+  restated as unknown outcomes (``sdk_outcome``); ``category`` user is permanent.
+- Sampling: the SDK re-sends a sample in ``execute_with_retries`` (same ``seq_id``) and again through its
+  ``RetryHandler`` (a new one); on 429 it backs off and re-sends without limit, and it polls a result
+  future without limit, so a sample can wait for ever: the guard's ``retry.sample_timeout`` bounds it, and
+  cancelling the SDK's future stops the SDK's task (and tells the service to stop the work, when the
+  service enables that).
+
 Reduction: Tinker documents a SUM over tokens and datums with no normalisation (its loss metric is
 ``loss:sum``), the local backend's semantics, so weights are folded into advantages unscaled; the startup
 self-check confirms it on the live service. Masked positions get advantage 0 (and CE weight 0).
@@ -40,12 +67,14 @@ from typing import TYPE_CHECKING, Any
 from retool.backends.reduction import ReductionMode
 from retool.backends.remote import (
     BackendUnavailableError,
+    PendingCall,
     RemoteTrainingClient,
     call_kwargs,
     import_sdk,
     local_tokenizer,
     resolve,
 )
+from retool.retry import Failure
 
 if TYPE_CHECKING:
     from retool.config import Config
@@ -97,7 +126,19 @@ class TinkerTrainingClient(RemoteTrainingClient):
             max_context=config.model.max_context,
         )
 
-    def _load_state_sync(self, path: str) -> None:
+    def sdk_outcome(self, exc: BaseException) -> tuple[Failure, str] | None:
+        """See the module docstring (Faults); names, not imports, since the SDK is optional."""
+        names = {cls.__name__ for cls in type(exc).__mro__}
+        if "RetryableException" in names:
+            return Failure.UNKNOWN, "the service lost the request's result"
+        if "RequestFailedError" in names:
+            category = str(getattr(exc, "category", "") or "").lower()
+            if category == "user":
+                return Failure.PERMANENT, "the service refused the request"
+            return Failure.UNKNOWN, f"the service failed the request (category {category or '?'})"
+        return None
+
+    def _load_state_sync(self, pending: PendingCall, path: str) -> None:
         if self._service is None:
             raise BackendUnavailableError(
                 "tinker: load_state builds a new training client from the checkpoint and needs the "
@@ -105,9 +146,8 @@ class TinkerTrainingClient(RemoteTrainingClient):
             )
         if self._client is not None:
             logger.warning("tinker: replacing the current training client by one loaded from %s", path)
-        self._client = resolve(
-            self._service.create_training_client_from_state_with_optimizer(path), expect="forward_backward"
-        )
+        future = pending.hold(self._service.create_training_client_from_state_with_optimizer(path))
+        self._client = resolve(future, expect="forward_backward")
         self._factory = None
         self.started = False
         logger.info("tinker: training client %s loaded from %s", getattr(self._client, "model_id", "?"), path)

@@ -2,7 +2,8 @@
 
 Owns reading DAPO-Math-17k and evaluation sets (local JSONL/JSON/parquet or the Hugging Face Hub), stripping
 DAPO's instruction wrapper, deduplication, the train/dev split (``retool prepare dapo``), and the counting
-of every skipped row. The ``Problem`` record itself lives in :mod:`retool.data.problem` (shared).
+of every skipped row; and the synthetic task family (:mod:`retool.data.synthetic`). The ``Problem`` record
+itself lives in :mod:`retool.data.problem` (shared).
 """
 
 from retool.data.dapo import (
@@ -10,6 +11,7 @@ from retool.data.dapo import (
     load_dapo,
     normalize_dapo_row,
     prepare_dapo,
+    split_dev,
     strip_dapo_template,
     write_jsonl,
 )
@@ -30,6 +32,7 @@ __all__ = [
     "load_problems_with_report",
     "normalize_dapo_row",
     "prepare_dapo",
+    "split_dev",
     "strip_dapo_template",
     "write_jsonl",
 ]

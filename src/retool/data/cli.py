@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import typer
 
+from retool.data.dapo import DEV_SEED, DEV_SIZE
+
 prepare_app = typer.Typer(help="Prepare training data (strip, deduplicate, split).", no_args_is_help=True)
 
 
@@ -13,8 +15,8 @@ def prepare_dapo_command(
         ..., "--input", "-i", help="DAPO rows: a .jsonl/.json/.parquet file or a Hub id."
     ),
     out: str = typer.Option(..., "--out", "-o", help="Output folder for train.jsonl and dev.jsonl."),
-    dev_size: int = typer.Option(50, "--dev-size", help="Problems held out in dev.jsonl."),
-    seed: int = typer.Option(0, "--seed", help="Seed of the dev sample."),
+    dev_size: int = typer.Option(DEV_SIZE, "--dev-size", help="Problems held out in dev.jsonl."),
+    seed: int = typer.Option(DEV_SEED, "--seed", help="Seed of the dev sample."),
     split: str = typer.Option("train", "--split", help="Split to read when INPUT is a Hub id."),
 ) -> None:
     """Strip DAPO's instruction wrapper, deduplicate, hold out a dev split, and print the counts."""

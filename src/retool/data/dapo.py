@@ -34,6 +34,8 @@ logger = logging.getLogger(__name__)
 
 DAPO_HUB_ID = "BytedTsinghua-SIA/DAPO-Math-17k"
 DEFAULT_DATA_SOURCE = "math_dapo"
+# The dev split `retool prepare dapo` holds out by default (the ``dapo`` environment splits alike).
+DEV_SIZE, DEV_SEED = 50, 0
 
 # Tolerant of whitespace and of "$Answer"/"Answer" wording drift; anchored so text inside a problem is safe.
 _PREFIX_RE = re.compile(
@@ -208,11 +210,25 @@ def write_jsonl(path: Path, problems: Iterable[Problem]) -> int:
     return count
 
 
+def split_dev(
+    problems: list[Problem], dev_size: int = DEV_SIZE, seed: int = DEV_SEED, *, source: str = "DAPO"
+) -> tuple[list[Problem], list[Problem]]:
+    """(train, dev): ``dev_size`` problems chosen with ``seed`` held out; both keep the source order."""
+    if dev_size >= len(problems):
+        raise DataError(
+            f"{source}: only {len(problems)} usable problems, not enough for a dev split of {dev_size}"
+        )
+    chosen = set(random.Random(seed).sample(range(len(problems)), dev_size))
+    dev = [p for i, p in enumerate(problems) if i in chosen]
+    train = [p for i, p in enumerate(problems) if i not in chosen]
+    return train, dev
+
+
 def prepare_dapo(
     input: str | Path,
     out_dir: str | Path,
-    dev_size: int = 50,
-    seed: int = 0,
+    dev_size: int = DEV_SIZE,
+    seed: int = DEV_SEED,
     *,
     split: str = "train",
 ) -> PrepareReport:
@@ -224,13 +240,7 @@ def prepare_dapo(
     if dev_size < 0:
         raise DataError(f"dev size must be >= 0, got {dev_size}")
     problems, load_report = load_dapo(input, split=split)
-    if dev_size >= len(problems):
-        raise DataError(
-            f"{load_report.source}: only {len(problems)} usable problems, not enough for a dev split of {dev_size}"
-        )
-    chosen = set(random.Random(seed).sample(range(len(problems)), dev_size))
-    dev = [p for i, p in enumerate(problems) if i in chosen]
-    train = [p for i, p in enumerate(problems) if i not in chosen]
+    train, dev = split_dev(problems, dev_size, seed, source=load_report.source)
     out = Path(out_dir)
     train_path, dev_path = out / "train.jsonl", out / "dev.jsonl"
     report = PrepareReport(

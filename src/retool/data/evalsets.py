@@ -9,13 +9,14 @@ without flags. Numeric answers (AIME's integers) become strings.
 from __future__ import annotations
 
 import logging
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from retool.data.dapo import _answer_to_str, resolve_rows
 from retool.data.problem import Problem
-from retool.data.readers import BadRow, DataError, iter_hub
+from retool.data.readers import BadRow, DataError, RowItem, iter_hub
 from retool.data.report import LoadReport
 
 logger = logging.getLogger(__name__)
@@ -55,6 +56,32 @@ def _field(row: dict[str, Any], name: str, default: str) -> Any:
     return None
 
 
+@dataclass(frozen=True)
+class _Drop:
+    reason: str
+    detail: str
+
+
+def _checked_row(row: dict[str, Any], question_field: str, answer_field: str) -> tuple[str, str] | _Drop:
+    """The row's (question, answer), or why it is dropped."""
+    question = _field(row, question_field, "question")
+    if question is None or (isinstance(question, str) and not question.strip()):
+        return _Drop("missing_question", f"no {question_field!r}")
+    if not isinstance(question, str):
+        return _Drop("bad_question_type", type(question).__name__)
+    raw_answer = _field(row, answer_field, "answer")
+    if raw_answer is None:
+        return _Drop("missing_answer", f"no {answer_field!r}")
+    answer = _answer_to_str(raw_answer)
+    if answer and "####" in answer:  # GSM8K: a worked solution ending in "#### <answer>"
+        answer = answer.rsplit("####", 1)[1].strip()
+    if answer is None:
+        return _Drop("bad_answer_type", type(raw_answer).__name__)
+    if not answer:
+        return _Drop("missing_answer", "empty")
+    return question.strip(), answer
+
+
 def load_problems_with_report(
     path_or_name: str | Path,
     question_field: str = "question",
@@ -65,6 +92,7 @@ def load_problems_with_report(
 ) -> tuple[list[Problem], LoadReport]:
     """:func:`load_problems` plus the counts of what was kept and dropped (with row numbers)."""
     text = str(path_or_name)
+    rows: Iterable[RowItem]
     named = NAMED_SETS.get(text.lower()) if not Path(text).exists() else None
     if named is not None:
         try:
@@ -87,26 +115,11 @@ def load_problems_with_report(
         if isinstance(row, BadRow):
             report.drop(number, row.reason, row.detail)
             continue
-        question = _field(row, question_field, "question")
-        if question is None or (isinstance(question, str) and not question.strip()):
-            report.drop(number, "missing_question", f"no {question_field!r}")
+        checked = _checked_row(row, question_field, answer_field)
+        if isinstance(checked, _Drop):
+            report.drop(number, checked.reason, checked.detail)
             continue
-        if not isinstance(question, str):
-            report.drop(number, "bad_question_type", type(question).__name__)
-            continue
-        raw_answer = _field(row, answer_field, "answer")
-        if raw_answer is None:
-            report.drop(number, "missing_answer", f"no {answer_field!r}")
-            continue
-        answer = _answer_to_str(raw_answer)
-        if answer and "####" in answer:  # GSM8K: a worked solution ending in "#### <answer>"
-            answer = answer.rsplit("####", 1)[1].strip()
-        if answer is None:
-            report.drop(number, "bad_answer_type", type(raw_answer).__name__)
-            continue
-        if not answer:
-            report.drop(number, "missing_answer", "empty")
-            continue
+        question, answer = checked
         raw_id = _field(row, id_field, "id")
         problem_id = str(raw_id) if raw_id not in (None, "") and not isinstance(raw_id, (dict, list)) else ""
         if not problem_id or problem_id in used_ids:
@@ -118,7 +131,7 @@ def load_problems_with_report(
         problems.append(
             Problem(
                 id=problem_id,
-                question=question.strip(),
+                question=question,
                 answer=answer,
                 data_source=row_source if isinstance(row_source, str) and row_source else data_source,
             )

@@ -36,82 +36,88 @@ def format_summary(summary: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def eval_command(
+    mode: str = typer.Option(..., "--mode", help="text-only (no tool, one turn) or retool (the tool loop)."),
+    model: str | None = typer.Option(
+        None, "--model", help="Model (HF folder, Hub id, ...); default: config."
+    ),
+    checkpoint: str | None = typer.Option(
+        None, "--checkpoint", help="State to load (retool train checkpoint)."
+    ),
+    config: str | None = typer.Option(None, "--config", help="Config TOML file or preset name."),
+    overrides: list[str] = typer.Option([], "--set", help="Config override section.key=value (repeatable)."),
+    dataset: str | None = typer.Option(
+        None, "--dataset", help="aime2025 | aime2024 | math500 | tasks | dapo | PATH (default: eval.dataset)."
+    ),
+    data_dir: Path | None = typer.Option(
+        None,
+        "--data-dir",
+        help="Folder with <name>.jsonl for named sets (default data.data_dir, $RETOOL_DATA_DIR, else the Hub).",
+    ),
+    question_field: str | None = typer.Option(None, "--question-field"),
+    answer_field: str | None = typer.Option(None, "--answer-field"),
+    id_field: str | None = typer.Option(None, "--id-field"),
+    val_n: int | None = typer.Option(
+        None, "--val-n", min=1, help="Candidates per problem (N of Average@N; default eval.val_n)."
+    ),
+    temperature: float | None = typer.Option(None, "--temperature", help="Sets sampling.temperature."),
+    top_p: float | None = typer.Option(None, "--top-p", help="Sets sampling.top_p."),
+    output: Path = typer.Option(
+        ..., "--output", "-o", help="Per-problem JSONL; FILE.summary.json goes beside it."
+    ),
+    limit: int | None = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
+    seed: int | None = typer.Option(None, "--seed", help="Default eval.seed."),
+    concurrency: int | None = typer.Option(
+        None, "--concurrency", min=1, help="Problems rolled out at once (default eval.concurrency)."
+    ),
+    save_transcripts: bool | None = typer.Option(
+        None, "--save-transcripts", help="Keep every candidate's messages (default eval.save_transcripts)."
+    ),
+) -> None:
+    """Evaluate a model text-only or with the code tool; resumable (rerun the same command).
+
+    Every default comes from the config (``[eval]``, ``[sampling]``, ``[data]``); a flag overrides it only
+    when given, after any ``--set``.
+    """
+    from retool.config import ConfigError, flag_overrides, load_config
+    from retool.data import DataError
+    from retool.evaluate.runner import MODES, evaluate
+    from retool.evaluate.settings import EvalError
+    from retool.evaluate.store import EvalStoreError
+    from retool.sandbox import SandboxPreimportError
+
+    if mode not in MODES:
+        _fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+    flags = {
+        "model.name": model,
+        "eval.dataset": dataset,
+        "data.data_dir": None if data_dir is None else str(data_dir),
+        "eval.val_n": val_n,
+        "sampling.temperature": temperature,
+        "sampling.top_p": top_p,
+        "eval.limit": limit,
+        "eval.seed": seed,
+        "eval.concurrency": concurrency,
+        "eval.save_transcripts": save_transcripts,
+    }
+    try:
+        cfg = load_config(config, [*overrides, *flag_overrides(flags)])
+    except ConfigError as exc:
+        _fail(str(exc))
+    fields = {"question_field": question_field, "answer_field": answer_field, "id_field": id_field}
+    try:
+        summary = evaluate(
+            cfg,
+            mode=mode,
+            output=output,
+            checkpoint=checkpoint,
+            dataset_fields={k: v for k, v in fields.items() if v},
+        )
+    except (EvalError, EvalStoreError, DataError, SandboxPreimportError) as exc:
+        _fail(str(exc))
+    typer.echo(format_summary(summary))
+    typer.echo(f"records: {output}")
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("eval")
-    def eval_command(
-        mode: str = typer.Option(
-            ..., "--mode", help="text-only (no tool, one turn) or retool (the tool loop)."
-        ),
-        model: str | None = typer.Option(
-            None, "--model", help="Model (HF folder, Hub id, ...); default: config."
-        ),
-        checkpoint: str | None = typer.Option(
-            None, "--checkpoint", help="State to load (retool train checkpoint)."
-        ),
-        config: str | None = typer.Option(None, "--config", help="Config TOML file or preset name."),
-        overrides: list[str] = typer.Option(
-            [], "--set", help="Config override section.key=value (repeatable)."
-        ),
-        dataset: str = typer.Option("aime2025", "--dataset", help="aime2025 | aime2024 | math500 | PATH."),
-        data_dir: Path | None = typer.Option(
-            None,
-            "--data-dir",
-            help="Folder with <name>.jsonl for named sets (default $RETOOL_DATA_DIR, else the Hub).",
-        ),
-        question_field: str | None = typer.Option(None, "--question-field"),
-        answer_field: str | None = typer.Option(None, "--answer-field"),
-        id_field: str | None = typer.Option(None, "--id-field"),
-        val_n: int = typer.Option(12, "--val-n", min=1, help="Candidates per problem (N of Average@N)."),
-        temperature: float = typer.Option(1.0, "--temperature", help="Overrides the config's sampling."),
-        top_p: float = typer.Option(0.7, "--top-p", help="Overrides the config's sampling."),
-        output: Path = typer.Option(
-            ..., "--output", "-o", help="Per-problem JSONL; FILE.summary.json goes beside it."
-        ),
-        limit: int | None = typer.Option(None, "--limit", min=1, help="Only the first N problems."),
-        seed: int = typer.Option(0, "--seed"),
-        concurrency: int = typer.Option(4, "--concurrency", min=1, help="Problems rolled out at once."),
-        save_transcripts: bool = typer.Option(
-            False, "--save-transcripts", help="Keep every candidate's messages."
-        ),
-    ) -> None:
-        """Evaluate a model text-only or with the code tool; resumable (rerun the same command)."""
-        from retool.config import ConfigError, load_config
-        from retool.evaluate.runner import MODES, EvalError, evaluate
-        from retool.evaluate.store import EvalStoreError
-
-        if mode not in MODES:
-            _fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
-        sets = [*list(overrides), f"sampling.temperature={temperature!r}", f"sampling.top_p={top_p!r}"]
-        if model is not None:
-            sets.append(f"model.name={_toml_str(model)}")
-        try:
-            cfg = load_config(config, sets)
-        except ConfigError as exc:
-            _fail(str(exc))
-        fields = {"question_field": question_field, "answer_field": answer_field, "id_field": id_field}
-        from retool.data import DataError
-        from retool.sandbox import SandboxPreimportError
-
-        try:
-            summary = evaluate(
-                cfg,
-                mode=mode,
-                dataset=dataset,
-                output=output,
-                val_n=val_n,
-                checkpoint=checkpoint,
-                seed=seed,
-                limit=limit,
-                data_dir=data_dir,
-                concurrency=concurrency,
-                save_transcripts=save_transcripts,
-                dataset_fields={k: v for k, v in fields.items() if v},
-            )
-        except (EvalError, EvalStoreError, DataError, SandboxPreimportError) as exc:
-            _fail(str(exc))
-        typer.echo(format_summary(summary))
-        typer.echo(f"records: {output}")
-
-
-def _toml_str(value: str) -> str:
-    return '"' + value.replace("\\", "\\\\").replace('"', '\\"') + '"'
+    app.command("eval")(eval_command)

@@ -1,4 +1,5 @@
-"""The eval's on-disk state: an append-only per-problem JSONL plus a summary JSON beside it.
+"""The eval's on-disk state: an append-only per-problem JSONL plus a summary JSON beside it, and the
+shape of its records (``problem_record`` holding one ``candidate_record`` per sampled trajectory).
 
 Crash safety: each record is one line written with a single ``write`` and flushed + fsynced, so a kill
 leaves at most one partial *last* line, which ``load`` discards (truncating the file back to the last
@@ -11,8 +12,12 @@ from __future__ import annotations
 import json
 import logging
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from retool.data.problem import Problem
+from retool.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -104,3 +109,53 @@ class ResultStore:
         tmp = self.summary_path.with_name(self.summary_path.name + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(tmp, self.summary_path)
+
+
+def candidate_record(traj: Trajectory, save_transcript: bool = False) -> dict[str, Any]:
+    """One trajectory as a JSON-ready candidate (see ``retool.evaluate.metrics`` for the keys)."""
+    results = list(traj.exec_results or [])
+    record: dict[str, Any] = {
+        "index": int(traj.group_index),
+        "answer": traj.answer,
+        "correct": bool(traj.correct),
+        "valid_format": bool(traj.valid_format),
+        "reward": float(traj.reward),
+        "code_calls": _count(traj.code_calls),
+        "turns": len(traj.turns),
+        "stop_reason": str(traj.stop_reason),
+        "exec_latencies": [round(float(r.latency), 6) for r in results],
+        "exec_errors": sum(1 for r in results if not r.ok and not r.timed_out),
+        "exec_timeouts": sum(1 for r in results if r.timed_out),
+        "self_corrected": bool(traj.had_error_then_correct),
+        "completion_tokens": int(traj.completion_token_count),
+        "total_tokens": len(traj.full_tokens()),
+        "sample_seconds": round(float(traj.sample_seconds), 4),
+        "exec_seconds": round(float(traj.exec_seconds), 4),
+        "final_text_tail": (traj.final_text or "")[-400:],
+    }
+    if save_transcript:
+        record["messages"] = traj.messages
+    return record
+
+
+def problem_record(
+    problem: Problem, index: int, mode: str, seed: int, candidates: Sequence[dict[str, Any]]
+) -> dict[str, Any]:
+    """One line of the records file: a problem and its candidates (in branch order)."""
+    return {
+        "id": problem.id,
+        "index": index,
+        "reference": str(problem.answer),
+        "data_source": problem.data_source,
+        "mode": mode,
+        "seed": seed,
+        "n": len(candidates),
+        "n_correct": sum(c["correct"] for c in candidates),
+        "candidates": list(candidates),
+    }
+
+
+def _count(value: int | Sequence[object] | None) -> int:
+    if isinstance(value, int):
+        return value
+    return len(value or ())

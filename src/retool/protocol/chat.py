@@ -27,6 +27,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from retool.config import Config, ModelConfig
 from retool.protocol.formats import ToolFormat, get_format
 from retool.protocol.prompts import CODE_TOOL, system_prompt_text
 from retool.protocol.sanitize import sanitize_tool_content
@@ -108,17 +109,33 @@ class ChatProtocol:
         self._closing_cache: dict[tuple[str, ...], str] = {}
 
     @classmethod
-    def from_config(cls, tokenizer: Any, config: Any, use_tools: bool = True) -> ChatProtocol:
+    def from_config(
+        cls, tokenizer: Any, config: Config | ModelConfig, use_tools: bool = True
+    ) -> ChatProtocol:
         """Build from a ``retool.config.Config`` (its ``model`` section: tool_format, enable_thinking,
         chat_template)."""
-        model = getattr(config, "model", config)
+        model = config.model if isinstance(config, Config) else config
         return cls(
             tokenizer,
-            fmt=getattr(model, "tool_format", "auto"),
+            fmt=model.tool_format,
             use_tools=use_tools,
-            enable_thinking=getattr(model, "enable_thinking", None),
-            chat_template=getattr(model, "chat_template", None),
-            system_prompt=getattr(model, "system_prompt", "full"),
+            enable_thinking=model.enable_thinking,
+            chat_template=model.chat_template,
+            system_prompt=model.system_prompt,
+        )
+
+    def with_tools(self, use_tools: bool) -> ChatProtocol:
+        """The same tokenizer, template, format and thinking setting, with the tool on or off (the two
+        eval modes of one model differ only in this)."""
+        if use_tools == self.use_tools:
+            return self
+        return ChatProtocol(
+            self.tokenizer,
+            self.fmt,
+            use_tools,
+            enable_thinking=self.enable_thinking,
+            chat_template=self.chat_template,
+            system_prompt=self.prompt_style,
         )
 
     @staticmethod

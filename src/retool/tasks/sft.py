@@ -19,8 +19,10 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, Datum
-from retool.tasks.family import Task
+from retool.data.synthetic import Task
+from retool.protocol import ChatProtocol
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +80,7 @@ def _broken_variant(code: str, rng: random.Random) -> str:
 def build_example(
     task: Task,
     style: str,
-    protocol: Any,
+    protocol: ChatProtocol,
     observe: Observer,
     rng: random.Random,
     direct_hard_answer_weight: float = 1.0,
@@ -96,7 +98,7 @@ def build_example(
         calls = [_broken_variant(task.code, rng), task.code]
     elif style != "direct":
         raise ValueError(f"unknown SFT style {style!r}")
-    fmt = protocol.fmt if hasattr(protocol, "fmt") else protocol
+    fmt = protocol.fmt
     for code in calls:
         text = fmt.render_call(code)
         completion = protocol.encode_completion(text)
@@ -134,7 +136,7 @@ def choose_style(task: Task, mix: SFTMix, rng: random.Random) -> str:
 
 def build_sft_examples(
     tasks: Sequence[Task],
-    protocol: Any,
+    protocol: ChatProtocol,
     observe: Observer,
     mix: SFTMix | None = None,
     seed: int = 0,
@@ -176,7 +178,7 @@ class SFTReport:
 
 
 def train_sft(
-    client: Any,
+    client: TrainingClient,
     examples: Sequence[SFTExample],
     *,
     steps: int,
@@ -185,29 +187,37 @@ def train_sft(
     warmup: int = 10,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
+    final_examples: Sequence[SFTExample] = (),
+    final_steps: int = 0,
 ) -> SFTReport:
     """Cross-entropy SFT through ``client.forward_backward(..., "cross_entropy")`` + ``optim_step``.
 
     The loss per batch is the mean over assistant tokens (weights scaled by 1 / assistant tokens).
-    Learning rate: linear warm-up then cosine decay to 10%.
+    Learning rate: linear warm-up then cosine decay to 10%, over all ``steps``. With ``final_examples``
+    the last ``final_steps`` steps draw their batches from those instead (a second stage, same schedule).
     """
     import math
     import time
 
     if not examples:
         raise ValueError("no SFT examples")
+    if final_steps and not final_examples:
+        raise ValueError("final_steps > 0 needs final_examples")
     rng = random.Random(f"retool-sft-order/{seed}")
     order: list[int] = []
-    report = SFTReport(steps=steps, examples=len(examples))
-    for ex in examples:
+    report = SFTReport(steps=steps, examples=len(examples) + len(final_examples))
+    for ex in [*examples, *final_examples]:
         report.styles[ex.style] = report.styles.get(ex.style, 0) + 1
     start = time.perf_counter()
+    pool = examples
     for step in range(steps):
+        if final_steps and step == steps - final_steps:
+            pool, order = final_examples, []
         if len(order) < batch_size:
-            fresh = list(range(len(examples)))
+            fresh = list(range(len(pool)))
             rng.shuffle(fresh)
             order += fresh
-        batch = [examples[i] for i in order[:batch_size]]
+        batch = [pool[i] for i in order[:batch_size]]
         del order[:batch_size]
         n_tokens = sum(sum(ex.weights[1:]) for ex in batch)
         datums = [ex.to_datum(1.0 / n_tokens) for ex in batch]

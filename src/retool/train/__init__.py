@@ -3,14 +3,14 @@
 - ``step``: datums with the interpreter feedback mask, group advantages, degenerate groups, mean-reduction
   weights, micro-batches, one optimizer step.
 - ``loop``: ``Trainer`` / ``run_training`` (sampler refresh, rollouts, training, metrics, checkpoints, resume).
-- ``datasource``: pluggable problem sources with a resumable position.
+- ``datasource``: the problem stream over an environment's epochs, with a resumable position.
 - ``checkpoint``: atomic checkpoints, keep-last-K, metrics repair on resume.
 - ``metrics``: per-step metrics, ``metrics.jsonl`` and trackers; ``progress``: the live display.
 - ``cli``: ``retool train``.
 """
 
 from retool.train.checkpoint import CheckpointManager, TrainerState
-from retool.train.datasource import DataPosition, ProblemStream, list_source, make_source, register_source
+from retool.train.datasource import DataPosition, ProblemStream
 from retool.train.loop import Trainer, TrainSummary, run_training
 from retool.train.metrics import rollout_metrics
 from retool.train.step import (
@@ -35,11 +35,8 @@ __all__ = [
     "build_step_data",
     "group_advantages",
     "is_degenerate",
-    "list_source",
-    "make_source",
     "mean_reduction_weights",
     "pack_micro_batches",
-    "register_source",
     "rollout_metrics",
     "run_training",
     "train_step",

@@ -17,6 +17,9 @@ writer, safetensors) raises ``CheckpointWriteError`` naming the checkpoint, the 
 the folder, and the checkpoint a resume would start from; the half-written temp folder is removed at once
 (it would only hold more of the full disk), and the previous checkpoint is never touched before the new
 one is complete.
+
+This module is the one owner of the layout: ``backend_state_of`` tells every other stage (``retool eval
+--checkpoint``) which backend state a run folder, its ``checkpoints`` folder or one checkpoint holds.
 """
 
 from __future__ import annotations
@@ -54,6 +57,8 @@ class CheckpointWriteError(RunWriteError):
 
 @dataclass
 class TrainerState:
+    """``trainer_state.json``: what a resume needs besides the weights."""
+
     step: int  # training steps completed
     data_position: dict[str, int]
     metrics_line: dict[str, Any] | None = None  # the metrics of `step`, re-appended on resume
@@ -299,3 +304,46 @@ def repair_metrics(metrics_path: Path, state: TrainerState) -> int:
     text = "".join(f"{line}\n" for line in kept)
     write_text_atomic(metrics_path, text)
     return max(dropped, 0)
+
+
+def _trainer_state(folder: Path) -> dict[str, Any] | None:
+    """The raw trainer state of a checkpoint folder; None when ``folder`` is not one. (The local backend
+    writes a file of the same name into its own state folder, without ``backend_state``.)"""
+    state_file = folder / STATE_FILE
+    if not state_file.is_file():
+        return None
+    try:
+        data = json.loads(state_file.read_text(encoding="utf-8"))
+    except ValueError as exc:
+        raise CheckpointError(f"{state_file}: unreadable ({exc})") from None
+    return data if isinstance(data, dict) and "backend_state" in data else None
+
+
+def backend_state_of(path: str) -> str:
+    """What ``load_state`` needs, from what a user naturally passes.
+
+    A training run folder (uses ``checkpoints/latest``), its ``checkpoints`` folder, or one checkpoint
+    folder ``step_NNNNNN`` resolve to the backend state saved in it; anything else (a backend state
+    folder, a remote URI) is passed through unchanged. Raises ``CheckpointError`` when ``latest`` names
+    an incomplete checkpoint or a checkpoint records no backend state.
+    """
+    folder = Path(path)
+    if not folder.is_dir():
+        return path
+    for root in (folder / CHECKPOINTS, folder):
+        pointer = root / LATEST
+        if pointer.is_file():
+            name = pointer.read_text(encoding="utf-8").strip()
+            if _trainer_state(root / name) is None:
+                raise CheckpointError(f"{pointer} names {name!r}, which is not a complete checkpoint")
+            folder = root / name
+            break
+    state = _trainer_state(folder)
+    if state is None:
+        return str(folder)
+    backend = str(state.get("backend_state") or "")
+    if not backend:
+        raise CheckpointError(f"{folder / STATE_FILE} records no backend state to load")
+    if state.get("backend_state_is_local", True) and not os.path.isabs(backend):
+        return str(folder / backend)
+    return backend

@@ -18,14 +18,14 @@ from __future__ import annotations
 import math
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from retool.config import FiltersConfig
 from retool.data.problem import Problem
+from retool.rollout.types import Trajectory
 from retool.train.step import is_degenerate
 
 # (problems, round index) -> one group of trajectories per problem, rewards final.
-SampleRound = Callable[[list[Problem], int], Awaitable[list[list[Any]]]]
+SampleRound = Callable[[list[Problem], int], Awaitable[list[list[Trajectory]]]]
 # how many problems -> the next problems of the run's stream
 NextProblems = Callable[[int], list[Problem]]
 
@@ -34,8 +34,8 @@ NextProblems = Callable[[int], list[Problem]]
 class Collected:
     """The outcome of one step's sampling."""
 
-    groups: list[list[Any]]  # the groups to train on (informative ones when dynamic sampling is on)
-    sampled: list[list[Any]] = field(default_factory=list)  # every group sampled this step, in order
+    groups: list[list[Trajectory]]  # the groups to train on (informative ones when dynamic sampling is on)
+    sampled: list[list[Trajectory]] = field(default_factory=list)  # every group sampled this step, in order
     problems: list[Problem] = field(default_factory=list)  # the problem of each sampled group
     rounds: int = 1
     informative: int = 0  # sampled groups with differing rewards (before the cut to ``target``)
@@ -58,7 +58,7 @@ def questions_for_round(missing: int, oversample: float) -> int:
     return max(1, math.ceil(oversample * missing - 1e-9))
 
 
-def _rewards(group: Sequence[Any]) -> list[float]:
+def _rewards(group: Sequence[Trajectory]) -> list[float]:
     return [float(t.reward) for t in group]
 
 
@@ -75,7 +75,7 @@ async def collect_groups(
         return Collected(groups, list(groups), list(problems), rounds=1, informative=informative)
 
     out = Collected(groups=[])
-    kept: list[list[Any]] = []
+    kept: list[list[Trajectory]] = []
     for round_index in range(1 + filters.max_extra_rounds):
         missing = target - len(kept)
         if missing <= 0:

@@ -37,14 +37,14 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from retool.rollout.types import STOP_REASONS  # the rollout stage owns the list of stop reasons
+from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
 from retool.train.checkpoint import RunWriteError
 from retool.train.step import trajectory_tokens
 
 logger = logging.getLogger(__name__)
 
 
-def _n_calls(traj: Any) -> int:
+def _n_calls(traj: Trajectory) -> int:
     calls = getattr(traj, "code_calls", 0)
     return len(calls) if isinstance(calls, list | tuple) else int(calls or 0)
 
@@ -70,7 +70,7 @@ class StepLostError(RuntimeError):
     """Every trajectory of a step ended in an infrastructure failure (a dead sampler or sandbox)."""
 
 
-def raise_if_step_lost(groups: Sequence[Sequence[Any]], step: int) -> None:
+def raise_if_step_lost(groups: Sequence[Sequence[Trajectory]], step: int) -> None:
     """Stop the run when a whole step was lost to infrastructure failures.
 
     One lost trajectory is absorbed (it ends, is counted, the step goes on); a step with nothing but
@@ -107,7 +107,7 @@ def fault_counters(client: Any, executor: Any, verifier: Any) -> dict[str, float
     return out
 
 
-def rollout_metrics(groups: Sequence[Sequence[Any]]) -> dict[str, float]:
+def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
     """Task, tool, environment, stop-reason and token metrics of one step's trajectories."""
     trajs = [t for g in groups for t in g]
     n = len(trajs)

@@ -20,9 +20,10 @@ import logging
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol
 
+from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, Datum, ForwardBackwardResult, LossName
+from retool.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
@@ -30,22 +31,11 @@ logger = logging.getLogger(__name__)
 _DEGENERATE_TOL = 1e-9
 
 
-class _TurnLike(Protocol):
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    logprobs: list[float]
-
-
-class _TrajectoryLike(Protocol):
-    turns: Sequence[_TurnLike]
-    reward: float
-
-
 class NotAPrefixError(ValueError):
     """A turn's prompt does not extend the tokens collected so far (the template rewrote history)."""
 
 
-def trajectory_tokens(traj: _TrajectoryLike) -> tuple[list[int], list[float], list[bool]]:
+def trajectory_tokens(traj: Trajectory) -> tuple[list[int], list[float], list[bool]]:
     """The whole token sequence of a trajectory, its sampler logprobs and the sampled-token mask.
 
     Follows the prefix-extension rule of the chapter: each turn's prompt must start with everything
@@ -84,7 +74,7 @@ def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
     return min(len(a), len(b))
 
 
-def build_datum(traj: _TrajectoryLike, advantage: float, weight: float = 1.0) -> Datum:
+def build_datum(traj: Trajectory, advantage: float, weight: float = 1.0) -> Datum:
     """One datum over the whole trajectory, shifted by one, with the interpreter feedback mask.
 
     Position ``i`` predicts token ``i + 1``. Where that token was sampled by the model it carries the
@@ -145,7 +135,7 @@ def pack_micro_batches(datums: Sequence[Datum], max_tokens: int) -> list[list[in
     return [list(batch) for batch in backend_pack([len(d) for d in datums], max_tokens)]
 
 
-def is_void(traj: Any) -> bool:
+def is_void(traj: Trajectory) -> bool:
     """SimpleTIR's void turn: the trajectory's last turn has neither a complete call nor a final answer.
 
     An invalid turn (a broken or extra call, text after a call) or an answer turn without a
@@ -156,7 +146,7 @@ def is_void(traj: Any) -> bool:
     return reason == "invalid" or (reason == "answer" and getattr(traj, "reward_status", "") == "no_answer")
 
 
-def is_overlong(traj: Any) -> bool:
+def is_overlong(traj: Trajectory) -> bool:
     """Cut by a token budget: the trajectory ran out of context, or its last turn hit the per-turn cap.
 
     Its reward judges an unfinished attempt, not the policy's answer (DAPO's overlong filtering).
@@ -184,7 +174,7 @@ class StepData:
 
 
 def build_step_data(
-    groups: Sequence[Sequence[_TrajectoryLike]], *, drop_void: bool = False, drop_overlong: bool = False
+    groups: Sequence[Sequence[Trajectory]], *, drop_void: bool = False, drop_overlong: bool = False
 ) -> StepData:
     """Datums of every non-degenerate group, weighted for the exact mean over trained datums.
 
@@ -288,7 +278,7 @@ def merge_forward_backward(results: Sequence[ForwardBackwardResult]) -> ForwardB
 
 
 async def train_step(
-    client: Any,
+    client: TrainingClient,
     datums: Sequence[Datum],
     *,
     loss_fn: LossName,

@@ -102,7 +102,8 @@ def serve(
     server = make_server(site, port)
     host, bound = server.server_address[:2]
     if on_ready is not None:
-        on_ready(f"http://{host}:{bound}/")
+        name = host.decode() if isinstance(host, bytes) else str(host)
+        on_ready(f"http://{name}:{bound}/")
     try:
         server.serve_forever()
     except KeyboardInterrupt:

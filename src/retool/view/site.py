@@ -29,7 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
-from retool.view.records import TRAJECTORIES_FILE, read_records
+from retool.train.records import TRAJECTORIES_FILE, read_records
 
 logger = logging.getLogger(__name__)
 
@@ -420,6 +420,9 @@ def build_site(
     """Write the site for ``paths`` into ``out_dir``; returns where ``index.html`` is and what it holds.
 
     ``keep``: chunk files (``data/c-….js``) a previous build referenced that must survive this one.
+
+    Long because one index and one chunk writer are filled source by source, run by run, and then
+    written together; the loop is the site's table of contents.
     """
     t0 = time.perf_counter()
     inputs = paths if isinstance(paths, Inputs) else discover(paths)

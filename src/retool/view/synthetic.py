@@ -87,7 +87,11 @@ def make_trajectory(
     reasoning_chars: tuple[int, int] = (150, 900),
     hostile: bool = False,
 ) -> Trajectory:
-    """One finished trajectory with consistent tokens, messages, calls, results and reward."""
+    """One finished trajectory with consistent tokens, messages, calls, results and reward.
+
+    Long because every turn appends to the same token, message, call and result lists, which must stay
+    consistent with one another (that consistency is what the viewer's tests check).
+    """
     calls = 0 if not use_tools or rng.random() < 0.25 else rng.choice([1, 1, 1, 2, 3])
     plan = _Plan(
         correct=rng.random() < (skill if calls else skill * 0.4),
@@ -177,8 +181,8 @@ def write_training_run(
 ) -> Path:
     """``metrics.jsonl`` + ``trajectories.jsonl`` of a run whose skill rises with the step."""
     from retool.train.metrics import MetricsLog, rollout_metrics
+    from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
     from retool.train.step import build_step_data
-    from retool.view.records import TRAJECTORIES_FILE, TrajectoryLog
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -242,8 +246,9 @@ def write_eval(
     reasoning_chars: tuple[int, int] = (150, 900),
 ) -> dict[str, Any]:
     """An eval JSONL + summary written by the real ``run_eval`` (``save_transcripts=True``)."""
+    from retool.components import Components
     from retool.config import Config
-    from retool.evaluate.runner import EvalComponents, run_eval
+    from retool.evaluate.runner import run_eval
 
     use_tools = mode == "retool"
 
@@ -262,7 +267,8 @@ def write_eval(
     return asyncio.run(
         run_eval(
             list(problems),
-            EvalComponents(sampler=None, protocol=CharProtocol(), verifier=None),
+            # No model: the scripted rollout below never samples, verifies or trains.
+            Components(backend=None, protocol=CharProtocol(), verifier=None),  # type: ignore[arg-type]
             config=Config(),
             mode=mode,
             output=output,

@@ -1,4 +1,4 @@
-"""The synthetic task family of the embedded demo: seeded integer-answer problems, easy and hard.
+"""The synthetic task family: seeded integer-answer problems, easy and hard (the env ``tasks``, the demo's data).
 
 Easy problems (sums and products of one-digit numbers) are within reach of a tiny model answering
 directly; hard ones (multi-digit products, digit sums of large powers, prime counts, modular powers,

@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Literal
+from typing import Any, Literal
 
 # ChatML with Hermes JSON tool calls, in the shape of Qwen2.5's template so that the same protocol code
 # drives it. Shorter tool preamble than Qwen's: the tiny model's context is small.
@@ -60,12 +60,16 @@ _SIZES: dict[str, dict[str, int]] = {
         "vocab_size": 512,
     },
     # Two layers: the smallest depth that forms induction (copy) heads, and they form within ~1k SFT steps;
-    # a third layer delayed copying past the demo's time budget in measurements.
+    # a third layer delayed copying past the demo's time budget in measurements. Eight heads of 16
+    # dimensions with their own keys and values: copying multi-digit numbers (question -> code,
+    # interpreter output -> answer) is learned more reliably than with 4 query heads sharing 2 key/value
+    # heads (measured on held-out hard problems after 1500 SFT steps, seed 1: 59% of tool answers right
+    # against 10%; at about the same cost per step).
     "demo": {
         "hidden_size": 128,
         "num_hidden_layers": 2,
-        "num_attention_heads": 4,
-        "num_key_value_heads": 2,
+        "num_attention_heads": 8,
+        "num_key_value_heads": 8,
         "intermediate_size": 384,
         "vocab_size": 512,
     },
@@ -136,7 +140,7 @@ def build_tiny_model(
 
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    dims = dict(_SIZES[size])
+    dims: dict[str, Any] = dict(_SIZES[size])
     tokenizer = build_tokenizer(corpus, vocab_size=dims.pop("vocab_size"), phrase_tokens=phrase_tokens)
     config = Qwen2Config(
         vocab_size=len(tokenizer),

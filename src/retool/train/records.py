@@ -1,8 +1,8 @@
 """The trajectory record: one finished trajectory as the viewer reads it, and the JSONL writer of a run.
 
 This module owns the record shape (``RECORD_VERSION``) that training (``trajectories.jsonl`` beside
-``metrics.jsonl``) and evaluation (``--save-transcripts``: a candidate's ``"trajectory"``) both write, so
-one viewer reads both. A record holds the messages, each assistant turn (text, parsed kind, sampler stop,
+``metrics.jsonl``, in the run folder the trainer owns) and evaluation (``--save-transcripts``: a
+candidate's ``"trajectory"``) both write, so one viewer (``retool.view``) reads both. A record holds the messages, each assistant turn (text, parsed kind, sampler stop,
 code, executor result, the observation fed back), reward, advantage, stop reason, token counts and the
 token spans of the whole sequence, each marked trained or masked.
 
@@ -36,6 +36,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 from retool.backends.types import Datum
+from retool.train.step import group_advantages, trajectory_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -67,20 +68,6 @@ class Span:
             # None (not "") when there is no tokenizer: the viewer then says the text was not decoded.
             "text": decode(list(tokens[self.start : self.end])) if decode is not None else None,
         }
-
-
-def trajectory_tokens(traj: Any) -> tuple[list[int], list[float], list[bool]]:
-    """``retool.train.step.trajectory_tokens`` (imported late: ``retool.train`` imports this module)."""
-    from retool.train.step import trajectory_tokens as tokens_of
-
-    return tokens_of(traj)
-
-
-def group_advantages(rewards: Sequence[float]) -> list[float]:
-    """``retool.train.step.group_advantages``, the advantage training uses (imported late, as above)."""
-    from retool.train.step import group_advantages as advantages_of
-
-    return advantages_of(rewards)
 
 
 def datum_tokens(datum: Datum) -> list[int]:
@@ -189,6 +176,9 @@ def trajectory_record(
     ``source="eval"`` the spans come from the turn structure. ``decode`` turns token ids into text (the
     protocol's ``decode``); without it spans carry ``text: null``. Objects that lack token lists (test
     fakes) give a record without spans.
+
+    Long because the record is one flat literal of the schema's fields; split up, the schema would be
+    spread over helpers.
     """
     problem = traj.problem
     tokens: list[int] = []

@@ -7,7 +7,7 @@ import io
 
 import pytest
 
-from retool.tasks.family import (
+from retool.data.synthetic import (
     ALL_KINDS,
     EASY_KINDS,
     HARD_KINDS,

@@ -1,0 +1,62 @@
+"""The synthetic task family as an environment (``tasks``): seeded train and held-out test splits.
+
+Problems come from ``retool.data.synthetic``; the demo's cold-start SFT also needs each problem's kind
+and canonical code, which ``tasks(split)`` keeps.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+
+from retool.data.problem import Problem
+from retool.data.synthetic import Task, generate_tasks
+from retool.env.base import EnvError, ProblemEnv, Split
+
+logger = logging.getLogger(__name__)
+
+
+class TaskFamilyEnv(ProblemEnv):
+    """``count`` train and ``test_count`` held-out test problems of the family, seeded by ``seed``."""
+
+    def __init__(
+        self,
+        *,
+        count: int,
+        test_count: int,
+        seed: int = 0,
+        hard_fraction: float = 0.5,
+        kinds: Sequence[str] = (),
+        shuffle: bool = True,
+        name: str = "tasks",
+    ) -> None:
+        self.name = name
+        self.counts: dict[Split, int] = {"train": count, "test": test_count}
+        self.seed = seed
+        self.hard_fraction = hard_fraction
+        self.kinds = tuple(kinds)
+        self.shuffle = shuffle
+        self._tasks: dict[Split, list[Task]] = {}
+
+    @property
+    def source(self) -> str:
+        return self.name
+
+    def tasks(self, split: Split) -> list[Task]:
+        """The generated tasks of ``split`` (with kind, difficulty and canonical code)."""
+        if split not in self._tasks:
+            try:
+                self._tasks[split] = generate_tasks(
+                    self.counts[split],
+                    seed=self.seed,
+                    hard_fraction=self.hard_fraction,
+                    kinds=self.kinds or None,
+                    split=split,
+                )
+            except ValueError as exc:  # unknown kinds, bad fractions
+                raise EnvError(f"synthetic tasks: {exc}") from exc
+            logger.info("synthetic tasks: %d %s problems (seed %d)", self.counts[split], split, self.seed)
+        return list(self._tasks[split])
+
+    def problems(self, split: Split) -> list[Problem]:
+        return [t.to_problem() for t in self.tasks(split)]

@@ -1,0 +1,144 @@
+"""The environment seam: envs by name or path, their splits and epochs, and their scoring."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from pathlib import Path
+
+import pytest
+
+from retool.config import DataConfig, load_config
+from retool.data import DataError, Problem, prepare_dapo
+from retool.env import (
+    DapoEnv,
+    EnvError,
+    EnvOptions,
+    FileEnv,
+    ProblemEnv,
+    ProblemListEnv,
+    TaskFamilyEnv,
+    env_from_config,
+    make_env,
+    register_env,
+    registered_envs,
+)
+from retool.rollout import AssistantTurn, Trajectory
+
+PROBLEMS = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(10)]
+
+
+def test_builtin_names_are_registered() -> None:
+    assert {"tasks", "dapo", "aime2025", "aime2024", "math500"} <= set(registered_envs())
+
+
+def test_a_file_reads_through_the_data_stage_with_the_configured_fields(tmp_path: Path) -> None:
+    path = tmp_path / "train.jsonl"
+    path.write_text(
+        '{"id": "a", "q": "1+1?", "a": "2"}\n{"id": "b", "q": "2+2?", "a": "4"}\n{"id": "c", "q": "", "a": "1"}\n'
+    )
+    env = env_from_config(
+        DataConfig(train_path=str(path), question_field="q", answer_field="a", shuffle=False)
+    )
+    assert isinstance(env, FileEnv) and env.source == str(path)
+    assert [(p.id, p.question, p.answer) for p in env.epoch(0, 0)] == [("a", "1+1?", "2"), ("b", "2+2?", "4")]
+    assert env.problems("test") == env.problems("train")  # a file is one split
+    with pytest.raises(DataError, match=r"missing\.jsonl"):
+        env_from_config(DataConfig(train_path=str(tmp_path / "missing.jsonl"))).problems("train")
+    with pytest.raises(EnvError, match=r"data\.train_path"):
+        env_from_config(DataConfig(train_path=""))
+
+
+def test_epochs_are_seeded_permutations() -> None:
+    env = ProblemListEnv(PROBLEMS, shuffle=True)
+    first, again, second = env.epoch(3, 0), env.epoch(3, 0), env.epoch(3, 1)
+    assert (
+        first == again and first != second and sorted(p.id for p in first) == sorted(p.id for p in PROBLEMS)
+    )
+    assert ProblemListEnv(PROBLEMS, shuffle=False).epoch(3, 1) == PROBLEMS
+    with pytest.raises(EnvError):
+        ProblemListEnv([]).problems("train")
+
+
+def test_the_task_family_has_held_out_splits_from_the_data_section() -> None:
+    cfg = load_config("tiny", ["data.task_count=30", "data.task_test_count=7", "data.task_kinds=['mul_big']"])
+    env = env_from_config(cfg)
+    assert isinstance(env, TaskFamilyEnv)
+    train, test = env.problems("train"), env.problems("test")
+    assert (len(train), len(test)) == (30, 7)
+    assert {p.data_source for p in train + test} == {"tasks/mul_big/hard"}
+    assert not {p.question for p in train} & {p.question for p in test}
+    assert all(t.code.startswith("print(") for t in env.tasks("train"))
+    with pytest.raises(EnvError, match="unknown task kinds"):
+        make_env("tasks", EnvOptions(data=DataConfig(task_kinds=["nope"]))).problems("train")
+
+
+def test_named_sets_prefer_the_data_dir(shared_data: Path) -> None:
+    env = make_env("math500", EnvOptions(data=DataConfig(data_dir=str(shared_data))))
+    assert env.source == str(shared_data / "math500.jsonl")
+    problems = env.problems("test")
+    assert len(problems) > 100 and all(p.question and p.answer for p in problems[:5])
+
+
+def test_dapo_from_a_prepared_folder_or_raw(shared_data: Path, tmp_path: Path) -> None:
+    raw = str(shared_data / "dapo_math_sample.jsonl")
+    prepare_dapo(raw, tmp_path / "dapo", dev_size=5, seed=0)
+    prepared = make_env(str(tmp_path / "dapo"))
+    assert isinstance(prepared, DapoEnv) and len(prepared.problems("test")) == 5
+    by_name = make_env("dapo", EnvOptions(data=DataConfig(data_dir=str(tmp_path))))
+    assert by_name.source == str(tmp_path / "dapo")
+    assert by_name.problems("train") == prepared.problems("train")
+    in_memory = DapoEnv(raw)  # the raw file, split by the same rule as `retool prepare dapo` (50 dev)
+    train_file = [json.loads(x)["id"] for x in (tmp_path / "dapo" / "train.jsonl").read_text().splitlines()]
+    assert len(in_memory.problems("test")) == 50
+    assert len(in_memory.problems("train")) + 50 == len(train_file) + 5
+
+
+def test_registered_envs_win_over_paths_and_score_their_own_way() -> None:
+    class Halves(ProblemEnv):
+        name = "halves"
+
+        @property
+        def source(self) -> str:
+            return "memory"
+
+        def problems(self, split):  # type: ignore[no-untyped-def]
+            return PROBLEMS[:5] if split == "train" else PROBLEMS[5:]
+
+        async def score(self, trajectory, verifier) -> None:  # type: ignore[no-untyped-def]
+            trajectory.reward = 0.5
+
+    register_env("halves", lambda name, options: Halves())
+    env = make_env("halves")
+    assert [p.id for p in env.problems("test")] == [p.id for p in PROBLEMS[5:]]
+    traj = Trajectory(problem=PROBLEMS[0], group_index=0)
+    asyncio.run(env.score(traj, verifier=None))
+    assert traj.reward == 0.5
+
+
+def test_default_score_checks_only_answers() -> None:
+    class Verifier:
+        def __init__(self) -> None:
+            self.calls: list[tuple[str, str]] = []
+
+        async def ascore(self, text: str, ref: str):  # type: ignore[no-untyped-def]
+            from retool.reward import RewardResult
+
+            self.calls.append((text, ref))
+            return RewardResult(1.0, True, True, ref, "ok")
+
+    verifier = Verifier()
+    answered = Trajectory(problem=PROBLEMS[2], group_index=0, final_text="\\boxed{4}", stop_reason="answer")
+    cut = Trajectory(problem=PROBLEMS[2], group_index=1, final_text="\\boxed{4}", stop_reason="max_turns")
+    cut.turns = [AssistantTurn([1], [2], [-0.1], "x")]
+    env = ProblemListEnv(PROBLEMS)
+    asyncio.run(env.score(answered, verifier))
+    asyncio.run(env.score(cut, verifier))
+    assert (answered.reward, answered.correct, answered.answer, answered.reward_status) == (
+        1.0,
+        True,
+        "4",
+        "ok",
+    )
+    assert (cut.reward, cut.correct) == (-1.0, False)
+    assert verifier.calls == [("\\boxed{4}", "4")]
