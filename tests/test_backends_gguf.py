@@ -117,6 +117,41 @@ def test_folder_plus_gguf_file_setting(gguf_path: Path) -> None:
         client.close()
 
 
+def test_lora_on_a_gguf_model_saves_merged_as_a_plain_folder(gguf_path: Path, tmp_path: Path) -> None:
+    """A GGUF-loaded model is dequantised: its merged LoRA weights save as an ordinary HF folder (no GGUF
+    quantizer mark that would make save_pretrained refuse, or the folder point back at a GGUF file), and
+    the folder reloads to the same outputs as the client's sampler."""
+    import torch
+
+    from retool.tasks.demo import save_hf
+
+    client = _client(str(gguf_path), ["lora.enabled=true", "lora.rank=4"])
+    try:
+        with torch.no_grad():  # a trained adapter: B != 0
+            for name, p in client.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.05)
+        client._weights_version += 1
+        folder = save_hf(client, tmp_path / "merged")
+        config = json.loads((folder / "config.json").read_text())
+        assert "quantization_config" not in config
+        reloaded = _client(str(folder), ["lora.enabled=false"])
+        try:
+            prompt = client.tokenizer("What is 12+30?")["input_ids"]
+            params = SamplingParams(max_tokens=8, temperature=0.0, seed=0)
+            live = client.sampling_client().sample(prompt, 1, params)[0]
+            saved = reloaded.sampling_client().sample(prompt, 1, params)[0]
+            assert live.tokens == saved.tokens
+            ids = torch.tensor([prompt + live.tokens])
+            with torch.no_grad():  # the adapter (unmerged) and the saved merged weights agree
+                diff = (client.model(input_ids=ids).logits - reloaded.model(input_ids=ids).logits).abs().max()
+            assert float(diff) < 1e-4
+        finally:
+            reloaded.close()
+    finally:
+        client.close()
+
+
 def test_missing_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
     with pytest.raises(FileNotFoundError, match="does not exist"):
         _client(str(tmp_path / "nowhere" / "model.gguf"))

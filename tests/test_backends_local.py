@@ -477,3 +477,89 @@ def test_gguf_paths_and_device_dtype_resolution() -> None:
     assert resolve_dtype("auto", torch.device("cuda")) == torch.bfloat16
     with pytest.raises(ValueError, match="unknown dtype"):
         resolve_dtype("int8", torch.device("cpu"))
+
+
+def test_lora_sampling_view_is_merged_shared_and_follows_each_step(tiny_model_dir: Path) -> None:
+    """With LoRA, generation runs on a plain copy whose adapted linears hold W + scale * B @ A: same
+    greedy tokens and (to float rounding) the same logprobs as the PEFT wrapper; every other tensor is
+    the trainer's own; the copy follows the weights after each optim_step."""
+    lora = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
+    c = LocalTrainingClient(tiny_model_dir, lora=lora, device="cpu", seed=0, sample_batch_size=8)
+    try:
+        with torch.no_grad():  # a trained adapter (B != 0): the merged weights really differ from W
+            for name, p in c.model.named_parameters():
+                if "lora_B" in name:
+                    p.normal_(0, 0.2)
+        c._weights_version += 1
+        prompt = _prompt(c, "What is 3 + 4? Use the tool.")
+        greedy = SamplingParams(max_tokens=10, temperature=0.0, seed=0)
+
+        def both() -> tuple[Sample, Sample]:
+            c.merge_lora_for_sampling = True
+            merged = c.sample(prompt, 1, greedy)[0]
+            c.merge_lora_for_sampling = False
+            wrapped = c.sample(prompt, 1, greedy)[0]
+            c.merge_lora_for_sampling = True
+            return merged, wrapped
+
+        merged, wrapped = both()
+        assert merged.tokens == wrapped.tokens
+        assert max(abs(a - b) for a, b in zip(merged.logprobs, wrapped.logprobs, strict=True)) < 1e-4
+        view = c.sampling_model()
+        assert not any("lora" in n for n, _ in view.named_parameters())
+        live = dict(c.model.get_base_model().named_parameters())
+        shared = [n for n, p in view.named_parameters() if any(p is q for q in live.values())]
+        copied = [n for n, _ in view.named_parameters() if n not in shared]
+        assert copied and all(n.endswith(("q_proj.weight", "v_proj.weight")) for n in copied)
+        assert len(shared) == len(list(view.parameters())) - len(copied)
+
+        # One optimizer step on a strongly weighted datum: the view must follow the new weights.
+        sample = c.sample(prompt, 1, SamplingParams(max_tokens=6, seed=1))[0]
+        c.forward_backward([_rl_datum(prompt, sample, advantage=5.0)], "importance_sampling")
+        c.optim_step(AdamParams(lr=0.05))
+        after_merged, after_wrapped = both()
+        assert after_merged.tokens == after_wrapped.tokens
+        assert (
+            max(abs(a - b) for a, b in zip(after_merged.logprobs, after_wrapped.logprobs, strict=True)) < 1e-4
+        )
+        assert after_merged.logprobs != merged.logprobs
+        assert c.stats.sampled_tokens > 0 and c.stats.trained_tokens > 0
+    finally:
+        c.close()
+
+
+def test_shared_prompt_prefix_is_run_once_with_the_same_result(client: LocalTrainingClient) -> None:
+    """Prompts with a long common prefix (a system prompt) and suffixes of different lengths: prefilling
+    the prefix once and each suffix after it gives the tokens and logprobs of one full prefill per row."""
+    from retool.backends.generation import MIN_SHARED_PREFIX, shared_prefix_length
+
+    system = _prompt(client, "Solve the problem. Use the code_interpreter tool when it helps. " * 3)
+    assert len(system) > MIN_SHARED_PREFIX
+    prompts = [system + _prompt(client, q) for q in ("What is 3+4?", "How many primes are below 97?", "7*8")]
+    assert shared_prefix_length(prompts) >= len(system)
+    assert shared_prefix_length([prompts[0], prompts[0]]) == len(prompts[0]) - 1  # a token of its own
+
+    def run(share: bool, temperature: float) -> list[Sample]:
+        client.share_prompt_prefix = share
+        try:
+
+            async def go() -> list[list[Sample]]:
+                sampler = await client.sampling_client_async()
+                return await asyncio.gather(
+                    *[
+                        sampler.sample_async(
+                            p, 2, SamplingParams(max_tokens=8, temperature=temperature, seed=k)
+                        )
+                        for k, p in enumerate(prompts)
+                    ]
+                )
+
+            return [s for group in asyncio.run(go()) for s in group]
+        finally:
+            client.share_prompt_prefix = True
+
+    for temperature in (0.0, 1.0):
+        shared, full = run(True, temperature), run(False, temperature)
+        assert [s.tokens for s in shared] == [s.tokens for s in full]
+        for a, b in zip(shared, full, strict=True):
+            assert max(abs(x - y) for x, y in zip(a.logprobs, b.logprobs, strict=True)) < 1e-4

@@ -31,6 +31,9 @@ class ModelConfig(_Section):
     tool_format: Literal["auto", "qwen_xml", "hermes", "markdown"] = "auto"
     enable_thinking: bool | None = None  # passed to templates that read it (Qwen3/3.5); None = their default
     chat_template: str | None = None  # overrides the tokenizer's template: .jinja path or template text
+    # Wording of the system prompt: the chapter's ("full") or the same rules in ~1/3 of the tokens
+    # ("compact": small models, short contexts, CPU runs where every prompt token is trained again).
+    system_prompt: Literal["full", "compact"] = "full"
     max_context: int = 8192
 
 

@@ -8,12 +8,20 @@ completion, with the stop tokens kept in the output, and (d) per-row temperature
 Each step draws exactly one uniform number per sequence from its generator and picks a token by
 inverse-CDF over the filtered distribution, so the random stream never depends on the batch shape.
 Rows that finish are dropped from the KV cache once they are the majority, so long tails stay cheap.
+
+Shared prompt prefix: the prompts of one batch usually start alike (system prompt, tool schema, chat
+header; a group's branches share the whole question). The longest common prefix is run once, its KV
+cache repeated for every row, and only the rest of each prompt is prefilled, laid out as ``[shared
+prefix][left padding][own suffix]`` (the attention mask hides the padding, positions continue from the
+prefix). With a ~100-token system prompt and short questions this removes most of the prefill work, which
+dominates multi-turn sampling on CPU (measured in ``bench/real_model.py``).
 """
 
 from __future__ import annotations
 
 import inspect
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -65,6 +73,23 @@ def _output_cache(out: Any) -> Any:
     raise RuntimeError("model returned no KV cache")
 
 
+# Below this many shared tokens, one batched prefill is as cheap as a prefix pass plus a suffix pass.
+MIN_SHARED_PREFIX = 16
+
+
+def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
+    """Length of the common prefix of ``prompts``, leaving every prompt at least one token of its own
+    (the suffix pass must produce each row's next-token logits)."""
+    if len(prompts) < 2:
+        return 0
+    first = prompts[0]
+    limit = min(len(p) for p in prompts) - 1
+    n = 0
+    while n < limit and all(p[n] == first[n] for p in prompts):
+        n += 1
+    return n
+
+
 def choose_tokens(
     logits: torch.Tensor,
     temperature: torch.Tensor,
@@ -111,8 +136,13 @@ def generate_batch(
     eos_ids: set[int],
     max_context: int,
     device: torch.device,
+    timings: dict[str, float] | None = None,
+    share_prefix: bool = True,
 ) -> list[Sample]:
     """Generate every request in one left-padded batch; return one ``Sample`` per request, in order.
+
+    ``share_prefix``: run the batch's common prompt prefix once (see the module docstring).
+    ``timings["prefill_seconds"]`` (when given) accumulates the time of the prompt forward passes.
 
     Long because the decode loop is one piece of state (KV cache, attention mask, per-row budgets,
     stop windows, generators, finished rows) advanced together; split up, every helper would take and
@@ -134,13 +164,18 @@ def generate_batch(
     if not active:
         return [r for r in results if r is not None]
 
-    longest = max(len(requests[i].prompt) for i in active)
+    prompts = [requests[i].prompt for i in active]
+    shared = shared_prefix_length(prompts) if share_prefix else 0
+    if shared < MIN_SHARED_PREFIX:
+        shared = 0
+    longest = max(len(p) for p in prompts) - shared
     ids = torch.full((len(active), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(active), longest), dtype=torch.long)
-    for row, i in enumerate(active):
-        p = requests[i].prompt
-        ids[row, longest - len(p) :] = torch.tensor(p, dtype=torch.long)
-        mask[row, longest - len(p) :] = 1
+    mask = torch.zeros((len(active), shared + longest), dtype=torch.long)
+    mask[:, :shared] = 1
+    for row, p in enumerate(prompts):
+        own = p[shared:]
+        ids[row, longest - len(own) :] = torch.tensor(own, dtype=torch.long)
+        mask[row, shared + longest - len(own) :] = 1
     ids, mask = ids.to(device), mask.to(device)
     positions = (mask.cumsum(-1) - 1).clamp_(min=0)
 
@@ -152,7 +187,26 @@ def generate_batch(
     top_k = per_row([requests[i].params.top_k for i in active], torch.long)
 
     cache_key = _cache_kwarg(model)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1)
+    t_prefill = time.perf_counter()
+    if shared:
+        head = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device)
+        first = model(input_ids=head, use_cache=True, logits_to_keep=1)
+        prefix_cache = _output_cache(first)
+        prefix_cache.batch_repeat_interleave(len(active))
+        out = model(
+            input_ids=ids,
+            attention_mask=mask,
+            position_ids=positions[:, shared:],
+            use_cache=True,
+            logits_to_keep=1,
+            **{cache_key: prefix_cache},
+        )
+    else:
+        out = model(
+            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
+        )
+    if timings is not None:
+        timings["prefill_seconds"] = timings.get("prefill_seconds", 0.0) + time.perf_counter() - t_prefill
     cache = _output_cache(out)
     logits = out.logits[:, -1, :].float()
     last_pos = positions[:, -1:]

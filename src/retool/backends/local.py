@@ -13,6 +13,15 @@ logprobs match the sampler's to float precision (ratio 1).
 Concurrent ``sample_async`` calls are gathered for a few milliseconds and run as one batched generation of
 up to ``sample_batch_size`` sequences (see ``retool.backends.generation``).
 
+Sampling with LoRA (``merge_lora_for_sampling``, default on): generation runs on a plain copy of the base
+model whose adapted linears hold ``W + scale * B @ A`` (every other tensor is shared with the trainer, so
+the copy costs only the adapted weights), rebuilt lazily after each ``optim_step`` or ``load_state``.
+Through the PEFT wrapper every adapted linear costs three extra small matmuls and Python dispatch per
+decoded token. Merged and unmerged forwards agree to float rounding (ratio 1 within ~1e-5, not bitwise).
+
+``stats`` counts what the worker thread did: sampled sequences and tokens, prompt tokens prefilled, and
+seconds spent generating; trained tokens (padded and real) and seconds spent in forward/backward.
+
 Seeds: sample ``i`` of a request with ``seed=s`` uses its own generator seeded from ``(s, i)``, so the
 result does not depend on what else shares the batch; unseeded requests draw seeds from the client's RNG
 (seeded by ``seed`` and saved with the state).
@@ -108,6 +117,20 @@ def split_model_path(model_path: str | Path, gguf_file: str | None) -> tuple[str
     return text, gguf_file
 
 
+def _forget_gguf_quantization(model: Any) -> None:
+    """A model read from a GGUF file holds ordinary dequantised tensors (``dtype``), but transformers
+    still marks it as GGUF-quantised, which makes ``save_pretrained`` refuse it and a saved folder point
+    back at a GGUF file. Drop the marks so that merged LoRA weights and checkpoints save as usual."""
+    if getattr(model, "hf_quantizer", None) is not None:
+        model.hf_quantizer = None
+    quant = getattr(model.config, "quantization_config", None)
+    method = quant.get("quant_method") if isinstance(quant, dict) else getattr(quant, "quant_method", None)
+    if quant is not None and str(getattr(method, "value", method)) == "gguf":
+        del model.config.quantization_config
+    if getattr(model, "quantization_method", None) is not None:
+        model.quantization_method = None
+
+
 def _lora_spec(lora: Any) -> LocalLoraSpec | None:
     """Accept a ``LocalLoraSpec``, a ``retool.config.LoraConfig``, a dict, or ``None`` (full fine-tuning)."""
     if lora is None or isinstance(lora, LocalLoraSpec):
@@ -121,6 +144,101 @@ def _lora_spec(lora: Any) -> LocalLoraSpec | None:
     if "target_modules" in data:
         data["target_modules"] = tuple(data["target_modules"])
     return LocalLoraSpec(**data)
+
+
+@dataclass
+class BackendStats:
+    """Work done by a local client's worker thread since it started (see the module docstring)."""
+
+    sample_seconds: float = 0.0
+    prefill_seconds: float = 0.0  # part of sample_seconds: the prompts' forward passes
+    sampled_sequences: int = 0
+    sampled_tokens: int = 0
+    prefill_tokens: int = 0
+    train_seconds: float = 0.0
+    trained_tokens: int = 0
+    trained_padded_tokens: int = 0
+    forward_seconds: float = 0.0  # forward-only passes (no gradient)
+
+    def add_sampling(
+        self, requests: Sequence[GenRequest], samples: Sequence[Sample], seconds: float, prefill: float = 0.0
+    ) -> None:
+        self.sample_seconds += seconds
+        self.prefill_seconds += prefill
+        self.sampled_sequences += len(samples)
+        self.sampled_tokens += sum(len(s.tokens) for s in samples)
+        self.prefill_tokens += sum(len(r.prompt) for r in requests)
+
+    def add_training(self, tokens: int, padded: int, seconds: float, backward: bool) -> None:
+        if not backward:
+            self.forward_seconds += seconds
+            return
+        self.train_seconds += seconds
+        self.trained_tokens += tokens
+        self.trained_padded_tokens += padded
+
+    def as_dict(self) -> dict[str, float]:
+        out: dict[str, float] = {k: round(v, 3) if isinstance(v, float) else v for k, v in vars(self).items()}
+        out["sample_tokens_per_s"] = (
+            round(self.sampled_tokens / self.sample_seconds, 1) if self.sample_seconds else 0.0
+        )
+        out["train_tokens_per_s"] = (
+            round(self.trained_tokens / self.train_seconds, 1) if self.train_seconds else 0.0
+        )
+        return out
+
+
+class _MergedSampler:
+    """A LoRA-free copy of a PEFT model for generation: adapted linears hold merged weights, every other
+    parameter and buffer is the trainer's own tensor (shared, not copied)."""
+
+    def __init__(self, model: Any, pairs: list[tuple[Any, torch.nn.Linear]]) -> None:
+        self.model = model
+        self._pairs = pairs  # (live LoRA layer, its merged plain linear in the copy)
+        self._version = -1
+
+    @classmethod
+    def build(cls, peft_model: Any) -> _MergedSampler | None:
+        import copy
+
+        from peft.tuners.lora import Linear as LoraLinear
+
+        base = peft_model.get_base_model()
+        live = {name: mod for name, mod in base.named_modules() if isinstance(mod, LoraLinear)}
+        if not live or any(len(m.active_adapters) != 1 for m in live.values()):
+            return None
+        # Deep-copy the module tree but let the copy reference the trainer's parameters and buffers.
+        memo: dict[int, Any] = {id(t): t for t in base.parameters()}
+        memo.update({id(t): t for t in base.buffers()})
+        plain = copy.deepcopy(base, memo)
+        pairs: list[tuple[Any, torch.nn.Linear]] = []
+        for name, layer in live.items():
+            inner = layer.base_layer
+            if not isinstance(inner, torch.nn.Linear):  # a LoRA layout this view does not know
+                return None
+            merged = torch.nn.Linear(
+                inner.in_features, inner.out_features, bias=inner.bias is not None, device="meta"
+            )
+            merged.weight = torch.nn.Parameter(inner.weight.detach().clone(), requires_grad=False)
+            merged.bias = inner.bias  # shared
+            parent_name, _, child = name.rpartition(".")
+            parent = plain.get_submodule(parent_name) if parent_name else plain
+            setattr(parent, child, merged)
+            pairs.append((layer, merged))
+        plain.requires_grad_(False)
+        return cls(plain, pairs)
+
+    @torch.no_grad()
+    def refresh(self, version: int) -> None:
+        if version == self._version:
+            return
+        for layer, merged in self._pairs:
+            (adapter,) = layer.active_adapters
+            delta = layer.get_delta_weight(adapter) if adapter in layer.lora_A else None
+            merged.weight.copy_(layer.base_layer.weight)
+            if delta is not None:
+                merged.weight.add_(delta.to(merged.weight.dtype))
+        self._version = version
 
 
 @dataclass
@@ -223,6 +341,7 @@ class LocalTrainingClient(TrainingClient):
         gather_ms: float = 5.0,
         attn_implementation: str | None = None,
         num_threads: int | None = None,
+        merge_lora_for_sampling: bool = True,
     ) -> None:
         from transformers import AutoTokenizer
 
@@ -264,6 +383,12 @@ class LocalTrainingClient(TrainingClient):
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retool-local")
         self._sampler = LocalSamplingClient(self, gather_ms=gather_ms)
         self._pending_grads = False
+        self.merge_lora_for_sampling = bool(merge_lora_for_sampling)
+        # Run a batch's common prompt prefix once (``retool.backends.generation``); off only to compare.
+        self.share_prompt_prefix = True
+        self._weights_version = 0  # bumped whenever the trainable weights change
+        self._merged: _MergedSampler | None = None
+        self.stats = BackendStats()
         torch.manual_seed(seed)
         logger.info(
             "local backend: %s on %s/%s, %s, %d trainable parameters",
@@ -283,6 +408,8 @@ class LocalTrainingClient(TrainingClient):
 
         torch.manual_seed(seed)
         model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
+        if self.gguf_file:
+            _forget_gguf_quantization(model)
         model.to(self.device)
         if self.lora is None:
             return model
@@ -359,27 +486,51 @@ class LocalTrainingClient(TrainingClient):
             )
 
     # -- sampling ------------------------------------------------------------------------------
+    def sampling_model(self) -> Any:
+        """The module generation runs on: the trainer's model, or its merged LoRA-free view (see the
+        module docstring), brought up to date with the current weights."""
+        if self.lora is None or not self.merge_lora_for_sampling:
+            return self.model
+        if self._merged is None:
+            self._merged = _MergedSampler.build(self.model)
+            if self._merged is None:  # adapter layout it cannot merge: sample through the wrapper
+                logger.warning("LoRA layers of this model cannot be merged for sampling; using the wrapper")
+                self.merge_lora_for_sampling = False
+                return self.model
+        self._merged.refresh(self._weights_version)
+        return self._merged.model
+
     def _generate(self, requests: list[GenRequest]) -> list[Sample]:
         """Worker-thread body: generate in chunks of ``sample_batch_size`` sequences."""
-        was_training = self.model.training
-        self.model.eval()
+        import time
+
+        t0 = time.perf_counter()
+        model = self.sampling_model()
+        was_training = model.training
+        model.eval()
         try:
             out: list[Sample] = []
+            timings: dict[str, float] = {}
             for start in range(0, len(requests), self.sample_batch_size):
                 out.extend(
                     generate_batch(
-                        self.model,
+                        model,
                         self.tokenizer,
                         requests[start : start + self.sample_batch_size],
                         pad_id=self.pad_id,
                         eos_ids=self.eos_ids,
                         max_context=self.max_context,
                         device=self.device,
+                        timings=timings,
+                        share_prefix=self.share_prompt_prefix,
                     )
                 )
+            self.stats.add_sampling(
+                requests, out, time.perf_counter() - t0, timings.get("prefill_seconds", 0.0)
+            )
             return out
         finally:
-            self.model.train(was_training)
+            model.train(was_training)
 
     async def sampling_client_async(self) -> SamplingClient:
         refresh = getattr(self._sampler, "refresh", None)
@@ -447,6 +598,9 @@ class LocalTrainingClient(TrainingClient):
     def _forward_backward(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, backward: bool
     ) -> ForwardBackwardResult:
+        import time
+
+        t0 = time.perf_counter()
         self._validate_datums(datums, loss_fn)
         lengths = [len(d) for d in datums]
         batches = pack_micro_batches(lengths, self.micro_batch_tokens)
@@ -464,6 +618,8 @@ class LocalTrainingClient(TrainingClient):
             lp_sum += float(lp.detach()[sel].sum())
         if backward:
             self._pending_grads = True
+        padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in batches)
+        self.stats.add_training(sum(lengths), padded, time.perf_counter() - t0, backward)
         return tally.result(
             {
                 "micro_batches": float(len(batches)),
@@ -523,6 +679,7 @@ class LocalTrainingClient(TrainingClient):
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._pending_grads = False
+        self._weights_version += 1
         self.step += 1
         return OptimStepResult(grad_norm=grad_norm, lr=adam.lr)
 
@@ -623,6 +780,7 @@ class LocalTrainingClient(TrainingClient):
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = int(meta["step"])
+        self._weights_version += 1
         if self.model.training is False:
             self.model.train()
         for p in self.trainable_parameters():

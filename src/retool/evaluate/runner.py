@@ -186,8 +186,12 @@ async def run_eval(
     save_transcripts: bool | None = None,
     rollout_fn: RolloutFn | None = None,
     bootstrap_resamples: int = 2000,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     """Roll out ``val_n`` candidates per unfinished problem, append records, return the summary.
+
+    ``on_progress(done, total)`` is called once at the start and after each finished problem (progress
+    bars).
 
     ``components`` supplies the sampler (already refreshed), protocol (with the tool on in ``retool``
     mode, off in ``text-only``), verifier and, in ``retool`` mode, executor. ``val_n``, ``seed``,
@@ -218,6 +222,8 @@ async def run_eval(
         "eval %s: %d problems, %d done, %d to run (val_n=%d)", mode, len(problems), done, len(todo), val_n
     )
     store.write_summary(session.summary("incomplete"))
+    if on_progress is not None:
+        on_progress(done, len(problems))
     keep = e.save_transcripts if save_transcripts is None else save_transcripts
     semaphore = asyncio.Semaphore(max(1, e.concurrency if concurrency is None else concurrency))
 
@@ -225,6 +231,8 @@ async def run_eval(
         async with semaphore:
             trajectories, pseed = await plan.rollout(problem)
         session.record(problem, trajectories, pseed, keep)
+        if on_progress is not None:
+            on_progress(len(session.done), len(problems))
 
     await _gather_or_save(session, [one(p) for p in todo])
     summary = session.summary()

@@ -29,12 +29,7 @@ from typing import Any
 
 from retool.config import Config, ModelConfig
 from retool.protocol.formats import ToolFormat, get_format
-from retool.protocol.prompts import (
-    CODE_TOOL,
-    MARKDOWN_TOOL_INSTRUCTIONS,
-    TEXT_SYSTEM_PROMPT,
-    TOOL_SYSTEM_PROMPT,
-)
+from retool.protocol.prompts import CODE_TOOL, system_prompt_text
 from retool.protocol.sanitize import sanitize_tool_content
 
 logger = logging.getLogger(__name__)
@@ -77,7 +72,8 @@ class ChatProtocol:
 
     ``enable_thinking`` (None = the template's default) is passed to templates that read it (Qwen3,
     Qwen3.5). ``chat_template`` overrides the tokenizer's template (template text or a path to a
-    ``.jinja`` file, e.g. Qwen3.5's ``chat_template_nothink.jinja``).
+    ``.jinja`` file, e.g. Qwen3.5's ``chat_template_nothink.jinja``). ``system_prompt`` picks the wording
+    of the system prompt: ``full`` (the chapter's) or ``compact`` (the same rules, shorter).
     """
 
     def __init__(
@@ -88,8 +84,10 @@ class ChatProtocol:
         *,
         enable_thinking: bool | None = None,
         chat_template: str | os.PathLike[str] | None = None,
+        system_prompt: str = "full",
     ) -> None:
         self.tokenizer = tokenizer
+        self.prompt_style = system_prompt
         self.chat_template = _load_template(chat_template)
         template_text = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template_text:
@@ -99,6 +97,7 @@ class ChatProtocol:
         self.fmt: ToolFormat = get_format(fmt, _TemplateView(template_text) if fmt == "auto" else None)
         self.use_tools = use_tools
         self.enable_thinking = enable_thinking
+        system_prompt_text(use_tools, True, system_prompt)  # an unknown style fails here, not mid-rollout
         # The markdown format has no native tools: registering the schema would make the template teach
         # its own (different) call syntax.
         self.tools: list[dict[str, Any]] | None = (
@@ -122,6 +121,7 @@ class ChatProtocol:
             use_tools=use_tools,
             enable_thinking=model.enable_thinking,
             chat_template=model.chat_template,
+            system_prompt=model.system_prompt,
         )
 
     def with_tools(self, use_tools: bool) -> ChatProtocol:
@@ -135,6 +135,7 @@ class ChatProtocol:
             use_tools,
             enable_thinking=self.enable_thinking,
             chat_template=self.chat_template,
+            system_prompt=self.prompt_style,
         )
 
     @staticmethod
@@ -144,11 +145,7 @@ class ChatProtocol:
     # -- messages ----------------------------------------------------------------------------------
     @property
     def system_prompt(self) -> str:
-        if not self.use_tools:
-            return TEXT_SYSTEM_PROMPT
-        if not self.fmt.uses_native_tools:
-            return f"{TOOL_SYSTEM_PROMPT}\n\n{MARKDOWN_TOOL_INSTRUCTIONS}"
-        return TOOL_SYSTEM_PROMPT
+        return system_prompt_text(self.use_tools, self.fmt.uses_native_tools, self.prompt_style)
 
     @property
     def stop_strings(self) -> tuple[str, ...]:

@@ -52,3 +52,37 @@ MARKDOWN_TOOL_INSTRUCTIONS = (
     "and write nothing after it. The output will come back in the next message as "
     "<interpreter>...</interpreter>."
 )
+
+# The same rules in about a third of the tokens, for small models and short contexts (``model.system_prompt
+# = "compact"``): on CPU every prompt token is paid again in every trained sequence.
+TOOL_SYSTEM_PROMPT_COMPACT = (
+    "Solve the math problem. You can run Python with the code_interpreter tool: print what you need to "
+    "see; every run starts fresh; keep code small and quick; at most one call per turn; on an error, fix "
+    "the code and retry. Give the final answer as \\boxed{<answer>} in a turn without a tool call."
+)
+
+TEXT_SYSTEM_PROMPT_COMPACT = (
+    "Solve the math problem step by step; you have no tools. Give the final answer as \\boxed{<answer>}."
+)
+
+MARKDOWN_TOOL_INSTRUCTIONS_COMPACT = (
+    "To run code, end your turn with one ```python block; its output comes back as "
+    "<interpreter>...</interpreter>."
+)
+
+PROMPT_STYLES = ("full", "compact")
+
+
+def system_prompt_text(use_tools: bool, native_tools: bool, style: str = "full") -> str:
+    """The system prompt of a mode: text-only, tool use with a native call format (the template teaches
+    the syntax), or tool use in the markdown format (the prompt teaches it), in the ``full`` or
+    ``compact`` wording."""
+    if style not in PROMPT_STYLES:
+        raise ValueError(f"unknown system prompt style {style!r}; use one of {', '.join(PROMPT_STYLES)}")
+    compact = style == "compact"
+    if not use_tools:
+        return TEXT_SYSTEM_PROMPT_COMPACT if compact else TEXT_SYSTEM_PROMPT
+    tool = TOOL_SYSTEM_PROMPT_COMPACT if compact else TOOL_SYSTEM_PROMPT
+    if native_tools:
+        return tool
+    return f"{tool}\n\n{MARKDOWN_TOOL_INSTRUCTIONS_COMPACT if compact else MARKDOWN_TOOL_INSTRUCTIONS}"

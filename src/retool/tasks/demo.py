@@ -39,6 +39,7 @@ from retool.tasks.report import (
     Evals,
     demo_gain,
     flat_summary,
+    machine_facts,
     make_plots,
     table_rows,
     write_report,
@@ -68,6 +69,13 @@ class DemoSettings:
     ``eval_modes``: the evaluated modes; ``plots``: draw them; ``reuse_sft``: a finished demo run folder
     whose SFT model and SFT evaluation (same tasks and SFT settings) this run starts from, redoing only
     RL and its evaluation, e.g. to compare RL settings on one SFT model.
+
+    Real models (``config.model.name`` a name from ``retool.tasks.real_model`` or a GGUF / HF path; the
+    ``demo-smollm2`` preset): ``test_hard_fraction`` (hard share of the held-out split; None: the train
+    split's), ``gsm8k_problems`` (GSM8K test problems added to the held-out set, from ``data_dir``),
+    ``base_eval_problems`` (zero-shot retool eval of the model before SFT on every k-th held-out problem).
+    ``resume``: continue the run in ``out`` (finished phases skipped, RL from its last checkpoint, an
+    evaluation from its JSONL); the settings must match its ``settings.json``.
     """
 
     config: Config = field(default_factory=lambda: load_config(DEMO_PRESET))
@@ -76,6 +84,11 @@ class DemoSettings:
     eval_modes: tuple[str, ...] = ("text-only", "retool")
     plots: bool = True
     reuse_sft: str | None = None
+    test_hard_fraction: float | None = None
+    gsm8k_problems: int = 0
+    data_dir: str | None = None
+    base_eval_problems: int = 0
+    resume: bool = False
 
     @classmethod
     def load(
@@ -216,12 +229,13 @@ def cold_start_sft(
 
 
 def save_hf(client: LocalTrainingClient, folder: Path) -> Path:
-    """Write the client's current weights + tokenizer as a plain HF folder (usable as ``--model``)."""
+    """Write the client's current weights + tokenizer as a plain HF folder (usable as ``--model``).
+
+    A LoRA client is saved merged, from its sampling view (``LocalTrainingClient.sampling_model``), so the
+    live adapter keeps training. A model read from a GGUF file is saved dequantised (``backend.dtype``).
+    """
     folder.mkdir(parents=True, exist_ok=True)
-    model = client.model
-    if hasattr(model, "merge_and_unload"):  # never for full fine-tuning; kept for LoRA clients
-        model = model.merge_and_unload()
-    model.save_pretrained(folder)
+    client.sampling_model().save_pretrained(folder)
     client.tokenizer.save_pretrained(folder)
     return folder
 
@@ -233,20 +247,35 @@ def evaluate_modes(
     config: Config,
     out_dir: Path,
     label: str,
+    modes: Sequence[str] | None = None,
+    emit: Event | None = None,
 ) -> dict[str, dict[str, Any]]:
-    """``retool.evaluate.run_eval`` for each of ``settings.eval_modes``: {mode: flat summary + difficulty}."""
+    """``retool.evaluate.run_eval`` for each of ``modes`` (default ``settings.eval_modes``): {mode: flat
+    summary + difficulty}. An eval whose JSONL exists continues where it stopped; ``emit`` receives
+    ``eval_progress`` events (progress bars)."""
     out_dir.mkdir(parents=True, exist_ok=True)
     results: dict[str, dict[str, Any]] = {}
-    for mode in settings.eval_modes:
+    for mode in modes or settings.eval_modes:
         output = out_dir / f"{label}_{mode}.jsonl"
         view = parts.for_mode(mode == "retool")
-        summary = asyncio.run(_evaluate_mode(view, problems, config, mode, output, label))
+
+        def progress(done: int, total: int, mode: str = mode) -> None:
+            if emit is not None:
+                emit("eval_progress", {"model": label, "mode": mode, "done": done, "total": total})
+
+        summary = asyncio.run(_evaluate_mode(view, problems, config, mode, output, label, progress))
         results[mode] = flat_summary(summary, output)
     return results
 
 
 async def _evaluate_mode(
-    view: Components, problems: Sequence[Problem], config: Config, mode: str, output: Path, label: str
+    view: Components,
+    problems: Sequence[Problem],
+    config: Config,
+    mode: str,
+    output: Path,
+    label: str,
+    progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
     from retool.evaluate.runner import run_eval
 
@@ -257,10 +286,11 @@ async def _evaluate_mode(
         config=config,
         mode=mode,
         output=output,
-        identity={"model": label, "checkpoint": label, "dataset": "tasks-test"},
+        identity={"model": label, "checkpoint": label, "dataset": "held-out"},
         concurrency=len(problems),
         bootstrap_resamples=200,
         save_transcripts=True,  # full trajectories for `retool view`
+        on_progress=progress,
     )
 
 
@@ -280,6 +310,11 @@ _SFT_KEYS = (
     "seed",
     "size",
     "eval_modes",
+    "test_hard_fraction",
+    "gsm8k_problems",
+    "config.model.name",
+    "config.model.system_prompt",
+    "config.lora",
     "config.data.seed",
     "config.data.task_count",
     "config.data.task_test_count",
@@ -290,53 +325,186 @@ _SFT_KEYS = (
     "config.eval.seed",
     "config.backend.micro_batch_tokens",
 )
+# Settings a resumed run may change: where it runs and how it reports, not what it computes.
+_RESUME_FREE = ("out", "resume", "plots", "data_dir")
+PHASES_FILE = "phases.json"
+
+
+class _Phases:
+    """The finished phases of a run folder (``phases.json``) with their seconds and throughput: a resumed
+    run skips them and still reports the whole time split."""
+
+    def __init__(self, out: Path) -> None:
+        self.path = out / PHASES_FILE
+        self.data: dict[str, dict[str, Any]] = (
+            json.loads(self.path.read_text(encoding="utf-8")) if self.path.is_file() else {}
+        )
+
+    def done(self, name: str) -> bool:
+        return name in self.data
+
+    def record(self, name: str, entry: dict[str, Any]) -> None:
+        from retool.train.checkpoint import write_text_atomic
+
+        self.data[name] = entry
+        write_text_atomic(self.path, json.dumps(self.data, indent=2) + "\n")
 
 
 class _Clock:
-    """Phase timings of one demo run, reported through ``emit`` as each phase ends."""
+    """Phase timings of one demo run, reported through ``emit`` as each phase ends and kept in
+    ``phases.json``; ``measure`` adds the backend's sampling / training counters and the sandbox's
+    execution time of the phase (``throughput`` in the report)."""
 
-    def __init__(self, result: DemoResult, emit: Event) -> None:
+    def __init__(self, result: DemoResult, emit: Event, phases: _Phases | None = None) -> None:
         self.result, self.emit = result, emit
+        self.phases = phases
         self.t0 = time.perf_counter()
+        self._marks: dict[str, Any] = {}
+
+    def measure(self, parts: Components | None) -> None:
+        """Count the work of ``parts`` (backend, sandbox) from now until the phase ends."""
+        self._marks = {"parts": parts, "before": _work(parts)}
 
     def done(self, name: str) -> None:
-        self.result.timings[name] = round(time.perf_counter() - self.t0, 1)
-        self.emit("phase_done", {"phase": name, "seconds": self.result.timings[name]})
+        seconds = round(time.perf_counter() - self.t0, 1)
+        self.result.timings[name] = seconds
+        entry: dict[str, Any] = {"seconds": seconds}
+        if self._marks.get("parts") is not None:
+            after = _work(self._marks["parts"])
+            entry["work"] = {k: round(after[k] - self._marks["before"].get(k, 0.0), 3) for k in after}
+            self.result.throughput[name] = entry["work"]
+        if self.phases is not None:
+            self.phases.record(name, entry)
+        self.emit("phase_done", {"phase": name, "seconds": seconds})
         self.t0 = time.perf_counter()
+        self._marks = {}
+
+    def skip(self, name: str) -> bool:
+        """True (and the recorded timing restored) when a resumed run finished ``name`` already."""
+        if self.phases is None or not self.phases.done(name):
+            return False
+        entry = self.phases.data[name]
+        self.result.timings[name] = float(entry["seconds"])
+        if "work" in entry:
+            self.result.throughput[name] = dict(entry["work"])
+        self.emit("phase_done", {"phase": name, "seconds": entry["seconds"], "resumed": True})
+        self.t0 = time.perf_counter()
+        return True
+
+
+_WORK_KEYS = (
+    "sample_seconds",
+    "prefill_seconds",
+    "sampled_tokens",
+    "sampled_sequences",
+    "prefill_tokens",
+    "train_seconds",
+    "trained_tokens",
+    "trained_padded_tokens",
+)
+
+
+def _work(parts: Components | None) -> dict[str, float]:
+    """Cumulative work counters: the local backend's ``stats`` and the sandbox's execution seconds."""
+    out: dict[str, float] = {}
+    if parts is None:
+        return out
+    stats = getattr(parts.backend, "stats", None)
+    if stats is not None:
+        out.update({key: float(getattr(stats, key)) for key in _WORK_KEYS})
+    exec_stats = getattr(parts.executor, "stats", None)
+    if exec_stats is not None:
+        out["exec_calls"] = float(exec_stats.calls)
+        out["exec_seconds"] = float(exec_stats.total_latency)
+    return out
 
 
 def _start(settings: DemoSettings, out: Path) -> Config:
-    """Claim the run folder, record the settings, set torch's threads and seed; the config in force."""
+    """Claim the run folder (or, ``resume``, check it is this run's), record the settings, set torch's
+    threads and seed; the config in force."""
     import torch
 
-    if (out / "report.json").exists() or (out / "rl").exists():
-        raise FileExistsError(f"{out} already holds a demo run; choose another --out or remove it")
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "settings.json").write_text(json.dumps(settings.as_dict(), indent=2) + "\n")
+    if settings.config.model.name != "tiny":  # a missing model fails before the folder is claimed
+        from retool.tasks.real_model import resolve_model_path
+
+        resolve_model_path(settings.config.model.name)
+    saved = out / "settings.json"
+    if settings.resume:
+        if not saved.is_file():
+            raise FileNotFoundError(f"--resume {out}: no demo run there (no settings.json)")
+        earlier = json.loads(saved.read_text(encoding="utf-8"))
+        mine = json.loads(json.dumps(settings.as_dict(), default=str))
+        differ = [k for k in mine if k not in _RESUME_FREE and earlier.get(k) != mine[k]]
+        differ += [f"config.{k}" for k, v in mine["config"].items() if earlier.get("config", {}).get(k) != v]
+        differ = [k for k in differ if k != "config"]
+        if differ:
+            raise ValueError(
+                f"--resume {out}: the run was started with other settings ({', '.join(differ)}); "
+                "resume with the same options"
+            )
+    elif (out / "report.json").exists() or (out / "rl").exists() or (out / PHASES_FILE).exists():
+        raise FileExistsError(
+            f"{out} already holds a demo run; continue it with --resume, or choose another --out"
+        )
+    else:
+        out.mkdir(parents=True, exist_ok=True)
+        saved.write_text(json.dumps(settings.as_dict(), indent=2, default=str) + "\n")
     torch.set_num_threads(max(1, settings.config.backend.cpu_threads))
     torch.manual_seed(settings.seed)
     return with_available_isolation(settings.config)
 
 
+def held_out(settings: DemoSettings, env: TaskFamilyEnv) -> tuple[list[Task], list[Task], list[Problem]]:
+    """The train tasks, the held-out test tasks and the evaluation set (test tasks, plus the GSM8K slice
+    for real models). With ``test_hard_fraction`` the test split is drawn with that hard share and held
+    out against the actual train split (``generate_tasks`` holds a split out against a train stream of
+    the same share)."""
+    from retool.data.synthetic import generate_tasks
+
+    train = env.tasks("train")
+    if settings.test_hard_fraction is None:
+        test = env.tasks("test")
+    else:
+        d = settings.config.data
+        seen = {t.question for t in train if t.hard}
+        pool = generate_tasks(
+            2 * d.task_test_count + 16,
+            seed=d.seed,
+            hard_fraction=settings.test_hard_fraction,
+            kinds=list(d.task_kinds) or None,
+            split="test",
+        )
+        test = [t for t in pool if t.question not in seen][: d.task_test_count]
+    problems = [t.to_problem() for t in test]
+    if settings.gsm8k_problems > 0:
+        from retool.tasks.real_model import gsm8k_problems
+
+        problems += gsm8k_problems(settings.gsm8k_problems, settings.data_dir, seed=settings.seed)
+    return train, test, problems
+
+
 def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResult:
-    """Build, SFT, evaluate, RL, evaluate; write everything under ``settings.out``.
+    """(Zero-shot eval), SFT, evaluate, RL, evaluate; write everything under ``settings.out``.
 
     RL starts from the saved SFT model with a fresh optimizer, exactly as ``retool train --set
     model.name=OUT/model_sft`` would, so ``reuse_sft`` runs and the full pipeline take the same path.
+    With ``resume``, finished phases (``phases.json``) are skipped, RL continues from its last checkpoint
+    and an interrupted evaluation from its JSONL.
     """
     emit = on_event or (lambda kind, data: None)
     out = Path(settings.out)
     config = _start(settings, out)
     result = DemoResult(out=out)
-    clock = _Clock(result, emit)
+    phases = _Phases(out)
+    clock = _Clock(result, emit, phases)
     t_all = time.perf_counter()
+    elapsed_before = sum(float(e["seconds"]) for k, e in phases.data.items() if k != "tasks")
 
     env = task_env(config)
-    train, test = env.tasks("train"), env.tasks("test")
+    train, test, problems = held_out(settings, env)
     write_tasks(out / "tasks" / "train.jsonl", train)
     write_tasks(out / "tasks" / "test.jsonl", test)
     clock.done("tasks")
-    problems = [t.to_problem() for t in test]
 
     if settings.reuse_sft:
         model_sft, evals = _reuse_sft(settings, out, result)
@@ -347,8 +515,9 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
 
     result.table = table_rows(evals)
     result.gain = demo_gain(out / "eval")
-    result.timings["total"] = round(time.perf_counter() - t_all, 1)
+    result.timings["total"] = round(time.perf_counter() - t_all + elapsed_before, 1)
     result.timings["rl_share"] = round(result.timings["rl"] / max(result.timings["total"], 1e-9), 3)
+    result.machine = machine_facts()
     write_report(out, settings.as_dict(), result, evals)
     if settings.plots:
         result.plots = make_plots(out)
@@ -356,6 +525,33 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
 
     write_view([out], out / "view")
     return result
+
+
+def _load_evals(out: Path, label: str, modes: Sequence[str]) -> dict[str, dict[str, Any]]:
+    from retool.evaluate.store import summary_path_for
+
+    evals = {}
+    for mode in modes:
+        records = out / "eval" / f"{label}_{mode}.jsonl"
+        evals[mode] = flat_summary(json.loads(summary_path_for(records).read_text()), records)
+    return evals
+
+
+def _init_model(settings: DemoSettings, out: Path, train: Sequence[Task], clock: _Clock) -> Path:
+    """The model SFT starts from: the tiny model built from the task text, or a real model's file (a name
+    from ``retool.tasks.real_model`` or a path); loading it is part of the ``model`` phase."""
+    name = settings.config.model.name
+    emit = clock.emit
+    if name != "tiny":
+        from retool.tasks.real_model import resolve_model_path
+
+        path = resolve_model_path(name)
+        emit("phase", {"phase": "model", "detail": f"loading {name}: {path}"})
+        return path
+    from retool.tasks.model import build_demo_model
+
+    emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
+    return build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)
 
 
 def _sft_phase(
@@ -366,30 +562,78 @@ def _sft_phase(
     problems: Sequence[Problem],
     clock: _Clock,
 ) -> tuple[Path, Evals]:
-    """Tiny model, cold-start SFT, SFT evaluation; returns the SFT model folder and its evaluation."""
-    from retool.tasks.model import build_demo_model
-
+    """Initial model, zero-shot eval (if asked), cold-start SFT, SFT evaluation; returns the SFT model
+    folder and the evaluations. Each part a resumed run finished already is skipped."""
     emit = clock.emit
-    emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
-    model_init = build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)
-    clock.done("model")
-
-    sft_config = phase_config(config, model_init, out / "rl")
-    with build_components(sft_config) as parts:
-        client = local_backend(parts)
-        emit("phase", {"phase": "sft", "detail": f"{client.num_trainable_parameters():,} parameters"})
-        report = cold_start_sft(parts, train, sft_config, emit)
-        model_sft = save_hf(client, out / "model_sft")
-        clock.result.sft = report.as_dict()
-        (out / "sft_report.json").write_text(json.dumps(clock.result.sft, indent=2) + "\n")
-        clock.done("sft")
-
-        detail = f"{len(problems)} held-out problems x {config.eval.val_n}"
-        emit("phase", {"phase": "eval_sft", "detail": detail})
-        evals = {"sft": evaluate_modes(parts, problems, settings, sft_config, out / "eval", "sft")}
-        emit("eval", {"model": "sft", "summaries": evals["sft"]})
-        clock.done("eval_sft")
+    model_sft = out / "model_sft"
+    evals: Evals = {}
+    n_base = min(settings.base_eval_problems, len(problems))
+    # Every k-th held-out problem, so the zero-shot subset mixes the sources (synthetic, GSM8K) as the set does.
+    base_problems = list(problems)[:: max(1, len(problems) // n_base)][:n_base] if n_base else []
+    if clock.skip("sft") and (model_sft / "config.json").is_file():
+        if n_base and clock.skip("eval_base"):
+            evals["base"] = _load_evals(out, "base", ["retool"])
+        clock.result.sft = json.loads((out / "sft_report.json").read_text())
+    else:
+        model_init = _init_model(settings, out, train, clock)
+        sft_config = phase_config(config, model_init, out / "rl")
+        with build_components(sft_config) as parts:
+            client = local_backend(parts)
+            clock.done("model")
+            if n_base and clock.skip("eval_base"):
+                evals["base"] = _load_evals(out, "base", ["retool"])
+            elif n_base:
+                emit("phase", {"phase": "eval_base", "detail": f"zero-shot, {n_base} held-out problems"})
+                clock.measure(parts)
+                evals["base"] = evaluate_modes(
+                    parts, base_problems, settings, sft_config, out / "eval", "base", ["retool"], emit
+                )
+                emit("eval", {"model": "base", "summaries": evals["base"]})
+                clock.done("eval_base")
+            emit("phase", {"phase": "sft", "detail": _trainable(client)})
+            clock.measure(parts)
+            report = cold_start_sft(parts, train, sft_config, emit)
+            save_hf(client, model_sft)
+            clock.result.sft = report.as_dict()
+            (out / "sft_report.json").write_text(json.dumps(clock.result.sft, indent=2) + "\n")
+            clock.done("sft")
+            evals["sft"] = _eval_phase(settings, parts, sft_config, problems, clock, "sft")
+        return model_sft, evals
+    if clock.skip("eval_sft"):
+        evals["sft"] = _load_evals(out, "sft", settings.eval_modes)
+    else:  # resumed after SFT: the evaluation needs no adapter
+        eval_config = _no_lora(phase_config(config, model_sft, out / "rl"))
+        with build_components(eval_config) as parts:
+            evals["sft"] = _eval_phase(settings, parts, eval_config, problems, clock, "sft")
     return model_sft, evals
+
+
+def _eval_phase(
+    settings: DemoSettings,
+    parts: Components,
+    config: Config,
+    problems: Sequence[Problem],
+    clock: _Clock,
+    label: str,
+) -> dict[str, dict[str, Any]]:
+    emit = clock.emit
+    detail = f"{len(problems)} held-out problems x {config.eval.val_n}"
+    emit("phase", {"phase": f"eval_{label}", "detail": detail})
+    clock.measure(parts)
+    evals = evaluate_modes(parts, problems, settings, config, Path(settings.out) / "eval", label, emit=emit)
+    emit("eval", {"model": label, "summaries": evals})
+    clock.done(f"eval_{label}")
+    return evals
+
+
+def _no_lora(config: Config) -> Config:
+    return config.model_copy(update={"lora": config.lora.model_copy(update={"enabled": False})})
+
+
+def _trainable(client: LocalTrainingClient) -> str:
+    lora = client.lora
+    kind = f"LoRA r={lora.rank} on {', '.join(lora.target_modules)}" if lora else "full fine-tuning"
+    return f"{client.num_trainable_parameters():,} trainable parameters ({kind})"
 
 
 def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[Path, Evals]:
@@ -438,29 +682,35 @@ def _rl_phase(
     problems: Sequence[Problem],
     clock: _Clock,
 ) -> dict[str, dict[str, Any]]:
-    """RL from the SFT model with the real sandbox and verifier, then its evaluation."""
+    """RL from the SFT model with the real sandbox and verifier (resuming from its checkpoints), then its
+    evaluation."""
     from retool.train.loop import Trainer
 
     emit, out = clock.emit, Path(settings.out)
-    emit("phase", {"phase": "rl", "detail": _rl_detail(config)})
+    model_rl = out / "model_rl"
     rl_config = phase_config(config, model_sft, out / "rl")
     steps = config.train.steps
+    if clock.skip("rl") and (model_rl / "config.json").is_file():
+        if clock.skip("eval_rl"):
+            return _load_evals(out, "rl", settings.eval_modes)
+        eval_config = _no_lora(phase_config(config, model_rl, out / "rl"))
+        with build_components(eval_config) as parts:
+            return _eval_phase(settings, parts, eval_config, problems, clock, "rl")
+    resume = (out / "rl" / "config.toml").is_file()
+    emit("phase", {"phase": "rl", "detail": _rl_detail(config) + (", resumed" if resume else "")})
     with build_components(rl_config) as parts:
+        clock.measure(parts)
         Trainer(
             rl_config,
             out / "rl",
+            resume=resume,
             env=env,
             components=parts,
             on_step=lambda step, metrics: emit("rl_step", {"step": step, "steps": steps, "metrics": metrics}),
         ).run()
-        save_hf(local_backend(parts), out / "model_rl")
+        save_hf(local_backend(parts), model_rl)
         clock.done("rl")
-
-        emit("phase", {"phase": "eval_rl", "detail": "same problems, settings and verifier"})
-        evals = evaluate_modes(parts, problems, settings, rl_config, out / "eval", "rl")
-        emit("eval", {"model": "rl", "summaries": evals})
-        clock.done("eval_rl")
-    return evals
+        return _eval_phase(settings, parts, rl_config, problems, clock, "rl")
 
 
 # -- `retool sft` on its own -----------------------------------------------------------------------

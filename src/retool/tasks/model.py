@@ -23,9 +23,10 @@ _SYSTEM_OPEN = "<|im_start|>system\n"
 _TURN_END = "<|im_end|>"
 
 
-def protocol_for(tokenizer: Any, use_tools: bool = True) -> ChatProtocol:
-    """The ``retool.protocol.ChatProtocol`` (Hermes, detected from the tiny template)."""
-    return ChatProtocol(tokenizer, fmt="auto", use_tools=use_tools)
+def protocol_for(tokenizer: Any, use_tools: bool = True, system_prompt: str = "full") -> ChatProtocol:
+    """The demo's ``retool.protocol.ChatProtocol``: the call format detected from the chat template
+    (Hermes for the tiny model, markdown for templates without tools such as SmolLM2's)."""
+    return ChatProtocol(tokenizer, fmt="auto", use_tools=use_tools, system_prompt=system_prompt)
 
 
 def fixed_prompt_blocks(tokenizer: Any) -> list[str]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -18,17 +19,20 @@ Evals = dict[str, dict[str, dict[str, Any]]]  # {"sft" | "rl": {mode: flat summa
 
 
 def difficulty_breakdown(records_path: Path) -> dict[str, Any]:
-    """Accuracy / tool-call rate / format rate on easy vs hard problems, from an eval's JSONL."""
-    buckets: dict[str, list[dict[str, Any]]] = {"easy": [], "hard": []}
+    """Accuracy / tool-call rate / format rate on easy vs hard synthetic problems and on GSM8K, from an
+    eval's JSONL."""
+    buckets: dict[str, list[dict[str, Any]]] = {"easy": [], "hard": [], "gsm8k": []}
     with records_path.open(encoding="utf-8") as fh:
         for line in fh:
             if not line.strip():
                 continue
             rec = json.loads(line)
-            parsed = parse_source(str(rec.get("data_source", "")))
-            if parsed is None:
-                continue
-            buckets["hard" if parsed[1] else "easy"].extend(rec.get("candidates", []))
+            source = str(rec.get("data_source", ""))
+            parsed = parse_source(source)
+            if parsed is not None:
+                buckets["hard" if parsed[1] else "easy"].extend(rec.get("candidates", []))
+            elif source == "gsm8k":  # retool.tasks.real_model.GSM8K_SOURCE
+                buckets["gsm8k"].extend(rec.get("candidates", []))
     out: dict[str, Any] = {}
     for name, cands in buckets.items():
         n = len(cands)
@@ -49,24 +53,41 @@ TABLE_COLUMNS: tuple[tuple[str, str, str], ...] = (
     ("easy_tool_call_rate", "Tool easy", "pct"),
     ("hard_tool_call_rate", "Tool hard", "pct"),
 )
+# Shown when the held-out set has GSM8K problems (real models): accuracy and valid-call rate there, and
+# the share of all samples with at least one well-formed call.
+GSM8K_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("tool_call_rate", "Valid call", "pct"),
+    ("gsm8k_accuracy", "Acc GSM8K", "pct"),
+    ("gsm8k_tool_call_rate", "Call GSM8K", "pct"),
+)
+
+
+def _columns(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+    with_gsm8k = any(row.get("gsm8k_candidates") for row in rows)
+    base = TABLE_COLUMNS
+    if with_gsm8k and not any(row.get("easy_candidates") for row in rows):
+        base = tuple(c for c in TABLE_COLUMNS if not c[0].startswith("easy_"))  # nothing easy held out
+    return base + GSM8K_COLUMNS if with_gsm8k else base
 
 
 def table_rows(evals: Evals) -> list[dict[str, Any]]:
     rows = []
+    keys = [key for key, _, _ in TABLE_COLUMNS + GSM8K_COLUMNS] + ["easy_candidates", "gsm8k_candidates"]
     for stage, by_mode in evals.items():
         for mode, summary in by_mode.items():
-            row: dict[str, Any] = {"model": stage, "mode": mode}
-            row.update({key: summary.get(key) for key, _, _ in TABLE_COLUMNS})
+            row = {"model": stage, "mode": mode, "problems": summary.get("problems")}
+            row.update({key: summary.get(key) for key in keys})
             rows.append(row)
     return rows
 
 
 def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
-    header = ["model", "mode"] + [title for _, title, _ in TABLE_COLUMNS]
+    columns = _columns(rows)
+    header = ["model", "mode"] + [title for _, title, _ in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     for row in rows:
         cells = [str(row["model"]), str(row["mode"])]
-        for key, _, kind in TABLE_COLUMNS:
+        for key, _, kind in columns:
             v = row.get(key)
             cells.append("-" if v is None else (f"{100 * v:.1f}%" if kind == "pct" else f"{v:.2f}"))
         lines.append("| " + " | ".join(cells) + " |")
@@ -109,6 +130,9 @@ class DemoResult:
     sft: dict[str, Any] = field(default_factory=dict)
     plots: list[str] = field(default_factory=list)
     gain: dict[str, Any] = field(default_factory=dict)  # RL over SFT, retool mode (see ``demo_gain``)
+    # Per phase: sampled / trained tokens and seconds of the backend, sandbox execution seconds.
+    throughput: dict[str, dict[str, float]] = field(default_factory=dict)
+    machine: dict[str, Any] = field(default_factory=dict)  # see ``machine_facts``
 
 
 def write_report(out: Path, settings: dict[str, Any], result: DemoResult, evals: Evals) -> None:
@@ -118,11 +142,79 @@ def write_report(out: Path, settings: dict[str, Any], result: DemoResult, evals:
         "table": result.table,
         "gain": result.gain,
         "timings": result.timings,
+        "throughput": result.throughput,
+        "machine": result.machine,
         "sft": result.sft,
         "evals": evals,
     }
     (out / "report.json").write_text(json.dumps(report_json, indent=2, default=str) + "\n")
-    (out / "report.md").write_text(markdown_table(result.table) + "\n\n" + gain_line(result.gain) + "\n")
+    parts = [markdown_table(result.table), gain_line(result.gain)]
+    if result.throughput:
+        parts.append(time_split_markdown(result.timings, result.throughput))
+    (out / "report.md").write_text("\n\n".join(parts) + "\n")
+
+
+def time_split_markdown(timings: dict[str, float], throughput: dict[str, dict[str, float]]) -> str:
+    """Per phase: wall seconds, and the backend's sampling / training seconds, tokens and tokens/s, and
+    the sandbox's execution seconds (the sandbox runs beside sampling, so the parts may overlap)."""
+    lines = [
+        "| phase | wall s | sampling s | sampled tok | tok/s | training s | trained tok | tok/s | exec s |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    total: dict[str, float] = {}
+    for phase, seconds in timings.items():
+        if phase in ("total", "rl_share"):
+            continue
+        w = throughput.get(phase, {})
+        for k, v in w.items():
+            total[k] = total.get(k, 0.0) + v
+        lines.append(_split_row(phase, seconds, w))
+    lines.append(_split_row("**total**", timings.get("total", 0.0), total))
+    return "\n".join(lines)
+
+
+def _split_row(name: str, seconds: float, w: dict[str, float]) -> str:
+    def rate(tokens: str, secs: str) -> str:
+        return f"{w[tokens] / w[secs]:.1f}" if w.get(secs) else "-"
+
+    def num(key: str, fmt: str = "{:.0f}") -> str:
+        return fmt.format(w[key]) if w.get(key) else "-"
+
+    return (
+        f"| {name} | {seconds:.0f} | {num('sample_seconds')} | {num('sampled_tokens')} | "
+        f"{rate('sampled_tokens', 'sample_seconds')} | {num('train_seconds')} | {num('trained_tokens')} | "
+        f"{rate('trained_tokens', 'train_seconds')} | {num('exec_seconds', '{:.1f}')} |"
+    )
+
+
+def machine_facts() -> dict[str, Any]:
+    """What the run's numbers depend on: CPUs, memory, torch, peak memory of this process and its
+    children (sandbox, verifier), and the load average when the report was written."""
+    import platform
+    import resource
+
+    import torch
+
+    facts: dict[str, Any] = {
+        "cpus": os.cpu_count(),
+        "cpu": platform.processor() or platform.machine(),
+        "torch": torch.__version__,
+        "torch_threads": torch.get_num_threads(),
+        # ru_maxrss is in KiB on Linux
+        "peak_rss_gib": round(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20, 2),
+        "children_peak_rss_gib": round(resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss / 2**20, 2),
+    }
+    try:
+        facts["load_average"] = [round(x, 2) for x in os.getloadavg()]
+        with open("/proc/meminfo", encoding="ascii") as fh:
+            facts["memory_gib"] = round(int(fh.readline().split()[1]) / 2**20, 1)
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as fh:
+            names = [ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")]
+        if names:
+            facts["cpu"] = names[0]
+    except OSError:
+        pass
+    return facts
 
 
 def gain_line(gain: dict[str, Any]) -> str:
