@@ -1,11 +1,15 @@
-"""End to end: the demo's RL raises retool-mode accuracy and hard-problem tool use above the SFT model.
+"""End to end: the demo's RL, not its SFT, carries the result on held-out problems.
 
-Measured, not asserted from constants: both numbers come from evaluating the SFT and the RL policy on
-the same held-out synthetic problems with the same sampling settings, sandbox and verifier.
+Measured, not asserted from constants: both evaluations run the SFT and the RL policy on the same 200
+held-out synthetic problems (N = 4 samples each) with the same sampling settings, sandbox and verifier.
 
-Seed 0 is the demo's default. Measured on other seeds (same settings): hard-problem tool use rose from
-38% to 90% (seed 1) and 23% to 98% (seed 2); retool Average@4 rose by 7 and 11 points there, against 26
-at seed 0 -- the gain is bounded by how well SFT taught the tiny model to copy numbers, which varies by seed.
+Why these thresholds hold on any CPU: another CPU's float rounding sends a run down a different path, as
+another seed does, so the margin comes from the spread over seeds. ``bench/learning.py`` (seeds 0..4, the
+demo's defaults, a 2-core AMD EPYC with AVX2 only; numbers in the README) measured a retool-mode gain of
++28.5 to +37.4 points Average@4 (mean +32.3, sd 3.3 over seeds; every 95% paired interval's lower end at
++22.9 or above) and a hard-problem gain of +64.8 to +82.1 points (mean +73.2, sd 7.3). The test asks for the
+issue's targets, +15 and +25 points: 4.0 and 5.4 standard deviations (over seeds) below the smallest gains
+measured, so a run that misses them has lost the learning, not a few problems.
 """
 
 from __future__ import annotations
@@ -17,25 +21,31 @@ import pytest
 
 from retool.tasks.demo import DemoSettings, run_demo
 
+MIN_GAIN = 0.15  # Average@4, retool mode, RL minus SFT (paired, same problems)
+MIN_HARD_GAIN = 0.25  # accuracy on the hard problems
+
 
 @pytest.mark.slow
-@pytest.mark.timeout(900)
+@pytest.mark.timeout(1500)
 def test_rl_beats_sft_on_held_out_tasks(tmp_path: Path) -> None:
     settings = DemoSettings(out=str(tmp_path / "demo"), plots=False)  # the demo preset: seed 0
     result = run_demo(settings)
     report = json.loads((result.out / "report.json").read_text())
     sft, rl = report["evals"]["sft"]["retool"], report["evals"]["rl"]["retool"]
-    print(json.dumps({"sft": sft, "rl": rl, "timings": report["timings"]}, indent=1, default=str))
+    gain = report["gain"]
+    print(json.dumps({"gain": gain, "sft": sft, "rl": rl, "timings": report["timings"]}, indent=1))
 
-    # The SFT policy is a protocol-valid starting point (the chapter's check before RL) ...
-    assert sft["format_rate"] > 0.5
-    # ... and RL improves what it was rewarded for, on problems it never trained on.
-    assert rl["average_at_n"] >= sft["average_at_n"] + 0.10, (sft["average_at_n"], rl["average_at_n"])
-    assert rl["hard_tool_call_rate"] >= sft["hard_tool_call_rate"] + 0.15, (
-        sft["hard_tool_call_rate"],
-        rl["hard_tool_call_rate"],
-    )
-    assert rl["hard_accuracy"] > sft["hard_accuracy"]
+    # The SFT policy is a protocol-valid starting point (the chapter's check before RL) that can use the
+    # tool but seldom does where it should ...
+    assert sft["format_rate"] > 0.9
+    assert sft["hard_tool_call_rate"] < 0.5
+    # ... and RL improves what it was rewarded for, on problems it never trained on, beyond noise.
+    avg = gain["average_at_n"]
+    assert avg["problems"] >= 200
+    assert avg["gain"] >= MIN_GAIN, avg
+    assert avg["ci95"][0] > 0.0, avg
+    assert gain["hard_accuracy"]["gain"] >= MIN_HARD_GAIN, gain["hard_accuracy"]
+    assert rl["hard_tool_call_rate"] >= sft["hard_tool_call_rate"] + 0.3
     # Text-only mode has no interpreter: it cannot solve the hard problems, before or after.
     assert report["evals"]["rl"]["text-only"]["hard_tool_call_rate"] == 0.0
     for name in ("report.md", "model_sft/config.json", "model_rl/config.json", "rl/metrics.jsonl"):
