@@ -74,6 +74,25 @@ def test_reuse_sft_redoes_only_rl_from_the_same_model(
     assert all(r["sampling/rounds"] == 1 for r in rows)
 
 
+def test_reuse_sft_accepts_a_run_written_before_settings_were_added(
+    first_run: tuple[DemoSettings, Path], tmp_path: Path
+) -> None:
+    """A run folder from an older version lacks the settings added since; it ran with their defaults."""
+    import shutil
+
+    settings, first = first_run
+    old = tmp_path / "old"
+    shutil.copytree(first, old)
+    recorded = json.loads((old / "settings.json").read_text())
+    del recorded["gsm8k_problems"], recorded["config"]["model"]["system_prompt"]
+    (old / "settings.json").write_text(json.dumps(recorded))
+    result = run_demo(replace(settings, out=str(tmp_path / "e"), reuse_sft=str(old)))
+    assert "reuse_sft" in result.timings
+    # ... but a missing setting whose default differs from this run's is still a difference.
+    with pytest.raises(ValueError, match="differ in gsm8k_problems"):
+        run_demo(replace(settings, out=str(tmp_path / "f"), reuse_sft=str(old), gsm8k_problems=3))
+
+
 def test_reuse_sft_refuses_other_tasks_or_missing_runs(
     first_run: tuple[DemoSettings, Path], tmp_path: Path
 ) -> None:

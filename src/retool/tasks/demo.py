@@ -648,7 +648,14 @@ def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[P
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--reuse-sft {source}: not a finished demo run ({exc})") from None
     mine = settings.as_dict()
-    differ = [k for k in _SFT_KEYS if setting_value(earlier, k) != setting_value(mine, k)]
+    # A run written by an older version lacks the settings added since: it ran with their defaults.
+    defaults = DemoSettings().as_dict()
+
+    def before(key: str) -> Any:
+        value = setting_value(earlier, key)
+        return setting_value(defaults, key) if value is None else value
+
+    differ = [k for k in _SFT_KEYS if before(k) != setting_value(mine, k)]
     if differ:
         raise ValueError(f"--reuse-sft {source}: its settings differ in {', '.join(differ)}")
     if not (source / "model_sft" / "config.json").is_file():
