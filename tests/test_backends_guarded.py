@@ -333,6 +333,25 @@ def test_guard_applies_to_remote_backends_by_default() -> None:
     )
 
 
+def test_every_command_gets_the_guard_through_build_components(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Train, eval, sft and demo build their parts with ``build_components``: a remote backend comes back
+    behind the guard there (so ``retool eval`` has the same timeouts as training), a local one bare."""
+    import retool.backends as backends
+    from retool.components import build_components
+
+    service = FakeService()
+    monkeypatch.setattr(backends, "make_training_client", lambda config: service)
+    monkeypatch.setattr("retool.protocol.ChatProtocol.from_config", lambda *a, **k: object())
+    remote = build_components(load_config(None, ["backend.kind='tinker'"]), tools=False)
+    local = build_components(load_config(None, []), tools=False)
+    try:
+        assert isinstance(remote.backend, GuardedTrainingClient) and remote.backend.inner is service
+        assert local.backend is service
+    finally:
+        remote.verifier.close()
+        local.verifier.close()
+
+
 def test_replay_on_the_real_local_backend_gives_the_same_gradient(tiny_model_dir) -> None:
     """The local backend's ``zero_grad_async`` + replay: after a forward_backward whose answer was lost
     (applied, then the connection "dropped"), the accumulated gradient equals a fault-free one bitwise."""

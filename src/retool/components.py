@@ -87,11 +87,14 @@ def build_components(config: Config, *, tools: bool = True) -> Components:
     parts already built are closed before the error propagates.
     """
     from retool.backends import make_training_client
+    from retool.backends.guarded import guard_training_client
     from retool.protocol import ChatProtocol
     from retool.reward import Verifier
     from retool.sandbox import make_executor
 
-    backend = make_training_client(config)
+    # Behind the retry guard as ``[retry]`` says (remote backends by default): evaluation and SFT get the
+    # same timeouts and retries as training.
+    backend = guard_training_client(make_training_client(config), config)
     executor: Executor | None = None
     try:
         protocol = ChatProtocol.from_config(backend.tokenizer, config, use_tools=tools)

@@ -165,10 +165,17 @@ def local_backend(parts: Components) -> LocalTrainingClient:
 
 
 def sandbox_observer(executor: Executor) -> Callable[[str], str]:
-    """SFT observations: the canonical code's REAL output through the sandbox executor."""
+    """SFT observations: the canonical code's REAL output through the sandbox executor.
+
+    Each distinct program runs once: canonical code is deterministic, and the two SFT stages share
+    their problems, so most of the second stage's calls would repeat the first's.
+    """
+    seen: dict[str, str] = {}
 
     def observe(code: str) -> str:
-        return executor.format_tool_content(executor.run(code))
+        if code not in seen:
+            seen[code] = executor.format_tool_content(executor.run(code))
+        return seen[code]
 
     return observe
 
