@@ -1,16 +1,19 @@
-"""Benchmark: does RL, not SFT, carry the demo's result, on every seed? And what does dynamic sampling add?
+"""Benchmark: does RL, not SFT, carry the demo's result, on every seed? And what do its options change?
 
 For each seed the whole ``retool demo`` pipeline runs with its defaults (cold-start SFT, SFT evaluation,
-RL with dynamic sampling, RL evaluation). The ablation then reruns only RL and its evaluation from the
-same SFT model with dynamic sampling off (``DemoSettings.reuse_sft``), so the two RL runs differ in that
-one setting. Everything is evaluated on the same held-out problems with the same sampling settings.
+RL, RL evaluation). Each ablation then reruns only RL and its evaluation from the same SFT model with
+other settings (``DemoSettings.reuse_sft``), so the RL runs of a seed differ in those settings alone.
+Everything is evaluated on the same held-out problems with the same sampling settings.
 
     python bench/learning.py                       # seeds 0..4 with the ablation (about an hour on 2 cores)
     python bench/learning.py --seeds 0,1 --no-ablation
     python bench/learning.py --set train.steps=80  # any config key of the demo preset, or a demo field
+    python bench/learning.py --ablation rollout.text_only_share=0.25 --ablation filters.dynamic_sampling=false
 
-Prints one table per arm (seed, SFT and RL Average@N, the paired gain with its 95% bootstrap interval,
-hard-problem accuracy, degenerate-group rate, time split) and a comparison of the arms. Finished seeds
+Prints the default arm's table (seed, SFT and RL Average@N, the paired gain with its 95% bootstrap
+interval, hard-problem accuracy, tool use, text-only accuracy, degenerate-group rate, time split), the
+targets it meets, and one comparison table per ablation (``--ablation KEY=VALUE[,KEY=VALUE]``, repeatable:
+RL redone from the same SFT model with those overrides; default: dynamic sampling flipped). Finished seeds
 are read back from their ``report.json``: rerun the same command to resume an interrupted bench.
 Results also go to ``OUT/learning.json`` and ``OUT/learning.md``.
 """
@@ -96,6 +99,7 @@ def row_of(report: dict[str, Any], out: Path) -> dict[str, Any]:
         "rl_text_only": evals["rl"].get("text-only", {}).get("average_at_n"),
         "sft_text_only": evals["sft"].get("text-only", {}).get("average_at_n"),
         "rl_easy_tool": evals["rl"]["retool"]["easy_tool_call_rate"],
+        "sft_easy_tool": evals["sft"]["retool"]["easy_tool_call_rate"],
         "degenerate_rate": degenerate,
         "groups_sampled": sampled,
         "timings": t,
@@ -112,8 +116,8 @@ def pts(x: float) -> str:
 
 def arm_table(rows: list[dict[str, Any]]) -> str:
     head = (
-        "| seed | SFT Avg@N | RL Avg@N | gain [95% CI] | hard SFT -> RL | tool on hard | text-only SFT -> RL "
-        "| degenerate groups | SFT s | RL s | total s | RL share |"
+        "| seed | SFT Avg@N | RL Avg@N | gain [95% CI] | hard SFT -> RL | tool on hard | tool on easy "
+        "| text-only SFT -> RL | degenerate groups | SFT s | RL s | total s | RL share |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
@@ -122,6 +126,7 @@ def arm_table(rows: list[dict[str, Any]]) -> str:
         lines.append(
             f"| {r['seed']} | {pct(r['sft'])} | {pct(r['rl'])} | {pts(r['gain'])} [{pts(lo)}, {pts(hi)}] "
             f"| {pct(r['sft_hard'])} -> {pct(r['rl_hard'])} | {pct(r['sft_hard_tool'])} -> {pct(r['rl_hard_tool'])} "
+            f"| {pct(r['sft_easy_tool'])} -> {pct(r['rl_easy_tool'])} "
             f"| {pct(r['sft_text_only'])} -> {pct(r['rl_text_only'])} | {pct(r['degenerate_rate'])} "
             f"| {t.get('sft', 0.0):.0f} | {t['rl']:.0f} | {t['total']:.0f} | {pct(t.get('rl_share'))} |"
         )
@@ -155,13 +160,52 @@ def target_check(rows: list[dict[str, Any]]) -> list[str]:
     return notes
 
 
+def arm_slug(overrides: list[str]) -> str:
+    """A folder name for an ablation arm: its overrides, filesystem-safe."""
+    return "+".join(o.replace("=", "-").replace("/", "_") for o in overrides)
+
+
+def ablation_table(name: str, base_rows: list[dict[str, Any]], rows: list[dict[str, Any]]) -> list[str]:
+    """The default arm against one ablation, seed by seed (same SFT model per seed)."""
+    lines = [
+        "",
+        f"## ablation: {name} (RL and its evaluation redone from the same SFT model per seed)",
+        "",
+        "| seed | gain default | gain ablation | hard default | hard ablation | text-only after RL default "
+        "| ablation | tool on easy default | ablation | groups sampled default | ablation | RL s default "
+        "| ablation |",
+        "|" + "---|" * 13,
+    ]
+    for a, b in zip(base_rows, rows, strict=True):
+        lines.append(
+            f"| {a['seed']} | {pts(a['gain'])} | {pts(b['gain'])} | {pts(a['hard_gain'])} | {pts(b['hard_gain'])} "
+            f"| {pct(a['rl_text_only'])} | {pct(b['rl_text_only'])} | {pct(a['rl_easy_tool'])} "
+            f"| {pct(b['rl_easy_tool'])} | {a['groups_sampled']:.0f} | {b['groups_sampled']:.0f} "
+            f"| {a['timings']['rl']:.0f} | {b['timings']['rl']:.0f} |"
+        )
+    mean_a = statistics.fmean(r["gain"] for r in base_rows)
+    mean_b = statistics.fmean(r["gain"] for r in rows)
+    lines.append(
+        f"\nmean gain: default {pts(mean_a)}, ablation {pts(mean_b)} points (difference {pts(mean_b - mean_a)})"
+    )
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--seeds", default="0,1,2,3,4", help="comma-separated seeds (default 0..4)")
     parser.add_argument("--out", type=Path, default=Path("runs/bench-learning"))
-    parser.add_argument("--no-ablation", action="store_true", help="skip the dynamic-sampling-off arm")
+    parser.add_argument(
+        "--ablation",
+        action="append",
+        default=None,
+        metavar="KEY=VALUE[,KEY=VALUE]",
+        help="an RL-only arm from each seed's SFT model with these overrides (repeatable; default: "
+        "dynamic sampling flipped)",
+    )
+    parser.add_argument("--no-ablation", action="store_true", help="only the default arm")
     parser.add_argument(
         "--set",
         action="append",
@@ -175,51 +219,42 @@ def main(argv: list[str] | None = None) -> int:
     log.setLevel(logging.INFO)
     base = settings_from(args)
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    flipped = f"filters.dynamic_sampling={'false' if base.config.filters.dynamic_sampling else 'true'}"
+    ablations = [] if args.no_ablation else [a.split(",") for a in (args.ablation or [flipped])]
     started = time.perf_counter()
-    arms: dict[str, list[dict[str, Any]]] = {"dynamic sampling on": [], "dynamic sampling off": []}
+    default_rows: list[dict[str, Any]] = []
+    ablation_rows: dict[str, list[dict[str, Any]]] = {",".join(a): [] for a in ablations}
     for seed in seeds:
-        on = base.with_seed(seed).with_overrides(["filters.dynamic_sampling=true"])
+        settings = base.with_seed(seed)
         folder = args.out / f"seed{seed}"
-        arms["dynamic sampling on"].append(run_arm(on, folder / "ds_on", log))
-        if not args.no_ablation:
-            off = replace(on, reuse_sft=str(folder / "ds_on")).with_overrides(
-                ["filters.dynamic_sampling=false"]
-            )
-            arms["dynamic sampling off"].append(run_arm(off, folder / "ds_off", log))
+        default_rows.append(run_arm(settings, folder / "main", log))
+        for overrides in ablations:
+            try:
+                arm = replace(settings, reuse_sft=str(folder / "main")).with_overrides(overrides)
+            except ConfigError as exc:
+                raise SystemExit(f"--ablation {','.join(overrides)}: {exc}") from None
+            ablation_rows[",".join(overrides)].append(run_arm(arm, folder / arm_slug(overrides), log))
         print(f"seed {seed} done ({time.perf_counter() - started:.0f} s so far)", file=sys.stderr, flush=True)
 
     lines = [
         f"machine: {machine()}",
         f"settings: {json.dumps({k: v for k, v in base.as_dict().items() if k != 'out'})}",
+        "",
+        "## the demo's defaults",
+        "",
+        arm_table(default_rows),
+        "",
+        "## targets",
+        *target_check(default_rows),
     ]
-    for name, rows in arms.items():
-        if rows:
-            lines += ["", f"## {name}", "", arm_table(rows)]
-    lines += ["", "## targets (dynamic sampling on)", *target_check(arms["dynamic sampling on"])]
-    if arms["dynamic sampling off"]:
-        on_g = [r["gain"] for r in arms["dynamic sampling on"]]
-        off_g = [r["gain"] for r in arms["dynamic sampling off"]]
-        lines += [
-            "",
-            "## ablation: dynamic sampling on vs off (same SFT model per seed)",
-            "",
-            "| seed | gain on | gain off | degenerate groups on | off | RL s on | off |",
-            "|---|---|---|---|---|---|---|",
-        ]
-        for a, b in zip(arms["dynamic sampling on"], arms["dynamic sampling off"], strict=True):
-            lines.append(
-                f"| {a['seed']} | {pts(a['gain'])} | {pts(b['gain'])} | {pct(a['degenerate_rate'])} "
-                f"| {pct(b['degenerate_rate'])} | {a['timings']['rl']:.0f} | {b['timings']['rl']:.0f} |"
-            )
-        lines.append(
-            f"\nmean gain: on {pts(statistics.fmean(on_g))}, off {pts(statistics.fmean(off_g))} points "
-            f"(difference {pts(statistics.fmean(on_g) - statistics.fmean(off_g))})"
-        )
+    for name, rows in ablation_rows.items():
+        lines += ablation_table(name, default_rows, rows)
     text = "\n".join(lines)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "learning.md").write_text(text + "\n")
-    (args.out / "learning.json").write_text(json.dumps({"machine": machine(), "arms": arms}, indent=2) + "\n")
+    result = {"machine": machine(), "default": default_rows, "ablations": ablation_rows}
+    (args.out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 
