@@ -257,3 +257,96 @@ def test_sigint_with_a_full_queue_saves_it_and_stops(tmp_path: Path) -> None:
     assert json.loads((latest / "trainer_state.json").read_text())["extra"]["pipeline"]["batches"] == [4, 5]
     trainer(cfg, tmp_path / "run", resume=True).run()
     assert essentials(read_metrics(tmp_path / "run")) == essentials(read_metrics(tmp_path / "ref"))
+
+
+def test_offpolicy_metrics_reach_tensorboard(tmp_path: Path) -> None:
+    accumulator = pytest.importorskip("tensorboard.backend.event_processing.event_accumulator")
+
+    class MeasuringClient(VersionedClient):  # reports a mismatch, as the real backends do for RL losses
+        async def forward_backward_async(self, datums: Any, loss_fn: Any, loss_config: Any = None) -> Any:
+            result = await super().forward_backward_async(datums, loss_fn, loss_config)
+            result.mismatch_tokens, result.logprob_diff_mean = result.trained_tokens, 0.01
+            return result
+
+    cfg = override_config(config(1, steps=3, every=0), ["logging.tracker='tensorboard'"])
+    trainer(cfg, tmp_path / "run", MeasuringClient()).run()
+    events = accumulator.EventAccumulator(str(tmp_path / "run" / "tensorboard"))
+    events.Reload()
+    tags = set(events.Tags()["scalars"])
+    for tag in (
+        "offpolicy/lag_mean",
+        "offpolicy/lag_max",
+        "offpolicy/logprob_diff_mean",
+        "offpolicy/kl_k3",
+        "offpolicy/ratio_outside",
+        "offpolicy/sampler_check_failed",
+        "time/wait",
+    ):
+        assert tag in tags, tag
+    assert [e.value for e in events.Scalars("offpolicy/lag_max")] == [0.0, 1.0, 1.0]
+
+
+DRIFT = 0.1  # the fake policy's logprob of every sampled token is -0.5 - DRIFT * weight
+
+
+class DriftingClient(VersionedClient):
+    """Measures the sampler/trainer mismatch as the real backends do: the trainer's logprob of a sampled
+    token is -0.5 - DRIFT * (its weight now), the sampler's the same at the weight it sampled with."""
+
+    async def forward_backward_async(self, datums: Any, loss_fn: Any, loss_config: Any = None) -> Any:
+        result = await super().forward_backward_async(datums, loss_fn, loss_config)
+        lp = -0.5 - DRIFT * self.weight
+        diffs = [abs(lp - mu) for d in datums for w, mu in zip(d.weights, d.logprobs, strict=True) if w]
+        result.mismatch_tokens = len(diffs)
+        result.logprob_diff_mean, result.logprob_diff_max = sum(diffs) / len(diffs), max(diffs)
+        return result
+
+
+class NeverRefreshed(DriftingClient):
+    """The weight sync is broken: every refresh hands out the first sampler again."""
+
+    async def sampling_client_async(self) -> Any:
+        if not hasattr(self, "first"):
+            self.first = await super().sampling_client_async()
+        return self.first
+
+
+async def drifting_rollouts(problems: Any, *, sampler: Any, **kw: Any) -> Any:
+    groups = await fake_rollouts(problems, sampler=sampler, **kw)
+    for t in (t for g in groups for t in g):
+        for turn in t.turns:
+            turn.logprobs = [-0.5 - DRIFT * sampler.version] * len(turn.logprobs)
+    return groups
+
+
+def test_a_sampler_that_is_not_refreshed_fails_the_on_policy_check(tmp_path: Path) -> None:
+    """k = 0, the trainer pushing the weights every step: no mismatch, lag 0, no alarm. A sampler that
+    never receives new weights still reads lag 0 (the trainer believes it published them) but its
+    logprobs drift from the trainer's: offpolicy/sampler_check_failed = 1 from step 2 on. Breaking the
+    trainer's refresh (``Trainer._new_sampler`` handing out its first sampler again) fails the fresh half."""
+    cfg = config(0, steps=4, every=0)
+    rows = {}
+    for name, client in (("fresh", DriftingClient()), ("stale", NeverRefreshed())):
+        trainer(cfg, tmp_path / name, client, drifting_rollouts).run()
+        rows[name] = read_metrics(tmp_path / name)
+        assert client.optim_steps == 4 and all(r["train/optimizer_stepped"] for r in rows[name])
+    for r in rows["fresh"]:
+        assert r["offpolicy/lag_max"] == 0 and r["offpolicy/sampler_check_failed"] == 0.0
+        assert r["offpolicy/logprob_diff_mean"] == pytest.approx(0.0, abs=1e-9)
+    stale = rows["stale"]
+    assert [r["offpolicy/lag_max"] for r in stale] == [0.0] * 4
+    assert [r["offpolicy/sampler_check_failed"] for r in stale] == [0.0, 1.0, 1.0, 1.0]
+    assert all(r["offpolicy/logprob_diff_mean"] > cfg.train.sampler_check_tol for r in stale[1:])
+
+
+def test_lagged_steps_show_the_mismatch_of_their_lag_without_an_alarm(tmp_path: Path) -> None:
+    """k = 1: step t trains on version t - 2's samples; the mismatch is the drift between the two versions
+    and the on-policy check stays quiet (it judges lag-0 steps only)."""
+    client = DriftingClient()
+    trainer(config(1, steps=4, every=0), tmp_path / "run", client, drifting_rollouts).run()
+    rows = read_metrics(tmp_path / "run")
+    assert [r["offpolicy/lag_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]
+    for t, r in enumerate(rows, start=1):
+        sampled, trained = client.weights[max(t - 2, 0)], client.weights[t - 1]
+        assert r["offpolicy/logprob_diff_mean"] == pytest.approx(DRIFT * abs(trained - sampled))
+        assert r["offpolicy/sampler_check_failed"] == 0.0
