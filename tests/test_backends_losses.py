@@ -156,3 +156,88 @@ def test_loss_tally_sums_over_calls_and_ignores_untrained_tokens() -> None:
     assert res.ratio_max == pytest.approx(math.exp(0.5)) and res.ratio_min == pytest.approx(1.0)
     assert res.ratio_mean == pytest.approx((math.exp(0.5) + 2) / 3)
     assert res.clip_fraction == pytest.approx(1 / 3)
+
+
+# -- truncated importance sampling and the sampler/trainer mismatch ---------------------------------------
+
+CAP = 2.0
+TIS_CASES = [
+    # (lp, mu, adv, w): rho = exp(lp - mu) below, inside and above the cap, both advantage signs
+    (-1.0, -1.0, 1.0, 1.0),  # on-policy: rho = 1
+    (-1.0, -1.5, 2.0, 0.5),  # rho = e^0.5 = 1.65: weighted, not truncated (PPO against mu would clip)
+    (-1.0, -2.0, -2.0, 0.5),  # rho = e^1 = 2.72 > CAP: truncated to 2
+    (-2.0, -1.0, 1.5, 0.25),  # rho = e^-1 = 0.37
+    (-0.2, -3.0, 0.7, 1.0),  # rho = e^2.8 = 16.4: truncated to 2
+    (-5.0, 0.0, 3.0, 0.0),  # weight 0: nothing, whatever the logprobs
+]
+
+
+def _reference_tis(lp: float, mu: float, adv: float, w: float) -> tuple[float, float, bool]:
+    """By hand: the weight min(rho, C) is a constant; the PPO ratio against the pre-update policy is 1, so
+    its clip is inactive and the per-token loss is -w * min(rho, C) * A, its gradient the same times 1."""
+    if w == 0:
+        return 0.0, 0.0, False
+    rho = math.exp(lp - mu)
+    weight = min(rho, CAP)
+    return -w * weight * adv, -w * weight * adv, rho > CAP
+
+
+@pytest.mark.parametrize("loss_fn", ["ppo", "importance_sampling"])
+def test_truncated_importance_sampling_matches_hand_reference(loss_fn: str) -> None:
+    lp = torch.tensor([c[0] for c in TIS_CASES], dtype=torch.float64, requires_grad=True)
+    mu = torch.tensor([c[1] for c in TIS_CASES], dtype=torch.float64)
+    adv = torch.tensor([c[2] for c in TIS_CASES], dtype=torch.float64)
+    w = torch.tensor([c[3] for c in TIS_CASES], dtype=torch.float64)
+    out = token_loss(loss_fn, lp, w, mu, adv, {"clip_low": LO, "clip_high": HI, "tis_cap": CAP})
+    out.loss.sum().backward()
+    assert lp.grad is not None and out.truncated is not None
+    for k, case in enumerate(TIS_CASES):
+        ref_loss, ref_grad, ref_truncated = _reference_tis(*case)
+        assert out.loss[k].item() == pytest.approx(ref_loss, abs=1e-12), k
+        assert lp.grad[k].item() == pytest.approx(ref_grad, abs=1e-12), k
+        assert bool(out.truncated[k]) == ref_truncated, k
+        assert out.ratio[k].item() == 1.0 and not bool(out.clipped[k])  # the PPO ratio is pi / pi_old
+    # Without TIS, case 1 is clipped by PPO (ratio against the sampler) and gets no gradient at all.
+    plain = token_loss("ppo", lp.detach().requires_grad_(), w, mu, adv, {"clip_low": LO, "clip_high": HI})
+    assert bool(plain.clipped[1]) and out.truncated.tolist() == [False, False, True, False, True, False]
+
+
+def test_tis_cap_zero_is_exactly_the_loss_without_tis() -> None:
+    torch.manual_seed(0)
+    lp = torch.randn(64, dtype=torch.float64) - 2.0
+    mu = lp + 0.3 * torch.randn(64, dtype=torch.float64)
+    adv, w = torch.randn(64, dtype=torch.float64), torch.rand(64, dtype=torch.float64)
+    grads = []
+    for cfg in ({"clip_low": LO, "clip_high": HI}, {"clip_low": LO, "clip_high": HI, "tis_cap": 0.0}):
+        x = lp.clone().requires_grad_()
+        out = token_loss("ppo", x, w, mu, adv, cfg)
+        out.loss.sum().backward()
+        assert x.grad is not None
+        grads.append((out.loss.detach(), x.grad))
+    assert torch.equal(grads[0][0], grads[1][0]) and torch.equal(grads[0][1], grads[1][1])
+    with pytest.raises(ValueError, match="tis_cap must be >= 0"):
+        token_loss("ppo", lp, w, mu, adv, {"tis_cap": -1.0})
+
+
+def test_mismatch_metrics_match_hand_computation() -> None:
+    from retool.backends.losses import LossTally
+
+    lp = torch.tensor([-1.0, -1.0, -2.0, -0.2, -3.0])
+    mu = torch.tensor([-1.0, -1.8, -1.0, -0.2, 0.0])  # the last one is padding: weight 0
+    w = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0])
+    adv = torch.tensor([1.0, -1.0, 1.0, 1.0, 1.0])
+    tally = LossTally()
+    tally.add(token_loss("ppo", lp, w, mu, adv, {"tis_cap": 2.0}))
+    result = tally.result()
+    diffs = [0.0, 0.8, -1.0, 0.0]  # lp - mu on the trained tokens
+    assert result.mismatch_tokens == 4
+    assert result.logprob_diff_mean == pytest.approx(sum(abs(d) for d in diffs) / 4, rel=1e-6)
+    assert result.logprob_diff_max == pytest.approx(1.0, rel=1e-6)
+    k3 = [math.exp(d) - 1 - d for d in diffs]
+    assert result.kl_k3 == pytest.approx(sum(k3) / 4, rel=1e-5)
+    # e^0.8 = 2.23 and e^-1 = 0.37 lie outside [0.5, 2]; e^0.8 > 2 is truncated
+    assert result.ratio_outside == 0.5 and result.tis_truncated == 0.25
+    # Cross entropy measures nothing: it has no sampler logprobs.
+    ce = LossTally()
+    ce.add(token_loss("cross_entropy", lp, w))
+    assert ce.result().mismatch_tokens == 0

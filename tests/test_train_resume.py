@@ -137,3 +137,41 @@ def test_bad_input_is_a_clear_error(tmp_path: Path) -> None:
     assert proc.returncode == 2 and "no config file or preset" in proc.stderr
     proc = run_train(["--resume", str(tmp_path / "nothing")])
     assert proc.returncode == 2 and "no run to resume" in proc.stderr
+
+
+@pytest.mark.slow
+def test_sigkill_with_a_full_queue_then_resume_matches_uninterrupted_run(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """train.max_steps_off_policy = 1, 4 steps: batch t+1 is sampled while step t trains and every
+    checkpoint holds it. Killed while batch 3 is sampled (during step 2: the latest checkpoint is step 1's,
+    holding batch 2), then, resumed with that batch queued, between the backward passes and the optimizer
+    step of step 4 (the latest checkpoint is step 3's, holding batch 4), then inside step 4's checkpoint;
+    the resumed run trains on the same samples as an uninterrupted one, and no batch twice. (Step 3's
+    group is degenerate at k = 1, so step 4 is the one with an optimizer step to be killed in.)"""
+    steps = STEPS + 1
+    k1 = ["--set", "train.max_steps_off_policy=1", "--set", f"train.steps={steps}"]
+    reference = tmp_path / "reference"
+    done = run_train(["--config", "tiny", "--run-dir", str(reference), *_overrides(tiny_model_dir), *k1])
+    assert done.returncode == 0, done.stderr[-3000:]
+    run_dir = tmp_path / "run"
+    first = ["--config", "tiny", "--run-dir", str(run_dir), *_overrides(tiny_model_dir), *k1]
+    resume = ["--resume", str(run_dir), "--set", "logging.progress=false"]
+    for args, kill_at, latest_step in (
+        (first, "rollout:3", 1),
+        (resume, "optim:4", 3),
+        (resume, "checkpoint:4", 3),
+    ):
+        killed = run_train(args, kill_at=kill_at)
+        assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+        latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+        assert latest == f"step_{latest_step:06d}", kill_at
+        state = json.loads((run_dir / "checkpoints" / latest / "trainer_state.json").read_text())
+        assert state["extra"]["pipeline"]["batches"] == [latest_step + 1]
+    finished = run_train(resume)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    rows = metrics(run_dir)
+    assert [r["step"] for r in rows] == list(range(1, steps + 1))
+    assert essentials(rows) == essentials(metrics(reference))
+    assert [r["train/optimizer_stepped"] for r in rows] == [1.0, 1.0, 0.0, 1.0]
+    assert [r["offpolicy/lag_max"] for r in rows] == [0.0, 1.0, 1.0, 1.0]

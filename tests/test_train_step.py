@@ -255,6 +255,25 @@ def test_no_datums_no_optimizer_step() -> None:
     assert client.optim_steps == 0 and not result.optimizer_stepped
 
 
+def test_micro_batch_mismatch_metrics_merge_per_measured_token() -> None:
+    from retool.train.step import TrainStepResult, merge_forward_backward
+
+    a = ForwardBackwardResult(
+        0.0, 3, mismatch_tokens=3, logprob_diff_mean=0.1, logprob_diff_max=0.5, kl_k3=0.01
+    )
+    b = ForwardBackwardResult(
+        0.0, 1, mismatch_tokens=1, logprob_diff_mean=0.5, logprob_diff_max=0.9, kl_k3=0.05, ratio_outside=1.0
+    )
+    merged = merge_forward_backward([a, b])
+    assert merged.mismatch_tokens == 4 and merged.logprob_diff_max == 0.9  # a max stays a max
+    assert merged.logprob_diff_mean == pytest.approx((3 * 0.1 + 0.5) / 4)
+    assert merged.kl_k3 == pytest.approx((3 * 0.01 + 0.05) / 4) and merged.ratio_outside == 0.25
+    metrics = TrainStepResult(2, 2, True, merged).metrics()
+    assert metrics["offpolicy/logprob_diff_max"] == 0.9 and metrics["offpolicy/ratio_outside"] == 0.25
+    # cross entropy (nothing measured) reports no mismatch at all
+    assert "offpolicy/kl_k3" not in TrainStepResult(1, 1, True, ForwardBackwardResult(0.0, 3)).metrics()
+
+
 def test_mean_reduction_refuses_unmasked_datum() -> None:
     with pytest.raises(ValueError, match="without sampled tokens"):
         mean_reduction_weights([Datum([1, 2], [2, 3], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0])])

@@ -16,7 +16,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 
 class _Section(BaseModel):
@@ -116,6 +116,10 @@ class LossConfig(_Section):
     name: Literal["ppo", "importance_sampling"] = "ppo"
     clip_low: float = 0.8  # ratio thresholds, not epsilons
     clip_high: float = 1.28
+    # Truncated importance sampling: weight each token by min(exp(trainer lp - sampler lp), tis_cap) and
+    # take the PPO ratio against the trainer's own pre-update logprob (``retool.backends.losses``).
+    # 0: off (the ratio is taken against the sampler's logprob). Local backend only.
+    tis_cap: float = Field(default=0.0, ge=0.0)
 
 
 class OptimizerConfig(_Section):
@@ -211,6 +215,12 @@ class TrainConfig(_Section):
     steps: int = 200
     seed: int = 0
     run_dir: str = "runs/retool"
+    # Off-policy pipelining (``retool.train.pipeline``): the batch of step t is sampled by the policy of
+    # version t - 1 - k (k optimizer steps behind the trainer) while steps t-k..t-1 train. 0: synchronous.
+    max_steps_off_policy: int = Field(default=0, ge=0)
+    # Stale-sampler check: on a step trained on-policy (lag 0), a mean |sampler - trainer logprob| above
+    # this means the sampler did not sample from the trained weights (0: no check).
+    sampler_check_tol: float = Field(default=0.05, ge=0.0)
 
 
 class Config(_Section):
@@ -232,6 +242,22 @@ class Config(_Section):
     sft: SFTConfig = Field(default_factory=SFTConfig)
 
     retry: RetryConfig = Field(default_factory=RetryConfig)
+
+    @model_validator(mode="after")
+    def _check_combinations(self) -> Config:
+        """Settings that are valid alone but not together (each message says what to change)."""
+        if self.loss.tis_cap > 0 and self.backend.kind != "local":
+            raise ValueError(
+                f"loss.tis_cap needs the loss computed locally; backend.kind = {self.backend.kind!r} "
+                "computes it on the service (set loss.tis_cap = 0)"
+            )
+        local_vllm = self.backend.kind == "local" and self.backend.sampler == "vllm"
+        if self.train.max_steps_off_policy > 0 and local_vllm:
+            raise ValueError(
+                "train.max_steps_off_policy > 0 needs a sampler over a frozen copy of the weights; the vLLM "
+                "sampler holds one set of weights (use backend.sampler = 'hf', or max_steps_off_policy = 0)"
+            )
+        return self
 
 
 class ConfigError(ValueError):
@@ -306,7 +332,11 @@ def _validate(data: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        lines = [f"  {'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        lines = [
+            # A check across sections (``Config._check_combinations``) has no location of its own.
+            f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+            for e in exc.errors()
+        ]
         raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
 
 

@@ -72,6 +72,17 @@ class TrainingClient(abc.ABC):
     async def sampling_client_async(self) -> SamplingClient:
         """A sampler over the *current* weights (refresh at the start of every RL step)."""
 
+    async def frozen_sampling_client_async(self) -> SamplingClient:
+        """A sampler that keeps sampling from the weights as they are *now*, while training goes on.
+
+        Off-policy pipelining (``train.max_steps_off_policy``) samples later steps while this client trains;
+        every sample must come from the version it was asked of. The samplers of the remote services are
+        such snapshots already (sampler weights saved on the service), so the default is
+        ``sampling_client_async``; a backend whose sampler is a live view of its weights (the local one)
+        overrides this with a frozen copy.
+        """
+        return await self.sampling_client_async()
+
     async def close_async(self) -> None:  # noqa: B027 - optional hook
         """Release resources (sessions, threads)."""
 

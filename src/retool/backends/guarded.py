@@ -240,6 +240,10 @@ class GuardedTrainingClient(TrainingClient):
         sampler = await self._retry(self._inner.sampling_client_async, "sampling_client")
         return GuardedSamplingClient(sampler, self.sample_policy, self.retry_stats)
 
+    async def frozen_sampling_client_async(self) -> SamplingClient:
+        sampler = await self._retry(self._inner.frozen_sampling_client_async, "sampling_client")
+        return GuardedSamplingClient(sampler, self.sample_policy, self.retry_stats)
+
     async def close_async(self) -> None:
         await self._inner.close_async()
 

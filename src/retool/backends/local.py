@@ -48,7 +48,7 @@ import logging
 import random
 import weakref
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -263,6 +263,7 @@ class LocalSamplingClient(SamplingClient):
         self._owner = owner
         self.batch_limit = owner.sample_batch_size
         self._gather_s = gather_ms / 1000.0
+        self._worker: Executor = owner._executor  # the thread its batches run on (a frozen sampler's own)
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = (
             weakref.WeakKeyDictionary()
         )
@@ -304,7 +305,7 @@ class LocalSamplingClient(SamplingClient):
                 continue
             flat = [GenRequest(p.prompt, p.params, s) for p in batch for s in p.seeds]
             try:
-                samples = await loop.run_in_executor(self._owner._executor, self._run_batch, flat)
+                samples = await loop.run_in_executor(self._worker, self._run_batch, flat)
             except Exception as exc:  # every waiter learns why; the queue keeps serving later requests
                 logger.exception("local sampling batch failed")
                 for p in batch:
@@ -382,6 +383,8 @@ class LocalTrainingClient(TrainingClient):
         self._seed_rng = random.Random(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retool-local")
         self._sampler = LocalSamplingClient(self, gather_ms=gather_ms)
+        self._gather_ms = gather_ms
+        self._frozen_thread: ThreadPoolExecutor | None = None  # generation of frozen samplers
         self._pending_grads = False
         self.merge_lora_for_sampling = bool(merge_lora_for_sampling)
         # Run a batch's common prompt prefix once (``retool.backends.generation``); off only to compare.
@@ -538,6 +541,22 @@ class LocalTrainingClient(TrainingClient):
             loop = asyncio.get_running_loop()
             await loop.run_in_executor(self._executor, refresh)
         return self._sampler
+
+    async def frozen_sampling_client_async(self) -> SamplingClient:
+        """A sampler over a frozen copy of the current weights that generates on a thread of its own, so
+        training goes on meanwhile (off-policy pipelining; ``retool.backends.snapshot``)."""
+        if getattr(self._sampler, "refresh", None) is not None:
+            raise NotImplementedError(
+                "an external sampling engine (vLLM) holds one set of weights and cannot sample from a frozen "
+                "version while training goes on; use backend.sampler = 'hf' or train.max_steps_off_policy = 0"
+            )
+        from retool.backends.snapshot import FrozenSamplingClient, frozen_copy
+
+        loop = asyncio.get_running_loop()
+        model = await loop.run_in_executor(self._executor, frozen_copy, self.model)
+        if self._frozen_thread is None:
+            self._frozen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retool-frozen")
+        return FrozenSamplingClient(self, model, self._frozen_thread, self._gather_ms)
 
     def set_sampler(self, sampler: LocalSamplingClient) -> None:
         """Replace the built-in sampler (e.g. by ``VllmSamplingClient``); it may define ``refresh()``."""
@@ -798,3 +817,5 @@ class LocalTrainingClient(TrainingClient):
 
     async def close_async(self) -> None:
         self._executor.shutdown(wait=True)
+        if self._frozen_thread is not None:
+            self._frozen_thread.shutdown(wait=True)

@@ -74,7 +74,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.losses import LOSS_NAMES, clip_thresholds
+from retool.backends.losses import LOSS_NAMES, clip_thresholds, tis_cap
 from retool.backends.reduction import (
     IGNORE_INDEX,
     REDUCTION_MODES,
@@ -664,6 +664,13 @@ class RemoteTrainingClient(TrainingClient):
         """Send one forward(-backward) call; ``scale`` overrides the reduction scale (the probe sends 1)."""
         self._validate(datums, loss_fn)
         lo, hi = clip_thresholds(loss_config)
+        if tis_cap(loss_config) > 0:
+            # The service computes the loss itself; the TIS weight needs the trainer's logprobs before the
+            # call, which would take a second forward pass per micro-batch.
+            raise ValueError(
+                f"{self.sdk_name}: truncated importance sampling (loss.tis_cap) needs the loss computed "
+                "locally; the service computes it server-side. Set loss.tis_cap = 0 on this backend"
+            )
         wire = [self.to_wire(d, loss_fn) for d in datums]
         totals = batch_totals(wire, loss_fn)
         if scale is None:

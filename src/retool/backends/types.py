@@ -82,7 +82,14 @@ class AdamParams:
 
 @dataclass
 class ForwardBackwardResult:
-    """Metrics of one forward_backward call (accumulated gradients, no optimizer step yet)."""
+    """Metrics of one forward_backward call (accumulated gradients, no optimizer step yet).
+
+    The ``ratio_*`` / ``clip_fraction`` figures describe the ratio the PPO clip sees. The mismatch figures
+    compare the trainer's logprob ``lp`` with the sampler's ``mu`` on the ``mismatch_tokens`` trained
+    tokens of an RL loss (``retool.backends.losses``): mean and max ``|lp - mu|``, the k3 estimate of
+    KL(sampler || trainer), the share of tokens with ``exp(lp - mu)`` outside [0.5, 2] and, with truncated
+    importance sampling, the share whose weight was cut to the cap.
+    """
 
     loss: float
     trained_tokens: int
@@ -90,6 +97,12 @@ class ForwardBackwardResult:
     ratio_min: float = 1.0
     ratio_max: float = 1.0
     clip_fraction: float = 0.0
+    mismatch_tokens: int = 0
+    logprob_diff_mean: float = 0.0
+    logprob_diff_max: float = 0.0
+    kl_k3: float = 0.0
+    ratio_outside: float = 0.0
+    tis_truncated: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def as_metrics(self, prefix: str = "policy/") -> dict[str, float]:

@@ -72,6 +72,9 @@ class Trajectory:
     sample_seconds: float = 0.0  # time spent in sampler requests that produced this trajectory's turns
     exec_seconds: float = 0.0  # wall time of this trajectory's executions, as seen by the rollout
     use_tools: bool = True
+    # The policy version (optimizer steps taken) of the weights that sampled it; set by the trainer, which
+    # may train on it a few versions later (``train.max_steps_off_policy``). None outside training.
+    policy_version: int | None = None
 
     # -- token views -------------------------------------------------------------------------------
     def full_tokens(self) -> list[int]:

@@ -6,6 +6,7 @@ Layout under ``RUN_DIR/checkpoints/``::
         trainer_state.json  step, data position, metrics bookkeeping, backend state path (written last)
         rng.pt              Python / NumPy / torch RNG states
         backend/            whatever the training backend saved (local backends)
+        pipeline.pkl        off-policy pipelining only: batches sampled for later steps, not yet trained
     latest                  the name of the newest complete checkpoint (written after the rename)
 
 A checkpoint is built in a hidden temp folder and renamed into place, and ``latest`` is replaced
@@ -40,6 +41,7 @@ logger = logging.getLogger(__name__)
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
+PIPELINE_FILE = "pipeline.pkl"
 
 
 class CheckpointError(RuntimeError):
@@ -256,6 +258,32 @@ class CheckpointManager:
             )
         complete = self.complete_checkpoints()
         return complete[-1] if complete else None
+
+    def write_pipeline(self, tmp: Path, step: int, payload: Any) -> None:
+        """Store the pipeline's queued batches (``retool.train.pipeline.PipelineState``) in the checkpoint
+        being built in ``tmp``. Pickled: trajectories are plain dataclasses of this package, and a
+        checkpoint is read back by the code that wrote it (as ``rng.pt`` is)."""
+        import pickle
+
+        where = tmp / PIPELINE_FILE
+        try:
+            with open(where, "wb") as fh:
+                pickle.dump(payload, fh, protocol=pickle.HIGHEST_PROTOCOL)
+                fh.flush()
+                os.fsync(fh.fileno())
+        except Exception as exc:  # a full disk, as for every other file of the checkpoint
+            raise self.write_error(step, "writing the queued batches", where, exc) from exc
+
+    @staticmethod
+    def load_pipeline(path: Path) -> Any | None:
+        """The pipeline state stored in checkpoint ``path``; None when it stores none (synchronous runs)."""
+        import pickle
+
+        where = path / PIPELINE_FILE
+        if not where.is_file():
+            return None
+        with open(where, "rb") as fh:
+            return pickle.load(fh)
 
     @staticmethod
     def load(path: Path) -> tuple[TrainerState, dict[str, Any], str]:

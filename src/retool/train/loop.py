@@ -12,11 +12,17 @@ It trains on an environment (``retool.env.ProblemEnv``: which problems, how a tr
 components (``retool.components.Components``: backend, protocol, executor, verifier); by default both
 are built from the config, through the same functions every other command uses.
 
+Sampling and training run as a pipeline (``retool.train.pipeline``): a producer task samples each step's
+batch on the sampler of the policy version the schedule names and the trainer takes it from a queue. With
+``train.max_steps_off_policy = 0`` (the default) batch t is sampled from the weights step t starts with,
+after the previous step finished: the synchronous loop. With k >= 1 the batches of steps t+1..t+k are
+sampled while step t trains, k versions behind.
+
 Exactness of resume: a step's problems come from a ``ProblemStream`` whose position is checkpointed;
 sampling seeds derive from ``(train.seed, step)``; weights, optimizer and RNG come back from the
-checkpoint; ``metrics.jsonl`` is cut back to the checkpoint's step. So a run killed at any moment and
-resumed trains on the same problems in the same order as an uninterrupted one, losing only the steps
-after its last checkpoint (which it redoes).
+checkpoint, and so do the batches already sampled for later steps (k >= 1); ``metrics.jsonl`` is cut back
+to the checkpoint's step. So a run killed at any moment and resumed trains on the same samples in the same
+order as an uninterrupted one, losing only the steps after its last checkpoint (which it redoes).
 
 SIGINT / SIGTERM: the first one finishes the step in flight, saves a checkpoint and exits cleanly; a
 second one aborts at once (resume then starts from the previous checkpoint).
@@ -61,6 +67,14 @@ from retool.train.metrics import (
     raise_if_step_lost,
     rollout_metrics,
     scalars_of,
+)
+from retool.train.pipeline import (
+    Batch,
+    PipelineState,
+    ProblemFeed,
+    RolloutPipeline,
+    pipeline_metrics,
+    requeue_stale,
 )
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
@@ -142,6 +156,7 @@ class Trainer:
         self._on_step = on_step
         self._on_phase = on_phase
         self._stop_requested = False
+        self._requeued = 0  # groups of restored batches requeued as too stale (``retool.train.pipeline``)
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
         self.trajectories = TrajectoryLog(
@@ -193,27 +208,30 @@ class Trainer:
         assert self._guarded is not None, "components are built when the run starts"
         return self._guarded
 
-    async def _restore(self) -> tuple[int, DataPosition]:
-        """Load the latest checkpoint (when resuming); return the completed step and data position."""
+    async def _restore(self) -> tuple[int, DataPosition, PipelineState | None]:
+        """Load the latest checkpoint (when resuming); return the completed step, the data position and
+        the batches it holds that were sampled for later steps (None: it holds none)."""
         seed = self.config.data.seed
         if not self.resume:
-            return 0, DataPosition(seed=seed)
+            return 0, DataPosition(seed=seed), None
         ckpt = self.checkpoints.latest()
         if ckpt is None:
             logger.info("no checkpoint in %s: starting from step 0", self.run_dir)
             repair_metrics(self.metrics.path, TrainerState(step=0, data_position={}))
-            return 0, DataPosition(seed=seed)
+            return 0, DataPosition(seed=seed), None
         state, rng, backend_path = CheckpointManager.load(ckpt)
+        queued = CheckpointManager.load_pipeline(ckpt)
         await self._backend.load_state_async(backend_path)
         restore_rng(rng)
         dropped = repair_metrics(self.metrics.path, state)
         logger.info(
-            "resumed from %s (step %d); dropped %d metrics line(s) written after it",
+            "resumed from %s (step %d, %d batch(es) sampled ahead); dropped %d metrics line(s) written after it",
             ckpt,
             state.step,
+            len(queued.batches) if queued is not None else 0,
             dropped,
         )
-        return state.step, DataPosition.from_dict(state.data_position)
+        return state.step, DataPosition.from_dict(state.data_position), queued
 
     async def _check_backend(self) -> None:
         """Once per run, after any checkpoint is loaded (PyTRIO loads state only before training): a
@@ -237,13 +255,13 @@ class Trainer:
         self._stop_requested = True
         logger.warning("signal %d: finishing this step, saving a checkpoint, then stopping", signum)
 
-    async def _start(self) -> tuple[int, DataPosition, Tracker]:
+    async def _start(self) -> tuple[int, DataPosition, PipelineState | None, Tracker]:
         """Build (or take) the components, restore a checkpoint, check the backend, open the tracker."""
         cfg = self.config
         self._prepare_run_dir()
         try:
             self._build_components()
-            start_step, position = await self._restore()
+            start_step, position, queued = await self._restore()
             await self._check_backend()
             tracker = self._tracker or make_tracker(
                 cfg.logging.tracker,
@@ -255,43 +273,89 @@ class Trainer:
         except BaseException:
             await self._close_components()
             raise
-        return start_step, position, tracker
+        return start_step, position, queued, tracker
+
+    def _pipeline(
+        self, start_step: int, position: DataPosition, queued: PipelineState | None
+    ) -> RolloutPipeline:
+        """The producer of this run's batches, with the batches a checkpoint restored (stale ones requeued)."""
+        cfg = self.config
+        assert self.env is not None
+        k = cfg.train.max_steps_off_policy
+        batches = [b for b in queued.batches if b.step <= cfg.train.steps] if queued is not None else []
+        if batches and [b.step for b in batches] != list(
+            range(start_step + 1, start_step + 1 + len(batches))
+        ):
+            raise RunDirError(
+                f"the checkpoint of step {start_step} holds batches of steps {[b.step for b in batches]}"
+            )
+        batches, replay, self._requeued = requeue_stale(batches, queued.replay if queued else [], k)
+        stream = ProblemStream(self.env.epoch, seed=position.seed, position=position)
+        if (
+            batches
+        ):  # the stream resumes after the last batch the checkpoint kept, not after the requeued ones
+            stream = ProblemStream(self.env.epoch, seed=position.seed, position=batches[-1].position)
+        return RolloutPipeline(
+            self._collect,
+            ProblemFeed(stream, replay),
+            max_steps_off_policy=k,
+            first_step=start_step + 1,
+            last_step=cfg.train.steps,
+            restored=batches,
+        )
 
     async def run_async(self) -> TrainSummary:
         cfg = self.config
-        start_step, position, tracker = await self._start()
-        assert self.env is not None
-        stream = ProblemStream(self.env.epoch, seed=position.seed, position=position)
+        start_step, position, queued, tracker = await self._start()
         progress = Progress(cfg.train.steps, start_step, enabled=cfg.logging.progress)
         installed = _install_signals(self._on_signal)
         step = start_step
         last: dict[str, Any] = {}
+        pipeline: RolloutPipeline | None = None
         try:
+            pipeline = self._pipeline(start_step, position, queued)
+            pipeline.start()
             while step < cfg.train.steps and not self._stop_requested:
                 step += 1
-                last = await self._one_step(step, stream, tracker)
+                last = await self._one_step(step, pipeline, tracker)
                 progress.update(step, last)
                 if self._on_step is not None:
                     self._on_step(step, last)
                 self._phase("metrics", step)
         finally:
+            if pipeline is not None:
+                await pipeline.aclose()
             progress.close()
             tracker.close()
             _restore_signals(installed)
             await self._close_components()
         return TrainSummary(self.run_dir, start_step, step, self._stop_requested, last)
 
-    async def _one_step(self, step: int, stream: ProblemStream, tracker: Tracker) -> dict[str, Any]:
-        """Sample (on-policy), train, record, and checkpoint when due; returns the step's metrics."""
+    async def _new_sampler(self) -> SamplingClient:
+        """A sampler over the current weights: a frozen one when later steps sample while this one trains
+        (the local backend's own sampler is a live view of its weights)."""
+        backend = self._backend
+        if self.config.train.max_steps_off_policy > 0:
+            frozen = getattr(backend, "frozen_sampling_client_async", None)
+            if frozen is not None:
+                return await frozen()
+        return await backend.sampling_client_async()
+
+    async def _one_step(self, step: int, pipeline: RolloutPipeline, tracker: Tracker) -> dict[str, Any]:
+        """Publish the current weights, take this step's batch, train, record, and checkpoint when due;
+        returns the step's metrics."""
         cfg = self.config
         t_step = time.perf_counter()
         self._phase("step", step)
         t0 = time.perf_counter()
-        sampler = await self._backend.sampling_client_async()  # on-policy: the current weights
+        pipeline.publish(step - 1, await self._new_sampler())  # version step - 1: the weights now
         times = {"time/refresh": time.perf_counter() - t0}
         t0 = time.perf_counter()
-        collected = await self._collect(step, stream, sampler)
-        times["time/rollout"] = time.perf_counter() - t0
+        queued = pipeline.ready()
+        batch = await pipeline.take(step)
+        collected = batch.collected
+        times["time/wait"] = time.perf_counter() - t0  # the trainer idle, waiting for its batch
+        times["time/rollout"] = batch.seconds
         data = build_step_data(
             collected.groups, drop_void=cfg.filters.void_turn, drop_overlong=cfg.filters.overlong
         )
@@ -309,17 +373,37 @@ class Trainer:
             before_optim=lambda: self._phase("optim", step),
         )
         faults = fault_counters(self._backend, self.components.executor, self.components.verifier)
-        record = _step_record(step, stream, collected, data, result, times, faults)
+        record = _step_record(step, batch, data, result, times, faults)
+        record.update(pipeline_metrics(batch, step - 1, queued, self._requeued))
+        self._check_sampler(step, record)
         every = cfg.checkpoint.every
         if (every > 0 and step % every == 0) or step == cfg.train.steps or self._stop_requested:
-            await self._checkpoint(step, stream, record, t_step)
+            await self._checkpoint(step, pipeline, record, t_step)
         else:
             record["time/step"] = time.perf_counter() - t_step
         self.metrics.append(record)
         tracker.log(scalars_of(record), step)
         return record
 
-    async def _collect(self, step: int, stream: ProblemStream, sampler: SamplingClient) -> Collected:
+    def _check_sampler(self, step: int, record: dict[str, Any]) -> None:
+        """A step trained on-policy (lag 0) measures how far the sampler's logprobs are from the trainer's
+        on the same weights: float rounding, or an engine's numerics (bf16). Far more means the sampler
+        did not sample from the weights it was said to (the weight sync failed, or a frozen copy was taken
+        at the wrong moment). Reported as ``offpolicy/sampler_check_failed`` with an error in the log."""
+        tol = self.config.train.sampler_check_tol
+        diff = record.get("offpolicy/logprob_diff_mean")
+        failed = tol > 0 and diff is not None and record.get("offpolicy/lag_max") == 0.0 and diff > tol
+        record["offpolicy/sampler_check_failed"] = float(failed)
+        if failed:
+            logger.error(
+                "step %d: trained on-policy, yet the sampler's logprobs differ from the trainer's by %.4f on "
+                "average (train.sampler_check_tol = %g): the sampler is not sampling from the trained weights",
+                step,
+                diff,
+                tol,
+            )
+
+    async def _collect(self, step: int, feed: ProblemFeed, sampler: SamplingClient) -> Collected:
         """This step's groups, rolled out and scored by the environment (``collect_groups`` decides
         how many rounds: one, or more under dynamic sampling). With ``rollout.text_only_share`` the last
         questions of each round go text-only (no tool registered, no executor)."""
@@ -366,26 +450,34 @@ class Trainer:
             return groups
 
         return await collect_groups(
-            sample_round, stream.next_batch, cfg.rollout.questions_per_step, cfg.filters
+            sample_round, feed.next_batch, cfg.rollout.questions_per_step, cfg.filters
         )
 
     async def _checkpoint(
-        self, step: int, stream: ProblemStream, record: dict[str, Any], t_step: float
+        self, step: int, pipeline: RolloutPipeline, record: dict[str, Any], t_step: float
     ) -> None:
+        """Save weights, optimizer, RNG, data position and the batches sampled for later steps (after
+        waiting for those the schedule has started: see ``retool.train.pipeline``), atomically."""
         t0 = time.perf_counter()
         tmp = self.checkpoints.begin(step)
         try:
             backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
         except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
             raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
+        queued, position = await pipeline.drain(step + pipeline.k)
+        extra: dict[str, Any] = {}
+        if queued.batches or queued.replay:  # a synchronous run's checkpoint stays as it always was
+            self.checkpoints.write_pipeline(tmp, step, queued)
+            extra["pipeline"] = {"batches": [b.step for b in queued.batches], "replay": len(queued.replay)}
         # The metrics line travels inside the checkpoint, so it carries the checkpoint's own cost.
         record["time/checkpoint"] = time.perf_counter() - t0
         record["time/step"] = time.perf_counter() - t_step
         state = TrainerState(
             step=step,
-            data_position=stream.position.to_dict(),
+            data_position=position.to_dict(),
             metrics_line=record,
             metrics_offset=self.metrics.offset(),
+            extra=extra,
         )
         self.checkpoints.commit(tmp, state, backend_path, is_local, lambda: self._phase("checkpoint", step))
         logger.info("checkpoint %s saved", CheckpointManager.name_for(step))
@@ -407,14 +499,14 @@ def _loss_config(cfg: Config) -> dict[str, float] | None:
 
 def _step_record(
     step: int,
-    stream: ProblemStream,
-    collected: Collected,
+    batch: Batch,
     data: StepData,
     result: TrainStepResult,
     times: dict[str, float],
     faults: dict[str, float],
 ) -> dict[str, Any]:
     """The step's metrics line (``time/step`` and ``time/checkpoint`` are filled in by the caller)."""
+    collected = batch.collected
     sampled = collected.sampled
     record: dict[str, Any] = {"step": step}
     record.update(rollout_metrics(sampled))
@@ -432,8 +524,8 @@ def _step_record(
     record.update(times)
     record["time/train"] = result.seconds
     record["time/checkpoint"] = 0.0
-    record["data/epoch"] = float(stream.position.epoch)
-    record["data/index"] = float(stream.position.index)
+    record["data/epoch"] = float(batch.position.epoch)
+    record["data/index"] = float(batch.position.index)
     record.update(faults)
     record["problem_ids"] = [p.id for p in collected.problems]
     record["rewards"] = [[float(t.reward) for t in g] for g in sampled]

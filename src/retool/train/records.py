@@ -210,6 +210,8 @@ def trajectory_record(
         "version": RECORD_VERSION,
         "source": source,
         "step": step,
+        # the policy version that sampled it (training; lags ``step - 1`` by up to max_steps_off_policy)
+        "policy_version": getattr(traj, "policy_version", None),
         "mode": mode,
         "problem_id": str(problem.id),
         "problem_index": int(getattr(traj, "problem_index", 0) or 0),

@@ -242,8 +242,15 @@ class TrainStepResult:
             "policy/grad_norm": self.grad_norm,
             "policy/lr": self.lr,
         }
-        if self.forward_backward is not None:
-            out.update(self.forward_backward.as_metrics("policy/"))
+        fb = self.forward_backward
+        if fb is not None:
+            out.update(fb.as_metrics("policy/"))
+            if fb.mismatch_tokens:  # RL losses: how far the sampler's logprobs are from the trainer's
+                out["offpolicy/logprob_diff_mean"] = fb.logprob_diff_mean
+                out["offpolicy/logprob_diff_max"] = fb.logprob_diff_max
+                out["offpolicy/kl_k3"] = fb.kl_k3
+                out["offpolicy/ratio_outside"] = fb.ratio_outside
+                out["offpolicy/tis_truncated"] = fb.tis_truncated
         return out
 
 
@@ -266,6 +273,11 @@ def merge_forward_backward(results: Sequence[ForwardBackwardResult]) -> ForwardB
             extra[key] = sum(r.extra[key] * r.trained_tokens for r in have) / tokens
         else:
             extra[key] = sum(r.extra[key] for r in have) / len(have)
+    measured = sum(r.mismatch_tokens for r in results)
+
+    def per_measured(attr: str) -> float:
+        return sum(getattr(r, attr) * r.mismatch_tokens for r in results) / measured if measured else 0.0
+
     return ForwardBackwardResult(
         loss=sum(r.loss for r in results),
         trained_tokens=total_tokens,
@@ -273,6 +285,12 @@ def merge_forward_backward(results: Sequence[ForwardBackwardResult]) -> ForwardB
         ratio_min=min((r.ratio_min for r in results), default=1.0),
         ratio_max=max((r.ratio_max for r in results), default=1.0),
         clip_fraction=weighted("clip_fraction"),
+        mismatch_tokens=measured,
+        logprob_diff_mean=per_measured("logprob_diff_mean"),
+        logprob_diff_max=max((r.logprob_diff_max for r in results), default=0.0),
+        kl_k3=per_measured("kl_k3"),
+        ratio_outside=per_measured("ratio_outside"),
+        tis_truncated=per_measured("tis_truncated"),
         extra=extra,
     )
 

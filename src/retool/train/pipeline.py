@@ -1,0 +1,288 @@
+"""Off-policy pipelining: sample the batches of the next steps while this one trains, within a staleness bound.
+
+Policy versions. Version v is the weights after v optimizer steps (a resumed run starts at the version of
+its checkpoint). The trainer publishes version t - 1 (a sampler over those weights, frozen: see
+``TrainingClient.frozen_sampling_client_async``) when step t starts, before it trains.
+
+Batches. The batch of step t is everything sampling does for that step (``retool.train.collect``: one
+round, or the rounds of dynamic sampling) on one sampler; every trajectory in it is tagged with the
+sampler's version (``Trajectory.policy_version``). One producer task samples the batches in step order,
+one after another, each one on the sampler of version
+
+    v(t) = max(t - 1 - k, v0)          k = train.max_steps_off_policy, v0 = the version the run started at
+
+and puts it in a queue; the trainer takes batch t when it starts step t. Every version is therefore
+trained on with lag ``t - 1 - v(t) = min(k, t - 1 - v0)``: k steps behind once the pipeline is full.
+While step t trains, batches t+1..t+k are sampled (they need versions up to t - 1). ``k = 0`` is the
+synchronous loop: batch t waits for version t - 1, published when step t starts.
+
+Staleness policy: pacing, not discarding. The producer never samples a batch before its version exists
+and never from a newer one, so in a run no batch is older than k versions, none is discarded and the run
+is deterministic (the same samples whatever the timing). The one way to meet a batch older than k is a
+resume with a smaller ``train.max_steps_off_policy`` than the checkpoint was written with: such restored
+batches are *requeued*: their trajectories are dropped, every problem they drew goes back, in order, to
+the front of the problem feed, and they are sampled again from the resumed weights (counted in
+``offpolicy/requeued_groups``).
+
+Problems. Batches draw their problems, in step order, from a ``ProblemFeed``: the requeued problems first,
+then the run's ``ProblemStream``. With the same k a run trains on the same problems in the same order as
+the synchronous loop does (they diverge only where rewards, and so dynamic sampling's extra rounds,
+differ).
+
+Resume. A checkpoint of step c first waits for batches c+1..c+k (all sampled by versions <= c - 1,
+which exist) and stores them with the feed's position after them (``PipelineState``); a resume puts them
+back in the queue and samples batch c+k+1 onwards from the checkpoint's weights (version c), exactly as the
+uninterrupted run did. So a run killed at any moment and resumed trains on the same samples; the work in
+flight when it died (batches c+k+1 and later) is lost and sampled again, and no batch is trained twice. A
+batch that failed (its whole round lost to a dead sampler or sandbox) is not stored: the checkpoint keeps
+the batches before it and the feed's position before it, and a resume samples it again from version c.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import time
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from retool.backends.base import SamplingClient
+from retool.data.problem import Problem
+from retool.train.collect import Collected
+from retool.train.datasource import DataPosition, ProblemStream
+
+logger = logging.getLogger(__name__)
+
+# (step, problem feed, sampler) -> the step's batch of groups, rewards final
+CollectFn = Callable[[int, "ProblemFeed", SamplingClient], Awaitable[Collected]]
+
+
+class ProblemFeed:
+    """The problems batches draw, in order: requeued problems first, then the run's stream."""
+
+    def __init__(self, stream: ProblemStream, replay: Sequence[Problem] = ()) -> None:
+        self.stream = stream
+        self.replay: collections.deque[Problem] = collections.deque(replay)
+
+    def next_batch(self, n: int) -> list[Problem]:
+        out: list[Problem] = []
+        while self.replay and len(out) < n:
+            out.append(self.replay.popleft())
+        if len(out) < n:
+            out.extend(self.stream.next_batch(n - len(out)))
+        return out
+
+    @property
+    def position(self) -> DataPosition:
+        """The stream's position (a copy)."""
+        return DataPosition(**asdict(self.stream.position))
+
+
+@dataclass
+class Batch:
+    """One step's sampling, ready to train: which version sampled it and where the feed stood after it."""
+
+    step: int
+    version: int
+    collected: Collected
+    position: DataPosition  # the stream's position after this batch drew its problems
+    replay: list[Problem] = field(default_factory=list)  # requeued problems still waiting after it
+    seconds: float = 0.0  # wall time of its sampling
+
+    def lag(self, trainer_version: int) -> int:
+        return trainer_version - self.version
+
+
+@dataclass
+class PipelineState:
+    """What a checkpoint stores of the pipeline: the sampled batches not yet trained, and requeued problems
+    still waiting (the stream's own position is the checkpoint's ``data_position``)."""
+
+    max_steps_off_policy: int
+    batches: list[Batch]
+    replay: list[Problem]
+
+
+def requeue_stale(
+    batches: Sequence[Batch], replay: Sequence[Problem], max_steps_off_policy: int
+) -> tuple[list[Batch], list[Problem], int]:
+    """Restored batches that the trainer may still use under ``max_steps_off_policy``, the problem feed's
+    new replay list, and how many groups were requeued.
+
+    Batch ``t`` is trained at version ``t - 1``. From the first batch older than the bound on, every batch
+    is requeued (a later one cannot be kept: its problems were drawn after the requeued ones); their
+    problems go first, in the order they were drawn, then the problems that were still waiting.
+    """
+    keep: list[Batch] = []
+    for batch in batches:
+        if batch.lag(batch.step - 1) > max_steps_off_policy:
+            break
+        keep.append(batch)
+    stale = list(batches[len(keep) :])
+    if not stale:
+        return keep, list(replay), 0
+    problems = [p for b in stale for p in b.collected.problems]
+    groups = sum(len(b.collected.sampled) for b in stale)
+    logger.warning(
+        "requeued %d sampled batch(es) (steps %s) older than max_steps_off_policy = %d: their %d problems "
+        "are sampled again from the resumed weights",
+        len(stale),
+        ", ".join(str(b.step) for b in stale),
+        max_steps_off_policy,
+        len(problems),
+    )
+    return keep, [*problems, *stale[-1].replay], groups
+
+
+class RolloutPipeline:
+    """The producer task and the queue of sampled batches between it and the trainer (module docstring).
+
+    ``collect(step, feed, sampler)`` samples one step's batch. Batches ``first_step..last_step`` are
+    produced, minus the ``restored`` ones already sampled (consecutive, from ``first_step``).
+    """
+
+    def __init__(
+        self,
+        collect: CollectFn,
+        feed: ProblemFeed,
+        *,
+        max_steps_off_policy: int,
+        first_step: int,
+        last_step: int,
+        restored: Sequence[Batch] = (),
+    ) -> None:
+        self._collect = collect
+        self.feed = feed
+        self.k = max_steps_off_policy
+        self.start_version = first_step - 1
+        self.last_step = last_step
+        self._batches: dict[int, Batch] = {b.step: b for b in restored}
+        self._next = first_step + len(restored)  # the next step to sample
+        # Where the feed stood after the last batch the trainer took: a checkpoint resumes from there when
+        # none of the batches after it could be stored (checkpoints come after a step, so after a take).
+        self._taken: tuple[DataPosition, list[Problem]] = (feed.position, list(feed.replay))
+        self._samplers: dict[int, SamplingClient] = {}
+        self._published = -1  # the newest version published
+        self._error: BaseException | None = None  # what stopped the producer, at step ``self._next``
+        self._changed = asyncio.Event()
+        self._task: asyncio.Task[None] | None = None
+
+    def version_for(self, step: int) -> int:
+        """The policy version that samples the batch of ``step``."""
+        return max(step - 1 - self.k, self.start_version)
+
+    def start(self) -> None:
+        if self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._produce(), name="retool-rollouts")
+
+    def publish(self, version: int, sampler: SamplingClient) -> None:
+        """Make ``sampler`` (over the weights of ``version``) available; forget versions no batch needs."""
+        self._samplers[version] = sampler
+        self._published = max(self._published, version)
+        needed = self.version_for(self._next)
+        for old in [v for v in self._samplers if v < needed]:
+            del self._samplers[old]  # a frozen copy of old weights is freed with it
+        self._notify()
+
+    def ready(self) -> int:
+        """Batches sampled and waiting."""
+        return len(self._batches)
+
+    def _notify(self) -> None:
+        self._changed.set()
+
+    async def _changes(self) -> None:
+        await self._changed.wait()
+        self._changed.clear()
+
+    async def _progress(self, what: str) -> None:
+        """Wait for the producer to move on; refuse to wait for a batch whose weights do not exist yet
+        (only the trainer, which is the one waiting, would make them: a schedule bug, not a slow sampler)."""
+        needed = self.version_for(self._next)
+        if self._error is None and self._next <= self.last_step and needed > self._published:
+            raise RuntimeError(
+                f"waiting for {what}, but batch {self._next} needs policy version {needed} and only versions "
+                f"up to {self._published} are published"
+            )
+        await self._changes()
+
+    async def _produce(self) -> None:
+        try:
+            while self._next <= self.last_step:
+                step = self._next
+                version = self.version_for(step)
+                while version not in self._samplers:
+                    await self._changes()
+                t0 = time.perf_counter()
+                collected = await self._collect(step, self.feed, self._samplers[version])
+                for group in collected.sampled:
+                    for traj in group:
+                        traj.policy_version = version
+                self._batches[step] = Batch(
+                    step,
+                    version,
+                    collected,
+                    self.feed.position,
+                    list(self.feed.replay),
+                    time.perf_counter() - t0,
+                )
+                self._next += 1
+                self._notify()
+        except Exception as exc:  # kept for the trainer, which raises it when it reaches this step
+            self._error = exc
+            self._notify()
+
+    async def take(self, step: int) -> Batch:
+        """Wait for the batch of ``step`` and remove it from the queue (raises what stopped its sampling)."""
+        while step not in self._batches:
+            if self._error is not None and step >= self._next:
+                raise self._error
+            if step < self._next or self._task is None:
+                raise RuntimeError(f"no batch for step {step}: the pipeline is at step {self._next}")
+            await self._progress(f"the batch of step {step}")
+        batch = self._batches.pop(step)
+        self._taken = (batch.position, list(batch.replay))
+        return batch
+
+    async def drain(self, through: int) -> tuple[PipelineState, DataPosition]:
+        """Wait until the batches up to step ``through`` are sampled (or one failed); return what a
+        checkpoint stores (the batches sampled so far, not taken, and the replay list after the last of
+        them) and the stream position to resume from (after that batch)."""
+        through = min(through, self.last_step)
+        while self._next <= through and self._error is None:
+            await self._progress(f"the batches up to step {through}")
+        kept = [self._batches[s] for s in sorted(self._batches) if s <= through]
+        position, replay = (kept[-1].position, kept[-1].replay) if kept else self._taken
+        return PipelineState(self.k, kept, list(replay)), DataPosition(**asdict(position))
+
+    async def aclose(self) -> None:
+        """Stop the producer (sampling in flight is cancelled; its batch is lost, never half-stored)."""
+        task, self._task = self._task, None
+        if task is not None and not task.done():
+            task.cancel()
+            try:
+                await task
+            except asyncio.CancelledError:
+                pass
+        self._samplers.clear()
+
+
+def pipeline_metrics(batch: Batch, trainer_version: int, queued: int, requeued: int) -> dict[str, Any]:
+    """``offpolicy/*`` bookkeeping of one step: the lag of its trajectories (trainer version minus the
+    version that sampled each), batches already waiting when it started, groups requeued since the run
+    started."""
+    lags = [
+        trainer_version - t.policy_version
+        for g in batch.collected.sampled
+        for t in g
+        if t.policy_version is not None
+    ]
+    return {
+        "offpolicy/lag_mean": sum(lags) / len(lags) if lags else 0.0,
+        "offpolicy/lag_max": float(max(lags, default=0)),
+        "offpolicy/policy_version": float(batch.version),
+        "offpolicy/queued_batches": float(queued),
+        "offpolicy/requeued_groups": float(requeued),
+    }
