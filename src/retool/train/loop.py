@@ -291,9 +291,8 @@ class Trainer:
             )
         batches, replay, self._requeued = requeue_stale(batches, queued.replay if queued else [], k)
         stream = ProblemStream(self.env.epoch, seed=position.seed, position=position)
-        if (
-            batches
-        ):  # the stream resumes after the last batch the checkpoint kept, not after the requeued ones
+        # The stream resumes after the last batch the checkpoint kept, not after the requeued ones.
+        if batches:
             stream = ProblemStream(self.env.epoch, seed=position.seed, position=batches[-1].position)
         return RolloutPipeline(
             self._collect,
