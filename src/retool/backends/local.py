@@ -540,7 +540,8 @@ class LocalTrainingClient(TrainingClient):
         return self._sampler
 
     def set_sampler(self, sampler: LocalSamplingClient) -> None:
-        """Replace the built-in sampler (e.g. by ``VllmSamplingClient``); it may define ``refresh()``."""
+        """Replace the built-in sampler (e.g. by ``VllmSamplingClient``); it may define ``refresh()`` and
+        ``close()``."""
         self._sampler = sampler
 
     async def sample_async(
@@ -798,3 +799,6 @@ class LocalTrainingClient(TrainingClient):
 
     async def close_async(self) -> None:
         self._executor.shutdown(wait=True)
+        close = getattr(self._sampler, "close", None)
+        if close is not None:  # an external engine (llama.cpp) holds threads and a loaded model
+            close()
