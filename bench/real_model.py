@@ -30,6 +30,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -73,6 +74,7 @@ def main() -> None:
         sample_batch_size=max(int(b) for b in args.batches.split(",")),
         max_context=2048,
         micro_batch_tokens=2048,
+        checkpoint_dir=tempfile.mkdtemp(prefix="retool-bench-"),  # the llama.cpp rows' adapter files
     )
     load_s = time.perf_counter() - t0
     # A trained adapter (B != 0), as after a few steps: the wrapper then really computes its matmuls.
