@@ -41,7 +41,10 @@ class BackendConfig(_Section):
     kind: Literal["local", "pytrio", "tinker"] = "local"
     device: str = "auto"  # auto | cpu | cuda
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    sampler: Literal["hf", "vllm"] = "hf"
+    # hf: the built-in torch sampler; vllm: a GPU vLLM engine; llamacpp: llama.cpp on CPU (xllamacpp) from the
+    # GGUF file plus the trainer's LoRA as an adapter GGUF (GGUF models with LoRA; retool.backends.llamacpp)
+    sampler: Literal["hf", "vllm", "llamacpp"] = "hf"
+    llamacpp_threads: int = 2  # llama.cpp's CPU threads (sampler = "llamacpp")
     base_url: str | None = None  # remote services; credentials come from their usual env variables
     micro_batch_tokens: int = 8192  # padded area (rows x longest row) of one micro-batch
     sample_batch_size: int = 32  # sequences generated together by the local sampler
