@@ -254,11 +254,12 @@ class Config(_Section):
                 f"loss.tis_cap needs the loss computed locally; backend.kind = {self.backend.kind!r} "
                 "computes it on the service (set loss.tis_cap = 0)"
             )
-        local_vllm = self.backend.kind == "local" and self.backend.sampler == "vllm"
-        if self.train.max_steps_off_policy > 0 and local_vllm:
+        engine = self.backend.sampler if self.backend.kind == "local" else "hf"
+        if self.train.max_steps_off_policy > 0 and engine != "hf":
             raise ValueError(
-                "train.max_steps_off_policy > 0 needs a sampler over a frozen copy of the weights; the vLLM "
-                "sampler holds one set of weights (use backend.sampler = 'hf', or max_steps_off_policy = 0)"
+                "train.max_steps_off_policy > 0 needs a sampler over a frozen copy of the weights; the "
+                f"{engine} sampler holds one set of weights (use backend.sampler = 'hf', or "
+                "max_steps_off_policy = 0)"
             )
         return self
 
