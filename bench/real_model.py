@@ -12,10 +12,16 @@ meaningful even when the absolute numbers do not:
 - prompts are the demo's real retool-mode prompts (compact system prompt + distinct held-out hard
   problems), one request each, gathered into one batch as in evaluation; every sequence runs to
   ``--tokens`` (end-of-turn ignored) so the comparison is fair;
+- the llama.cpp sampler (``backend.sampler = "llamacpp"``, ``retool.backends.llamacpp``, needs
+  ``pip install xllamacpp``) on the same prompts, fed the same trained adapter (exported to a LoRA GGUF), at
+  the batch sizes given, interleaved with the torch rows; then the mean |difference| between llama.cpp's
+  logprobs of its sampled tokens and the trainer's fp32 recomputation of them;
 - forward+backward (PPO loss, LoRA) tokens/s on RL-shaped datums.
 
+``--samplers`` picks rows (wrapper, merged, shared, llamacpp; default all, llamacpp when installed).
+
 Usage: nice -n 10 python bench/real_model.py [--model smollm2|PATH] [--batches 8,32,64] [--tokens 64]
-       [--rounds 3] [--threads 1]
+       [--rounds 3] [--threads 1] [--samplers shared,llamacpp] [--llamacpp-threads 2]
 """
 
 from __future__ import annotations
@@ -24,6 +30,7 @@ import argparse
 import asyncio
 import os
 import statistics
+import tempfile
 import time
 from typing import Any
 
@@ -43,6 +50,8 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy CPU)")
     ap.add_argument("--train-datums", type=int, default=8, help="datums per forward_backward")
+    ap.add_argument("--samplers", default="wrapper,merged,shared,llamacpp", help="rows to measure")
+    ap.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp threads")
     args = ap.parse_args()
 
     import torch
@@ -65,6 +74,7 @@ def main() -> None:
         sample_batch_size=max(int(b) for b in args.batches.split(",")),
         max_context=2048,
         micro_batch_tokens=2048,
+        checkpoint_dir=tempfile.mkdtemp(prefix="retool-bench-"),  # the llama.cpp rows' adapter files
     )
     load_s = time.perf_counter() - t0
     # A trained adapter (B != 0), as after a few steps: the wrapper then really computes its matmuls.
@@ -86,13 +96,21 @@ def main() -> None:
     )
     print(f"load average at start: {_load_avg()} ({os.cpu_count()} CPUs)")
 
-    def sample(batch: int, merged: bool, shared: bool) -> tuple[float, float]:
+    wanted = set(args.samplers.split(","))
+    llama = _llamacpp_sampler(client, args.llamacpp_threads) if "llamacpp" in wanted else None
+
+    def sample(batch: int, merged: bool, shared: bool, engine: str = "torch") -> tuple[float, float]:
         """One batched generation of ``batch`` distinct prompts; (sampled tok/s, prefill share of time)."""
         client.merge_lora_for_sampling, client.share_prompt_prefix = merged, shared
         before_s, before_p = client.stats.sample_seconds, client.stats.prefill_seconds
 
+        if engine == "llamacpp" and llama is not None:
+            llama._server_version = -1  # a fresh server: no prompt cached from an earlier row
+            llama.refresh()
+
         async def go() -> int:
-            sampler = await client.sampling_client_async()
+            sampler = llama if engine.startswith("llamacpp") else await client.sampling_client_async()
+            assert sampler is not None
             params = [SamplingParams(max_tokens=args.tokens, seed=k, temperature=1.0) for k in range(batch)]
             outs = await asyncio.gather(
                 *[sampler.sample_async(prompts[k], 1, params[k]) for k in range(batch)]
@@ -103,17 +121,29 @@ def main() -> None:
         n = asyncio.run(go())
         wall = time.perf_counter() - t
         spent = client.stats.sample_seconds - before_s
+        if engine.startswith("llamacpp"):
+            return n / wall, float("nan")
         return n / wall, (client.stats.prefill_seconds - before_p) / max(spent, 1e-9)
 
-    variants: list[tuple[str, int, bool, bool]] = [("PEFT wrapper, full prefill", batches[0], False, False)]
-    variants.append(("merged, full prefill", batches[0], True, False))
-    variants += [("merged + shared prefix", b, True, True) for b in batches]
-    sample(2, True, True)  # warm-up (and builds the merged view once)
-    sample(2, False, False)
-    rates: dict[tuple[str, int, bool, bool], list[tuple[float, float]]] = {v: [] for v in variants}
+    variants: list[tuple[str, int, bool, bool, str]] = []
+    if "wrapper" in wanted:
+        variants.append(("PEFT wrapper, full prefill", batches[0], False, False, "torch"))
+    if "merged" in wanted:
+        variants.append(("merged, full prefill", batches[0], True, False, "torch"))
+    if "shared" in wanted:
+        variants += [("merged + shared prefix", b, True, True, "torch") for b in batches]
+    if llama is not None:
+        for b in batches:
+            variants.append((f"llama.cpp, {args.llamacpp_threads} threads", b, True, True, "llamacpp"))
+            # The same prompts again on the same server: each slot has its prompt in its KV cache (as a
+            # multi-turn trajectory's next turn would), so this row is decode-bound.
+            variants.append(("llama.cpp, prompts cached", b, True, True, "llamacpp-warm"))
+    for v in {(v[2], v[3], v[4]) for v in variants}:
+        sample(2, *v)  # warm-up (builds the merged view, loads llama.cpp with the adapter)
+    rates: dict[tuple[str, int, bool, bool, str], list[tuple[float, float]]] = {v: [] for v in variants}
     for _ in range(args.rounds):
         for v in variants:
-            rates[v].append(sample(v[1], v[2], v[3]))
+            rates[v].append(sample(v[1], v[2], v[3], v[4]))
     reference = statistics.median(r for r, _ in rates[variants[0]])
     print("\nsampling (sampled tokens/s, median of rounds; ratio to the first row):")
     print(f"{'sampler':<28} {'batch':>5} {'tok/s':>8} {'ratio':>6} {'prefill':>8}   rounds")
@@ -122,6 +152,8 @@ def main() -> None:
         prefill = statistics.median(p for _, p in rates[v])
         runs = ", ".join(f"{r:.1f}" for r, _ in rates[v])
         print(f"{v[0]:<28} {v[1]:>5} {med:>8.1f} {med / reference:>6.2f} {100 * prefill:>7.0f}%   [{runs}]")
+    if llama is not None:
+        _logprob_agreement(client, llama, prompts[:8], args.tokens)
 
     # Training: RL-shaped datums (prompt + code call + observation + answer), PPO loss through LoRA.
     seq = [*prompt, *protocol.encode_completion(protocol.fmt.render_call(task.code))]
@@ -145,6 +177,42 @@ def main() -> None:
     )
     print(f"load average at end: {_load_avg()}")
     client.close()
+
+
+def _llamacpp_sampler(client: Any, threads: int) -> Any:
+    try:
+        from retool.backends.llamacpp import LlamaCppSamplingClient
+
+        sampler = LlamaCppSamplingClient(client, threads=threads)
+    except RuntimeError as exc:  # xllamacpp not installed
+        print(f"llama.cpp rows skipped: {exc}")
+        return None
+    sampler.ignore_eos = True  # like the torch rows: every sequence runs to --tokens
+    return sampler
+
+
+def _logprob_agreement(client: Any, llama: Any, prompts: list[list[int]], tokens: int) -> None:
+    """Mean |llama.cpp logprob - trainer fp32 logprob| over the tokens llama.cpp sampled (same adapter)."""
+    import torch
+
+    from retool.backends.types import SamplingParams
+
+    diffs: list[float] = []
+    for k, prompt in enumerate(prompts):
+        (s,) = llama.sample(prompt, 1, SamplingParams(max_tokens=tokens, seed=100 + k, temperature=1.0))
+        seq = prompt + s.tokens
+        ids = torch.tensor([seq[:-1]])
+        with torch.no_grad():
+            lp = client.target_logprobs(ids, torch.ones_like(ids), torch.tensor([seq[1:]]))[
+                0, len(prompt) - 1 :
+            ]
+        diffs += [abs(a - float(b)) for a, b in zip(s.logprobs, lp, strict=True)]
+    diffs.sort()
+    print(
+        f"\nllama.cpp vs trainer logprobs on {len(diffs)} sampled tokens: mean |diff| "
+        f"{sum(diffs) / len(diffs):.4f}, median {diffs[len(diffs) // 2]:.4f}, max {diffs[-1]:.4f} nats "
+        f"({llama.resampled} requests redone unstreamed)"
+    )
 
 
 if __name__ == "__main__":

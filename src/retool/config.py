@@ -41,7 +41,10 @@ class BackendConfig(_Section):
     kind: Literal["local", "pytrio", "tinker"] = "local"
     device: str = "auto"  # auto | cpu | cuda
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    sampler: Literal["hf", "vllm"] = "hf"
+    # hf: the built-in torch sampler; vllm: a GPU vLLM engine; llamacpp: llama.cpp on CPU (xllamacpp) from the
+    # GGUF file plus the trainer's LoRA as an adapter GGUF (GGUF models with LoRA; retool.backends.llamacpp)
+    sampler: Literal["hf", "vllm", "llamacpp"] = "hf"
+    llamacpp_threads: int = 2  # llama.cpp's CPU threads (sampler = "llamacpp")
     base_url: str | None = None  # remote services; credentials come from their usual env variables
     micro_batch_tokens: int = 8192  # padded area (rows x longest row) of one micro-batch
     sample_batch_size: int = 32  # sequences generated together by the local sampler
@@ -251,11 +254,12 @@ class Config(_Section):
                 f"loss.tis_cap needs the loss computed locally; backend.kind = {self.backend.kind!r} "
                 "computes it on the service (set loss.tis_cap = 0)"
             )
-        local_vllm = self.backend.kind == "local" and self.backend.sampler == "vllm"
-        if self.train.max_steps_off_policy > 0 and local_vllm:
+        engine = self.backend.sampler if self.backend.kind == "local" else "hf"
+        if self.train.max_steps_off_policy > 0 and engine != "hf":
             raise ValueError(
-                "train.max_steps_off_policy > 0 needs a sampler over a frozen copy of the weights; the vLLM "
-                "sampler holds one set of weights (use backend.sampler = 'hf', or max_steps_off_policy = 0)"
+                "train.max_steps_off_policy > 0 needs a sampler over a frozen copy of the weights; the "
+                f"{engine} sampler holds one set of weights (use backend.sampler = 'hf', or "
+                "max_steps_off_policy = 0)"
             )
         return self
 

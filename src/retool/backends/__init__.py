@@ -124,6 +124,10 @@ def make_training_client(config: Config) -> TrainingClient:
             from retool.backends.vllm_sampler import attach_vllm_sampler
 
             attach_vllm_sampler(client)
+        elif config.backend.sampler == "llamacpp":
+            from retool.backends.llamacpp import attach_llamacpp_sampler
+
+            attach_llamacpp_sampler(client, threads=config.backend.llamacpp_threads)
         return client
     if kind == "pytrio":
         from retool.backends.pytrio_backend import PytrioTrainingClient

@@ -547,7 +547,7 @@ class LocalTrainingClient(TrainingClient):
         training goes on meanwhile (off-policy pipelining; ``retool.backends.snapshot``)."""
         if getattr(self._sampler, "refresh", None) is not None:
             raise NotImplementedError(
-                "an external sampling engine (vLLM) holds one set of weights and cannot sample from a frozen "
+                "an external sampling engine (vLLM, llama.cpp) holds one set of weights and cannot sample from a frozen "
                 "version while training goes on; use backend.sampler = 'hf' or train.max_steps_off_policy = 0"
             )
         from retool.backends.snapshot import FrozenSamplingClient, frozen_copy
@@ -559,7 +559,8 @@ class LocalTrainingClient(TrainingClient):
         return FrozenSamplingClient(self, model, self._frozen_thread, self._gather_ms)
 
     def set_sampler(self, sampler: LocalSamplingClient) -> None:
-        """Replace the built-in sampler (e.g. by ``VllmSamplingClient``); it may define ``refresh()``."""
+        """Replace the built-in sampler (e.g. by ``VllmSamplingClient``); it may define ``refresh()`` and
+        ``close()``."""
         self._sampler = sampler
 
     async def sample_async(
@@ -819,3 +820,6 @@ class LocalTrainingClient(TrainingClient):
         self._executor.shutdown(wait=True)
         if self._frozen_thread is not None:
             self._frozen_thread.shutdown(wait=True)
+        close = getattr(self._sampler, "close", None)
+        if close is not None:  # an external engine (llama.cpp) holds threads and a loaded model
+            close()
