@@ -23,8 +23,6 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import os
-import platform
 import statistics
 import sys
 import time
@@ -32,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from _machine import machine  # bench/, on sys.path when run as a script
 from retool.config import ConfigError
 from retool.tasks.demo import DemoSettings, run_demo
 
@@ -40,21 +39,6 @@ TARGET_GAIN = 0.15
 TARGET_HARD_GAIN = 0.25
 TARGET_TOTAL_SECONDS = 480.0
 TARGET_RL_SHARE = 0.40
-
-
-def machine() -> str:
-    cpu = platform.processor() or platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    import torch
-
-    isa = os.environ.get("ATEN_CPU_CAPABILITY") or torch.backends.cpu.get_cpu_capability()
-    return f"{cpu}, {os.cpu_count()} cores, torch {torch.__version__} ({isa}), Python {platform.python_version()}"
 
 
 def settings_from(args: argparse.Namespace) -> DemoSettings:

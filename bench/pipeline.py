@@ -32,7 +32,6 @@ import asyncio
 import hashlib
 import json
 import os
-import platform
 import statistics
 import sys
 import tempfile
@@ -41,6 +40,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from _machine import machine  # bench/, on sys.path when run as a script
 from retool.backends.base import SamplingClient, TrainingClient
 from retool.backends.losses import LossTally, token_loss
 from retool.backends.types import (
@@ -132,18 +132,6 @@ class FakeRemoteClient(TrainingClient):
 
     async def load_state_async(self, path: str) -> None:
         self.step = json.loads((Path(path) / "state.json").read_text())["step"]
-
-
-def machine() -> str:
-    cpu = platform.machine()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
-    return f"{cpu}, {os.cpu_count()} cores, Python {platform.python_version()}"
 
 
 def run_arm(k: int, args: argparse.Namespace, parts: dict[str, Any], out: Path) -> dict[str, Any]:
@@ -263,7 +251,7 @@ def main(argv: list[str] | None = None) -> int:
         finally:
             parts["executor"].close()
             parts["verifier"].close()
-    print(f"machine: {machine()}")
+    print(f"machine: {machine(with_torch=False)}")
     print(
         f"latencies (scale {args.scale:g}): sample {args.sample:.2f} s, forward_backward {args.fb:.2f} s, "
         f"optim {args.optim:.2f} s, refresh {args.refresh:.2f} s; {args.questions} questions x {args.group} per step, {args.steps} steps"
