@@ -10,7 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from tests.test_train_loop import (
+
+from retool.config import Config, override_config
+from retool.env import ProblemListEnv
+from retool.train.checkpoint import PIPELINE_FILE, CheckpointManager
+from retool.train.loop import Trainer
+from retool.train.metrics import StepLostError
+from retool.train.pipeline import Batch, PipelineState, requeue_stale
+from test_train_loop import (
     PROBLEMS,
     FakeClient,
     essentials,
@@ -19,13 +26,6 @@ from tests.test_train_loop import (
     fake_rollouts,
     read_metrics,
 )
-
-from retool.config import Config, override_config
-from retool.env import ProblemListEnv
-from retool.train.checkpoint import PIPELINE_FILE, CheckpointManager
-from retool.train.loop import Trainer
-from retool.train.metrics import StepLostError
-from retool.train.pipeline import Batch, PipelineState, requeue_stale
 
 
 class VersionedClient(FakeClient):

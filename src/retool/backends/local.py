@@ -504,36 +504,39 @@ class LocalTrainingClient(TrainingClient):
         return self._merged.model
 
     def _generate(self, requests: list[GenRequest]) -> list[Sample]:
-        """Worker-thread body: generate in chunks of ``sample_batch_size`` sequences."""
-        import time
-
-        t0 = time.perf_counter()
+        """Worker-thread body: generate on the current weights (``sampling_model``)."""
         model = self.sampling_model()
         was_training = model.training
         model.eval()
         try:
-            out: list[Sample] = []
-            timings: dict[str, float] = {}
-            for start in range(0, len(requests), self.sample_batch_size):
-                out.extend(
-                    generate_batch(
-                        model,
-                        self.tokenizer,
-                        requests[start : start + self.sample_batch_size],
-                        pad_id=self.pad_id,
-                        eos_ids=self.eos_ids,
-                        max_context=self.max_context,
-                        device=self.device,
-                        timings=timings,
-                        share_prefix=self.share_prompt_prefix,
-                    )
-                )
-            self.stats.add_sampling(
-                requests, out, time.perf_counter() - t0, timings.get("prefill_seconds", 0.0)
-            )
-            return out
+            return self.generate_on(model, requests)
         finally:
             model.train(was_training)
+
+    def generate_on(self, model: Any, requests: list[GenRequest]) -> list[Sample]:
+        """Generate ``requests`` on ``model`` (in eval mode) in chunks of ``sample_batch_size`` sequences,
+        counted in ``stats``; every sampler of this client goes through here, frozen ones included."""
+        import time
+
+        t0 = time.perf_counter()
+        out: list[Sample] = []
+        timings: dict[str, float] = {}
+        for start in range(0, len(requests), self.sample_batch_size):
+            out.extend(
+                generate_batch(
+                    model,
+                    self.tokenizer,
+                    requests[start : start + self.sample_batch_size],
+                    pad_id=self.pad_id,
+                    eos_ids=self.eos_ids,
+                    max_context=self.max_context,
+                    device=self.device,
+                    timings=timings,
+                    share_prefix=self.share_prompt_prefix,
+                )
+            )
+        self.stats.add_sampling(requests, out, time.perf_counter() - t0, timings.get("prefill_seconds", 0.0))
+        return out
 
     async def sampling_client_async(self) -> SamplingClient:
         refresh = getattr(self._sampler, "refresh", None)

@@ -20,13 +20,12 @@ what the live sampler returned before any later update (same tokens, logprobs eq
 from __future__ import annotations
 
 import copy
-import time
 from concurrent.futures import Executor
 from typing import Any
 
 import torch
 
-from retool.backends.generation import GenRequest, generate_batch
+from retool.backends.generation import GenRequest
 from retool.backends.local import LocalSamplingClient, LocalTrainingClient
 from retool.backends.types import Sample
 
@@ -55,25 +54,4 @@ class FrozenSamplingClient(LocalSamplingClient):
         self.policy_step = owner.step
 
     def _run_batch(self, requests: list[GenRequest]) -> list[Sample]:
-        owner = self._owner
-        size = owner.sample_batch_size
-        out: list[Sample] = []
-        timings: dict[str, float] = {}
-        t0 = time.perf_counter()
-        for start in range(0, len(requests), size):
-            out.extend(
-                generate_batch(
-                    self.model,
-                    owner.tokenizer,
-                    requests[start : start + size],
-                    pad_id=owner.pad_id,
-                    eos_ids=owner.eos_ids,
-                    max_context=owner.max_context,
-                    device=owner.device,
-                    timings=timings,
-                    share_prefix=owner.share_prompt_prefix,
-                )
-            )
-        # The owner's counters (``stats``) cover every sampler it hands out, frozen ones included.
-        owner.stats.add_sampling(requests, out, time.perf_counter() - t0, timings.get("prefill_seconds", 0.0))
-        return out
+        return self._owner.generate_on(self.model, requests)
