@@ -33,7 +33,7 @@ from retool.config import Config, ConfigError, load_config, override_config
 from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemEnv, TaskFamilyEnv, env_from_config
-from retool.evaluate.settings import setting_value
+from retool.evaluate.settings import setting_value, settings_differences
 from retool.tasks.report import (
     DemoResult,
     Evals,
@@ -326,7 +326,7 @@ _SFT_KEYS = (
     "config.backend.micro_batch_tokens",
 )
 # Settings a resumed run may change: where it runs and how it reports, not what it computes.
-_RESUME_FREE = ("out", "resume", "plots", "data_dir")
+_RESUME_FREE = frozenset({"out", "resume", "plots", "data_dir"})
 PHASES_FILE = "phases.json"
 
 
@@ -434,9 +434,7 @@ def _start(settings: DemoSettings, out: Path) -> Config:
             raise FileNotFoundError(f"--resume {out}: no demo run there (no settings.json)")
         earlier = json.loads(saved.read_text(encoding="utf-8"))
         mine = json.loads(json.dumps(settings.as_dict(), default=str))
-        differ = [k for k in mine if k not in _RESUME_FREE and earlier.get(k) != mine[k]]
-        differ += [f"config.{k}" for k, v in mine["config"].items() if earlier.get("config", {}).get(k) != v]
-        differ = [k for k in differ if k != "config"]
+        differ = settings_differences(earlier, mine, ignore=_RESUME_FREE)
         if differ:
             raise ValueError(
                 f"--resume {out}: the run was started with other settings ({', '.join(differ)}); "
