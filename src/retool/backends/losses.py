@@ -189,7 +189,6 @@ def token_loss(
         truncated = trained & (rho > cap)
     else:
         log_ratio = behaviour
-        is_weight = None
     ratio = torch.exp(log_ratio)
     if loss_fn == "importance_sampling":
         per = -ratio * adv
