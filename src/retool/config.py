@@ -153,12 +153,38 @@ class RewardConfig(_Section):
     tail_chars: int = 300
 
 
+# Each tracker's own modes (``retool.train.trackers``); SwanLab's "online" is its "cloud".
+TRACKER_MODES: dict[str, tuple[str, ...]] = {
+    "tensorboard": ("local",),
+    "swanlab": ("cloud", "online", "local", "offline", "disabled"),
+    "wandb": ("online", "offline", "disabled"),
+    "none": (),
+}
+
+
 class LoggingConfig(_Section):
     tracker: Literal["tensorboard", "swanlab", "wandb", "none"] = "tensorboard"
+    # The tracker's own mode (``retool.train.trackers``): SwanLab cloud | local | offline | disabled,
+    # W&B online | offline | disabled. "auto": SWANLAB_MODE / WANDB_MODE when set, else the cloud when
+    # the tracker's credentials are present, else files in the run folder (SwanLab local, W&B offline).
+    tracker_mode: Literal["auto", "cloud", "online", "local", "offline", "disabled"] = "auto"
+    # false: a tracker that cannot start is a warning and the run goes on with metrics.jsonl alone.
+    tracker_required: bool = True
+    tracker_timeout: float = Field(default=30.0, gt=0)  # seconds a cloud tracker may take to start
     project: str = "retool"
     progress: bool = True
     # Groups of each step saved to trajectories.jsonl for `retool view` (0: none, "all": every group).
     trajectory_groups_per_step: Annotated[int, Field(ge=0)] | Literal["all"] = 2
+
+    @model_validator(mode="after")
+    def _check_tracker_mode(self) -> LoggingConfig:
+        modes = TRACKER_MODES[self.tracker]
+        if self.tracker_mode != "auto" and self.tracker_mode not in modes:
+            raise ValueError(
+                f"logging.tracker_mode = {self.tracker_mode!r} is not a mode of {self.tracker} "
+                f"(one of {', '.join(('auto', *modes))})"
+            )
+        return self
 
 
 class CheckpointConfig(_Section):

@@ -67,7 +67,8 @@ def _train(cfg: Config, folder: Path, resume: bool) -> TrainSummary:
     from retool.train.checkpoint import RunWriteError
     from retool.train.datasource import DataSourceError
     from retool.train.loop import RunDirError, run_training
-    from retool.train.metrics import StepLostError, TrackerError
+    from retool.train.metrics import StepLostError
+    from retool.train.trackers import TrackerError
 
     try:
         return run_training(cfg, folder, resume=resume)

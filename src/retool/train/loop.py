@@ -5,7 +5,7 @@
     RUN_DIR/config.toml       the exact config (a resumed run reads it back)
     RUN_DIR/metrics.jsonl     one JSON object per finished step, with "step"
     RUN_DIR/trajectories.jsonl  sampled trajectories of each step (``retool.train.records``)
-    RUN_DIR/tensorboard/      tracker events (when the tracker is TensorBoard)
+    RUN_DIR/tensorboard/ swanlog/ wandb/  the tracker's files (``retool.train.trackers``)
     RUN_DIR/checkpoints/      see ``retool.train.checkpoint``
 
 It trains on an environment (``retool.env.ProblemEnv``: which problems, how a trajectory is scored) with
@@ -61,9 +61,7 @@ from retool.train.collect import Collected, collect_groups, round_seed
 from retool.train.datasource import DataPosition, ProblemStream
 from retool.train.metrics import (
     MetricsLog,
-    Tracker,
     fault_counters,
-    make_tracker,
     raise_if_step_lost,
     rollout_metrics,
     scalars_of,
@@ -79,6 +77,7 @@ from retool.train.pipeline import (
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
+from retool.train.trackers import Tracker, checkpoint_entry, open_tracker
 
 logger = logging.getLogger(__name__)
 
@@ -153,6 +152,7 @@ class Trainer:
         self._guarded: TrainingClient | None = None  # the backend behind retries (``[retry]``)
         self._rollout_fn = rollout_fn
         self._tracker = tracker
+        self._open_tracker: Tracker = Tracker()  # the run's tracker once open (its id goes in checkpoints)
         self._on_step = on_step
         self._on_phase = on_phase
         self._stop_requested = False
@@ -256,21 +256,17 @@ class Trainer:
         logger.warning("signal %d: finishing this step, saving a checkpoint, then stopping", signum)
 
     async def _start(self) -> tuple[int, DataPosition, PipelineState | None, Tracker]:
-        """Build (or take) the components, restore a checkpoint, check the backend, open the tracker."""
-        cfg = self.config
+        """Open the tracker, build (or take) the components, restore a checkpoint, check the backend."""
         self._prepare_run_dir()
+        # The tracker first: one that cannot start stops the run before any work (``retool.train.trackers``).
+        tracker = self._tracker or open_tracker(self.config, self.run_dir, self.resume)
+        self._open_tracker = tracker
         try:
             self._build_components()
             start_step, position, queued = await self._restore()
             await self._check_backend()
-            tracker = self._tracker or make_tracker(
-                cfg.logging.tracker,
-                self.run_dir,
-                cfg.logging.project,
-                cfg.model_dump(),
-                resume_step=start_step + 1 if self.resume else None,
-            )
         except BaseException:
+            tracker.close()
             await self._close_components()
             raise
         return start_step, position, queued, tracker
@@ -464,7 +460,7 @@ class Trainer:
         except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
             raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
         queued, position = await pipeline.drain(step + pipeline.k)
-        extra: dict[str, Any] = {}
+        extra: dict[str, Any] = checkpoint_entry(self._open_tracker)  # a resume reopens the tracker run
         if queued.batches or queued.replay:  # a synchronous run's checkpoint stays as it always was
             self.checkpoints.write_pipeline(tmp, step, queued)
             extra["pipeline"] = {"batches": [b.step for b in queued.batches], "replay": len(queued.replay)}

@@ -1,4 +1,4 @@
-"""Per-step training metrics (SPEC §6) and where they go: ``metrics.jsonl`` plus a tracker.
+"""Per-step training metrics (SPEC §6) and ``metrics.jsonl`` (trackers: ``retool.train.trackers``).
 
 Definitions (all over the step's trajectories unless said otherwise):
 
@@ -214,87 +214,6 @@ def _finite(obj: Any) -> Any:
     if isinstance(obj, list):
         return [_finite(v) for v in obj]
     return obj
-
-
-class Tracker:
-    """Scalar sink. ``log`` takes the step's scalars; ``close`` flushes."""
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        pass
-
-    def close(self) -> None:
-        pass
-
-
-class TensorBoardTracker(Tracker):
-    def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
-
-        # purge_step drops events a killed run wrote after the checkpoint we resume from.
-        self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        for key, value in scalars.items():
-            self._writer.add_scalar(key, value, global_step=step)
-        self._writer.flush()
-
-    def close(self) -> None:
-        self._writer.close()
-
-
-class SwanLabTracker(Tracker):
-    def __init__(self, project: str, run_name: str, config: dict[str, Any]) -> None:
-        import swanlab
-
-        self._swanlab = swanlab
-        self._run = swanlab.init(project=project, experiment_name=run_name, config=config)
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        self._swanlab.log(scalars, step=step)
-
-    def close(self) -> None:
-        self._swanlab.finish()
-
-
-class WandbTracker(Tracker):
-    def __init__(self, project: str, run_name: str, config: dict[str, Any], run_dir: Path) -> None:
-        import wandb
-
-        self._run = wandb.init(
-            project=project, name=run_name, config=config, dir=str(run_dir), resume="allow"
-        )
-
-    def log(self, scalars: dict[str, float], step: int) -> None:
-        self._run.log(scalars, step=step)
-
-    def close(self) -> None:
-        self._run.finish()
-
-
-class TrackerError(RuntimeError):
-    pass
-
-
-def make_tracker(
-    kind: str, run_dir: Path, project: str, config: dict[str, Any], resume_step: int | None = None
-) -> Tracker:
-    """The configured tracker; SwanLab / W&B must be installed when chosen (clear error if not)."""
-    if kind == "none":
-        return Tracker()
-    if kind == "tensorboard":
-        return TensorBoardTracker(run_dir / "tensorboard", purge_step=resume_step)
-    if kind in ("swanlab", "wandb"):
-        try:
-            __import__(kind)
-        except ImportError:
-            raise TrackerError(
-                f"logging.tracker = {kind!r} but the {kind} package is not installed "
-                f"(pip install 'retool-rl[{kind}]', or choose tensorboard / none)"
-            ) from None
-        if kind == "swanlab":
-            return SwanLabTracker(project, run_dir.name, config)
-        return WandbTracker(project, run_dir.name, config, run_dir)
-    raise TrackerError(f"unknown tracker {kind!r}")
 
 
 def scalars_of(record: dict[str, Any]) -> dict[str, float]:
