@@ -157,6 +157,7 @@ def test_tracker_not_required_is_a_warning_and_the_run_goes_on(
     assert "tracker" not in (CheckpointManager(run_dir).latest() / "trainer_state.json").read_text()
 
 
+@pytest.mark.slow  # W&B gives up some 10 s after logging.tracker_timeout
 def test_wandb_online_with_an_unreachable_server_fails_in_one_line(
     clean_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

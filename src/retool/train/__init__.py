@@ -5,7 +5,8 @@
 - ``loop``: ``Trainer`` / ``run_training`` (sampler refresh, rollouts, training, metrics, checkpoints, resume).
 - ``datasource``: the problem stream over an environment's epochs, with a resumable position.
 - ``checkpoint``: atomic checkpoints, keep-last-K, metrics repair on resume.
-- ``metrics``: per-step metrics, ``metrics.jsonl`` and trackers; ``progress``: the live display.
+- ``metrics``: per-step metrics and ``metrics.jsonl``; ``trackers``: TensorBoard / SwanLab / W&B;
+  ``progress``: the live display.
 - ``cli``: ``retool train``.
 """
 

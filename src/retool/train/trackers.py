@@ -118,7 +118,8 @@ class WandbTracker(Tracker):
     def __init__(self, spec: TrackerSpec, run_id: str | None, timeout: float) -> None:
         import wandb
 
-        settings = wandb.Settings(init_timeout=timeout, console="off")  # stdout stays the progress display's
+        # stdout stays the progress display's: no console capture, no history summary at the end.
+        settings = wandb.Settings(init_timeout=timeout, console="off", quiet=True)
         self._run = wandb.init(
             mode=spec.mode,  # type: ignore[arg-type]
             dir=str(spec.folder.parent),  # W&B adds the "wandb" folder itself

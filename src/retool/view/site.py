@@ -41,8 +41,10 @@ CHUNK_MAX_BYTES = 1_500_000
 CHUNK_MAX_RECORDS = 200
 ANSWER_PREVIEW = 48
 QUESTION_PREVIEW = 240
-# Folders a search below a given folder never enters (model weights, checkpoints, this site itself).
-_SKIP_DIRS = frozenset({"checkpoints", "tensorboard", "view", "data", "analysis", "__pycache__"})
+# Folders a search below a given folder never enters (weights, checkpoints, tracker files, this site).
+_SKIP_DIRS = frozenset(
+    {"checkpoints", "tensorboard", "swanlog", "wandb", "view", "data", "analysis", "__pycache__"}
+)
 
 
 class ViewError(ValueError):
