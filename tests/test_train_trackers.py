@@ -17,7 +17,7 @@ from retool.train.checkpoint import CheckpointManager, TrainerState
 from retool.train.metrics import scalars_of
 from retool.train.trackers import TrackerError, resolve_mode
 from test_train_loop import FakeClient, fake_config, make_trainer
-from tracker_files import merged, swanlab_dashboard, swanlab_runs, wandb_runs
+from tracker_files import merged, swanlab_dashboard, swanlab_resume_modes, swanlab_runs, wandb_runs
 from train_harness import phase_signals
 
 CREDENTIAL_VARS = (
@@ -127,6 +127,8 @@ def test_resume_appends_to_the_same_tracker_run(
     assert len(runs) == 2 and runs[0][0] == runs[1][0] == checkpointed_tracker(run_dir)["run_id"]
     assert {step for series in runs[1][1].values() for step in series} == {3, 4}
     assert_same_scalars(merged(runs), run_dir)
+    if tracker == "swanlab":  # `swanlab sync` appends the second file to the first file's experiment
+        assert swanlab_resume_modes(run_dir / read)[1] == "RESUME_MODE_ALLOW"
 
 
 @pytest.mark.parametrize(("tracker", "mode"), [("swanlab", "cloud"), ("wandb", "online")])
@@ -155,6 +157,19 @@ def test_tracker_not_required_is_a_warning_and_the_run_goes_on(
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (run_dir / "wandb").exists()
     assert "tracker" not in (CheckpointManager(run_dir).latest() / "trainer_state.json").read_text()
+
+
+@pytest.mark.parametrize("tracker", ["swanlab", "wandb"])
+def test_disabled_mode_writes_nothing(clean_env: Path, tmp_path: Path, tracker: str) -> None:
+    pytest.importorskip(tracker)
+    run_dir = tmp_path / "run"
+    make_trainer(tracker_config(tracker, "disabled"), run_dir).run()
+    assert sorted(p.name for p in run_dir.iterdir()) == [
+        "checkpoints",
+        "config.toml",
+        "metrics.jsonl",
+        "trajectories.jsonl",
+    ]
 
 
 @pytest.mark.slow  # W&B gives up some 10 s after logging.tracker_timeout

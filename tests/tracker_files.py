@@ -45,6 +45,25 @@ def swanlab_runs(folder: Path) -> list[tuple[str, Scalars]]:
     return runs
 
 
+def swanlab_resume_modes(folder: Path) -> list[str]:
+    """The resume mode each ``run-*.swanlab`` file under ``folder`` starts with (what a sync follows)."""
+    from swanlab.proto.swanlab.record.v1.record_pb2 import Record
+    from swanlab.proto.swanlab.run.v1.run_pb2 import ResumeMode
+    from swanlab.sdk.internal.core_python.store import DataStoreReader
+
+    modes = []
+    for path in sorted(folder.glob("run-*/run-*.swanlab")):
+        reader = DataStoreReader()
+        reader.open(path)
+        for data in reader:
+            record = Record()
+            record.ParseFromString(data)
+            if record.WhichOneof("record_type") == "start":
+                modes.append(ResumeMode.Name(record.start.resume))
+        reader.close()
+    return modes
+
+
 def swanlab_dashboard(folder: Path) -> dict[str, Scalars]:
     """What ``swanlab watch folder`` shows (local mode): each experiment's scalars, from the dashboard's
     database (``runs.swanlab``: tag name -> log folder) and the per-tag logs it reads."""

@@ -91,7 +91,7 @@ class SwanLabTracker(Tracker):
             terminal=swanlab.Settings.Terminal(proxy_type="none"),  # leave stdout to the progress display
         )
         self._run = swanlab.init(
-            mode=spec.mode,
+            mode="online" if spec.mode == "cloud" else spec.mode,  # SwanLab's own name for its cloud
             log_dir=str(spec.folder),
             project=spec.project,
             name=spec.run_name,
