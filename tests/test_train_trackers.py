@@ -156,7 +156,10 @@ def test_tracker_not_required_is_a_warning_and_the_run_goes_on(
     assert "logging.tracker_required = false" in caplog.text and "credentials" in caplog.text
     assert len((run_dir / "metrics.jsonl").read_text().splitlines()) == 2
     assert not (run_dir / "wandb").exists()
-    assert "tracker" not in (CheckpointManager(run_dir).latest() / "trainer_state.json").read_text()
+    latest = CheckpointManager(run_dir).latest()
+    assert latest is not None
+    state = TrainerState.from_json((latest / "trainer_state.json").read_text(encoding="utf-8"))
+    assert "tracker" not in state.extra
 
 
 @pytest.mark.parametrize("tracker", ["swanlab", "wandb"])
@@ -234,3 +237,23 @@ def test_a_mode_the_tracker_does_not_have_is_a_config_error() -> None:
         tracker_config("wandb", "local")
     with pytest.raises(ConfigError, match="'offline' is not a mode of tensorboard"):
         tracker_config("tensorboard", "offline")
+
+
+def test_missing_package_is_one_line_and_auto_swanlab_without_dashboard_is_offline(
+    clean_env: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pytest.importorskip("swanlab")
+    import retool.train.trackers as trackers
+
+    installed = trackers._has_package
+    monkeypatch.setattr(
+        trackers, "_has_package", lambda name: name not in ("wandb", "swanboard") and installed(name)
+    )
+    with pytest.raises(
+        TrackerError, match=r"^logging.tracker = 'wandb' but the wandb package is not installed"
+    ):
+        make_trainer(tracker_config("wandb", "auto"), tmp_path / "a").run()
+    mode, reason = resolve_mode("swanlab", "auto")
+    assert mode == "offline" and "swanlab[dashboard]" in reason
+    with pytest.raises(TrackerError, match="SwanLab local mode needs its dashboard package"):
+        make_trainer(tracker_config("swanlab", "local"), tmp_path / "b").run()
