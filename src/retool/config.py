@@ -170,7 +170,8 @@ class LoggingConfig(_Section):
     tracker_mode: Literal["auto", "cloud", "online", "local", "offline", "disabled"] = "auto"
     # false: a tracker that cannot start is a warning and the run goes on with metrics.jsonl alone.
     tracker_required: bool = True
-    tracker_timeout: float = Field(default=30.0, gt=0)  # seconds a cloud tracker may take to start
+    # Seconds W&B online may take to start (its init_timeout); SwanLab's cloud gives up after its own ~15 s.
+    tracker_timeout: float = Field(default=30.0, gt=0)
     project: str = "retool"
     progress: bool = True
     # Groups of each step saved to trajectories.jsonl for `retool view` (0: none, "all": every group).
