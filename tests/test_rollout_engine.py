@@ -262,7 +262,7 @@ def test_three_turn_continuity_and_records(tokenizer, protocol):
     t = group[0]
     assert t.stop_reason == "answer" and t.correct and t.reward == 1.0
     assert len(t.turns) == 3 and t.code_calls == 2
-    assert t.codes == ["print(1/0)", "print(2 + 2)"] and executor.calls == t.codes
+    assert t.codes == ("print(1/0)", "print(2 + 2)") and executor.calls == list(t.codes)
     assert [r.ok for r in t.exec_results] == [False, True]
     assert "ZeroDivisionError" in t.observations[0] and "4" in t.observations[1]
     # Continuity: each prompt starts with the previous prompt + its completion.
@@ -429,7 +429,7 @@ def test_observation_trimming_keeps_the_tail(tokenizer, protocol):
         max_observation_tokens=64,
     )
     obs = t.observations[0]
-    assert t.observations_trimmed == [True]
+    assert t.observations_trimmed == (True,)
     assert obs.rstrip().endswith("ZeroDivisionError: division by zero")
     assert "Traceback (most recent call last)" not in obs  # the head is what goes
     assert len(tokenizer.encode(obs, add_special_tokens=False)) <= 64 + 8  # a short trim marker may be added
@@ -459,7 +459,7 @@ def test_sampler_failure_ends_only_that_trajectory(tokenizer, protocol):
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2, fail={(0, -1, 0)})
     g0, g1 = run(PROBLEMS[:2], sampler, protocol, FakeExecutor(), group_size=2)
     assert [t.stop_reason for t in g0] == ["sampler_error", "sampler_error"]
-    assert all(t.turns == [] for t in g0)
+    assert all(t.turns == () and t.transitions == () for t in g0)
     assert [t.reward for t in g1] == [1.0, 1.0]
 
 
