@@ -11,19 +11,21 @@ import pytest
 from retool.config import DataConfig, load_config
 from retool.data import DataError, Problem, prepare_dapo
 from retool.env import (
+    AssistantTurn,
+    Attempt,
     DapoEnv,
     EnvError,
     EnvOptions,
     FileEnv,
     ProblemEnv,
     ProblemListEnv,
+    Score,
     TaskFamilyEnv,
     env_from_config,
     make_env,
     register_env,
     registered_envs,
 )
-from retool.env import AssistantTurn, Attempt, Score
 
 PROBLEMS = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(10)]
 
