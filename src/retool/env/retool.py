@@ -25,7 +25,7 @@ import functools
 import logging
 import time
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 from retool.config import RolloutConfig
 from retool.data.problem import Problem
@@ -42,6 +42,7 @@ from retool.env.types import (
     check_continuity,
 )
 from retool.protocol import ChatProtocol, parse_assistant
+from retool.protocol.chat import Message
 from retool.sandbox.base import ExecResult
 
 logger = logging.getLogger(__name__)
@@ -101,7 +102,7 @@ class ToolSetup:
 class _Episode:
     """The mutable state of one trajectory while it runs (``Outcome`` is its frozen report)."""
 
-    messages: list[dict[str, Any]]
+    messages: list[Message]
     turns: list[AssistantTurn] = field(default_factory=list)
     codes: list[str] = field(default_factory=list)
     exec_results: list[ExecResult] = field(default_factory=list)
@@ -174,7 +175,7 @@ class ReToolEnv(Env):
         return turn
 
     async def _call_tool(
-        self, code: str, messages_before_assistant: list[dict[str, Any]], turn: AssistantTurn
+        self, code: str, messages_before_assistant: list[Message], turn: AssistantTurn
     ) -> StepResult:
         """Run the call and build the next prompt from what came back."""
         state, tool = self._state, self.setup.tool
@@ -192,7 +193,7 @@ class ReToolEnv(Env):
         return await self._observe(tool.format_tool_content(result), messages_before_assistant, turn)
 
     async def _observe(
-        self, content: str, messages_before_assistant: list[dict[str, Any]], turn: AssistantTurn
+        self, content: str, messages_before_assistant: list[Message], turn: AssistantTurn
     ) -> StepResult:
         state, limit = self._state, self.budgets.max_observation_tokens
         fitted = self.protocol.fit_observation(content, limit)

@@ -16,10 +16,11 @@ from __future__ import annotations
 import abc
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 from retool.backends.types import Sample
 from retool.data.problem import Problem
+from retool.protocol.chat import Message
 from retool.sandbox.base import ExecResult
 
 StopReasonName = Literal[
@@ -111,7 +112,7 @@ class Outcome:
     stop_reason: str
     error: str | None = None  # the exception text for sampler_error / executor_error
     final_text: str = ""
-    messages: tuple[dict[str, Any], ...] = ()
+    messages: tuple[Message, ...] = ()
     codes: tuple[str, ...] = ()  # the code of each tool call, in order
     exec_results: tuple[ExecResult, ...] = ()
     observations: tuple[str, ...] = ()  # tool content shown to the model (after trimming)

@@ -1,13 +1,14 @@
 """retool.rollout: the scheduler that samples many environments with one policy (SPEC §4).
 
-Public names: ``run_rollout`` (the one rollout function) with its ``RolloutRequest`` and shape
-``RolloutFn``; ``run_group_rollouts`` (the default ReTool environments from loose parts, for scripts and
+Public names: ``run_rollout`` (the one rollout function) with its ``RolloutRequest``, shape
+``RolloutFn`` and the ``Policy`` it samples with; ``run_group_rollouts`` (the default ReTool environments from loose parts, for scripts and
 tests); ``request_seed``; the immutable records ``Trajectory`` / ``Transition`` (``AssistantTurn``,
 ``STOP_REASONS``, ``ContinuityError`` come from ``retool.env.types``); ``retool.rollout.records``: the
 trajectory record both training and evaluation write.
 """
 
 from retool.rollout.engine import (
+    Policy,
     RolloutFn,
     RolloutRequest,
     request_seed,
@@ -21,6 +22,7 @@ __all__ = [
     "STOP_REASONS",
     "AssistantTurn",
     "ContinuityError",
+    "Policy",
     "RolloutFn",
     "RolloutRequest",
     "Trajectory",

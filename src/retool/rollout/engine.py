@@ -31,7 +31,6 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
-from retool.backends.base import SamplingClient
 from retool.backends.types import Sample, SamplingParams
 from retool.config import RolloutConfig, SamplingConfig
 from retool.data.problem import Problem
@@ -48,6 +47,15 @@ Scheduling = Literal["per_trajectory", "round_sync"]
 T = TypeVar("T")
 
 
+class Policy(Protocol):
+    """What the engine samples with: a sampling client over one snapshot of the weights
+    (``retool.backends.SamplingClient`` is one; so is any object with this method)."""
+
+    async def sample_async(
+        self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams
+    ) -> list[Sample]: ...
+
+
 @dataclass(frozen=True)
 class RolloutRequest:
     """One rollout: a group per builder, sampled by ``policy`` with ``sampling``'s temperature / top-p /
@@ -56,7 +64,7 @@ class RolloutRequest:
     e.g. for progress."""
 
     groups: Sequence[EnvGroupBuilder]
-    policy: SamplingClient
+    policy: Policy
     sampling: SamplingConfig
     seed: int = 0
     scheduling: Scheduling = "per_trajectory"
@@ -296,7 +304,7 @@ def retool_groups(
 async def run_group_rollouts(
     problems: Sequence[Problem],
     *,
-    sampler: SamplingClient,
+    sampler: Policy,
     protocol: ChatProtocol,
     executor: Tool | None,
     verifier: VerifierLike,

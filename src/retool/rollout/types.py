@@ -13,10 +13,10 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from retool.data.problem import Problem
 from retool.env.types import STOP_REASONS, AssistantTurn, ContinuityError, Outcome, check_continuity
+from retool.protocol.chat import Message
 from retool.sandbox.base import ExecResult
 
 __all__ = [
@@ -55,7 +55,7 @@ class Trajectory:
     stop_reason: str
     error: str | None = None  # the exception text for sampler_error / executor_error
     final_text: str = ""
-    messages: tuple[dict[str, Any], ...] = ()
+    messages: tuple[Message, ...] = ()
     codes: tuple[str, ...] = ()  # the code of each call, in order
     exec_results: tuple[ExecResult, ...] = ()
     observations: tuple[str, ...] = ()  # tool content shown to the model (after trimming)
@@ -156,7 +156,7 @@ class Trajectory:
                 return True
         return False
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Message:
         """A JSON-friendly digest (for logs and per-problem eval records)."""
         return {
             "problem_id": self.problem.id,
