@@ -35,7 +35,10 @@ def fake_trajectory(
     return Trajectory(
         problem=problem,
         group_index=branch,
-        transitions=tuple(Transition(t) for t in turns),
+        transitions=(
+            *(Transition(t, 0.0, False) for t in turns[:-1]),
+            Transition(turns[-1], 1.0 if correct else -1.0, True),
+        ),
         reward=1.0 if correct else -1.0,
         stop_reason="sampler_error" if failed else "answer",
         answer=problem.answer if correct else "wrong",

@@ -275,7 +275,9 @@ def test_rollout_metrics_definitions() -> None:
         return Trajectory(
             problem=PROBLEMS[0],
             group_index=0,
-            transitions=(Transition(AssistantTurn([1, 2], [3, 4, 5], [-1.0] * 3, "x")),),
+            transitions=(
+                Transition(AssistantTurn([1, 2], [3, 4, 5], [-1.0] * 3, "x"), 1.0 if correct else -1.0, True),
+            ),
             reward=1.0 if correct else -1.0,
             correct=correct,
             valid_format=correct,

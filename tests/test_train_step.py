@@ -94,7 +94,8 @@ def test_mask_with_the_real_rollout_types() -> None:
 
     traj, sampled_positions, _ = three_turn_trajectory()
     steps = tuple(
-        Transition(AssistantTurn(t.prompt_tokens, t.completion_tokens, t.logprobs, "x")) for t in traj.turns
+        Transition(AssistantTurn(t.prompt_tokens, t.completion_tokens, t.logprobs, "x"), 0.0, False)
+        for t in traj.turns
     )
     real = Trajectory(
         problem=Problem("p", "q", "1"), group_index=0, transitions=steps, reward=-1.0, stop_reason="answer"

@@ -35,8 +35,8 @@ class Transition:
     """One step: the turn the policy took, the reward the environment returned for it, whether it ended."""
 
     turn: AssistantTurn
-    reward: float = 0.0
-    done: bool = False
+    reward: float
+    done: bool
     metrics: Mapping[str, float] = field(default_factory=dict)
 
 
@@ -92,7 +92,20 @@ class Trajectory:
             transitions=transitions,
             reward=reward,
             sample_seconds=sample_seconds,
-            **{f.name: getattr(outcome, f.name) for f in dataclasses.fields(Outcome)},
+            stop_reason=outcome.stop_reason,
+            error=outcome.error,
+            final_text=outcome.final_text,
+            messages=outcome.messages,
+            codes=outcome.codes,
+            exec_results=outcome.exec_results,
+            observations=outcome.observations,
+            observations_trimmed=outcome.observations_trimmed,
+            correct=outcome.correct,
+            valid_format=outcome.valid_format,
+            answer=outcome.answer,
+            reward_status=outcome.reward_status,
+            exec_seconds=outcome.exec_seconds,
+            use_tools=outcome.use_tools,
         )
 
     def with_policy_version(self, version: int | None) -> Trajectory:

@@ -166,12 +166,16 @@ def make_trajectory(
         answer_found = boxed[1].split("}", 1)[0] if len(boxed) == 2 else None
         reward_status = "ok" if answer_found is not None else "no_answer"
     correct = answer_found == problem.answer
+    reward = 1.0 if correct else -1.0  # the last step's; the tool calls before it earn 0
     return Trajectory(
         problem=problem,
         group_index=branch,
         problem_index=problem_index,
-        transitions=tuple(Transition(t, 0.0, i == len(turns) - 1) for i, t in enumerate(turns)),
-        reward=1.0 if correct else -1.0,
+        transitions=tuple(
+            Transition(t, reward if i == len(turns) - 1 else 0.0, i == len(turns) - 1)
+            for i, t in enumerate(turns)
+        ),
+        reward=reward,
         stop_reason=stop_reason,
         error=error,
         final_text=final_text,
