@@ -832,3 +832,17 @@ def test_the_retool_env_owns_parse_execute_observe_and_score(tokenizer, protocol
         True,
         "4",
     )
+
+
+def test_an_environment_that_is_not_done_must_say_what_comes_next() -> None:
+    class Broken(CountdownEnv):
+        async def step(self, action: Sample) -> StepResult:
+            return StepResult(0.0, False, None)
+
+    class BrokenGroup(CountdownGroup):
+        def make_envs(self) -> list[Env]:
+            return [Broken((1, 2), 2)]
+
+    request = RolloutRequest([BrokenGroup(0, 1, True)], LengthSampler(), SamplingConfig())
+    with pytest.raises(RuntimeError, match="no next observation"):
+        asyncio.run(run_rollout(request))

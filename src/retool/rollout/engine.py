@@ -103,6 +103,11 @@ class _Run:
     observation: Observation | None = None  # what to sample next; None once done
 
     def record(self, result: StepResult) -> None:
+        if not result.done and result.next_observation is None:
+            raise RuntimeError(
+                f"problem {self.problem_id!r} branch {self.branch}: the environment's step is not done "
+                "but gave no next observation"
+            )
         self.reward += result.reward
         if result.turn is not None:
             self.transitions.append(Transition(result.turn, result.reward, result.done, result.metrics))
@@ -114,7 +119,7 @@ def _error_text(exc: BaseException) -> str:
 
 
 class _Scheduler:
-    """One call of ``rollout``: the policy, the sampling settings and the in-flight cap."""
+    """One call of ``run_rollout``: the policy, the sampling settings and the in-flight cap."""
 
     def __init__(self, request: RolloutRequest) -> None:
         self.request = request
