@@ -21,6 +21,7 @@ registers none and the first turn is the answer. A tool that raises ends the tra
 
 from __future__ import annotations
 
+import copy
 import functools
 import logging
 import time
@@ -117,15 +118,27 @@ class _Episode:
 class ReToolEnv(Env):
     """One branch of one problem: sample -> parse -> execute -> observe, until an answer or a budget."""
 
-    def __init__(self, problem: Problem, setup: ToolSetup, scorer: Scorer, branch: int = 0) -> None:
+    def __init__(
+        self,
+        problem: Problem,
+        setup: ToolSetup,
+        scorer: Scorer,
+        branch: int = 0,
+        start: tuple[list[Message], list[int]] | None = None,
+    ) -> None:
+        """``start``: the first messages and their prompt tokens, when the group built them once."""
         self.problem = problem
         self.setup = setup
         self.scorer = scorer
         self.branch = branch
         self.protocol = setup.protocol
         self.budgets = setup.budgets
-        self._state = _Episode(messages=self.protocol.initial_messages(problem.question))
-        self._prompt: list[int] = []  # the prompt of the observation the next action answers
+        if start is None:
+            messages = self.protocol.initial_messages(problem.question)
+            start = messages, list(self.protocol.build_prompt(messages))
+        # Each branch owns its messages (deep copies, as the chapter's copy.deepcopy(root)).
+        self._state = _Episode(messages=copy.deepcopy(start[0]))
+        self._prompt: list[int] = list(start[1])  # the prompt of the observation the next action answers
 
     # -- observations --------------------------------------------------------------------------------
     def _observation(self, prompt: list[int]) -> Observation:
@@ -134,7 +147,6 @@ class ReToolEnv(Env):
         return Observation(tuple(prompt), self.setup.stop, max_tokens)
 
     def initial_observation(self) -> Observation:
-        self._prompt = list(self.protocol.build_prompt(self._state.messages))
         return self._observation(self._prompt)
 
     def _decode(self, tokens: list[int]) -> str:
@@ -268,4 +280,6 @@ class ReToolGroupBuilder(EnvGroupBuilder):
 
     def make_envs(self) -> list[Env]:
         self.setup.check()
-        return [ReToolEnv(self.problem, self.setup, self.scorer, b) for b in range(self.group_size)]
+        messages = self.setup.protocol.initial_messages(self.problem.question)
+        start = messages, list(self.setup.protocol.build_prompt(messages))  # rendered once per group
+        return [ReToolEnv(self.problem, self.setup, self.scorer, b, start) for b in range(self.group_size)]
