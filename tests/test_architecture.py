@@ -15,8 +15,8 @@ SRC = Path(__file__).resolve().parents[1] / "src" / "retool"
 LAYERS: list[tuple[str, ...]] = [
     ("config", "retry"),  # the typed config; how remote calls are bounded and retried
     ("data", "protocol", "sandbox", "reward", "backends"),  # the foundations, independent of each other
-    ("rollout", "components"),  # the multi-turn loop; the one assembly of a run's parts
-    ("env",),  # the environment seam: problems and how a trajectory is scored
+    ("env", "components"),  # the environments (problems, the interaction, the reward); a run's parts
+    ("rollout",),  # the scheduler: samples many environments with one policy; the trajectory record
     ("train",),
     ("evaluate",),
     ("analyze",),
@@ -77,14 +77,14 @@ def test_a_stage_imports_only_stages_below_it() -> None:
 def test_the_rule_catches_upward_and_lazy_imports(tmp_path: Path) -> None:
     root = tmp_path / "retool"
     (root / "train").mkdir(parents=True)
-    (root / "rollout").mkdir()
+    (root / "env").mkdir()
     (root / "train" / "loop.py").write_text("def f():\n    from retool.tasks.demo import run_demo\n")
-    (root / "rollout" / "engine.py").write_text("import retool.components\nfrom retool.data import Problem\n")
+    (root / "env" / "retool.py").write_text("import retool.components\nfrom retool.data import Problem\n")
     (root / "magic.py").write_text("")
     found = violations(root)
     assert found == [
+        "retool/env/retool.py:1: env imports retool.components (beside it)",
         "retool/magic.py: stage 'magic' is not in LAYERS",
-        "retool/rollout/engine.py:1: rollout imports retool.components (beside it)",
         "retool/train/loop.py:2: train imports retool.tasks.demo (above it)",
     ]
 

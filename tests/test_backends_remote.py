@@ -673,25 +673,30 @@ def test_self_check_is_a_no_op_for_other_backends() -> None:
 # -- a stubbed training run ---------------------------------------------------------------------------
 
 
-async def stub_rollouts(problems: list[Any], *, sampler: Any, group_size: int, **_: Any) -> list[list[Any]]:
+async def stub_rollouts(request: Any) -> list[list[Any]]:
     """Trajectories sampled from the remote sampler; rewards alternate so no group is degenerate."""
-    from retool.rollout import AssistantTurn, Trajectory
+    from retool.rollout import AssistantTurn, Trajectory, Transition
 
     groups = []
-    for pi, problem in enumerate(problems):
+    for pi, builder in enumerate(request.groups):
         prompt = [1, 2, 3 + pi]
-        samples = await sampler.sample_async(prompt, group_size, SamplingParams(max_tokens=3))
+        samples = await request.policy.sample_async(prompt, builder.group_size, SamplingParams(max_tokens=3))
         group = []
         for b, s in enumerate(samples):
-            traj = Trajectory(problem=problem, group_index=b, problem_index=pi)
             # Sampler logprobs a little off the learner's (as if one step stale): on-policy, the RL loss
             # of centred advantages is exactly 0 and could not show the service's normalisation.
             stale = [lp - 0.1 * (b + 1) for lp in s.logprobs]
-            traj.turns = [AssistantTurn(prompt, s.tokens, stale, "x")]
-            traj.reward = 1.0 if b % 2 == 0 else -1.0
-            traj.correct = traj.reward > 0
-            traj.valid_format = True
-            traj.stop_reason = "answer"
+            reward = 1.0 if b % 2 == 0 else -1.0
+            traj = Trajectory(
+                problem=builder.problem,
+                group_index=b,
+                problem_index=pi,
+                transitions=(Transition(AssistantTurn(prompt, s.tokens, stale, "x"), reward, True),),
+                reward=reward,
+                correct=reward > 0,
+                valid_format=True,
+                stop_reason="answer",
+            )
             group.append(traj)
         groups.append(group)
     return groups

@@ -11,19 +11,21 @@ import pytest
 from retool.config import DataConfig, load_config
 from retool.data import DataError, Problem, prepare_dapo
 from retool.env import (
+    AssistantTurn,
+    Attempt,
     DapoEnv,
     EnvError,
     EnvOptions,
     FileEnv,
     ProblemEnv,
     ProblemListEnv,
+    Score,
     TaskFamilyEnv,
     env_from_config,
     make_env,
     register_env,
     registered_envs,
 )
-from retool.rollout import AssistantTurn, Trajectory
 
 PROBLEMS = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(10)]
 
@@ -105,15 +107,14 @@ def test_registered_envs_win_over_paths_and_score_their_own_way() -> None:
         def problems(self, split):  # type: ignore[no-untyped-def]
             return PROBLEMS[:5] if split == "train" else PROBLEMS[5:]
 
-        async def score(self, trajectory, verifier) -> None:  # type: ignore[no-untyped-def]
-            trajectory.reward = 0.5
+        async def score(self, attempt, verifier) -> Score:  # type: ignore[no-untyped-def]
+            return Score(0.5, status=attempt.stop_reason)
 
     register_env("halves", lambda name, options: Halves())
     env = make_env("halves")
     assert [p.id for p in env.problems("test")] == [p.id for p in PROBLEMS[5:]]
-    traj = Trajectory(problem=PROBLEMS[0], group_index=0)
-    asyncio.run(env.score(traj, verifier=None))
-    assert traj.reward == 0.5
+    score = asyncio.run(env.score(Attempt(PROBLEMS[0], "invalid", "x"), verifier=None))
+    assert score == Score(0.5, status="invalid")
 
 
 def test_default_score_checks_only_answers() -> None:
@@ -128,17 +129,9 @@ def test_default_score_checks_only_answers() -> None:
             return RewardResult(1.0, True, True, ref, "ok")
 
     verifier = Verifier()
-    answered = Trajectory(problem=PROBLEMS[2], group_index=0, final_text="\\boxed{4}", stop_reason="answer")
-    cut = Trajectory(problem=PROBLEMS[2], group_index=1, final_text="\\boxed{4}", stop_reason="max_turns")
-    cut.turns = [AssistantTurn([1], [2], [-0.1], "x")]
+    answered = Attempt(PROBLEMS[2], "answer", "\\boxed{4}")
+    cut = Attempt(PROBLEMS[2], "max_turns", "\\boxed{4}", (AssistantTurn([1], [2], [-0.1], "x"),))
     env = ProblemListEnv(PROBLEMS)
-    asyncio.run(env.score(answered, verifier))
-    asyncio.run(env.score(cut, verifier))
-    assert (answered.reward, answered.correct, answered.answer, answered.reward_status) == (
-        1.0,
-        True,
-        "4",
-        "ok",
-    )
-    assert (cut.reward, cut.correct) == (-1.0, False)
+    assert asyncio.run(env.score(answered, verifier)) == Score(1.0, True, True, "4", "ok")
+    assert asyncio.run(env.score(cut, verifier)) == Score(-1.0, False, False, None, "")
     assert verifier.calls == [("\\boxed{4}", "4")]

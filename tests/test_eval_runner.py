@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import json
-from dataclasses import dataclass, field
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,42 +13,42 @@ import pytest
 from retool.components import Components
 from retool.config import Config
 from retool.data.problem import Problem
+from retool.env import AssistantTurn, ReToolGroupBuilder
 from retool.evaluate import EvalError, ResultStore, problem_seed, run_eval, summary_path_for
+from retool.rollout import RolloutRequest, Trajectory, Transition
 from retool.sandbox.base import ExecResult
 
 PROBLEMS = [Problem(id=f"q{i}", question=f"What is {i}+{i}?", answer=str(2 * i)) for i in range(6)]
 
 
-@dataclass
-class FakeTraj:
-    problem: Problem
-    group_index: int
-    answer: str | None
-    correct: bool
-    code_calls: int = 0
-    exec_results: list[ExecResult] = field(default_factory=list)
-    stop_reason: str = "answer"
-    turns: list[Any] = field(default_factory=lambda: [object()])
-    messages: list[dict] = field(default_factory=list)
-    final_text: str = ""
-    sample_seconds: float = 0.01
-    exec_seconds: float = 0.0
-    had_error_then_correct: bool = False
-
-    @property
-    def valid_format(self) -> bool:
-        return self.answer is not None
-
-    @property
-    def reward(self) -> float:
-        return 1.0 if self.correct else -1.0
-
-    @property
-    def completion_token_count(self) -> int:
-        return 7
-
-    def full_tokens(self) -> list[int]:
-        return list(range(12))
+def fake_trajectory(
+    problem: Problem, branch: int, correct: bool, use_tools: bool, failed: bool
+) -> Trajectory:
+    """A finished trajectory: 7 sampled tokens of 12 (two turns and one 0.125 s call with tools)."""
+    if use_tools:
+        turns = [
+            AssistantTurn(list(range(3)), [3, 4], [-0.1] * 2, "call"),
+            AssistantTurn(list(range(7)), list(range(7, 12)), [-0.1] * 5, "x"),
+        ]
+    else:
+        turns = [AssistantTurn(list(range(5)), list(range(5, 12)), [-0.1] * 7, "x")]
+    return Trajectory(
+        problem=problem,
+        group_index=branch,
+        transitions=(
+            *(Transition(t, 0.0, False) for t in turns[:-1]),
+            Transition(turns[-1], 1.0 if correct else -1.0, True),
+        ),
+        reward=1.0 if correct else -1.0,
+        stop_reason="sampler_error" if failed else "answer",
+        answer=problem.answer if correct else "wrong",
+        correct=correct,
+        valid_format=True,
+        codes=("print(2 + 2)",) if use_tools else (),
+        exec_results=(ExecResult(True, "4\n", "", 0, False, 0.125),) if use_tools else (),
+        sample_seconds=0.01,
+        use_tools=use_tools,
+    )
 
 
 def outcome(seed: int, branch: int) -> bool:
@@ -57,30 +57,29 @@ def outcome(seed: int, branch: int) -> bool:
 
 
 class FakeRollout:
-    """Stands in for ``run_group_rollouts``; records how it was called."""
+    """Stands in for ``run_rollout``; records how it was called."""
 
     def __init__(self, fail_ids: set[str] | None = None, crash_after: int | None = None) -> None:
         self.calls: list[dict[str, Any]] = []
         self.fail_ids = fail_ids or set()
         self.crash_after = crash_after
 
-    async def __call__(self, problems: list[Problem], **kw: Any) -> list[list[FakeTraj]]:
+    async def __call__(self, request: RolloutRequest) -> list[list[Trajectory]]:
         if self.crash_after is not None and len(self.calls) >= self.crash_after:
             raise RuntimeError("backend went away")
-        self.calls.append({"ids": [p.id for p in problems], **kw})
+        (group,) = request.groups
+        assert isinstance(group, ReToolGroupBuilder)
+        p, tool = group.problem, group.setup.tool
+        self.calls.append(
+            {"ids": [p.id], "seed": request.seed, "use_tools": tool is not None, "executor": tool}
+        )
         await asyncio.sleep(0)
-        (p,) = problems
-        out = []
-        for b in range(kw["group_size"]):
-            ok = outcome(kw["seed"], b)
-            t = FakeTraj(p, b, answer=p.answer if ok else "wrong", correct=ok)
-            if kw["use_tools"]:
-                t.code_calls = 1
-                t.exec_results = [ExecResult(True, "4\n", "", 0, False, 0.125)]
-                t.turns = [object(), object()]
-            if p.id in self.fail_ids and b == 0:
-                t.stop_reason = "sampler_error"
-            out.append(t)
+        out = [
+            fake_trajectory(
+                p, b, outcome(request.seed, b), tool is not None, p.id in self.fail_ids and b == 0
+            )
+            for b in range(group.group_size)
+        ]
         return [list(reversed(out))]  # out of order on purpose: the runner sorts by branch
 
 
@@ -335,11 +334,11 @@ def test_eval_checkpoint_resolves_through_the_train_layout(tmp_path: Path) -> No
 
 def test_save_transcripts_keeps_messages(tmp_path: Path) -> None:
     class WithMessages(FakeRollout):
-        async def __call__(self, problems: list[Problem], **kw: Any) -> list[list[FakeTraj]]:
-            groups = await super().__call__(problems, **kw)
-            for t in groups[0]:
-                t.messages = [{"role": "user", "content": t.problem.question}]
-            return groups
+        async def __call__(self, request: RolloutRequest) -> list[list[Trajectory]]:
+            groups = await super().__call__(request)
+            return [
+                [replace(t, messages=({"role": "user", "content": t.problem.question},)) for t in groups[0]]
+            ]
 
     run(tmp_path / "a.jsonl", problems=PROBLEMS[:1], rollout=WithMessages(), save_transcripts=True)
     run(tmp_path / "b.jsonl", problems=PROBLEMS[:1], rollout=WithMessages())

@@ -249,18 +249,49 @@ def test_rollout_on_the_real_template_keeps_continuity_and_masks_the_interpreter
 
 
 def test_one_rl_step_and_an_eval_of_two_problems(parts: Any, config: Any, settings: Any) -> None:
+    from collections.abc import Sequence
+    from dataclasses import replace
+
+    from retool.data.problem import Problem
     from retool.data.synthetic import generate_tasks
-    from retool.env import ProblemListEnv
+    from retool.env import (
+        Attempt,
+        Env,
+        EnvGroupBuilder,
+        Outcome,
+        ProblemListEnv,
+        Score,
+        ToolSetup,
+        VerifierLike,
+    )
     from retool.tasks.demo import evaluate_modes
     from retool.train.loop import Trainer
 
-    class FirstBranchWins(ProblemListEnv):
-        """An untrained model gets -1 everywhere and a degenerate group trains nothing: +1 for the first
-        branch, -1 for the second makes both groups informative, so the step really trains."""
+    class FirstWins(EnvGroupBuilder):
+        """``inner``'s environments; a group reward of +1 for the first branch, -1 for the others."""
 
-        async def score(self, trajectory: Any, verifier: Any) -> None:
-            await super().score(trajectory, verifier)
-            trajectory.reward = 1.0 if trajectory.group_index == 0 else -1.0
+        def __init__(self, inner: EnvGroupBuilder) -> None:
+            self.inner, self.problem, self.problem_index = inner, inner.problem, inner.problem_index
+            self.group_size = inner.group_size
+
+        def make_envs(self) -> list[Env]:
+            return self.inner.make_envs()
+
+        async def group_rewards(self, outcomes: Sequence[Outcome]) -> list[float]:
+            return [1.0 if b == 0 else -1.0 for b in range(len(outcomes))]
+
+    class FirstBranchWins(ProblemListEnv):
+        """An untrained model gets -1 everywhere and a degenerate group trains nothing: a score of 0 and a
+        group reward of +1 for the first branch, -1 for the second make both groups informative, so the
+        step really trains."""
+
+        async def score(self, attempt: Attempt, verifier: VerifierLike) -> Score:
+            return replace(await super().score(attempt, verifier), reward=0.0)
+
+        def group_builder(
+            self, problem: Problem, setup: ToolSetup, group_size: int, problem_index: int = 0
+        ) -> EnvGroupBuilder:
+            return FirstWins(super().group_builder(problem, setup, group_size, problem_index))
 
     client = parts.backend
     trained_before = client.stats.trained_tokens

@@ -1,4 +1,4 @@
-"""Rollout state machine tests with a scripted sampler and a fake executor over a real tokenizer.
+"""Rollout engine and ReTool environment tests with a scripted sampler and a fake executor over a real tokenizer.
 
 The sampler is scripted per (problem index, branch, turn): it recovers that key from the request seed
 (``request_seed`` is public and deterministic), encodes the scripted text with the tiny model's tokenizer
@@ -8,7 +8,9 @@ and appends the end-of-turn token, as a real sampler would.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,8 +20,25 @@ from retool.backends.base import SamplingClient
 from retool.backends.types import Sample, SamplingParams
 from retool.config import RolloutConfig, SamplingConfig
 from retool.data.problem import Problem
+from retool.env import (
+    AssistantTurn,
+    Env,
+    EnvGroupBuilder,
+    Observation,
+    Outcome,
+    ReToolGroupBuilder,
+    StepResult,
+    ToolSetup,
+)
 from retool.protocol import ChatProtocol
-from retool.rollout import STOP_REASONS, Trajectory, request_seed, run_group_rollouts
+from retool.rollout import (
+    STOP_REASONS,
+    RolloutRequest,
+    Trajectory,
+    request_seed,
+    run_group_rollouts,
+    run_rollout,
+)
 from retool.sandbox.base import ExecResult, Executor
 
 
@@ -262,7 +281,7 @@ def test_three_turn_continuity_and_records(tokenizer, protocol):
     t = group[0]
     assert t.stop_reason == "answer" and t.correct and t.reward == 1.0
     assert len(t.turns) == 3 and t.code_calls == 2
-    assert t.codes == ["print(1/0)", "print(2 + 2)"] and executor.calls == t.codes
+    assert t.codes == ("print(1/0)", "print(2 + 2)") and executor.calls == list(t.codes)
     assert [r.ok for r in t.exec_results] == [False, True]
     assert "ZeroDivisionError" in t.observations[0] and "4" in t.observations[1]
     # Continuity: each prompt starts with the previous prompt + its completion.
@@ -429,7 +448,7 @@ def test_observation_trimming_keeps_the_tail(tokenizer, protocol):
         max_observation_tokens=64,
     )
     obs = t.observations[0]
-    assert t.observations_trimmed == [True]
+    assert t.observations_trimmed == (True,)
     assert obs.rstrip().endswith("ZeroDivisionError: division by zero")
     assert "Traceback (most recent call last)" not in obs  # the head is what goes
     assert len(tokenizer.encode(obs, add_special_tokens=False)) <= 64 + 8  # a short trim marker may be added
@@ -459,7 +478,7 @@ def test_sampler_failure_ends_only_that_trajectory(tokenizer, protocol):
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2, fail={(0, -1, 0)})
     g0, g1 = run(PROBLEMS[:2], sampler, protocol, FakeExecutor(), group_size=2)
     assert [t.stop_reason for t in g0] == ["sampler_error", "sampler_error"]
-    assert all(t.turns == [] for t in g0)
+    assert all(t.turns == () and t.transitions == () for t in g0)
     assert [t.reward for t in g1] == [1.0, 1.0]
 
 
@@ -659,3 +678,171 @@ def test_real_verifier_and_real_sandbox(tokenizer, protocol):
     assert "ZeroDivisionError" in t.observations[0] and t.observations[1].strip() == "0.5"
     assert t.stop_reason == "answer" and t.correct and t.reward == 1.0 and t.had_error_then_correct
     assert group[1].reward == -1.0 and not group[1].correct
+
+
+# -- the environment seam: the engine only schedules ----------------------------------------------------
+
+
+class CountdownEnv(Env):
+    """A toy environment with no protocol and no tool: the prompt is ``start`` tokens; every action earns
+    its token count as reward and appends one token to the prompt, until ``steps`` steps are taken."""
+
+    def __init__(self, start: tuple[int, ...], steps: int) -> None:
+        self.prompt, self.left, self.rewards = start, steps, []
+
+    def initial_observation(self) -> Observation:
+        return Observation(self.prompt, (0,), 4)
+
+    async def step(self, action: Sample) -> StepResult:
+        turn = AssistantTurn(
+            list(self.prompt), list(action.tokens), list(action.logprobs), "", action.stop_reason
+        )
+        self.prompt = (*self.prompt, *action.tokens, 7)
+        self.left -= 1
+        reward = float(len(action.tokens))
+        self.rewards.append(reward)
+        done = self.left == 0
+        return StepResult(
+            reward, done, None if done else Observation(self.prompt, (0,), 4), {"n": reward}, turn
+        )
+
+    async def interrupt(self, reason: Any, error: str | None = None) -> StepResult:
+        self.stopped = reason
+        return StepResult(-5.0, True, None)
+
+    def outcome(self) -> Outcome:
+        return Outcome(stop_reason=getattr(self, "stopped", "answer"), use_tools=False)
+
+
+class CountdownGroup(EnvGroupBuilder):
+    """``group_size`` countdowns of one problem; ``shared``: the same first prompt for all of them. The
+    group reward is +10 for the branch(es) with the most reward."""
+
+    def __init__(self, problem_index: int, group_size: int, shared: bool) -> None:
+        self.problem, self.problem_index, self.group_size = PROBLEMS[problem_index], problem_index, group_size
+        self.shared = shared
+
+    def make_envs(self) -> list[Env]:
+        return [CountdownEnv((1, 2) if self.shared else (1, 2, 100 + b), 2) for b in range(self.group_size)]
+
+    async def group_rewards(self, outcomes: Sequence[Outcome]) -> list[float]:
+        self.outcomes = list(outcomes)
+        return [10.0 if b == 0 else 0.0 for b in range(len(outcomes))]
+
+
+class LengthSampler(SamplingClient):
+    """Samples ``1 + seed % 3`` tokens per sample (a pure function of the request seed and the sample)."""
+
+    def __init__(self, fail_prompt_len: int | None = None) -> None:
+        self.requests: list[tuple[int, int, int]] = []
+        self.fail_prompt_len = fail_prompt_len
+
+    async def sample_async(self, prompt_tokens, num_samples: int, params: SamplingParams) -> list[Sample]:
+        self.requests.append((len(prompt_tokens), num_samples, params.seed))
+        if len(prompt_tokens) == self.fail_prompt_len:
+            raise ConnectionError("gone")
+        out = []
+        for k in range(num_samples):
+            n = 1 + (params.seed + k) % 3
+            out.append(Sample(tokens=[5] * n, logprobs=[-0.1] * n, stop_reason="stop"))
+        return out
+
+
+@pytest.mark.parametrize("scheduling", ["per_trajectory", "round_sync"])
+def test_the_engine_steps_any_environment_and_adds_group_rewards(scheduling: str) -> None:
+    for shared in (True, False):
+        sampler = LengthSampler()
+        builders = [CountdownGroup(i, 3, shared) for i in range(2)]
+        request = RolloutRequest(builders, sampler, SamplingConfig(), seed=4, scheduling=scheduling)
+        groups = asyncio.run(run_rollout(request))
+        for i, group in enumerate(groups):
+            assert [t.group_index for t in group] == [0, 1, 2] and all(t.problem_index == i for t in group)
+            for t in group:
+                assert len(t.transitions) == 2 and [x.done for x in t.transitions] == [False, True]
+                steps = [x.reward for x in t.transitions]
+                assert steps == [float(len(x.turn.completion_tokens)) for x in t.transitions]
+                assert [x.metrics["n"] for x in t.transitions] == steps
+                assert t.reward == sum(steps) + (10.0 if t.group_index == 0 else 0.0)
+                t.check_continuity()  # each prompt extends the previous prompt + completion
+                assert t.stop_reason == "answer" and not t.use_tools
+        first_turn = [r for r in sampler.requests if r[0] in (2, 3)]
+        if shared:  # one request per group for the shared first prompt, with the group's seed
+            assert sorted(first_turn) == sorted((2, 3, request_seed(4, i, -1, 0)) for i in range(2))
+        else:  # distinct first prompts: one request per branch, with the branch's seed
+            assert sorted(first_turn) == sorted(
+                (3, 1, request_seed(4, i, b, 0)) for i in range(2) for b in range(3)
+            )
+
+
+def test_a_failed_request_interrupts_the_environment_and_its_reward_counts() -> None:
+    sampler = LengthSampler(fail_prompt_len=2)  # the shared first prompt of length 2 fails
+    groups = asyncio.run(run_rollout(RolloutRequest([CountdownGroup(0, 2, True)], sampler, SamplingConfig())))
+    assert [(t.stop_reason, t.transitions, t.reward) for t in groups[0]] == [
+        ("sampler_error", (), -5.0 + 10.0),
+        ("sampler_error", (), -5.0),
+    ]
+
+
+def test_trajectories_are_immutable_and_never_default_a_reward() -> None:
+    with pytest.raises(TypeError, match="reward"):
+        Trajectory(problem=PROBLEMS[0], group_index=0, stop_reason="answer")  # type: ignore[call-arg]
+    t = Trajectory(problem=PROBLEMS[0], group_index=0, stop_reason="answer", reward=1.0)
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        t.reward = -1.0  # type: ignore[misc]
+
+
+def test_the_retool_env_owns_parse_execute_observe_and_score(tokenizer, protocol) -> None:
+    """One ``ReToolEnv`` driven by hand: a tool call gives reward 0 and an observation that extends the
+    prompt + completion token-exactly; the answer ends it with the verifier's reward."""
+    setup = ToolSetup(
+        protocol, FakeExecutor({"print(2 + 2)": ("4\n", True, 0.0)}), FakeVerifier(), RolloutConfig()
+    )
+    (env,) = ReToolGroupBuilder(PROBLEMS[2], setup, 1).make_envs()
+    first = env.initial_observation()
+    assert list(first.prompt_tokens) == protocol.build_prompt(protocol.initial_messages(PROBLEMS[2].question))
+    assert (
+        first.stop == tuple(protocol.stop_token_ids)
+        and first.max_tokens == RolloutConfig().max_tokens_per_turn
+    )
+    end = protocol.stop_token_ids[0]
+
+    def action(text: str) -> Sample:
+        ids = [*tokenizer.encode(text, add_special_tokens=False), end]
+        return Sample(tokens=ids, logprobs=[-0.1] * len(ids), stop_reason="stop")
+
+    called = action(call(protocol, "print(2 + 2)"))
+    result = asyncio.run(env.step(called))
+    assert (
+        (result.reward, result.done) == (0.0, False)
+        and result.turn is not None
+        and result.turn.kind == "tool"
+    )
+    nxt = result.next_observation
+    assert nxt is not None and nxt.prompt_tokens[: len(first.prompt_tokens) + len(called.tokens)] == (
+        *first.prompt_tokens,
+        *called.tokens,
+    )
+    assert "4" in tokenizer.decode(list(nxt.prompt_tokens[len(first.prompt_tokens) + len(called.tokens) :]))
+    done = asyncio.run(env.step(action("So \\boxed{4}")))
+    assert (done.reward, done.done, done.next_observation) == (1.0, True, None)
+    outcome = env.outcome()
+    assert (outcome.stop_reason, outcome.codes, outcome.correct, outcome.answer) == (
+        "answer",
+        ("print(2 + 2)",),
+        True,
+        "4",
+    )
+
+
+def test_an_environment_that_is_not_done_must_say_what_comes_next() -> None:
+    class Broken(CountdownEnv):
+        async def step(self, action: Sample) -> StepResult:
+            return StepResult(0.0, False, None)
+
+    class BrokenGroup(CountdownGroup):
+        def make_envs(self) -> list[Env]:
+            return [Broken((1, 2), 2)]
+
+    request = RolloutRequest([BrokenGroup(0, 1, True)], LengthSampler(), SamplingConfig())
+    with pytest.raises(RuntimeError, match="no next observation"):
+        asyncio.run(run_rollout(request))

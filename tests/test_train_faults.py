@@ -13,6 +13,7 @@ from __future__ import annotations
 import errno
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -28,12 +29,13 @@ from retool.train.metrics import StepLostError
 from test_train_loop import (
     PROBLEMS,
     FakeClient,
+    as_rollout_fn,
     essentials,
     fake_components,
     fake_config,
-    fake_rollouts,
     make_trainer,
     read_metrics,
+    scripted_rollouts,
 )
 
 ENOSPC = OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
@@ -216,16 +218,22 @@ def test_metrics_on_a_full_device_real_enospc(tmp_path: Path, reference: list[di
 def test_a_step_lost_entirely_to_infrastructure_failures_stops_the_run(tmp_path: Path) -> None:
     """One lost trajectory is absorbed; a step with nothing else means the sampler or sandbox is down."""
 
-    async def rollouts(problems: Any, *, sampler: Any, group_size: int, seed: int, **kw: Any) -> Any:
-        groups = await fake_rollouts(problems, sampler=sampler, group_size=group_size, seed=seed, **kw)
+    async def loose(problems: Any, *, sampler: Any, group_size: int, seed: int, **kw: Any) -> Any:
+        groups = await scripted_rollouts(problems, sampler=sampler, group_size=group_size, seed=seed, **kw)
         step = len(seen) + 1
         seen.append(step)
-        for g, group in enumerate(groups):
-            for b, traj in enumerate(group):
-                if step == 2 or (step == 1 and (g, b) == (0, 0)):
-                    traj.stop_reason, traj.error = "sampler_error", "ConnectionResetError: sampler died"
-                    traj.reward, traj.correct = -1.0, False
-        return groups
+        lost = {"stop_reason": "sampler_error", "error": "ConnectionResetError: sampler died", "reward": -1.0}
+        return [
+            [
+                replace(traj, **lost, correct=False)
+                if step == 2 or (step == 1 and (g, b) == (0, 0))
+                else traj
+                for b, traj in enumerate(group)
+            ]
+            for g, group in enumerate(groups)
+        ]
+
+    rollouts = as_rollout_fn(loose)
 
     seen: list[int] = []
     trainer = Trainer(

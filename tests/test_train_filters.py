@@ -269,22 +269,25 @@ def test_text_only_count() -> None:
 
 
 def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> None:
+    from dataclasses import replace
+
     from tests.test_train_loop import PROBLEMS as LOOP_PROBLEMS
     from tests.test_train_loop import FakeClient, fake_rollouts
 
     from retool.components import Components
-    from retool.env import ProblemListEnv
+    from retool.env import ProblemListEnv, ReToolGroupBuilder
+    from retool.rollout import RolloutRequest
     from retool.train.loop import Trainer
 
     calls: list[tuple[int, bool, object, object]] = []
 
-    async def recording_rollouts(problems, *, use_tools, protocol, executor, **kw):  # type: ignore[no-untyped-def]
-        calls.append((len(problems), use_tools, protocol, executor))
-        groups = await fake_rollouts(problems, **kw)
-        for g in groups:
-            for t in g:
-                t.use_tools = use_tools
-        return groups
+    async def recording_rollouts(request: RolloutRequest):  # type: ignore[no-untyped-def]
+        setups = {id(g.setup): g.setup for g in request.groups if isinstance(g, ReToolGroupBuilder)}
+        (setup,) = setups.values()  # one mode per call
+        use_tools = setup.tool is not None
+        calls.append((len(request.groups), use_tools, setup.protocol, setup.tool))
+        groups = await fake_rollouts(request)
+        return [[replace(t, use_tools=use_tools) for t in g] for g in groups]
 
     text_protocol, executor = object(), object()
 

@@ -14,16 +14,13 @@ from retool.components import Components
 from retool.config import Config, load_config, override_config
 from retool.data.problem import Problem
 from retool.env import ProblemListEnv
+from retool.rollout import AssistantTurn, RolloutFn, RolloutRequest, Trajectory, Transition
+from retool.sandbox.base import ExecResult
 from retool.train.checkpoint import CheckpointManager
 from retool.train.datasource import DataPosition, ProblemStream
 from retool.train.loop import RunDirError, Trainer, run_training
 from retool.train.metrics import rollout_metrics
-from train_harness import phase_signals
-
-try:
-    from retool.rollout import AssistantTurn, Trajectory
-except ImportError:  # pragma: no cover
-    pytest.skip("retool.rollout not available", allow_module_level=True)
+from train_harness import PhaseSignals
 
 PROBLEMS = [Problem(f"p{i:02d}", f"What is {i} + {i}?", str(2 * i)) for i in range(10)]
 
@@ -82,25 +79,50 @@ def _h(*parts: Any) -> int:
     return int.from_bytes(hashlib.blake2b(repr(parts).encode(), digest_size=4).digest(), "little")
 
 
-async def fake_rollouts(problems, *, sampler, group_size, seed, on_trajectory=None, **_: Any):
-    """Deterministic in (problem, seed, branch, sampler weights); rewards depend on the weights too."""
-    groups = []
-    for pi, problem in enumerate(problems):
-        group = []
-        for b in range(group_size):
-            h = _h(problem.id, seed, b, sampler.version)
-            n = 2 + h % 5
-            traj = Trajectory(problem=problem, group_index=b, problem_index=pi)
-            traj.turns = [AssistantTurn([1, 2, 3], [10 + (h >> k) % 40 for k in range(n)], [-0.5] * n, "x")]
-            traj.reward = 1.0 if (h >> 8) % 3 == 0 else -1.0
-            traj.correct = traj.reward > 0
-            traj.valid_format = True
-            traj.stop_reason = "answer"
-            group.append(traj)
-            if on_trajectory is not None:
-                on_trajectory(traj)
-        groups.append(group)
-    return groups
+def scripted_trajectory(problem: Problem, pi: int, b: int, seed: int, sampler: Any) -> Trajectory:
+    """Deterministic in (problem, seed, branch, sampler weights); the reward depends on the weights too."""
+    h = _h(problem.id, seed, b, sampler.version)
+    n = 2 + h % 5
+    reward = 1.0 if (h >> 8) % 3 == 0 else -1.0
+    turn = AssistantTurn([1, 2, 3], [10 + (h >> k) % 40 for k in range(n)], [-0.5] * n, "x")
+    return Trajectory(
+        problem=problem,
+        group_index=b,
+        problem_index=pi,
+        transitions=(Transition(turn, reward, True),),
+        reward=reward,
+        correct=reward > 0,
+        valid_format=True,
+        stop_reason="answer",
+    )
+
+
+async def scripted_rollouts(
+    problems: list[Problem], *, sampler: Any, group_size: int, seed: int, **_: Any
+) -> list[list[Trajectory]]:
+    """The groups of ``problems`` from loose parts (what the tests' wrappers change)."""
+    return [
+        [scripted_trajectory(p, pi, b, seed, sampler) for b in range(group_size)]
+        for pi, p in enumerate(problems)
+    ]
+
+
+def as_rollout_fn(loose: Any) -> RolloutFn:
+    """A rollout function over a loose-parts coroutine ``loose(problems, sampler=, group_size=, seed=)``."""
+
+    async def rollout_fn(request: RolloutRequest) -> list[list[Trajectory]]:
+        problems = [g.problem for g in request.groups]
+        group_size = request.groups[0].group_size
+        groups = await loose(problems, sampler=request.policy, group_size=group_size, seed=request.seed)
+        for trajectory in (t for g in groups for t in g):
+            if request.on_trajectory is not None:
+                request.on_trajectory(trajectory)
+        return groups
+
+    return rollout_fn
+
+
+fake_rollouts = as_rollout_fn(scripted_rollouts)
 
 
 def fake_config(steps: int = 6, every: int = 2, keep: int = 2) -> Config:
@@ -127,13 +149,13 @@ def fake_components(client: Any = None) -> Components:
 def make_trainer(
     cfg: Config, run_dir: Path, resume: bool = False, client: FakeClient | None = None, **hooks: Any
 ) -> Trainer:
+    hooks.setdefault("rollout_fn", fake_rollouts)
     return Trainer(
         cfg,
         run_dir,
         resume=resume,
         env=ProblemListEnv(PROBLEMS, shuffle=True),
         components=fake_components(client),
-        rollout_fn=fake_rollouts,
         **hooks,
     )
 
@@ -173,17 +195,17 @@ def test_loop_writes_one_metrics_line_per_step_and_keeps_last_checkpoints(tmp_pa
     assert client.optim_steps == len(stepped) > 0
     for r in rows:
         assert len(r["problem_ids"]) == 3 and len(r["rewards"]) == 3
-        for key in (
-            "task/reward_mean",
-            "task/degenerate_group_rate",
-            "tool/self_correction_rate",
-            "env/exec_success_rate",
-            "stop/answer",
-            "time/rollout",
-            "time/train",
-            "tokens/completion",
-        ):
-            assert key in r
+        rewards = [x for g in r["rewards"] for x in g]
+        assert len(rewards) == 12 and set(rewards) <= {-1.0, 1.0}
+        assert r["task/reward_mean"] == pytest.approx(sum(rewards) / 12)
+        degenerate = sum(1 for g in r["rewards"] if len(set(g)) == 1)
+        assert r["task/degenerate_group_rate"] == pytest.approx(degenerate / 3)
+        # The scripted trajectories answer at once, with no tool call: no self-correction, no execution.
+        assert r["tool/self_correction_rate"] == 0.0 and r["env/exec_calls"] == 0.0
+        assert r["stop/answer"] == 1.0
+        assert r["time/rollout"] >= 0.0 and r["time/train"] >= 0.0
+        # Each trajectory samples 2..6 tokens (``scripted_trajectory``); 12 of them per step.
+        assert 24 <= r["tokens/completion"] <= 72
     # 10 problems, 3 per step: steps 1-3 and the first of step 4 are epoch 0, all distinct.
     first_epoch = [pid for r in rows[:3] for pid in r["problem_ids"]]
     assert len(set(first_epoch)) == 9
@@ -226,7 +248,8 @@ def test_resume_after_crash_matches_an_uninterrupted_run(tmp_path: Path, crash_a
 def test_sigint_saves_a_checkpoint_and_stops_cleanly(tmp_path: Path) -> None:
     cfg = fake_config(steps=6, every=100)
     make_trainer(cfg, tmp_path / "ref").run()
-    summary = make_trainer(cfg, tmp_path / "run", on_phase=phase_signals(sigint_at=["rollout:2"])).run()
+    signals = PhaseSignals(cfg, sigint_at=["rollout:2"])  # SIGINT once step 2's first group is rolled out
+    summary = make_trainer(cfg, tmp_path / "run", rollout_fn=signals.rollouts(fake_rollouts)).run()
     assert summary.interrupted and summary.last_step == 2
     assert CheckpointManager(tmp_path / "run").latest().name == "step_000002"
     make_trainer(cfg, tmp_path / "run", resume=True).run()
@@ -248,15 +271,20 @@ def test_run_training_with_tensorboard(tmp_path: Path) -> None:
 
 
 def test_rollout_metrics_definitions() -> None:
-    from retool.sandbox.base import ExecResult
-
     def traj(correct: bool, results: list[bool], stop: str = "answer") -> Trajectory:
-        t = Trajectory(problem=PROBLEMS[0], group_index=0)
-        t.turns = [AssistantTurn([1, 2], [3, 4, 5], [-1.0] * 3, "x")]
-        t.correct, t.reward, t.valid_format, t.stop_reason = correct, 1.0 if correct else -1.0, correct, stop
-        t.exec_results = [ExecResult(ok, "", "", 0 if ok else 1, False, 0.5) for ok in results]
-        t.code_calls = len(results)
-        return t
+        return Trajectory(
+            problem=PROBLEMS[0],
+            group_index=0,
+            transitions=(
+                Transition(AssistantTurn([1, 2], [3, 4, 5], [-1.0] * 3, "x"), 1.0 if correct else -1.0, True),
+            ),
+            reward=1.0 if correct else -1.0,
+            correct=correct,
+            valid_format=correct,
+            stop_reason=stop,
+            codes=("print(1)",) * len(results),
+            exec_results=tuple(ExecResult(ok, "", "", 0 if ok else 1, False, 0.5) for ok in results),
+        )
 
     groups = [[traj(True, []), traj(True, [False, True]), traj(False, [True], "max_turns"), traj(False, [])]]
     m = rollout_metrics(groups)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import pickle
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -13,6 +14,7 @@ import pytest
 
 from retool.config import Config, override_config
 from retool.env import ProblemListEnv
+from retool.rollout import Trajectory
 from retool.train.checkpoint import PIPELINE_FILE, CheckpointManager
 from retool.train.loop import Trainer
 from retool.train.metrics import StepLostError
@@ -20,11 +22,13 @@ from retool.train.pipeline import Batch, PipelineState, requeue_stale
 from test_train_loop import (
     PROBLEMS,
     FakeClient,
+    as_rollout_fn,
     essentials,
     fake_components,
     fake_config,
     fake_rollouts,
     read_metrics,
+    scripted_rollouts,
 )
 
 
@@ -69,9 +73,9 @@ def recording(calls: list[tuple[str, float]]) -> Any:
 
     async def rollouts(problems: Any, *, sampler: Any, **kw: Any) -> Any:
         calls.append((problems[0].id, sampler.version))
-        return await fake_rollouts(problems, sampler=sampler, **kw)
+        return await scripted_rollouts(problems, sampler=sampler, **kw)
 
-    return rollouts
+    return as_rollout_fn(rollouts)
 
 
 @pytest.mark.parametrize("k", [0, 1, 2])
@@ -185,19 +189,18 @@ def test_a_failed_batch_stops_the_run_when_the_trainer_reaches_it(tmp_path: Path
     calls: list[int] = []
 
     async def failing(problems: Any, *, sampler: Any, group_size: int, seed: int, **kw: Any) -> Any:
-        groups = await fake_rollouts(problems, sampler=sampler, group_size=group_size, seed=seed, **kw)
+        groups = await scripted_rollouts(problems, sampler=sampler, group_size=group_size, seed=seed, **kw)
         calls.append(seed)
         if len(calls) == 4:
-            for group in groups:
-                for traj in group:
-                    traj.stop_reason, traj.error = "sampler_error", "ConnectionResetError: gone"
+            lost = {"stop_reason": "sampler_error", "error": "ConnectionResetError: gone", "reward": -1.0}
+            return [[replace(traj, **lost) for traj in group] for group in groups]
         return groups
 
     cfg = config(1, steps=5, every=2)
     trainer(cfg, tmp_path / "ref").run()
     run = tmp_path / "run"
     with pytest.raises(StepLostError, match="step 4: all 12 trajectories"):
-        trainer(cfg, run, rollout_fn=failing).run()
+        trainer(cfg, run, rollout_fn=as_rollout_fn(failing)).run()
     assert [r["step"] for r in read_metrics(run)] == [1, 2, 3]
     trainer(cfg, run, resume=True).run()
     assert essentials(read_metrics(run)) == essentials(read_metrics(tmp_path / "ref"))
@@ -209,7 +212,7 @@ def test_a_checkpoint_stores_the_batches_before_a_failed_one(tmp_path: Path) -> 
     seen: list[int] = []
 
     async def failing(problems: Any, **kw: Any) -> Any:
-        groups = await fake_rollouts(problems, **kw)
+        groups = await scripted_rollouts(problems, **kw)
         seen.append(1)
         if len(seen) == 4:
             raise ConnectionError("sampler unreachable")
@@ -218,7 +221,7 @@ def test_a_checkpoint_stores_the_batches_before_a_failed_one(tmp_path: Path) -> 
     cfg = config(2, steps=6, every=2)
     run = tmp_path / "run"
     with pytest.raises(ConnectionError, match="unreachable"):
-        trainer(cfg, run, rollout_fn=failing).run()
+        trainer(cfg, run, rollout_fn=as_rollout_fn(failing)).run()
     latest = CheckpointManager(run).latest()
     assert latest is not None and latest.name == "step_000002"
     state = json.loads((latest / "trainer_state.json").read_text())
@@ -246,11 +249,18 @@ def test_dynamic_sampling_with_k_resumes_exactly(tmp_path: Path, k: int) -> None
 
 
 def test_sigint_with_a_full_queue_saves_it_and_stops(tmp_path: Path) -> None:
-    from train_harness import phase_signals
+    from train_harness import HarnessTrainer, PhaseSignals
 
     cfg = config(2, steps=6, every=100)
     trainer(cfg, tmp_path / "ref").run()
-    summary = trainer(cfg, tmp_path / "run", on_phase=phase_signals(sigint_at=["optim:3"])).run()
+    summary = HarnessTrainer(
+        cfg,
+        tmp_path / "run",
+        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        components=fake_components(VersionedClient()),
+        rollout_fn=fake_rollouts,
+        signals=PhaseSignals(cfg, sigint_at=["optim:3"]),
+    ).run()
     assert summary.interrupted and summary.last_step == 3
     latest = CheckpointManager(tmp_path / "run").latest()
     assert latest is not None
@@ -311,12 +321,20 @@ class NeverRefreshed(DriftingClient):
         return self.first
 
 
-async def drifting_rollouts(problems: Any, *, sampler: Any, **kw: Any) -> Any:
-    groups = await fake_rollouts(problems, sampler=sampler, **kw)
-    for t in (t for g in groups for t in g):
-        for turn in t.turns:
-            turn.logprobs = [-0.5 - DRIFT * sampler.version] * len(turn.logprobs)
-    return groups
+async def _drifting(problems: Any, *, sampler: Any, **kw: Any) -> Any:
+    groups = await scripted_rollouts(problems, sampler=sampler, **kw)
+
+    def drifted(t: Trajectory) -> Trajectory:
+        lp = -0.5 - DRIFT * sampler.version
+        steps = tuple(
+            replace(x, turn=replace(x.turn, logprobs=[lp] * len(x.turn.logprobs))) for x in t.transitions
+        )
+        return replace(t, transitions=steps)
+
+    return [[drifted(t) for t in g] for g in groups]
+
+
+drifting_rollouts = as_rollout_fn(_drifting)
 
 
 def test_a_sampler_that_is_not_refreshed_fails_the_on_policy_check(tmp_path: Path) -> None:

@@ -18,6 +18,7 @@ import torch
 from retool.components import Components, build_components
 from retool.config import Config, load_config
 from retool.env import env_from_config
+from retool.rollout import run_rollout
 from retool.train.loop import Trainer
 from train_harness import ParityScoredEnv
 
@@ -102,15 +103,15 @@ class Recorder:
 
         return Recording()
 
-    async def rollout(self, problems: Any, **kw: Any) -> Any:
-        from retool.rollout import run_group_rollouts
+    async def rollout(self, request: Any) -> Any:
+        from retool.rollout import run_rollout
 
-        groups = await run_group_rollouts(problems, **kw)
-        self.calls.append((kw["sampler"], groups))
+        groups = await run_rollout(request)
+        self.calls.append((request.policy, groups))
         return groups
 
 
-def run(tmp: Path, cfg: Config, wrap: Any = None, rollout_fn: Any = None) -> list[dict[str, Any]]:
+def run(tmp: Path, cfg: Config, wrap: Any = None, rollout_fn: Any = run_rollout) -> list[dict[str, Any]]:
     parts = build_components(
         cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(tmp)})})
     )
@@ -193,8 +194,8 @@ def test_each_batch_is_sampled_from_the_weights_of_its_version(
             recorders.append(Recorder(backend))
             return recorders[0].wrap_backend(wrap(backend) if wrap is not None else backend)
 
-        async def rollout(problems: Any, recorders: list[Recorder] = recorders, **kw: Any) -> Any:
-            return await recorders[0].rollout(problems, **kw)
+        async def rollout(request: Any, recorders: list[Recorder] = recorders) -> Any:
+            return await recorders[0].rollout(request)
 
         rows = run(tmp_path / name, cfg, wrap=wrapped, rollout_fn=rollout)
         recorder = recorders[0]

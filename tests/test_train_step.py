@@ -89,14 +89,17 @@ def test_mask_marks_exactly_the_sampled_tokens_after_the_shift() -> None:
 
 
 def test_mask_with_the_real_rollout_types() -> None:
-    rollout = pytest.importorskip("retool.rollout")
     from retool.data.problem import Problem
+    from retool.rollout import AssistantTurn, Trajectory, Transition
 
     traj, sampled_positions, _ = three_turn_trajectory()
-    real = rollout.Trajectory(problem=Problem("p", "q", "1"), group_index=0)
-    real.turns = [
-        rollout.AssistantTurn(t.prompt_tokens, t.completion_tokens, t.logprobs, "x") for t in traj.turns
-    ]
+    steps = tuple(
+        Transition(AssistantTurn(t.prompt_tokens, t.completion_tokens, t.logprobs, "x"), 0.0, False)
+        for t in traj.turns
+    )
+    real = Trajectory(
+        problem=Problem("p", "q", "1"), group_index=0, transitions=steps, reward=-1.0, stop_reason="answer"
+    )
     datum = build_datum(real, advantage=-0.5)
     assert {i + 1 for i, a in enumerate(datum.advantages) if a != 0.0} == sampled_positions
     assert len(datum) == len(real.full_tokens()) - 1
@@ -211,6 +214,7 @@ class RecordingClient:
     def __init__(self) -> None:
         self.calls: list[list[Datum]] = []
         self.optim_steps = 0
+        self.optim_after: list[int] = []  # backward batches done when each optimizer step ran
 
     async def forward_backward_async(self, datums, loss_fn, loss_config=None) -> ForwardBackwardResult:
         self.calls.append(list(datums))
@@ -221,13 +225,13 @@ class RecordingClient:
 
     async def optim_step_async(self, adam: AdamParams) -> OptimStepResult:
         self.optim_steps += 1
+        self.optim_after.append(len(self.calls))
         return OptimStepResult(grad_norm=0.5, lr=adam.lr)
 
 
 def test_train_step_does_one_optimizer_step_over_all_micro_batches() -> None:
     data = build_step_data([[_traj(1.0, 30, i), _traj(-1.0, 40, i + 1)] for i in range(0, 8, 2)])
     client = RecordingClient()
-    order: list[str] = []
     result = asyncio.run(
         train_step(
             client,
@@ -236,12 +240,11 @@ def test_train_step_does_one_optimizer_step_over_all_micro_batches() -> None:
             loss_config=None,
             adam=AdamParams(lr=1e-3),
             micro_batch_tokens=90,
-            before_optim=lambda: order.append(f"hook after {len(client.calls)} batches"),
         )
     )
     assert client.optim_steps == 1
     assert sum(len(c) for c in client.calls) == 8 and len(client.calls) == result.n_micro_batches > 1
-    assert order == [f"hook after {len(client.calls)} batches"]
+    assert client.optim_after == [len(client.calls)]  # the one optimizer step after the last backward
     assert result.forward_backward is not None and result.forward_backward.loss == 8.0
     assert math.isclose(result.forward_backward.clip_fraction, 0.25)
     assert result.metrics()["policy/lr"] == 1e-3

@@ -17,16 +17,10 @@ from retool.components import Components
 from retool.config import ConfigError, load_config
 from retool.data.problem import Problem
 from retool.env import ProblemListEnv
+from retool.rollout import RolloutRequest
+from retool.rollout.records import datum_tokens, trajectory_record
 from retool.train.loop import Trainer
-from retool.train.records import (
-    TRAJECTORIES_FILE,
-    TrajectoryLog,
-    cut_from_step,
-    datum_tokens,
-    read_records,
-    select_groups,
-    trajectory_record,
-)
+from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog, cut_from_step, read_records, select_groups
 from retool.train.step import build_step_data, trajectory_tokens
 from retool.view.synthetic import decode, encode, make_problems, make_trajectory
 
@@ -113,9 +107,9 @@ def test_turns_carry_code_executor_result_and_observation() -> None:
     )
     record = trajectory_record(traj, source="eval", advantage=None, decode=decode)
     tools = [t for t in record["turns"] if t["kind"] == "tool"]
-    assert [t["code"] for t in tools] == traj.codes
+    assert [t["code"] for t in tools] == list(traj.codes)
     assert [t["exec"]["stderr"] for t in tools] == [r.stderr for r in traj.exec_results]
-    assert [t["observation"] for t in tools] == traj.observations
+    assert [t["observation"] for t in tools] == list(traj.observations)
     assert record["turns"][-1]["kind"] == "answer" and record["turns"][-1]["code"] is None
     assert json.loads(json.dumps(record)) == record  # JSON-ready as it is
 
@@ -124,16 +118,22 @@ def test_trajectories_that_ended_early() -> None:
     from retool.rollout.types import Trajectory
 
     problem = make_problems(1, 0)[0]
-    empty = Trajectory(problem=problem, group_index=0, stop_reason="context_full")
+    empty = Trajectory(problem=problem, group_index=0, stop_reason="context_full", reward=-1.0)
     record = trajectory_record(empty, source="train", advantage=0.0, decode=decode)
     assert record["spans"] == [] and record["turns"] == [] and record["tokens"]["total"] == 0
     rng = random.Random(0)
     traj = next(t for t in (make_trajectory(problem, 0, rng) for _ in range(50)) if t.code_calls >= 1)
     # The executor raised on the first call: its code is recorded, no result, and the trajectory ends.
-    traj.turns = traj.turns[:1]
-    traj.exec_results, traj.observations, traj.observations_trimmed = [], [], []
-    traj.codes = traj.codes[:1]
-    traj.stop_reason, traj.error = "executor_error", "OSError: sandbox gone"
+    traj = replace(
+        traj,
+        transitions=traj.transitions[:1],
+        exec_results=(),
+        observations=(),
+        observations_trimmed=(),
+        codes=traj.codes[:1],
+        stop_reason="executor_error",
+        error="OSError: sandbox gone",
+    )
     record = trajectory_record(traj, source="train", advantage=-1.0, decode=decode)
     assert record["turns"][0]["code"] == traj.codes[0] and record["turns"][0]["exec"] is None
     assert [s["role"] for s in record["spans"]] == ["prompt", "completion"]
@@ -209,15 +209,12 @@ class FakeClient:
         return name
 
 
-async def synthetic_rollouts(problems, *, group_size, seed, on_trajectory=None, **_: Any):
-    rng = random.Random(seed)
-    groups = []
-    for pi, problem in enumerate(problems):
-        group = [make_trajectory(problem, b, rng, skill=0.5) for b in range(group_size)]
-        for t in group:
-            t.problem_index = pi
-        groups.append(group)
-    return groups
+async def synthetic_rollouts(request: RolloutRequest) -> list[list[Any]]:
+    rng = random.Random(request.seed)
+    return [
+        [make_trajectory(g.problem, b, rng, skill=0.5, problem_index=pi) for b in range(g.group_size)]
+        for pi, g in enumerate(request.groups)
+    ]
 
 
 class CharProtocol:
@@ -319,14 +316,14 @@ def test_eval_without_transcripts_has_no_record(tmp_path: Path) -> None:
     from retool.config import Config
     from retool.evaluate.runner import run_eval
 
-    async def rollout(problems, *, group_size, seed, **_):
-        rng = random.Random(seed)
-        return [[make_trajectory(p, b, rng) for b in range(group_size)] for p in problems]
+    async def rollout(request: RolloutRequest) -> list[list[Any]]:
+        rng = random.Random(request.seed)
+        return [[make_trajectory(g.problem, b, rng) for b in range(g.group_size)] for g in request.groups]
 
     asyncio.run(
         run_eval(
             make_problems(1, 0),
-            Components(backend=None, protocol=CharProtocol(), verifier=None),
+            Components(backend=None, protocol=CharProtocol(), verifier=None, sampler=object()),  # type: ignore[arg-type]
             config=Config(),
             mode="retool",
             output=tmp_path / "ev.jsonl",

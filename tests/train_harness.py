@@ -1,10 +1,15 @@
-"""Fault injection for training runs, from the test side: no production code reads a test switch.
+"""Fault injection for training runs, from the test side: no production code reads a test switch or
+offers a hook for one.
 
-- ``ParityScoredEnv`` wraps an environment and rewards a trajectory +1 / -1 by the parity of its sampled
+- ``ParityScoredEnv`` wraps an environment and rewards an attempt +1 / -1 by the parity of its sampled
   tokens' sum, so an untrained tiny model (which solves nothing) still gets mixed groups and real
   optimizer steps, which is what makes a resumed run's samples depend on restored weights.
-- ``phase_signals`` builds a ``Trainer(on_phase=...)`` hook that sends SIGKILL / SIGINT to this process
-  at ``PHASE:STEP`` points.
+- ``PhaseSignals`` sends SIGKILL / SIGINT to this process at ``PHASE:STEP`` points, found from outside
+  the trainer: ``step`` (a step starts), ``rollout`` (the first group sampled for a step's batch is done:
+  the rollout function is wrapped, and the step read off the request's seed), ``optim`` (the backward
+  passes are done, the optimizer step not yet taken: the training client is wrapped), ``checkpoint`` (the
+  checkpoint is written but not yet moved into place), ``metrics`` (the step's metrics line is out).
+  ``HarnessTrainer`` is a ``Trainer`` with those wrappers around its parts.
 - Run as a script, it is ``retool`` itself with both injected into every ``Trainer`` the CLI builds::
 
       python tests/train_harness.py [--parity] [--kill-at PHASE:STEP] [--sigint-at PHASE:STEP] -- train ...
@@ -13,21 +18,31 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import logging
 import os
 import signal
 import sys
-from collections.abc import Callable
+from collections.abc import Iterable
+from pathlib import Path
 from typing import Any
 
-from retool.env import ProblemEnv, Split
-from retool.rollout import Trajectory, VerifierLike
+from retool.backends.types import AdamParams, OptimStepResult
+from retool.config import Config
+from retool.data.problem import Problem
+from retool.env import Attempt, ProblemEnv, Score, Split, VerifierLike
+from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
+from retool.train.checkpoint import CheckpointManager
+from retool.train.collect import round_seed
+from retool.train.loop import Trainer, rollout_seed
 
 logger = logging.getLogger("train_harness")
 
+PHASES = ("step", "rollout", "optim", "checkpoint", "metrics")
 
-def parity_reward(traj: Trajectory) -> float:
-    total = sum(sum(turn.completion_tokens) for turn in traj.turns)
+
+def parity_reward(attempt: Attempt) -> float:
+    total = sum(sum(turn.completion_tokens) for turn in attempt.turns)
     return 1.0 if total % 2 == 0 else -1.0
 
 
@@ -42,39 +57,124 @@ class ParityScoredEnv(ProblemEnv):
     def source(self) -> str:
         return self.inner.source
 
-    def problems(self, split: Split) -> list[Any]:
+    def problems(self, split: Split) -> list[Problem]:
         return self.inner.problems(split)
 
-    def epoch(self, seed: int, epoch: int) -> list[Any]:
+    def epoch(self, seed: int, epoch: int) -> list[Problem]:
         return self.inner.epoch(seed, epoch)
 
-    async def score(self, trajectory: Trajectory, verifier: VerifierLike) -> None:
-        await self.inner.score(trajectory, verifier)
-        trajectory.reward = parity_reward(trajectory)
+    async def score(self, attempt: Attempt, verifier: VerifierLike) -> Score:
+        score = await self.inner.score(attempt, verifier)
+        return dataclasses.replace(score, reward=parity_reward(attempt))
 
 
-def _points(items: list[str]) -> set[tuple[str, int]]:
+def _points(items: Iterable[str]) -> set[tuple[str, int]]:
     out = set()
     for item in items:
         phase, _, step = item.partition(":")
+        if phase not in PHASES:
+            raise ValueError(f"unknown phase {phase!r} (one of {', '.join(PHASES)})")
         out.add((phase, int(step)))
     return out
 
 
-def phase_signals(kill_at: list[str] = (), sigint_at: list[str] = ()) -> Callable[[str, int], None]:
-    """An ``on_phase`` hook: SIGKILL at each ``kill_at`` point, SIGINT (once) at each ``sigint_at``."""
-    kills, interrupts = _points(list(kill_at)), _points(list(sigint_at))
+class PhaseSignals:
+    """SIGKILL at each ``kill_at`` point, SIGINT (once) at each ``sigint_at`` point of a run of ``config``."""
 
-    def hook(phase: str, step: int) -> None:
-        if (phase, step) in kills:
+    def __init__(self, config: Config, kill_at: Iterable[str] = (), sigint_at: Iterable[str] = ()) -> None:
+        self.kills, self.interrupts = _points(kill_at), _points(sigint_at)
+        # Which step a rollout request samples for: its seed is the step's round seed (tool mode) or that
+        # seed ^ 0x5EED (the text-only share), for every round dynamic sampling may take.
+        base = config.train.seed
+        self.step_of_seed: dict[int, int] = {}
+        for step in range(1, config.train.steps + 1):
+            for round_index in range(config.filters.max_extra_rounds + 1):
+                seed = round_seed(rollout_seed(base, step), round_index)
+                self.step_of_seed.setdefault(seed, step)
+                self.step_of_seed.setdefault(seed ^ 0x5EED, step)
+
+    def fire(self, phase: str, step: int) -> None:
+        if (phase, step) in self.kills:
             logger.warning("harness: SIGKILL at %s:%d", phase, step)
             os.kill(os.getpid(), signal.SIGKILL)
-        if (phase, step) in interrupts:
-            interrupts.discard((phase, step))
+        if (phase, step) in self.interrupts:
+            self.interrupts.discard((phase, step))
             logger.warning("harness: SIGINT at %s:%d", phase, step)
             os.kill(os.getpid(), signal.SIGINT)
 
-    return hook
+    def rollouts(self, inner: RolloutFn) -> RolloutFn:
+        """``inner`` with the ``rollout`` point: after the first group of a step's batch is done."""
+        fired: set[int] = set()
+
+        async def rollout_fn(request: RolloutRequest) -> list[list[Trajectory]]:
+            step = self.step_of_seed.get(request.seed)
+            previous = request.on_trajectory
+
+            def on_trajectory(trajectory: Trajectory) -> None:
+                if previous is not None:
+                    previous(trajectory)
+                if step is not None and step not in fired:
+                    fired.add(step)
+                    self.fire("rollout", step)
+
+            return await inner(dataclasses.replace(request, on_trajectory=on_trajectory))
+
+        return rollout_fn
+
+
+class _OptimSignal:
+    """A training client whose optimizer step first passes the ``optim`` point of the current step."""
+
+    def __init__(self, inner: Any, trainer: HarnessTrainer) -> None:
+        self._inner, self._trainer = inner, trainer
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    async def optim_step_async(self, adam: AdamParams, **kw: Any) -> OptimStepResult:
+        self._trainer.signals.fire("optim", self._trainer.current_step)
+        result: OptimStepResult = await self._inner.optim_step_async(adam, **kw)
+        return result
+
+
+class _SignallingCheckpoints(CheckpointManager):
+    def __init__(self, root: Path, keep_last: int, signals: PhaseSignals) -> None:
+        super().__init__(root, keep_last=keep_last)
+        self.signals = signals
+
+    def publish(self, tmp: Path, step: int) -> Path:
+        self.signals.fire("checkpoint", step)  # written, not yet moved into place
+        return super().publish(tmp, step)
+
+
+class HarnessTrainer(Trainer):
+    """A ``Trainer`` whose parts pass ``signals``' points (see the module docstring)."""
+
+    def __init__(self, config: Config, run_dir: Any, resume: bool = False, **parts: Any) -> None:
+        self.signals: PhaseSignals = parts.pop("signals")
+        self.current_step = 0
+        parts["rollout_fn"] = self.signals.rollouts(parts.get("rollout_fn", run_rollout))
+        on_step = parts.get("on_step")
+
+        def step_done(step: int, metrics: dict[str, Any]) -> None:
+            if on_step is not None:
+                on_step(step, metrics)
+            self.signals.fire("metrics", step)
+
+        parts["on_step"] = step_done
+        super().__init__(config, run_dir, resume, **parts)
+        root = self.checkpoints.root.parent
+        self.checkpoints = _SignallingCheckpoints(root, config.checkpoint.keep_last, self.signals)
+
+    def _build_components(self) -> Any:
+        parts = super()._build_components()
+        self._guarded = _OptimSignal(self._guarded, self)  # type: ignore[assignment]
+        return parts
+
+    async def _one_step(self, step: int, pipeline: Any, tracker: Any) -> dict[str, Any]:
+        self.current_step = step
+        self.signals.fire("step", step)
+        return await super()._one_step(step, pipeline, tracker)
 
 
 def main(argv: list[str]) -> None:
@@ -89,14 +189,14 @@ def main(argv: list[str]) -> None:
     from retool.env import env_from_config
     from retool.train import loop
 
-    class HarnessTrainer(loop.Trainer):
-        def __init__(self, config: Any, run_dir: Any, resume: bool = False, **parts: Any) -> None:
-            parts.setdefault("on_phase", phase_signals(args.kill_at, args.sigint_at))
+    class CliTrainer(HarnessTrainer):
+        def __init__(self, config: Config, run_dir: Any, resume: bool = False, **parts: Any) -> None:
+            parts.setdefault("signals", PhaseSignals(config, args.kill_at, args.sigint_at))
             if args.parity:
                 parts.setdefault("env", ParityScoredEnv(env_from_config(config)))
             super().__init__(config, run_dir, resume, **parts)
 
-    loop.Trainer = HarnessTrainer  # type: ignore[misc]  # run_training looks the class up at call time
+    loop.Trainer = CliTrainer  # type: ignore[misc]  # run_training looks the class up at call time
     from retool.cli import app
 
     app(retool_args, prog_name="retool")

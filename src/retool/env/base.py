@@ -1,11 +1,12 @@
-"""The environment seam: a source of problems and how a finished trajectory is scored.
+"""The problem source: which problems there are, in which order, and the environments of a problem.
 
-Shaped after tinker-cookbook's ``ProblemEnv`` / ``RLDataset``, cut to what this system varies: the
-multi-turn tool loop itself is the rollout engine's (it is the same for every problem), so an
-environment only says *which* problems there are (``problems(split)``), in which order training sees
-them (``epoch(seed, epoch)``, a pure function so a resumed run draws the same ones), and how a finished
-trajectory is scored (``score``; by default the chapter's +1 / -1 check of the final ``\\boxed{}``
-answer). The trainer and the evaluator each take one; ``retool.env.registry`` builds them by name.
+Shaped after tinker-cookbook's ``RLDataset`` / ``ProblemGroupBuilder``: a ``ProblemEnv`` says *which*
+problems there are (``problems(split)``), in which order training sees them (``epoch(seed, epoch)``, a
+pure function so a resumed run draws the same ones), how a finished attempt is scored (``score``; by
+default the chapter's +1 / -1 check of the final ``\\boxed{}`` answer), and builds the per-trajectory
+environments of one problem's group (``group_builder``; by default ReTool environments with the run's
+tool, ``retool.env.retool``). The trainer and the evaluator each take one; ``retool.env.registry``
+builds them by name.
 """
 
 from __future__ import annotations
@@ -17,8 +18,9 @@ from typing import Literal
 
 from retool.data.problem import Problem
 from retool.data.readers import DataError
-from retool.rollout.scoring import VerifierLike, score_final_answer
-from retool.rollout.types import Trajectory
+from retool.env.retool import ReToolGroupBuilder, ToolSetup
+from retool.env.scoring import Attempt, Score, VerifierLike, score_final_answer
+from retool.env.types import EnvGroupBuilder
 
 Split = Literal["train", "test"]
 SPLITS: tuple[Split, ...] = ("train", "test")
@@ -54,10 +56,21 @@ class ProblemEnv(abc.ABC):
             random.Random(seed * 1_000_003 + epoch).shuffle(order)
         return order
 
-    async def score(self, trajectory: Trajectory, verifier: VerifierLike) -> None:
-        """Set the trajectory's reward (and ``correct``, ``valid_format``, ``answer``); default: the
+    async def score(self, attempt: Attempt, verifier: VerifierLike) -> Score:
+        """The reward of a finished attempt (and ``correct``, ``valid_format``, ``answer``); default: the
         verifier's check of the final answer, -1 for any stop other than an answer."""
-        await score_final_answer(trajectory, verifier)
+        return await score_final_answer(attempt, verifier)
+
+    def group_builder(
+        self, problem: Problem, setup: ToolSetup, group_size: int, problem_index: int = 0
+    ) -> EnvGroupBuilder:
+        """The environments of ``problem``'s group: ReTool environments with ``setup``'s tool (none:
+        text-only), scored by ``score``. Override it for another tool or another interaction."""
+
+        async def scorer(attempt: Attempt) -> Score:
+            return await self.score(attempt, setup.verifier)
+
+        return ReToolGroupBuilder(problem, setup, group_size, problem_index=problem_index, scorer=scorer)
 
 
 class ProblemListEnv(ProblemEnv):

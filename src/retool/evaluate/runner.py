@@ -27,7 +27,7 @@ from retool.backends.base import SamplingClient
 from retool.components import Components, build_components
 from retool.config import Config
 from retool.data.problem import Problem
-from retool.env import EnvOptions, ProblemEnv, make_env
+from retool.env import EnvOptions, ProblemEnv, ProblemListEnv, ToolSetup, make_env
 from retool.evaluate.metrics import summarize
 from retool.evaluate.settings import (
     RESUME_IGNORED,
@@ -37,9 +37,14 @@ from retool.evaluate.settings import (
     dataset_fingerprint,
     problem_seed,
 )
-from retool.evaluate.store import EvalStoreError, ResultStore, candidate_record, problem_record
-from retool.rollout.types import Trajectory
-from retool.train.records import attach_eval_transcripts
+from retool.evaluate.store import (
+    EvalStoreError,
+    ResultStore,
+    attach_eval_transcripts,
+    candidate_record,
+    problem_record,
+)
+from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -48,8 +53,6 @@ MODES: tuple[str, ...] = ("text-only", "retool")
 SUMMARY_VERSION = 1
 # Stop reasons that mean the infrastructure failed, not the model: such problems are retried, not recorded.
 INFRA_STOP_REASONS: frozenset[str] = frozenset({"sampler_error", "executor_error"})
-
-RolloutFn = Callable[..., Awaitable[list[list[Trajectory]]]]
 
 
 def _check_request(problems: Sequence[Problem], mode: str, val_n: int) -> None:
@@ -119,7 +122,7 @@ class _Session:
         """Append ``problem``'s record, or leave it for the next run when the infrastructure failed."""
         trajs = sorted(trajectories, key=lambda t: t.group_index)
         candidates = [candidate_record(t, keep) for t in trajs]
-        if keep:  # the viewer's record shape, shared with training (retool.train.records)
+        if keep:  # the viewer's record shape, shared with training (retool.rollout.records)
             attach_eval_transcripts(candidates, trajs, mode=self.settings["mode"], decode=self.decode)
         broken = sorted({c["stop_reason"] for c in candidates} & INFRA_STOP_REASONS)
         if broken:
@@ -146,29 +149,29 @@ class _Plan:
     """How every problem of one eval is rolled out: same parts, sampling, budgets; its own seed."""
 
     components: Components
-    sampler: SamplingClient | None  # None only for a custom rollout that never samples
+    sampler: SamplingClient
     config: Config
     mode: str
     val_n: int
     seed: int
     rollout_fn: RolloutFn
+    env: ProblemEnv
 
     async def rollout(self, problem: Problem) -> tuple[list[Trajectory], int]:
         """``val_n`` candidates for ``problem`` alone (so they do not depend on the problems beside it)."""
-        use_tools = self.mode == "retool"
+        parts = self.components
+        tool = parts.executor if self.mode == "retool" else None
+        setup = ToolSetup(parts.protocol, tool, parts.verifier, self.config.rollout)
         pseed = problem_seed(self.seed, problem.id)
-        groups = await self.rollout_fn(
-            [problem],
-            sampler=self.sampler,
-            protocol=self.components.protocol,
-            executor=self.components.executor if use_tools else None,
-            verifier=self.components.verifier,
-            rollout=self.config.rollout,
-            sampling=self.config.sampling,
-            group_size=self.val_n,
+        request = RolloutRequest(
+            [self.env.group_builder(problem, setup, self.val_n)],
+            self.sampler,
+            self.config.sampling,
             seed=pseed,
-            use_tools=use_tools,
+            scheduling=self.config.rollout.scheduling,
+            max_inflight_samples=self.config.rollout.max_inflight_samples,
         )
+        groups = await self.rollout_fn(request)
         return groups[0], pseed
 
 
@@ -184,7 +187,8 @@ async def run_eval(
     identity: dict[str, Any] | None = None,
     concurrency: int | None = None,
     save_transcripts: bool | None = None,
-    rollout_fn: RolloutFn | None = None,
+    rollout_fn: RolloutFn = run_rollout,
+    env: ProblemEnv | None = None,
     bootstrap_resamples: int = 2000,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
@@ -204,13 +208,10 @@ async def run_eval(
     val_n = e.val_n if val_n is None else val_n
     seed = e.seed if seed is None else seed
     _check_request(problems, mode, val_n)
-    if rollout_fn is None:
-        if components.sampler is None:
-            raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
-        from retool.rollout import run_group_rollouts
-
-        rollout_fn = run_group_rollouts
-    plan = _Plan(components, components.sampler, config, mode, val_n, seed, rollout_fn)
+    if components.sampler is None:
+        raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
+    env = env if env is not None else ProblemListEnv(problems, shuffle=False)
+    plan = _Plan(components, components.sampler, config, mode, val_n, seed, rollout_fn, env)
     settings = _settings(problems, components, config, mode, val_n, seed, dict(identity or {}))
     store = ResultStore(output)
     previous = check_resumable(store, settings)
@@ -375,7 +376,9 @@ async def evaluate_async(
     parts = await _open(config, checkpoint, mode == "retool")
     try:
         selected = all_problems[: e.limit] if e.limit is not None else all_problems
-        return await run_eval(selected, parts, config=config, mode=mode, output=output, identity=identity)
+        return await run_eval(
+            selected, parts, config=config, mode=mode, output=output, identity=identity, env=env
+        )
     finally:
         await parts.aclose()
 

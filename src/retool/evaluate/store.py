@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.data.problem import Problem
+from retool.rollout.records import Decode, trajectory_record
 from retool.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
@@ -159,3 +160,23 @@ def _count(value: int | Sequence[object] | None) -> int:
     if isinstance(value, int):
         return value
     return len(value or ())
+
+
+def attach_eval_transcripts(
+    candidates: Sequence[dict[str, Any]],
+    trajectories: Sequence[Trajectory],
+    *,
+    mode: str,
+    decode: Decode | None,
+) -> None:
+    """Add each candidate's ``"trajectory"`` record (same shape as training; spans from the turn structure).
+
+    The advantage is the group-centred reward over the problem's candidates (``A_i = R_i - mean(R)``),
+    what training would use.
+    """
+    rewards = [float(t.reward) for t in trajectories]
+    mean = sum(rewards) / len(rewards) if rewards else 0.0
+    for candidate, traj, reward in zip(candidates, trajectories, rewards, strict=True):
+        candidate["trajectory"] = trajectory_record(
+            traj, source="eval", advantage=reward - mean, mode=mode, decode=decode
+        )

@@ -1,22 +1,34 @@
-"""retool.rollout: the multi-turn sample -> execute -> observe state machine (SPEC §4, chapter 8.4.6).
+"""retool.rollout: the scheduler that samples many environments with one policy (SPEC §4).
 
-Public names: ``AssistantTurn``, ``Trajectory``, ``STOP_REASONS``, ``ContinuityError``,
-``run_group_rollouts``, ``request_seed``; ``score_final_answer`` (the default reward of a finished
-trajectory) with its shapes ``TrajectoryScorer`` and ``VerifierLike``.
+Public names: ``run_rollout`` (the one rollout function) with its ``RolloutRequest``, shape
+``RolloutFn`` and the ``Policy`` it samples with; ``run_group_rollouts`` (the default ReTool environments from loose parts, for scripts and
+tests); ``request_seed``; the immutable records ``Trajectory`` / ``Transition`` (``AssistantTurn``,
+``STOP_REASONS``, ``ContinuityError`` come from ``retool.env.types``); ``retool.rollout.records``: the
+trajectory record both training and evaluation write.
 """
 
-from retool.rollout.engine import request_seed, run_group_rollouts
-from retool.rollout.scoring import TrajectoryScorer, VerifierLike, score_final_answer
-from retool.rollout.types import STOP_REASONS, AssistantTurn, ContinuityError, Trajectory
+from retool.rollout.engine import (
+    Policy,
+    RolloutFn,
+    RolloutRequest,
+    request_seed,
+    retool_groups,
+    run_group_rollouts,
+    run_rollout,
+)
+from retool.rollout.types import STOP_REASONS, AssistantTurn, ContinuityError, Trajectory, Transition
 
 __all__ = [
     "STOP_REASONS",
     "AssistantTurn",
     "ContinuityError",
+    "Policy",
+    "RolloutFn",
+    "RolloutRequest",
     "Trajectory",
-    "TrajectoryScorer",
-    "VerifierLike",
+    "Transition",
     "request_seed",
+    "retool_groups",
     "run_group_rollouts",
-    "score_final_answer",
+    "run_rollout",
 ]

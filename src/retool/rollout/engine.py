@@ -1,59 +1,81 @@
-"""The multi-turn rollout state machine: sample -> parse -> execute -> observe -> sample, per trajectory.
+"""The rollout scheduler: many environments sampled by one policy, per trajectory or round by round.
 
-Owns ``run_group_rollouts``. For each question the first turn samples ``group_size`` branches in one
-request (``num_samples=group_size``); each branch then continues alone with ``num_samples=1`` until it
-answers or runs out of a budget (SPEC §4):
+Owns ``run_rollout(request)``, the one rollout function the trainer and the evaluator call. The engine knows
+nothing of tools, parsing, budgets or rewards: each trajectory is one ``retool.env.Env``, which shows an
+``Observation`` (prompt tokens and stop condition), takes a sampled action in ``step`` and returns a
+``StepResult`` (reward, done, next observation). The engine samples, steps, and records the transitions
+into an immutable ``Trajectory``. A group's environments (``EnvGroupBuilder.make_envs``) that show the
+same first observation are sampled in one request (``num_samples = group size``), so the sampler shares
+the prompt prefix; after that each branch continues alone with ``num_samples = 1``.
 
-- code calls (``max_code_calls``): a tool call past it ends the trajectory with ``max_code_calls``;
-- assistant turns (``max_assistant_turns``): a tool call on the last allowed turn ends it with ``max_turns``;
-- tokens per turn: ``max_tokens = min(max_tokens_per_turn, max_trajectory_tokens - len(prompt))``;
-- tokens per observation (``max_observation_tokens``): trimmed from the front by the protocol so the
-  traceback tail survives;
-- tokens per trajectory (``max_trajectory_tokens``, counted over the whole sequence, prompt included): a
-  trajectory whose next prompt (previous tokens + observation + assistant header) leaves no room for one
-  generated token ends with ``context_full``.
-
-Scheduling (``rollout.scheduling``):
+Scheduling (``RolloutRequest.scheduling``):
 
 - ``per_trajectory`` (default): every trajectory is its own asyncio task and goes back to sampling as
-  soon as its own execution finishes, so sampling and execution overlap with no round barrier;
-- ``round_sync``: the chapter's scheme - every active trajectory samples, then all pending code runs,
-  then a barrier; kept for the benchmark and comparisons.
+  soon as its own step finishes, so sampling and tool execution overlap with no round barrier;
+- ``round_sync``: the chapter's scheme - every active trajectory samples, then every environment steps
+  (runs its pending code), then a barrier; kept for the benchmark and comparisons.
 
-In both, an ``asyncio.Semaphore`` caps in-flight sampling requests (``rollout.max_inflight_samples``);
-the executor caps concurrent executions itself. A sampler or executor exception ends only that
-trajectory (``sampler_error`` / ``executor_error``, reward -1); a template that rewrites history
-(``TemplateNotAppendOnlyError``) is a setup bug and is raised.
-
-Rewards come only from model-generated text: by default ``verifier.ascore(final_text, problem.answer)``
-where ``final_text`` is the text of the last assistant turn, and only for trajectories that stopped with
-``answer`` (``retool.rollout.scoring``); a caller may pass its own ``scorer`` (an environment's).
+In both, an ``asyncio.Semaphore`` caps in-flight sampling requests (``max_inflight_samples``). A sampler
+exception ends only that trajectory (the environment is interrupted with ``sampler_error``); an
+observation with no room for one token is never sampled (``context_full``). Request seeds derive from
+(run seed, problem index, branch, turn) (``request_seed``), the same under both schedulers.
 """
 
 from __future__ import annotations
 
 import asyncio
-import copy
 import hashlib
 import logging
 import time
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Literal, Protocol, TypeVar
 
-from retool.backends.base import SamplingClient
 from retool.backends.types import Sample, SamplingParams
 from retool.config import RolloutConfig, SamplingConfig
 from retool.data.problem import Problem
-from retool.protocol import ChatProtocol, parse_assistant
-from retool.rollout.scoring import TrajectoryScorer, VerifierLike, score_final_answer
-from retool.rollout.types import AssistantTurn, Trajectory
-from retool.sandbox.base import Executor
+from retool.env.retool import ReToolGroupBuilder, Tool, ToolSetup
+from retool.env.scoring import Scorer, VerifierLike
+from retool.env.types import Env, EnvGroupBuilder, Interrupt, Observation, StepResult
+from retool.protocol import ChatProtocol
+from retool.rollout.types import Trajectory, Transition
 
 logger = logging.getLogger(__name__)
 
-
 OnTrajectory = Callable[[Trajectory], None]
+Scheduling = Literal["per_trajectory", "round_sync"]
+T = TypeVar("T")
+
+
+class Policy(Protocol):
+    """What the engine samples with: a sampling client over one snapshot of the weights
+    (``retool.backends.SamplingClient`` is one; so is any object with this method)."""
+
+    async def sample_async(
+        self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams
+    ) -> list[Sample]: ...
+
+
+@dataclass(frozen=True)
+class RolloutRequest:
+    """One rollout: a group per builder, sampled by ``policy`` with ``sampling``'s temperature / top-p /
+    top-k. ``seed``: the run's seed for this call (pass a different one for every training step, so requests
+    never repeat); ``on_trajectory`` is called (synchronously) with each trajectory once its group is done,
+    e.g. for progress."""
+
+    groups: Sequence[EnvGroupBuilder]
+    policy: Policy
+    sampling: SamplingConfig
+    seed: int = 0
+    scheduling: Scheduling = "per_trajectory"
+    max_inflight_samples: int = 64
+    on_trajectory: OnTrajectory | None = None
+
+
+class RolloutFn(Protocol):
+    """The rollout function's shape (``run_rollout``, or a caller's stand-in): one list (a group) per builder."""
+
+    def __call__(self, request: RolloutRequest) -> Awaitable[list[list[Trajectory]]]: ...
 
 
 def request_seed(seed: int, problem_index: int, branch: int, turn: int) -> int:
@@ -67,80 +89,63 @@ def request_seed(seed: int, problem_index: int, branch: int, turn: int) -> int:
 
 
 @dataclass
-class _Pending:
-    """A tool call the model made that still has to run."""
+class _Run:
+    """One environment while it runs: its transitions, summed reward and sampling time so far."""
 
-    traj: Trajectory
-    code: str
-    messages_before_assistant: list[dict[str, Any]]
+    env: Env
+    branch: int
+    problem_index: int
+    problem_id: str
+    transitions: list[Transition] = field(default_factory=list)
+    reward: float = 0.0
+    sample_seconds: float = 0.0
+    turn: int = 0  # steps taken: the turn index of the next request's seed
+    observation: Observation | None = None  # what to sample next; None once done
+
+    def record(self, result: StepResult) -> None:
+        if not result.done and result.next_observation is None:
+            raise RuntimeError(
+                f"problem {self.problem_id!r} branch {self.branch}: the environment's step is not done "
+                "but gave no next observation"
+            )
+        self.reward += result.reward
+        if result.turn is not None:
+            self.transitions.append(Transition(result.turn, result.reward, result.done, result.metrics))
+        self.observation = None if result.done else result.next_observation
 
 
-class _Rollout:
-    """One call of ``run_group_rollouts``: the shared state of its trajectories."""
+def _error_text(exc: BaseException) -> str:
+    return f"{type(exc).__name__}: {exc}"
 
-    def __init__(
-        self,
-        problems: Sequence[Problem],
-        *,
-        sampler: SamplingClient,
-        protocol: ChatProtocol,
-        executor: Executor | None,
-        verifier: VerifierLike,
-        rollout: RolloutConfig,
-        sampling: SamplingConfig,
-        group_size: int,
-        seed: int,
-        use_tools: bool,
-        on_trajectory: OnTrajectory | None,
-        scorer: TrajectoryScorer | None,
-    ) -> None:
-        self.problems = list(problems)
-        self.sampler = sampler
-        self.protocol = protocol
-        self.executor = executor
-        self.verifier = verifier
-        self.cfg = rollout
-        self.sampling = sampling
-        self.group_size = group_size
-        self.seed = seed
-        self.use_tools = use_tools
-        self.on_trajectory = on_trajectory
-        self.scorer = scorer
-        self.semaphore = asyncio.Semaphore(max(1, rollout.max_inflight_samples))
-        self.stop = self._stop_sequences()
-        self.stop_ids = {int(i) for i in protocol.stop_token_ids}
+
+class _Scheduler:
+    """One call of ``run_rollout``: the policy, the sampling settings and the in-flight cap."""
+
+    def __init__(self, request: RolloutRequest) -> None:
+        self.request = request
+        self.semaphore = asyncio.Semaphore(max(1, request.max_inflight_samples))
 
     # -- sampling ----------------------------------------------------------------------------------
-    def _stop_sequences(self) -> tuple[str, ...] | tuple[int, ...]:
-        """Stop on the template's end-of-turn ids; formats with extra stop strings (markdown) get strings
-        only (``SamplingParams.stop`` does not mix kinds), the end-of-turn ids written as their text."""
-        ids = tuple(int(i) for i in self.protocol.stop_token_ids)
-        strings = tuple(getattr(self.protocol, "stop_strings", ()) or ()) if self.use_tools else ()
-        if not strings:
-            return ids
-        tokenizer = self.protocol.tokenizer
-        id_strings = tuple(tokenizer.convert_ids_to_tokens(i) for i in ids)
-        return tuple(dict.fromkeys((*strings, *(s for s in id_strings if isinstance(s, str)))))
-
-    def _params(self, prompt_len: int, seed: int) -> SamplingParams | None:
-        room = self.cfg.max_trajectory_tokens - prompt_len
-        if room <= 0:
-            return None
+    def _params(self, observation: Observation, seed: int) -> SamplingParams:
+        sampling = self.request.sampling
         return SamplingParams(
-            max_tokens=min(self.cfg.max_tokens_per_turn, room),
-            temperature=self.sampling.temperature,
-            top_p=self.sampling.top_p,
-            top_k=self.sampling.top_k,
+            max_tokens=observation.max_tokens,
+            temperature=sampling.temperature,
+            top_p=sampling.top_p,
+            top_k=sampling.top_k,
             seed=seed,
-            stop=self.stop,
+            stop=observation.stop,
         )
 
     async def _sample(
-        self, prompt: list[int], num_samples: int, params: SamplingParams
+        self, observation: Observation, num_samples: int, seed: int
     ) -> tuple[list[Sample], float]:
+        params = self._params(observation, seed)
         async with self.semaphore:
             start = time.perf_counter()
-            samples = await self.sampler.sample_async(prompt, num_samples, params)
+            samples = await self.request.policy.sample_async(
+                list(observation.prompt_tokens), num_samples, params
+            )
             elapsed = time.perf_counter() - start
         if len(samples) != num_samples:
             raise RuntimeError(f"sampler returned {len(samples)} samples for num_samples={num_samples}")
@@ -149,272 +154,129 @@ class _Rollout:
                 raise RuntimeError(f"sampler returned {len(s.tokens)} tokens but {len(s.logprobs)} logprobs")
         return samples, elapsed
 
-    def _decode(self, tokens: list[int]) -> str:
-        # The text the parser and verifier see: the completion without its trailing end-of-turn ids.
-        end = len(tokens)
-        while end > 0 and tokens[end - 1] in self.stop_ids:
-            end -= 1
-        return self.protocol.decode(tokens[:end])
+    def _seed(self, run: _Run) -> int:
+        return request_seed(self.request.seed, run.problem_index, run.branch, run.turn)
 
-    def _token_count(self, text: str) -> int:
-        return len(self.protocol.encode(text))
+    # -- one step of one environment ----------------------------------------------------------------
+    async def _interrupt(self, run: _Run, reason: Interrupt, error: str | None = None) -> None:
+        run.record(await run.env.interrupt(reason, error))
 
-    # -- the state machine -------------------------------------------------------------------------
-    def _new_root(self, problem_index: int) -> tuple[Trajectory, list[int]]:
-        problem = self.problems[problem_index]
-        root = Trajectory(
-            problem=problem,
-            group_index=0,
-            problem_index=problem_index,
-            messages=self.protocol.initial_messages(problem.question),
-            use_tools=self.use_tools,
-        )
-        return root, list(self.protocol.build_prompt(root.messages))
+    async def _step(self, run: _Run, action: Sample, seconds: float) -> None:
+        run.sample_seconds += seconds
+        run.record(await run.env.step(action))
+        run.turn += 1
+        if run.observation is not None and run.observation.max_tokens < 1:
+            await self._interrupt(run, "context_full")
 
-    def _branches(self, root: Trajectory) -> list[Trajectory]:
-        # Each branch owns its messages (deep copies, as the chapter's copy.deepcopy(root)); the problem
-        # is shared, immutable.
-        return [
-            Trajectory(
-                problem=root.problem,
-                group_index=b,
-                problem_index=root.problem_index,
-                messages=copy.deepcopy(root.messages),
-                use_tools=root.use_tools,
-            )
-            for b in range(self.group_size)
+    async def _sample_one(self, run: _Run) -> tuple[Sample, float] | None:
+        """The next action of ``run``; None (and the environment interrupted) when the sampler failed."""
+        assert run.observation is not None
+        try:
+            (sample,), seconds = await self._sample(run.observation, 1, self._seed(run))
+        except Exception as exc:
+            logger.warning("sampler failed on problem %s branch %d: %r", run.problem_id, run.branch, exc)
+            await self._interrupt(run, "sampler_error", _error_text(exc))
+            return None
+        return sample, seconds
+
+    # -- the first turn of a group ------------------------------------------------------------------
+    async def _first_actions(self, runs: list[_Run]) -> list[tuple[Sample, float] | None]:
+        """Each run's first action: one request for the group when every first observation is the same
+        (the sampler shares the prefix), else one request per run. None: the run already ended."""
+        firsts = [run.observation for run in runs]
+        if any(o != firsts[0] for o in firsts):
+            return await _gather_all([self._first_alone(run) for run in runs])
+        observation = firsts[0]
+        assert observation is not None
+        if observation.max_tokens < 1:
+            await _gather_all([self._interrupt(run, "context_full") for run in runs])
+            return [None] * len(runs)
+        seed = request_seed(self.request.seed, runs[0].problem_index, -1, 0)
+        try:
+            samples, seconds = await self._sample(observation, len(runs), seed)
+        except Exception as exc:
+            logger.warning("sampler failed on problem %s (group request): %r", runs[0].problem_id, exc)
+            await _gather_all([self._interrupt(run, "sampler_error", _error_text(exc)) for run in runs])
+            return [None] * len(runs)
+        return [(s, seconds) for s in samples]
+
+    async def _first_alone(self, run: _Run) -> tuple[Sample, float] | None:
+        assert run.observation is not None
+        if run.observation.max_tokens < 1:
+            await self._interrupt(run, "context_full")
+            return None
+        return await self._sample_one(run)
+
+    # -- groups --------------------------------------------------------------------------------------
+    @staticmethod
+    def _start(builder: EnvGroupBuilder) -> list[_Run]:
+        runs = [
+            _Run(env, b, builder.problem_index, builder.problem.id)
+            for b, env in enumerate(builder.make_envs())
         ]
+        for run in runs:
+            run.observation = run.env.initial_observation()
+        return runs
 
-    def _end(self, traj: Trajectory, reason: str, error: str | None = None) -> None:
-        traj.stop_reason = reason
-        traj.error = error
-        if traj.turns:
-            traj.final_text = traj.turns[-1].text
-
-    def _consume(
-        self, traj: Trajectory, prompt: list[int], sample: Sample, seconds: float
-    ) -> _Pending | None:
-        """Record one sampled turn; return the tool call to run, or None if the trajectory ended."""
-        text = self._decode(list(sample.tokens))
-        turn = AssistantTurn(
-            list(prompt), list(sample.tokens), list(sample.logprobs), text, sample.stop_reason
-        )
-        traj.turns.append(turn)
-        traj.sample_seconds += seconds
-        traj.check_continuity()
-        messages_before_assistant = list(traj.messages)
-        traj.messages.append(self.protocol.assistant_message(text))
-        if not self.use_tools:
-            self._end(traj, "answer")
-            return None
-        parsed = parse_assistant(text, self.protocol.fmt)
-        turn.kind = parsed.kind
-        if parsed.kind == "answer":
-            self._end(traj, "answer")
-            return None
-        if parsed.kind != "tool":
-            self._end(traj, "invalid", parsed.reason)
-            return None
-        if traj.code_calls >= self.cfg.max_code_calls:
-            self._end(traj, "max_code_calls")
-            return None
-        if len(traj.turns) >= self.cfg.max_assistant_turns:
-            self._end(traj, "max_turns")
-            return None
-        return _Pending(traj, parsed.code or "", messages_before_assistant)
-
-    async def _execute(self, pending: _Pending) -> list[int] | None:
-        """Run the call and build the next prompt; None if the trajectory ended."""
-        traj = pending.traj
-        assert self.executor is not None
-        traj.code_calls += 1
-        traj.codes.append(pending.code)
-        start = time.perf_counter()
-        try:
-            result = await self.executor.arun(pending.code)
-        except Exception as exc:  # an infrastructure failure ends this trajectory only
-            traj.exec_seconds += time.perf_counter() - start
-            logger.warning(
-                "executor failed on problem %s branch %d: %r", traj.problem.id, traj.group_index, exc
+    async def _finish(self, builder: EnvGroupBuilder, runs: list[_Run]) -> list[Trajectory]:
+        """The group's records: every run's transitions and outcome, with the group's rewards added."""
+        outcomes = [run.env.outcome() for run in runs]
+        extra = await builder.group_rewards(outcomes)
+        group = [
+            Trajectory.of(
+                builder.problem,
+                run.branch,
+                builder.problem_index,
+                tuple(run.transitions),
+                outcome,
+                reward=run.reward + bonus,
+                sample_seconds=run.sample_seconds,
             )
-            self._end(traj, "executor_error", f"{type(exc).__name__}: {exc}")
-            return None
-        traj.exec_seconds += time.perf_counter() - start
-        traj.exec_results.append(result)
-        return self._observe(pending, self.executor.format_tool_content(result))
-
-    def _observe(self, pending: _Pending, content: str) -> list[int] | None:
-        traj = pending.traj
-        fitted = self.protocol.fit_observation(content, self.cfg.max_observation_tokens)
-        traj.observations.append(fitted)
-        traj.observations_trimmed.append(self._token_count(content) > self.cfg.max_observation_tokens)
-        tool_message = self.protocol.tool_message(fitted)
-        last = traj.turns[-1]
-        next_prompt = list(
-            self.protocol.build_next_prompt(
-                pending.messages_before_assistant, last.prompt_tokens, last.completion_tokens, tool_message
-            )
-        )
-        traj.messages.append(tool_message)
-        if len(next_prompt) >= self.cfg.max_trajectory_tokens:
-            self._end(traj, "context_full")
-            return None
-        return next_prompt
-
-    async def _score(self, traj: Trajectory) -> None:
-        try:
-            if self.scorer is not None:
-                await self.scorer(traj)
-            else:
-                await score_final_answer(traj, self.verifier)
-        except Exception as exc:  # the verifier is bounded, but a crash must not kill the step
-            logger.warning("scoring failed on problem %s: %r", traj.problem.id, exc)
-            traj.reward, traj.correct, traj.valid_format, traj.reward_status = -1.0, False, False, "error"
-        if self.on_trajectory is not None:
-            self.on_trajectory(traj)
+            for run, outcome, bonus in zip(runs, outcomes, extra, strict=True)
+        ]
+        if self.request.on_trajectory is not None:
+            for trajectory in group:
+                self.request.on_trajectory(trajectory)
+        return group
 
     # -- per-trajectory scheduling -----------------------------------------------------------------
-    async def _run_branch(self, traj: Trajectory, prompt: list[int], sample: Sample, seconds: float) -> None:
-        turn = 0
-        while True:
-            pending = self._consume(traj, prompt, sample, seconds)
-            if pending is None:
-                break
-            next_prompt = await self._execute(pending)
-            if next_prompt is None:
-                break
-            turn += 1
-            params = self._params(
-                len(next_prompt), request_seed(self.seed, traj.problem_index, traj.group_index, turn)
-            )
-            if params is None:  # unreachable after the context check, kept for safety
-                self._end(traj, "context_full")
-                break
-            try:
-                (sample,), seconds = await self._sample(next_prompt, 1, params)
-            except Exception as exc:
-                logger.warning(
-                    "sampler failed on problem %s branch %d: %r", traj.problem.id, traj.group_index, exc
-                )
-                self._end(traj, "sampler_error", f"{type(exc).__name__}: {exc}")
-                break
-            prompt = next_prompt
-        await self._score(traj)
+    async def _run_alone(self, run: _Run, first: tuple[Sample, float] | None) -> None:
+        action = first
+        while action is not None:
+            await self._step(run, *action)
+            action = await self._sample_one(run) if run.observation is not None else None
 
-    async def _run_question(self, problem_index: int) -> list[Trajectory]:
-        root, prompt = self._new_root(problem_index)
-        branches = self._branches(root)
-        params = self._params(len(prompt), request_seed(self.seed, problem_index, -1, 0))
-        if params is None:
-            for t in branches:
-                self._end(t, "context_full")
-            await asyncio.gather(*(self._score(t) for t in branches))
-            return branches
-        try:
-            samples, seconds = await self._sample(prompt, self.group_size, params)
-        except Exception as exc:
-            logger.warning("sampler failed on problem %s (group request): %r", root.problem.id, exc)
-            for t in branches:
-                self._end(t, "sampler_error", f"{type(exc).__name__}: {exc}")
-            await asyncio.gather(*(self._score(t) for t in branches))
-            return branches
-        await _gather_all(
-            [self._run_branch(t, prompt, s, seconds) for t, s in zip(branches, samples, strict=True)]
-        )
-        return branches
+    async def _group_per_trajectory(self, builder: EnvGroupBuilder) -> list[Trajectory]:
+        runs = self._start(builder)
+        firsts = await self._first_actions(runs)
+        await _gather_all([self._run_alone(run, first) for run, first in zip(runs, firsts, strict=True)])
+        return await self._finish(builder, runs)
 
     async def run_per_trajectory(self) -> list[list[Trajectory]]:
-        return await _gather_all([self._run_question(i) for i in range(len(self.problems))])
+        return await _gather_all([self._group_per_trajectory(b) for b in self.request.groups])
 
     # -- round-synchronous scheduling (the chapter's scheme) -----------------------------------------
     async def run_round_sync(self) -> list[list[Trajectory]]:
-        """The chapter's scheme: every active trajectory samples, all pending code runs, then a barrier.
-
-        Long because one round is one loop over shared lists (active branches, their pending calls, the
-        next round's requests); kept whole as the benchmark's reference for ``run_per_trajectory``.
-        """
-        groups: list[list[Trajectory]] = []
-        # Each active entry: (trajectory, prompt, turn index).
-        active: list[tuple[Trajectory, list[int], int]] = []
-        first_requests: list[tuple[int, list[int], SamplingParams]] = []
-        for i in range(len(self.problems)):
-            root, prompt = self._new_root(i)
-            branches = self._branches(root)
-            groups.append(branches)
-            params = self._params(len(prompt), request_seed(self.seed, i, -1, 0))
-            if params is None:
-                for t in branches:
-                    self._end(t, "context_full")
-            else:
-                first_requests.append((i, prompt, params))
-
-        done: list[Trajectory] = [t for g in groups for t in g if t.stop_reason]
-        # Round 0: one group request per question.
-        results = await asyncio.gather(
-            *(self._sample(p, self.group_size, params) for _, p, params in first_requests),
-            return_exceptions=True,
-        )
-        pendings: list[_Pending] = []
-        for (i, prompt, _), res in zip(first_requests, results, strict=True):
-            if isinstance(res, BaseException):
-                if not isinstance(res, Exception):
-                    raise res
-                for t in groups[i]:
-                    self._end(t, "sampler_error", f"{type(res).__name__}: {res}")
-                    done.append(t)
-                continue
-            samples, seconds = res
-            for t, s in zip(groups[i], samples, strict=True):
-                pending = self._consume(t, prompt, s, seconds)
-                if pending is None:
-                    done.append(t)
-                else:
-                    pendings.append(pending)
-
-        turn = 0
-        while pendings:
-            # Execute every pending call, then wait for all of them (the round barrier).
-            next_prompts = await _gather_all([self._execute(p) for p in pendings])
-            turn += 1
-            active = []
-            for p, nxt in zip(pendings, next_prompts, strict=True):
-                if nxt is None:
-                    done.append(p.traj)
-                else:
-                    active.append((p.traj, nxt, turn))
-            requests = []
-            for t, nxt, k in active:
-                params = self._params(len(nxt), request_seed(self.seed, t.problem_index, t.group_index, k))
-                if params is None:
-                    self._end(t, "context_full")
-                    done.append(t)
-                else:
-                    requests.append((t, nxt, params))
-            results = await asyncio.gather(
-                *(self._sample(nxt, 1, params) for _, nxt, params in requests), return_exceptions=True
-            )
-            pendings = []
-            for (t, nxt, _), res in zip(requests, results, strict=True):
-                if isinstance(res, BaseException):
-                    if not isinstance(res, Exception):
-                        raise res
-                    self._end(t, "sampler_error", f"{type(res).__name__}: {res}")
-                    done.append(t)
-                    continue
-                (s,), seconds = res
-                pending = self._consume(t, nxt, s, seconds)
-                if pending is None:
-                    done.append(t)
-                else:
-                    pendings.append(pending)
-        # As in the chapter, scoring happens once every trajectory has finished.
-        await _gather_all([self._score(t) for t in done])
-        return groups
+        """Every active trajectory samples, then every environment steps (the round barrier), repeat."""
+        groups = [self._start(b) for b in self.request.groups]
+        firsts = await _gather_all([self._first_actions(runs) for runs in groups])
+        pending = [
+            (run, action)
+            for runs, actions in zip(groups, firsts, strict=True)
+            for run, action in zip(runs, actions, strict=True)
+            if action is not None
+        ]
+        while pending:
+            await _gather_all([self._step(run, *action) for run, action in pending])
+            active = [run for run, _ in pending if run.observation is not None]
+            actions = await _gather_all([self._sample_one(run) for run in active])
+            pending = [(run, a) for run, a in zip(active, actions, strict=True) if a is not None]
+        return [await self._finish(b, runs) for b, runs in zip(self.request.groups, groups, strict=True)]
 
 
-async def _gather_all(coros: list[Any]) -> list[Any]:
+async def _gather_all(coros: Sequence[Awaitable[T]]) -> list[T]:
     """Run coroutines as tasks; if one raises, cancel the rest (and wait for them) before re-raising."""
-    tasks = [asyncio.ensure_future(c) for c in coros]
+    tasks: list[asyncio.Future[T]] = [asyncio.ensure_future(c) for c in coros]
     try:
         return list(await asyncio.gather(*tasks))
     except BaseException:
@@ -424,12 +286,32 @@ async def _gather_all(coros: list[Any]) -> list[Any]:
         raise
 
 
+async def run_rollout(request: RolloutRequest) -> list[list[Trajectory]]:
+    """Roll out every group of ``request``: the one rollout function; returns one list of trajectories (a group) per builder."""
+    if not request.groups:
+        return []
+    scheduler = _Scheduler(request)
+    if request.scheduling == "round_sync":
+        return await scheduler.run_round_sync()
+    return await scheduler.run_per_trajectory()
+
+
+def retool_groups(
+    problems: Sequence[Problem], setup: ToolSetup, group_size: int, scorer: Scorer | None = None
+) -> list[EnvGroupBuilder]:
+    """The default ReTool group of each problem (the problem's index is its position)."""
+    return [
+        ReToolGroupBuilder(p, setup, group_size, problem_index=i, scorer=scorer)
+        for i, p in enumerate(problems)
+    ]
+
+
 async def run_group_rollouts(
     problems: Sequence[Problem],
     *,
-    sampler: SamplingClient,
+    sampler: Policy,
     protocol: ChatProtocol,
-    executor: Executor | None,
+    executor: Tool | None,
     verifier: VerifierLike,
     rollout: RolloutConfig,
     sampling: SamplingConfig,
@@ -437,46 +319,27 @@ async def run_group_rollouts(
     seed: int = 0,
     use_tools: bool = True,
     on_trajectory: OnTrajectory | None = None,
-    scorer: TrajectoryScorer | None = None,
+    scorer: Scorer | None = None,
 ) -> list[list[Trajectory]]:
-    """Roll out ``group_size`` trajectories for each problem; returns one list (a group) per problem.
+    """``rollout`` of the default ReTool environments of ``problems``, from loose parts (scripts, tests,
+    benchmarks; the trainer and the evaluator build their own ``RolloutRequest``).
 
-    ``protocol`` is a ``retool.protocol.ChatProtocol`` built with the same ``use_tools``; ``executor`` may
-    be None only when ``use_tools`` is False (text-only mode: one turn, no tool registered, scored as is).
-    ``scorer`` sets each finished trajectory's reward (default: ``score_final_answer`` with ``verifier``);
-    ``on_trajectory`` is called (synchronously) with each trajectory once it is scored, e.g. for progress.
-    Pass a different ``seed`` for every training step so requests never repeat across steps.
+    ``executor`` is the tool (None only with ``use_tools=False``: text-only); ``scorer`` defaults to the
+    verifier's check of the final answer.
     """
     if group_size < 1:
         raise ValueError(f"group_size must be at least 1, got {group_size}")
-    protocol_tools = getattr(protocol, "use_tools", use_tools)
-    if bool(protocol_tools) != bool(use_tools):
-        raise ValueError(
-            f"run_group_rollouts(use_tools={use_tools}) needs a ChatProtocol built with use_tools={use_tools} "
-            f"(this one has use_tools={protocol_tools}), otherwise the prompt would "
-            f"{'register' if protocol_tools else 'not register'} the tool"
-        )
     if use_tools and executor is None:
         raise ValueError("run_group_rollouts(use_tools=True) needs an executor")
-    for name in ("max_code_calls", "max_assistant_turns", "max_tokens_per_turn", "max_trajectory_tokens"):
-        if getattr(rollout, name) < 1 and not (name == "max_code_calls" and getattr(rollout, name) == 0):
-            raise ValueError(f"rollout.{name} must be positive, got {getattr(rollout, name)}")
-    if not problems:
-        return []
-    state = _Rollout(
-        problems,
-        sampler=sampler,
-        protocol=protocol,
-        executor=executor,
-        verifier=verifier,
-        rollout=rollout,
-        sampling=sampling,
-        group_size=group_size,
-        seed=seed,
-        use_tools=use_tools,
-        on_trajectory=on_trajectory,
-        scorer=scorer,
+    setup = ToolSetup(protocol, executor if use_tools else None, verifier, rollout)
+    setup.check()
+    request = RolloutRequest(
+        retool_groups(problems, setup, group_size, scorer),
+        sampler,
+        sampling,
+        seed,
+        rollout.scheduling,
+        rollout.max_inflight_samples,
+        on_trajectory,
     )
-    if rollout.scheduling == "round_sync":
-        return await state.run_round_sync()
-    return await state.run_per_trajectory()
+    return await run_rollout(request)

@@ -1,80 +1,124 @@
-"""What a rollout produces: the trainable assistant turns and the full record of one trajectory.
+"""What a rollout produces: an immutable record of one trajectory's transitions and how it ended.
 
-``AssistantTurn`` holds exactly what the sampler saw and emitted (never re-encoded text), so the training
-stage can rebuild the token sequence; ``Trajectory`` adds everything the metrics need (code calls,
-execution results and latencies, observations, why it stopped, the reward).
+A ``Transition`` is one step of an environment (``retool.env.Env``): the assistant turn (exactly what
+the sampler saw and emitted, never re-encoded text, so the training stage can rebuild the token
+sequence), the step's reward and whether it ended the trajectory. A ``Trajectory`` adds the
+environment's ``Outcome`` (tool calls, execution results and latencies, observations, why it stopped, the
+verifier's check), the total reward (the steps' rewards plus the group's) and the sampling time. It is
+built once, by the engine, when the trajectory ends; nothing writes into it afterwards.
 """
 
 from __future__ import annotations
 
+import dataclasses
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, Literal
 
 from retool.data.problem import Problem
+from retool.env.types import STOP_REASONS, AssistantTurn, ContinuityError, Outcome, check_continuity
+from retool.protocol.chat import Message
 from retool.sandbox.base import ExecResult
 
-StopReasonName = Literal[
-    "answer", "invalid", "max_turns", "max_code_calls", "context_full", "sampler_error", "executor_error"
+__all__ = [
+    "STOP_REASONS",
+    "AssistantTurn",
+    "ContinuityError",
+    "NotAPrefixError",
+    "Trajectory",
+    "Transition",
+    "trajectory_tokens",
 ]
-# Why a trajectory ended. Only "answer" is scored by the verifier; every other reason gets reward -1.
-# "executor_error" means the executor itself raised (infrastructure failure, not the model's code failing;
-# a failing model program is an ordinary observation).
-STOP_REASONS: tuple[str, ...] = (
-    "answer",
-    "invalid",
-    "max_turns",
-    "max_code_calls",
-    "context_full",
-    "sampler_error",
-    "executor_error",
-)
 
 
-class ContinuityError(RuntimeError):
-    """A turn's prompt does not start with the previous turn's prompt + completion (a protocol bug)."""
+@dataclass(frozen=True)
+class Transition:
+    """One step: the turn the policy took, the reward the environment returned for it, whether it ended."""
+
+    turn: AssistantTurn
+    reward: float
+    done: bool
+    metrics: Mapping[str, float] = field(default_factory=dict)
 
 
-@dataclass
-class AssistantTurn:
-    """One sampled assistant action: the exact prompt it was sampled from and the exact tokens emitted."""
-
-    prompt_tokens: list[int]
-    completion_tokens: list[int]
-    logprobs: list[float]
-    text: str
-    # The sampler's own reason ("stop" or "length"); extra facts, defaulted so positional use still works.
-    sampler_stop: str = "stop"
-    kind: str = ""  # what the parser made of it: tool | answer | invalid ("" in text-only mode)
-
-
-@dataclass
+@dataclass(frozen=True, kw_only=True)
 class Trajectory:
-    """One branch of one question, from the first prompt to its stop reason and reward."""
+    """One branch of one question, from the first prompt to its stop reason and reward.
+
+    ``reward`` has no default: a trajectory is only ever built with the reward its environment returned.
+    """
 
     problem: Problem
     group_index: int
     problem_index: int = 0
-    turns: list[AssistantTurn] = field(default_factory=list)
-    messages: list[dict[str, Any]] = field(default_factory=list)
-    code_calls: int = 0
-    codes: list[str] = field(default_factory=list)  # the code of each call, in order
-    exec_results: list[ExecResult] = field(default_factory=list)
-    observations: list[str] = field(default_factory=list)  # tool content shown to the model (after trimming)
-    observations_trimmed: list[bool] = field(default_factory=list)
+    transitions: tuple[Transition, ...] = ()
+    reward: float
+    stop_reason: str
+    error: str | None = None  # the exception text for sampler_error / executor_error
     final_text: str = ""
-    reward: float = -1.0
+    messages: tuple[Message, ...] = ()
+    codes: tuple[str, ...] = ()  # the code of each call, in order
+    exec_results: tuple[ExecResult, ...] = ()
+    observations: tuple[str, ...] = ()  # tool content shown to the model (after trimming)
+    observations_trimmed: tuple[bool, ...] = ()
     correct: bool = False
     valid_format: bool = False
     answer: str | None = None
     reward_status: str = ""  # the verifier's status (ok | timeout | error | no_answer), "" if not scored
-    stop_reason: str = ""
-    error: str | None = None  # the exception text for sampler_error / executor_error
     sample_seconds: float = 0.0  # time spent in sampler requests that produced this trajectory's turns
-    exec_seconds: float = 0.0  # wall time of this trajectory's executions, as seen by the rollout
+    exec_seconds: float = 0.0  # wall time of this trajectory's executions, as seen by the environment
     use_tools: bool = True
     # The policy version (optimizer steps taken) of the weights that sampled it; set by the trainer, which
     # may train on it a few versions later (``train.max_steps_off_policy``). None outside training.
     policy_version: int | None = None
+
+    @classmethod
+    def of(
+        cls,
+        problem: Problem,
+        group_index: int,
+        problem_index: int,
+        transitions: tuple[Transition, ...],
+        outcome: Outcome,
+        *,
+        reward: float,
+        sample_seconds: float = 0.0,
+    ) -> Trajectory:
+        """The record of a finished environment: its transitions, its outcome and its total ``reward`` (every
+        step's, an interrupt's included, plus the group's)."""
+        return cls(
+            problem=problem,
+            group_index=group_index,
+            problem_index=problem_index,
+            transitions=transitions,
+            reward=reward,
+            sample_seconds=sample_seconds,
+            stop_reason=outcome.stop_reason,
+            error=outcome.error,
+            final_text=outcome.final_text,
+            messages=outcome.messages,
+            codes=outcome.codes,
+            exec_results=outcome.exec_results,
+            observations=outcome.observations,
+            observations_trimmed=outcome.observations_trimmed,
+            correct=outcome.correct,
+            valid_format=outcome.valid_format,
+            answer=outcome.answer,
+            reward_status=outcome.reward_status,
+            exec_seconds=outcome.exec_seconds,
+            use_tools=outcome.use_tools,
+        )
+
+    def with_policy_version(self, version: int | None) -> Trajectory:
+        return dataclasses.replace(self, policy_version=version)
+
+    @property
+    def turns(self) -> tuple[AssistantTurn, ...]:
+        return tuple(t.turn for t in self.transitions)
+
+    @property
+    def code_calls(self) -> int:
+        """Tool calls made (executed, or attempted when the executor itself failed)."""
+        return len(self.codes)
 
     # -- token views -------------------------------------------------------------------------------
     def full_tokens(self) -> list[int]:
@@ -90,18 +134,7 @@ class Trajectory:
 
     def check_continuity(self) -> None:
         """Raise ``ContinuityError`` unless each prompt starts with the previous prompt + completion."""
-        for i in range(1, len(self.turns)):
-            prev, cur = self.turns[i - 1], self.turns[i]
-            n = len(prev.prompt_tokens) + len(prev.completion_tokens)
-            if (
-                len(cur.prompt_tokens) < n
-                or cur.prompt_tokens[: len(prev.prompt_tokens)] != prev.prompt_tokens
-                or cur.prompt_tokens[len(prev.prompt_tokens) : n] != prev.completion_tokens
-            ):
-                raise ContinuityError(
-                    f"problem {self.problem.id!r} branch {self.group_index}: the prompt of turn {i + 1} does "
-                    f"not start with the prompt + completion of turn {i}"
-                )
+        check_continuity(self.turns, f"problem {self.problem.id!r} branch {self.group_index}")
 
     # -- metrics -----------------------------------------------------------------------------------
     @property
@@ -136,7 +169,7 @@ class Trajectory:
                 return True
         return False
 
-    def summary(self) -> dict[str, Any]:
+    def summary(self) -> Message:
         """A JSON-friendly digest (for logs and per-problem eval records)."""
         return {
             "problem_id": self.problem.id,
@@ -156,3 +189,46 @@ class Trajectory:
             "exec_seconds": self.exec_seconds,
             "error": self.error,
         }
+
+
+class NotAPrefixError(ValueError):
+    """A turn's prompt does not extend the tokens collected so far (the template rewrote history)."""
+
+
+def trajectory_tokens(traj: Trajectory) -> tuple[list[int], list[float], list[bool]]:
+    """The whole token sequence of a trajectory, its sampler logprobs and the sampled-token mask.
+
+    Follows the prefix-extension rule of the chapter: each turn's prompt must start with everything
+    collected so far; the new part (the question at turn 0; the end-of-turn, observation and next header
+    later) is context, the completion tokens are the model's own.
+    """
+    tokens: list[int] = []
+    logprobs: list[float] = []
+    sampled: list[bool] = []
+    for index, turn in enumerate(traj.turns):
+        prompt = list(turn.prompt_tokens)
+        if index > 0 and prompt[: len(tokens)] != tokens:
+            raise NotAPrefixError(
+                f"turn {index}: the prompt does not extend the trajectory collected so far "
+                f"(first difference at position {_first_difference(prompt, tokens)})"
+            )
+        delta = prompt[len(tokens) :] if index > 0 else prompt
+        completion = list(turn.completion_tokens)
+        if len(turn.logprobs) != len(completion):
+            raise ValueError(
+                f"turn {index}: {len(completion)} completion tokens but {len(turn.logprobs)} logprobs"
+            )
+        tokens.extend(delta)
+        logprobs.extend([0.0] * len(delta))
+        sampled.extend([False] * len(delta))
+        tokens.extend(completion)
+        logprobs.extend(float(lp) for lp in turn.logprobs)
+        sampled.extend([True] * len(completion))
+    return tokens, logprobs, sampled
+
+
+def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
+    for i, (x, y) in enumerate(zip(a, b, strict=False)):
+        if x != y:
+            return i
+    return min(len(a), len(b))

@@ -31,7 +31,6 @@ import logging
 import os
 import random
 import shutil
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -182,17 +181,13 @@ class CheckpointManager:
         state: TrainerState,
         backend_path: str,
         backend_is_local: bool,
-        before_commit: Callable[[], None] | None = None,
     ) -> Path:
         """Finish the checkpoint in ``tmp`` and move it into place atomically; return its folder.
 
         A local ``backend_path`` inside ``tmp`` is stored relative to it, so the rename keeps it valid.
-        ``before_commit`` runs just before the rename (a test hook lands there).
         """
         import torch
 
-        name = self.name_for(state.step)
-        final = self.root / name
         path = backend_path
         if backend_is_local:
             p = Path(backend_path).resolve()
@@ -210,14 +205,18 @@ class CheckpointManager:
             _fsync_dir(tmp)
         except Exception as exc:  # OSError, or torch's RuntimeError around the same ENOSPC
             raise self.write_error(state.step, stage, where, exc) from exc
-        if before_commit is not None:
-            before_commit()
+        return self.publish(tmp, state.step)
+
+    def publish(self, tmp: Path, step: int) -> Path:
+        """Move the complete checkpoint in ``tmp`` into place, point ``latest`` at it, prune old ones."""
+        name = self.name_for(step)
+        final = self.root / name
         try:
             if final.exists():  # a stale copy of this step from a run that died after the rename
                 shutil.rmtree(final)
             os.rename(tmp, final)
         except OSError as exc:
-            raise self.write_error(state.step, "moving it into place", final, exc) from exc
+            raise self.write_error(step, "moving it into place", final, exc) from exc
         _fsync_dir(self.root)
         try:
             write_text_atomic(self.root / LATEST, name + "\n")

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from retool.config import FiltersConfig
 from retool.data.problem import Problem
@@ -39,6 +39,19 @@ class Collected:
     problems: list[Problem] = field(default_factory=list)  # the problem of each sampled group
     rounds: int = 1
     informative: int = 0  # sampled groups with differing rewards (before the cut to ``target``)
+
+    def with_policy_version(self, version: int) -> Collected:
+        """The same groups, every trajectory tagged with the policy version that sampled it (a trained
+        group is one of the sampled groups, so both lists keep sharing their records)."""
+        stamped = {id(traj): traj.with_policy_version(version) for group in self.sampled for traj in group}
+        for group in self.groups:  # a caller may train on groups it did not list as sampled
+            for traj in group:
+                stamped.setdefault(id(traj), traj.with_policy_version(version))
+
+        def restamp(groups: list[list[Trajectory]]) -> list[list[Trajectory]]:
+            return [[stamped[id(traj)] for traj in group] for group in groups]
+
+        return replace(self, groups=restamp(self.groups), sampled=restamp(self.sampled))
 
     def metrics(self) -> dict[str, float]:
         return {

@@ -31,12 +31,11 @@ second one aborts at once (resume then starts from the previous checkpoint).
 from __future__ import annotations
 
 import asyncio
-import functools
 import logging
 import re
 import signal
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -48,8 +47,8 @@ from retool.backends.guarded import guard_training_client
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.data.problem import Problem
-from retool.env import ProblemEnv, env_from_config
-from retool.rollout.types import Trajectory
+from retool.env import ProblemEnv, ToolSetup, env_from_config
+from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
 from retool.train.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -84,12 +83,6 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 
-RolloutFn = Callable[..., Awaitable[list[list[Trajectory]]]]
-# Fixed points of every step, in order, at which ``on_phase(phase, step)`` is called: the step starts;
-# its first trajectory is scored; the backward passes are done, the optimizer step not yet taken; the
-# checkpoint is written but not yet renamed into place (checkpointed steps only); the metrics line is out.
-PHASES: tuple[str, ...] = ("step", "rollout", "optim", "checkpoint", "metrics")
-PhaseHook = Callable[[str, int], None]
 StepHook = Callable[[int, dict[str, Any]], None]
 
 
@@ -125,9 +118,9 @@ class Trainer:
     ``env``: the problems and how trajectories are scored (default ``env_from_config(config)``);
     ``components``: backend, protocol, executor, verifier (default ``build_components`` for this run
     folder, closed when the run ends; components passed in belong to the caller and stay open);
-    ``rollout_fn``: a ``run_group_rollouts``-compatible coroutine; ``tracker``: the metrics sink (default
-    from ``[logging]``); ``on_step(step, metrics)``: after every finished step (progress displays);
-    ``on_phase(phase, step)``: at each of ``PHASES`` (a test harness interrupts a run there).
+    ``rollout_fn``: the rollout function (default ``retool.rollout.run_rollout``); ``tracker``: the
+    metrics sink (default from ``[logging]``); ``on_step(step, metrics)``: after every finished step
+    (progress displays).
     """
 
     def __init__(
@@ -138,10 +131,9 @@ class Trainer:
         *,
         env: ProblemEnv | None = None,
         components: Components | None = None,
-        rollout_fn: RolloutFn | None = None,
+        rollout_fn: RolloutFn = run_rollout,
         tracker: Tracker | None = None,
         on_step: StepHook | None = None,
-        on_phase: PhaseHook | None = None,
     ) -> None:
         self.config = config
         self.run_dir = Path(run_dir)
@@ -154,7 +146,6 @@ class Trainer:
         self._tracker = tracker
         self._open_tracker: Tracker = Tracker()  # the run's tracker once open (its id goes in checkpoints)
         self._on_step = on_step
-        self._on_phase = on_phase
         self._stop_requested = False
         self._requeued = 0  # groups of restored batches requeued as too stale (``retool.train.pipeline``)
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
@@ -164,10 +155,6 @@ class Trainer:
         )
 
     # -- setup -----------------------------------------------------------------------------------
-    def _phase(self, phase: str, step: int) -> None:
-        if self._on_phase is not None:
-            self._on_phase(phase, step)
-
     def _prepare_run_dir(self) -> None:
         if self.resume:
             if not (self.run_dir / CONFIG_FILE).is_file():
@@ -197,10 +184,6 @@ class Trainer:
         # Timeouts and retries around every backend call of training (``retry.guard``); the caller's
         # components keep their own, unwrapped backend.
         self._guarded = guard_training_client(self.components.backend, self.config)
-        if self._rollout_fn is None:
-            from retool.rollout import run_group_rollouts
-
-            self._rollout_fn = run_group_rollouts
         return self.components
 
     @property
@@ -316,7 +299,6 @@ class Trainer:
                 progress.update(step, last)
                 if self._on_step is not None:
                     self._on_step(step, last)
-                self._phase("metrics", step)
         finally:
             if pipeline is not None:
                 await pipeline.aclose()
@@ -341,7 +323,6 @@ class Trainer:
         returns the step's metrics."""
         cfg = self.config
         t_step = time.perf_counter()
-        self._phase("step", step)
         t0 = time.perf_counter()
         pipeline.publish(step - 1, await self._new_sampler())  # version step - 1: the weights now
         times = {"time/refresh": time.perf_counter() - t0}
@@ -365,7 +346,6 @@ class Trainer:
             loss_config=_loss_config(cfg),
             adam=adam_params_from_config(cfg),
             micro_batch_tokens=cfg.backend.micro_batch_tokens,
-            before_optim=lambda: self._phase("optim", step),
         )
         faults = fault_counters(self._backend, self.components.executor, self.components.verifier)
         record = _step_record(step, batch, data, result, times, faults)
@@ -403,34 +383,22 @@ class Trainer:
         how many rounds: one, or more under dynamic sampling). With ``rollout.text_only_share`` the last
         questions of each round go text-only (no tool registered, no executor)."""
         cfg = self.config
-        parts, env, rollout_fn = self.components, self.env, self._rollout_fn
-        assert parts is not None and env is not None and rollout_fn is not None
-        scorer = functools.partial(env.score, verifier=parts.verifier)
-        fired = False
-
-        def on_trajectory(_traj: Trajectory) -> None:
-            nonlocal fired
-            if not fired:
-                fired = True
-                self._phase("rollout", step)
+        parts, env = self.components, self.env
+        assert parts is not None and env is not None
 
         async def rollout(problems: list[Problem], seed: int, mode: Components) -> list[list[Trajectory]]:
             if not problems:
                 return []
-            return await rollout_fn(
-                problems,
-                sampler=sampler,
-                protocol=mode.protocol,
-                executor=mode.executor,
-                verifier=mode.verifier,
-                rollout=cfg.rollout,
-                sampling=cfg.sampling,
-                group_size=cfg.rollout.group_size,
+            setup = ToolSetup(mode.protocol, mode.executor, mode.verifier, cfg.rollout)
+            request = RolloutRequest(
+                [env.group_builder(p, setup, cfg.rollout.group_size, i) for i, p in enumerate(problems)],
+                sampler,
+                cfg.sampling,
                 seed=seed,
-                use_tools=mode.executor is not None,
-                on_trajectory=on_trajectory,
-                scorer=scorer,
+                scheduling=cfg.rollout.scheduling,
+                max_inflight_samples=cfg.rollout.max_inflight_samples,
             )
+            return await self._rollout_fn(request)
 
         async def sample_round(problems: list[Problem], round_index: int) -> list[list[Trajectory]]:
             seed = round_seed(rollout_seed(cfg.train.seed, step), round_index)
@@ -474,7 +442,7 @@ class Trainer:
             metrics_offset=self.metrics.offset(),
             extra=extra,
         )
-        self.checkpoints.commit(tmp, state, backend_path, is_local, lambda: self._phase("checkpoint", step))
+        self.checkpoints.commit(tmp, state, backend_path, is_local)
         logger.info("checkpoint %s saved", CheckpointManager.name_for(step))
 
     async def _close_components(self) -> None:

@@ -217,9 +217,7 @@ class RolloutPipeline:
                     await self._changes()
                 t0 = time.perf_counter()
                 collected = await self._collect(step, self.feed, self._samplers[version])
-                for group in collected.sampled:
-                    for traj in group:
-                        traj.policy_version = version
+                collected = collected.with_policy_version(version)
                 self._batches[step] = Batch(
                     step,
                     version,

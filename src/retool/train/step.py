@@ -18,60 +18,20 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, Datum, ForwardBackwardResult, LossName
-from retool.rollout.types import Trajectory
+from retool.rollout.types import (
+    NotAPrefixError as NotAPrefixError,
+)  # re-exported: the datum builder raises it
+from retool.rollout.types import Trajectory, trajectory_tokens
 
 logger = logging.getLogger(__name__)
 
 # Rewards closer than this are "equal": the group carries no learning signal.
 _DEGENERATE_TOL = 1e-9
-
-
-class NotAPrefixError(ValueError):
-    """A turn's prompt does not extend the tokens collected so far (the template rewrote history)."""
-
-
-def trajectory_tokens(traj: Trajectory) -> tuple[list[int], list[float], list[bool]]:
-    """The whole token sequence of a trajectory, its sampler logprobs and the sampled-token mask.
-
-    Follows the prefix-extension rule of the chapter: each turn's prompt must start with everything
-    collected so far; the new part (the question at turn 0; the end-of-turn, observation and next header
-    later) is context, the completion tokens are the model's own.
-    """
-    tokens: list[int] = []
-    logprobs: list[float] = []
-    sampled: list[bool] = []
-    for index, turn in enumerate(traj.turns):
-        prompt = list(turn.prompt_tokens)
-        if index > 0 and prompt[: len(tokens)] != tokens:
-            raise NotAPrefixError(
-                f"turn {index}: the prompt does not extend the trajectory collected so far "
-                f"(first difference at position {_first_difference(prompt, tokens)})"
-            )
-        delta = prompt[len(tokens) :] if index > 0 else prompt
-        completion = list(turn.completion_tokens)
-        if len(turn.logprobs) != len(completion):
-            raise ValueError(
-                f"turn {index}: {len(completion)} completion tokens but {len(turn.logprobs)} logprobs"
-            )
-        tokens.extend(delta)
-        logprobs.extend([0.0] * len(delta))
-        sampled.extend([False] * len(delta))
-        tokens.extend(completion)
-        logprobs.extend(float(lp) for lp in turn.logprobs)
-        sampled.extend([True] * len(completion))
-    return tokens, logprobs, sampled
-
-
-def _first_difference(a: Sequence[int], b: Sequence[int]) -> int:
-    for i, (x, y) in enumerate(zip(a, b, strict=False)):
-        if x != y:
-            return i
-    return min(len(a), len(b))
 
 
 def build_datum(traj: Trajectory, advantage: float, weight: float = 1.0) -> Datum:
@@ -303,12 +263,10 @@ async def train_step(
     loss_config: dict[str, float] | None,
     adam: AdamParams,
     micro_batch_tokens: int,
-    before_optim: Callable[[], None] | None = None,
 ) -> TrainStepResult:
     """``forward_backward`` on every micro-batch, then exactly one ``optim_step`` (none without datums).
 
-    ``datums`` must already carry their reduction weights (``build_step_data``). ``before_optim`` runs
-    between the last backward pass and the optimizer step (a test hook lands there).
+    ``datums`` must already carry their reduction weights (``build_step_data``).
     """
     start = time.perf_counter()
     if not datums:
@@ -320,8 +278,6 @@ async def train_step(
         chunk = [datums[i] for i in batch]
         padded += max(len(d) for d in chunk) * len(chunk)
         results.append(await client.forward_backward_async(chunk, loss_fn, loss_config))
-    if before_optim is not None:
-        before_optim()
     optim = await client.optim_step_async(adam)
     return TrainStepResult(
         n_datums=len(datums),

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.data.problem import Problem
-from retool.rollout.types import AssistantTurn, Trajectory
+from retool.rollout.types import AssistantTurn, Trajectory, Transition
 from retool.sandbox.base import ExecResult
 
 SYSTEM = "You are a careful mathematician. Use the code_interpreter tool when computing helps."
@@ -86,6 +86,7 @@ def make_trajectory(
     skill: float = 0.5,
     reasoning_chars: tuple[int, int] = (150, 900),
     hostile: bool = False,
+    problem_index: int = 0,
 ) -> Trajectory:
     """One finished trajectory with consistent tokens, messages, calls, results and reward.
 
@@ -105,7 +106,10 @@ def make_trajectory(
         {"role": "user", "content": problem.question},
     ]
     context = f"{_header('system')}{SYSTEM}{_END}\n{_header('user')}{problem.question}{_END}\n{_header('assistant')}"
-    traj = Trajectory(problem=problem, group_index=branch, messages=messages, use_tools=use_tools)
+    turns: list[AssistantTurn] = []
+    codes: list[str] = []
+    results: list[ExecResult] = []
+    observations: list[str] = []
     a_str, b_str = problem.question.split()[1], problem.question.split()[3].rstrip(".")
     for k in range(plan.calls + 1):
         length = rng.randint(*reasoning_chars)
@@ -126,15 +130,14 @@ def make_trajectory(
                 text, kind = f"{think}\nI am not sure.", "invalid" if use_tools else ""
         completion = encode(text + _END)
         prompt = encode(context)
-        traj.turns.append(
+        turns.append(
             AssistantTurn(prompt, completion, [-rng.random() for _ in completion], text, "stop", kind)
         )
         messages.append({"role": "assistant", "content": text})
         context += text + _END
         if final:
             break
-        traj.code_calls += 1
-        traj.codes.append(code)
+        codes.append(code)
         if plan.timeout and k == plan.calls - 1:
             result = ExecResult(False, "", "", None, True, 30.0 + rng.random())
             observation = "Error: execution timed out after 30 seconds."
@@ -145,27 +148,50 @@ def make_trajectory(
         else:
             result = ExecResult(True, problem.answer + "\n", "", 0, False, 0.02 + rng.random() / 10)
             observation = result.stdout
-        traj.exec_results.append(result)
-        traj.observations.append(observation)
-        traj.observations_trimmed.append(False)
+        results.append(result)
+        observations.append(observation)
         messages.append({"role": "user", "content": f"<interpreter>\n{observation}\n</interpreter>"})
         context += (
             f"\n{_header('user')}<interpreter>\n{observation}\n</interpreter>{_END}\n{_header('assistant')}"
         )
-        traj.exec_seconds += result.latency
-    traj.final_text = traj.turns[-1].text
+    final_text = turns[-1].text
+    answer_found: str | None = None
+    error: str | None = None
+    reward_status = ""
     if plan.unanswered and use_tools:
-        traj.stop_reason, traj.answer, traj.error = "invalid", None, "no tool call and no \\boxed{} answer"
+        stop_reason, error = "invalid", "no tool call and no \\boxed{} answer"
     else:
-        traj.stop_reason = "answer"
-        boxed = traj.final_text.rsplit("\\boxed{", 1)
-        traj.answer = boxed[1].split("}", 1)[0] if len(boxed) == 2 else None
-        traj.reward_status = "ok" if traj.answer is not None else "no_answer"
-    traj.correct = traj.answer == problem.answer
-    traj.valid_format = traj.answer is not None
-    traj.reward = 1.0 if traj.correct else -1.0
-    traj.sample_seconds = 0.01 * len(traj.turns)
-    return traj
+        stop_reason = "answer"
+        boxed = final_text.rsplit("\\boxed{", 1)
+        answer_found = boxed[1].split("}", 1)[0] if len(boxed) == 2 else None
+        reward_status = "ok" if answer_found is not None else "no_answer"
+    correct = answer_found == problem.answer
+    reward = 1.0 if correct else -1.0  # the last step's; the tool calls before it earn 0
+    return Trajectory(
+        problem=problem,
+        group_index=branch,
+        problem_index=problem_index,
+        transitions=tuple(
+            Transition(t, reward if i == len(turns) - 1 else 0.0, i == len(turns) - 1)
+            for i, t in enumerate(turns)
+        ),
+        reward=reward,
+        stop_reason=stop_reason,
+        error=error,
+        final_text=final_text,
+        messages=tuple(messages),
+        codes=tuple(codes),
+        exec_results=tuple(results),
+        observations=tuple(observations),
+        observations_trimmed=(False,) * len(observations),
+        correct=correct,
+        valid_format=answer_found is not None,
+        answer=answer_found,
+        reward_status=reward_status,
+        sample_seconds=0.01 * len(turns),
+        exec_seconds=sum(r.latency for r in results),
+        use_tools=use_tools,
+    )
 
 
 def write_training_run(
@@ -204,14 +230,12 @@ def write_training_run(
                     skill=skill,
                     reasoning_chars=reasoning_chars,
                     hostile=hostile and step == 1 and pi == 0 and b == 0,
+                    problem_index=pi,
                 )
                 for b in range(group_size)
             ]
             for pi, p in enumerate(chosen)
         ]
-        for pi, group in enumerate(groups):
-            for t in group:
-                t.problem_index = pi
         data = build_step_data(groups)
         log.write_step(step, groups, data.datums, decode)
         record: dict[str, Any] = {"step": step}
@@ -249,26 +273,27 @@ def write_eval(
     from retool.components import Components
     from retool.config import Config
     from retool.evaluate.runner import run_eval
+    from retool.rollout import RolloutRequest
 
     use_tools = mode == "retool"
 
-    async def rollout(
-        problems: list[Problem], *, group_size: int, seed: int, **_: Any
-    ) -> list[list[Trajectory]]:
-        rng = random.Random(seed)
+    async def rollout(request: RolloutRequest) -> list[list[Trajectory]]:
+        rng = random.Random(request.seed)
         return [
             [
-                make_trajectory(p, b, rng, use_tools=use_tools, skill=skill, reasoning_chars=reasoning_chars)
-                for b in range(group_size)
+                make_trajectory(
+                    g.problem, b, rng, use_tools=use_tools, skill=skill, reasoning_chars=reasoning_chars
+                )
+                for b in range(g.group_size)
             ]
-            for p in problems
+            for g in request.groups
         ]
 
     return asyncio.run(
         run_eval(
             list(problems),
             # No model: the scripted rollout below never samples, verifies or trains.
-            Components(backend=None, protocol=CharProtocol(), verifier=None),  # type: ignore[arg-type]
+            Components(backend=None, protocol=CharProtocol(), verifier=None, sampler=object()),  # type: ignore[arg-type]
             config=Config(),
             mode=mode,
             output=output,
