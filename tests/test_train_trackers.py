@@ -16,9 +16,9 @@ from retool.config import Config, ConfigError, override_config
 from retool.train.checkpoint import CheckpointManager, TrainerState
 from retool.train.metrics import scalars_of
 from retool.train.trackers import TrackerError, resolve_mode
-from test_train_loop import FakeClient, fake_config, make_trainer
+from test_train_loop import FakeClient, fake_config, fake_rollouts, make_trainer
 from tracker_files import merged, swanlab_dashboard, swanlab_resume_modes, swanlab_runs, wandb_runs
-from train_harness import phase_signals
+from train_harness import PhaseSignals
 
 CREDENTIAL_VARS = (
     "SWANLAB_API_KEY",
@@ -120,7 +120,8 @@ def test_resume_appends_to_the_same_tracker_run(
     pytest.importorskip(tracker)
     run_dir = tmp_path / "run"
     cfg = tracker_config(tracker, mode, 4, 100)  # checkpoints only where the run stops
-    first = make_trainer(cfg, run_dir, on_phase=phase_signals(sigint_at=["rollout:2"])).run()
+    signals = PhaseSignals(cfg, sigint_at=["rollout:2"])  # SIGINT once step 2's first group is rolled out
+    first = make_trainer(cfg, run_dir, rollout_fn=signals.rollouts(fake_rollouts)).run()
     assert first.interrupted and first.last_step == 2
     make_trainer(cfg, run_dir, resume=True).run()
     runs = (swanlab_runs if tracker == "swanlab" else wandb_runs)(run_dir / read)
