@@ -24,15 +24,17 @@ import pytrio.client.training
 import tinker
 
 from retool.backends import make_training_client
+from retool.backends.base import TrainingClient
+from retool.backends.guarded import GuardedTrainingClient
 from retool.backends.reduction import (
     ReductionCheckError,
     batch_totals,
-    check_remote_reduction,
     probe_datums,
 )
 from retool.backends.remote import BackendUnavailableError, RemoteTrainingClient, StateOrderError
 from retool.backends.types import AdamParams, Datum, SamplingParams
 from retool.config import Config, load_config
+from retool.retry import RetryPolicy
 from sdk_stubs import (
     PYTRIO_KEY,
     TINKER_KEY,
@@ -190,7 +192,7 @@ def test_a_stubbed_tinker_session_raises_no_future_warning(
     with TinkerStub() as stub, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         client = make_training_client(make_cfg("tinker", tok_dir, base_url=stub.url))
-        asyncio.run(check_remote_reduction(client, "ppo", PPO))
+        asyncio.run(client.check_reduction_async("ppo", PPO))
         client.forward_backward(_datums(), "ppo", PPO)
         client.optim_step(AdamParams())
         path = client.save_state("step-1")
@@ -633,8 +635,9 @@ def test_self_check_finds_the_services_denominator(
         assumed = "active_tokens" if kind == "pytrio" else "sum"
         assert (before == pytest.approx(1.0, rel=1e-5)) == (reduction == assumed)
         n_calls = len(stub.calls)
+        guarded = GuardedTrainingClient(client, policy=RetryPolicy())  # as the trainer holds it
         with caplog.at_level(logging.INFO, logger="retool.backends.reduction"):
-            reports = asyncio.run(check_remote_reduction(client, "ppo", PPO))
+            reports = asyncio.run(guarded.check_reduction_async("ppo", PPO))
         assert [(r.loss_fn, r.mode) for r in reports] == [
             ("cross_entropy", CE_MODE[reduction]),
             ("ppo", reduction),
@@ -642,7 +645,7 @@ def test_self_check_finds_the_services_denominator(
         assert f"normalises ppo by {reduction}" in caplog.text
         assert all(c.forward_only for c in stub.calls[n_calls:])  # the probe never accumulates a gradient
         assert len(stub.calls) == n_calls + 2
-        assert asyncio.run(check_remote_reduction(client, "ppo", PPO)) == []  # once per client
+        assert asyncio.run(client.check_reduction_async("ppo", PPO)) == []  # once per client
         after = client.forward_backward(_mixed_datums(), "ppo", PPO)
         assert after.extra["server/loss_ratio"] == pytest.approx(1.0, rel=1e-5)
         assert stub.calls[-1].reported_loss == pytest.approx(after.loss, rel=1e-5)
@@ -660,14 +663,18 @@ def test_self_check_refuses_an_unknown_normalisation(
     with make_stub(kind, "per_sequence_mean") as stub:
         client = make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
         with pytest.raises(ReductionCheckError, match="matches none of the known normalisations"):
-            asyncio.run(check_remote_reduction(client, "importance_sampling"))
+            asyncio.run(client.check_reduction_async("importance_sampling"))
         assert stub.calls and all(c.forward_only for c in stub.calls)
         assert not client.reduction_verified
         shutdown(client)
 
 
 def test_self_check_is_a_no_op_for_other_backends() -> None:
-    assert asyncio.run(check_remote_reduction(object(), "ppo", PPO)) == []
+    class LocalLike(TrainingClient):  # computes its loss itself: the base class's hook applies
+        forward_backward_async = optim_step_async = save_state_async = None  # type: ignore[assignment]
+        load_state_async = sampling_client_async = None  # type: ignore[assignment]
+
+    assert asyncio.run(LocalLike().check_reduction_async("ppo", PPO)) == []
 
 
 # -- a stubbed training run ---------------------------------------------------------------------------

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult
 from retool.components import Components
 from retool.config import ConfigError, load_config
@@ -183,7 +184,7 @@ class FakeSampler:
     version = 0.0
 
 
-class FakeClient:
+class FakeClient(TrainingClient):
     """Keeps the datums it was given, per optimizer step."""
 
     tokenizer = None
@@ -207,6 +208,9 @@ class FakeClient:
     async def save_state_async(self, name: str) -> str:
         Path(name).mkdir(parents=True, exist_ok=True)
         return name
+
+    async def load_state_async(self, path: str) -> None:  # pragma: no cover - these runs never resume
+        raise NotImplementedError
 
 
 async def synthetic_rollouts(problems, *, group_size, seed, on_trajectory=None, **_: Any):

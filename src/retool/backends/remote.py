@@ -69,7 +69,6 @@ import math
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -79,9 +78,12 @@ from retool.backends.reduction import (
     IGNORE_INDEX,
     REDUCTION_MODES,
     BatchTotals,
+    LossProbe,
     ReductionMode,
+    ReductionReport,
     WireDatum,
     batch_totals,
+    verify_reduction,
 )
 from retool.backends.types import (
     AdamParams,
@@ -291,16 +293,6 @@ def local_tokenizer(model_name: str) -> Any:
         return None
 
 
-@dataclass(frozen=True)
-class LossProbe:
-    """One forward pass scored two ways: by the service and here (for the reduction self-check)."""
-
-    local_loss: float
-    server_loss: float
-    totals: BatchTotals
-    learner_logprobs: list[list[float]]
-
-
 class RemoteSamplingClient(SamplingClient):
     """Wraps an SDK sampling client; returns our ``Sample`` objects."""
 
@@ -406,7 +398,7 @@ class RemoteTrainingClient(TrainingClient):
         self._tokenizer: Any = None
         self.step = 0
         self.started = False  # any call that makes the service start (or change) the trainer's state
-        self.reduction_verified = False  # set by ``reduction.check_remote_reduction``
+        self.reduction_verified = False  # set by ``check_reduction_async``
         mode = reduction or self.default_reduction
         if mode not in REDUCTION_MODES:
             raise ValueError(f"unknown reduction {mode!r}; use one of {', '.join(REDUCTION_MODES)}")
@@ -551,6 +543,17 @@ class RemoteTrainingClient(TrainingClient):
         if mode not in REDUCTION_MODES:
             raise ValueError(f"unknown reduction {mode!r}; use one of {', '.join(REDUCTION_MODES)}")
         self._modes[loss_fn] = mode
+
+    async def check_reduction_async(
+        self, loss_fn: str, loss_config: dict[str, float] | None = None
+    ) -> list[ReductionReport]:
+        """Verify (once per client) how the service normalises ``loss_fn`` and adopt it, or raise
+        ``ReductionCheckError`` (``retool.backends.reduction``)."""
+        if self.reduction_verified:
+            return []
+        reports = await asyncio.to_thread(verify_reduction, self, loss_fn, loss_config)
+        self.reduction_verified = True
+        return reports
 
     def reduction_scale(self, totals: BatchTotals, loss_fn: str) -> float:
         """Factor applied to advantages / CE weights so the service's reduction yields the loop's sum."""
