@@ -11,7 +11,6 @@ from __future__ import annotations
 import csv
 import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +18,7 @@ from typing import Any
 from retool.evaluate.metrics import summarize
 from retool.evaluate.settings import setting_value
 from retool.evaluate.store import summary_path_for
+from retool.jsonl import first_jsonl_object, iter_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -63,18 +63,6 @@ class TrainingLog:
     label: str = ""
 
 
-def _first_record(path: Path) -> dict[str, Any] | None:
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    return None
-                return obj if isinstance(obj, dict) else None
-    return None
-
-
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in d.items():
@@ -86,24 +74,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def _json_lines(path: Path) -> Iterator[Any]:
-    """The parsed lines of a JSONL file, read-only: blank lines skipped, an unreadable one skipped with a
-    warning (analysis never repairs a file)."""
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                logger.warning("%s:%d: skipping an unreadable line", path, i)
-                continue
-            yield obj
-
-
 def load_training_log(path: Path) -> TrainingLog:
     rows: list[dict[str, float]] = []
-    for obj in _json_lines(path):
+    for obj in iter_jsonl(path, "warn"):
         if isinstance(obj, dict):
             row = _flatten(obj)
             row.setdefault("step", float(len(rows) + 1))
@@ -117,7 +90,7 @@ def load_training_log(path: Path) -> TrainingLog:
 def _read_records(path: Path) -> list[dict[str, Any]]:
     """Eval records, read-only (analysis never repairs a file; a damaged line is skipped with a warning)."""
     records: dict[str, dict[str, Any]] = {}
-    for obj in _json_lines(path):
+    for obj in iter_jsonl(path, "warn"):
         if isinstance(obj, dict) and "candidates" in obj:
             records.setdefault(str(obj.get("id")), obj)
     return list(records.values())
@@ -174,7 +147,7 @@ def load_inputs(paths: list[Path]) -> tuple[list[EvalResult], list[TrainingLog]]
         if path.name.endswith(".summary.json") or summary_path_for(path).exists():
             evals.append(load_eval(path))
             continue
-        first = _first_record(path)
+        first = first_jsonl_object(path)
         if first is None:
             raise AnalyzeError(
                 f"{path}: not an eval JSONL/summary or a metrics.jsonl (first line is not a JSON object)"

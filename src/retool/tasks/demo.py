@@ -30,10 +30,12 @@ from typing import TYPE_CHECKING, Any
 from retool.backends.tinymodel import ModelSize
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, load_config, override_config
+from retool.data.gsm8k import gsm8k_problems
 from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemEnv, TaskFamilyEnv, env_from_config
 from retool.evaluate.settings import setting_value, settings_differences
+from retool.tasks.real_model import real_model, resolve_model_path
 from retool.tasks.report import (
     DemoResult,
     Evals,
@@ -119,6 +121,13 @@ class DemoSettings:
             "seed": self.seed,
             "config": self.config.model_dump(),
         }
+
+
+def real_model_settings(name: str, overrides: Sequence[str] = (), **fields: Any) -> DemoSettings:
+    """``DemoSettings`` of the named real model (``retool.tasks.real_model``): its preset and demo-only
+    fields, then ``overrides`` (``section.key=value`` or ``field=value``) and ``fields``."""
+    spec = real_model(name)
+    return DemoSettings.load(overrides, config=spec.preset, **{**spec.fields, **fields})
 
 
 def _demo_field(override: str) -> tuple[str, Any]:
@@ -425,8 +434,6 @@ def _start(settings: DemoSettings, out: Path) -> Config:
     import torch
 
     if settings.config.model.name != "tiny":  # a missing model fails before the folder is claimed
-        from retool.tasks.real_model import resolve_model_path
-
         resolve_model_path(settings.config.model.name)
     saved = out / "settings.json"
     if settings.resume:
@@ -475,8 +482,6 @@ def held_out(settings: DemoSettings, env: TaskFamilyEnv) -> tuple[list[Task], li
         test = [t for t in pool if t.question not in seen][: d.task_test_count]
     problems = [t.to_problem() for t in test]
     if settings.gsm8k_problems > 0:
-        from retool.tasks.real_model import gsm8k_problems
-
         problems += gsm8k_problems(settings.gsm8k_problems, settings.data_dir, seed=settings.seed)
     return train, test, problems
 
@@ -541,8 +546,6 @@ def _init_model(settings: DemoSettings, out: Path, train: Sequence[Task], clock:
     name = settings.config.model.name
     emit = clock.emit
     if name != "tiny":
-        from retool.tasks.real_model import resolve_model_path
-
         path = resolve_model_path(name)
         emit("phase", {"phase": "model", "detail": f"loading {name}: {path}"})
         return path

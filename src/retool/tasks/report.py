@@ -11,7 +11,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retool.data.gsm8k import GSM8K_SOURCE
 from retool.data.synthetic import parse_source
+from retool.jsonl import iter_jsonl, read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -22,17 +24,13 @@ def difficulty_breakdown(records_path: Path) -> dict[str, Any]:
     """Accuracy / tool-call rate / format rate on easy vs hard synthetic problems and on GSM8K, from an
     eval's JSONL."""
     buckets: dict[str, list[dict[str, Any]]] = {"easy": [], "hard": [], "gsm8k": []}
-    with records_path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            source = str(rec.get("data_source", ""))
-            parsed = parse_source(source)
-            if parsed is not None:
-                buckets["hard" if parsed[1] else "easy"].extend(rec.get("candidates", []))
-            elif source == "gsm8k":  # retool.tasks.real_model.GSM8K_SOURCE
-                buckets["gsm8k"].extend(rec.get("candidates", []))
+    for rec in iter_jsonl(records_path):
+        source = str(rec.get("data_source", ""))
+        parsed = parse_source(source)
+        if parsed is not None:
+            buckets["hard" if parsed[1] else "easy"].extend(rec.get("candidates", []))
+        elif source == GSM8K_SOURCE:
+            buckets["gsm8k"].extend(rec.get("candidates", []))
     out: dict[str, Any] = {}
     for name, cands in buckets.items():
         n = len(cands)
@@ -108,7 +106,7 @@ def demo_gain(eval_dir: Path, mode: str = "retool") -> dict[str, Any]:
 
     def records(label: str) -> list[dict[str, Any]]:
         path = eval_dir / f"{label}_{mode}.jsonl"
-        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        return read_jsonl(path)
 
     sft, rl = records("sft"), records("rl")
     out: dict[str, Any] = {"mode": mode, "average_at_n": paired_gain(sft, rl, seed=0)}

@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retool.jsonl import jsonl_lines
+
 logger = logging.getLogger(__name__)
 
 CHECKPOINTS = "checkpoints"
@@ -309,10 +311,11 @@ def repair_metrics(metrics_path: Path, state: TrainerState) -> int:
     seen: set[int] = set()
     dropped = 0
     if metrics_path.is_file():
-        for raw in metrics_path.read_text(encoding="utf-8").splitlines():
+        for entry in jsonl_lines(metrics_path):
             try:
+                raw = entry.text
                 obj = json.loads(raw)
-            except json.JSONDecodeError:
+            except ValueError:  # a torn line (JSONDecodeError, or a cut multi-byte character)
                 dropped += 1
                 continue
             if (

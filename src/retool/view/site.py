@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from retool.jsonl import first_jsonl_object
 from retool.train.records import TRAJECTORIES_FILE, read_records
 
 logger = logging.getLogger(__name__)
@@ -90,24 +91,12 @@ def _is_run_folder(path: Path) -> bool:
     return (path / METRICS_FILE).is_file() or (path / TRAJECTORIES_FILE).is_file()
 
 
-def _first_object(path: Path) -> dict[str, Any] | None:
-    try:
-        with path.open(encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    obj = json.loads(line)
-                    return obj if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def _is_eval_file(path: Path) -> bool:
     if path.suffix != ".jsonl" or path.name in (METRICS_FILE, TRAJECTORIES_FILE):
         return False
     if _summary_path(path).is_file():
         return True
-    first = _first_object(path)
+    first = first_jsonl_object(path)
     return first is not None and "candidates" in first
 
 
