@@ -29,7 +29,7 @@ from retool.train.records import (
     trajectory_record,
 )
 from retool.train.step import build_step_data, trajectory_tokens
-from retool.view.synthetic import decode, encode, make_problems, make_trajectory
+from synthetic_runs import decode, encode, make_problems, make_trajectory
 
 
 def group_of(problem: Problem, n: int, seed: int) -> list[Any]:
@@ -300,7 +300,7 @@ def test_config_knob_values() -> None:
 
 
 def test_eval_transcripts_use_the_record_shape(tmp_path: Path) -> None:
-    from retool.view.synthetic import write_eval
+    from synthetic_runs import write_eval
 
     problems = make_problems(2, 3, prefix="test")
     summary = write_eval(tmp_path / "ev.jsonl", mode="retool", label="rl", problems=problems, val_n=3)

@@ -372,6 +372,8 @@ def _kill_strays(me: int) -> None:
             return
 
 
+# This and ``_kill_strays``'s /proc scan repeat ``retool.sandbox.procfs``: this script runs standalone inside
+# the sandbox, where ``retool`` cannot be imported.
 def _oom_kills() -> int:
     """The kernel's count of OOM kills since boot (``/proc/vmstat``, Linux >= 4.13); -1 if unknown."""
     try:

@@ -72,6 +72,7 @@ from pathlib import Path
 from typing import Any
 
 from retool.sandbox.base import ExecResult, Executor, SandboxWorkerError, is_memory_failure
+from retool.sandbox.procfs import descendant_pids
 
 logger = logging.getLogger(__name__)
 
@@ -280,28 +281,6 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def _descendant_pids(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1:
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    out: list[int] = []
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
-
-
 class _Server:
     """One fork-server process and its pipes. Used by one thread at a time (the pool guarantees it)."""
 
@@ -356,7 +335,7 @@ class _Server:
     def close(self, graceful: bool = True) -> None:
         # The sandbox's inner processes are not our children: hold pidfds to wait for their actual exit.
         pidfds = []
-        for pid in _descendant_pids(self.proc.pid):
+        for pid in descendant_pids(self.proc.pid):
             try:
                 pidfds.append(os.pidfd_open(pid))
             except OSError:
@@ -624,10 +603,6 @@ class ForkServerExecutor(Executor):
                 self._idle.get_nowait()
             except queue.Empty:
                 break
-
-    def server_pids(self) -> list[int]:
-        """PIDs of the live server processes (the bwrap process in strict mode); for tests and monitoring."""
-        return [s.proc.pid for s in self._servers if s is not None and s.alive()]
 
     def close(self) -> None:
         if self._closed:
