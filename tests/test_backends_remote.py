@@ -9,6 +9,8 @@ SDK, ``build_model``'s field mapping).
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import inspect
 import json
 import logging
 import sys
@@ -31,7 +33,12 @@ from retool.backends.reduction import (
     batch_totals,
     probe_datums,
 )
-from retool.backends.remote import BackendUnavailableError, RemoteTrainingClient, StateOrderError
+from retool.backends.remote import (
+    BackendUnavailableError,
+    RemoteTrainingClient,
+    SdkOptionError,
+    StateOrderError,
+)
 from retool.backends.types import AdamParams, Datum, SamplingParams
 from retool.config import Config, load_config
 from retool.retry import RetryPolicy
@@ -318,8 +325,8 @@ def test_optim_step_sends_every_adam_field(remote: Remote) -> None:
     assert res.grad_norm == 0.75 and remote.client.step == 1
 
 
-def test_build_model_aliases_and_drops() -> None:
-    from retool.backends.remote import build_model
+def test_build_model_renames_aliases_and_refuses_a_field_the_sdk_lacks() -> None:
+    from retool.backends.remote import SdkOptionError, build_model
 
     class LrAdam:  # an SDK version with other field names: no server involved, so a local class
         model_fields: ClassVar[dict[str, Any]] = {"lr": 1e-4, "beta1": 0.9}
@@ -327,8 +334,72 @@ def test_build_model_aliases_and_drops() -> None:
         def __init__(self, **kwargs: Any) -> None:
             self.__dict__.update(kwargs)
 
-    p = build_model(LrAdam, learning_rate=3e-5, beta1=0.8, grad_clip_norm=0.0)
-    assert (p.lr, p.beta1) == (3e-5, 0.8) and not hasattr(p, "grad_clip_norm")
+    p = build_model(LrAdam, "sdk 1.0", learning_rate=3e-5, beta1=0.8, grad_clip_norm=None)
+    assert p.__dict__ == {"lr": 3e-5, "beta1": 0.8}  # an unset (None) field loses nothing
+    for value in (1.0, 0.0):  # 0.0 too: whether "no clipping" is this SDK's default is not ours to guess
+        with pytest.raises(
+            SdkOptionError, match=rf"sdk 1\.0: LrAdam has no field for grad_clip_norm={value}"
+        ):
+            build_model(LrAdam, "sdk 1.0", learning_rate=3e-5, grad_clip_norm=value)
+
+
+def _older_sdk(monkeypatch: pytest.MonkeyPatch, kind: str, without: str) -> str:
+    """The installed SDK's real ``create_lora_training_client``, as a version that lacks ``without``
+    would declare it; returns the SDK's name and version as messages give them."""
+    sdk = pytrio if kind == "pytrio" else tinker
+    real = sdk.ServiceClient.create_lora_training_client
+    params = [p for p in inspect.signature(real).parameters.values() if p.name != without]
+
+    def older(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return real(self, *args, **kwargs)
+
+    older.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    older.__qualname__ = real.__qualname__
+    monkeypatch.setattr(sdk.ServiceClient, "create_lora_training_client", older)
+    return f"{kind} {importlib.metadata.version(kind)}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("option", "value"), [("seed", "7"), ("rank", "16"), ("train_unembed", "False")])
+def test_a_setting_the_installed_sdk_cannot_take_is_an_error_naming_it_and_the_version(
+    kind: str, option: str, value: str, home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, kind)
+    label = _older_sdk(monkeypatch, kind, without=option)
+    with make_stub(kind) as stub:
+        with pytest.raises(SdkOptionError) as caught:
+            make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
+        message = str(caught.value)
+        assert message.startswith(f"{label}: ServiceClient.create_lora_training_client takes no ")
+        assert f"{option}={value}" in message
+        assert stub.bodies("/training-runs" if kind == "pytrio" else "/create_model") == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "modules", [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens"], ["gate_proj"]]
+)
+def test_lora_targets_a_service_cannot_train_exactly_are_refused(
+    kind: str, modules: list[str], home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, kind)
+    targets = "lora.target_modules=[" + ", ".join(f'"{m}"' for m in modules) + "]"
+    with make_stub(kind) as stub:
+        with pytest.raises(SdkOptionError, match=r"lora\.target_modules = .* whole layer groups"):
+            make_training_client(make_cfg(kind, tok_dir, targets, base_url=stub.url))
+        assert stub.bodies("/training-runs" if kind == "pytrio" else "/create_model") == []
+
+
+def test_whole_lora_groups_map_to_the_services_switches() -> None:
+    from retool.backends.remote import lora_flags
+
+    attn_mlp = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert lora_flags(attn_mlp) == {"train_attn": True, "train_mlp": True, "train_unembed": False}
+    assert lora_flags(["model.layers.0.self_attn.qkv_proj", "o_proj", "lm_head"]) == {
+        "train_attn": True,
+        "train_mlp": False,
+        "train_unembed": True,
+    }
 
 
 # -- sampling -----------------------------------------------------------------------------------------

@@ -77,6 +77,7 @@ from retool.backends.remote import (
     import_sdk,
     local_tokenizer,
     resolve,
+    sdk_label,
 )
 from retool.retry import Failure
 
@@ -142,7 +143,9 @@ class PytrioTrainingClient(RemoteTrainingClient):
         if not 4 <= rank <= 64:
             raise ValueError(f"pytrio supports LoRA rank 4-64, config has lora.rank={rank}")
         service = sdk.ServiceClient()  # the key the SDK resolved above
-        training = call_kwargs(service.create_lora_training_client, **cls.lora_request(config))
+        training = call_kwargs(
+            service.create_lora_training_client, sdk_label(sdk), **cls.lora_request(config)
+        )
         return cls(
             sdk,
             training,

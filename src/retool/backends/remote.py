@@ -63,6 +63,7 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import importlib
+import importlib.metadata
 import inspect
 import logging
 import math
@@ -109,6 +110,7 @@ __all__ = [
     "RemoteCallError",
     "RemoteSamplingClient",
     "RemoteTrainingClient",
+    "SdkOptionError",
     "StateOrderError",
     "resolve",
 ]
@@ -116,6 +118,11 @@ __all__ = [
 
 class BackendUnavailableError(RuntimeError):
     """The SDK of a managed backend is not installed or not configured (the message says how to fix it)."""
+
+
+class SdkOptionError(BackendUnavailableError):
+    """A setting the installed SDK (or the service behind it) cannot take; the message names it and the
+    SDK version."""
 
 
 class StateOrderError(RuntimeError):
@@ -218,37 +225,62 @@ def resolve(obj: Any, expect: str | None = None) -> Any:
     return obj
 
 
-def call_kwargs(fn: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call ``fn`` with only the keyword arguments it declares (SDK versions differ in optional ones)."""
+def sdk_label(sdk: object) -> str:
+    """``"pytrio 0.2.9"``: the SDK's distribution and installed version, for messages."""
+    name = getattr(sdk, "__name__", type(sdk).__name__).split(".")[0]
+    try:
+        return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{name} (version unknown)"
+
+
+def check_sdk_kwargs(fn: Callable[..., object], sdk: str, **kwargs: object) -> None:
+    """Refuse a keyword ``fn`` does not declare: each one carries a setting, and dropping it would train
+    with another one than the config says. ``SdkOptionError`` names them and the SDK version ``sdk``."""
     try:
         params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn(**kwargs)
+    except (TypeError, ValueError):  # no signature to read (a C function): the call itself will say
+        return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return fn(**kwargs)
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
+        return
+    unknown = [f"{k}={v!r}" for k, v in kwargs.items() if k not in params]
+    if unknown:
+        raise SdkOptionError(
+            f"{sdk}: {getattr(fn, '__qualname__', fn)} takes no {', '.join(unknown)}; this SDK version "
+            "cannot apply that setting. Upgrade the SDK, or change the config so it is not needed"
+        )
+
+
+def call_kwargs(fn: Callable[..., T], sdk: str, **kwargs: object) -> T:
+    """``fn(**kwargs)`` after ``check_sdk_kwargs``: no keyword is ever dropped on the way."""
+    check_sdk_kwargs(fn, sdk, **kwargs)
+    return fn(**kwargs)
 
 
 _ALIASES = {"learning_rate": ("lr",), "grad_clip_norm": ("grad_clip",)}
 
 
-def build_model(cls: Any, **kwargs: Any) -> Any:
-    """Construct an SDK pydantic type with the fields it has: known aliases are renamed (``learning_rate``
-    -> ``lr``), other unknown fields are dropped with a warning (SDK versions differ)."""
+def build_model(cls: Callable[..., T], sdk: str, **kwargs: object) -> T:
+    """Construct an SDK pydantic type: known aliases are renamed (``learning_rate`` -> ``lr``) where the
+    version has the other name; a field it lacks is an ``SdkOptionError`` naming it and the SDK version
+    ``sdk``, unless its value is ``None`` (not set: nothing is lost)."""
     fields = getattr(cls, "model_fields", None)
-    if fields:
-        out: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            if key in fields:
-                out[key] = value
-                continue
-            alias = next((a for a in _ALIASES.get(key, ()) if a in fields), None)
-            if alias is not None:
-                out[alias] = value
-            elif value not in (None, 0, 0.0):
-                logger.warning("%s has no field %r; %r not sent", getattr(cls, "__name__", cls), key, value)
-        kwargs = out
-    return cls(**kwargs)
+    if not fields:
+        return cls(**kwargs)
+    out: dict[str, object] = {}
+    missing: list[str] = []
+    for key, value in kwargs.items():
+        name = key if key in fields else next((a for a in _ALIASES.get(key, ()) if a in fields), None)
+        if name is not None:
+            out[name] = value
+        elif value is not None:
+            missing.append(f"{key}={value!r}")
+    if missing:
+        raise SdkOptionError(
+            f"{sdk}: {getattr(cls, '__name__', cls)} has no field for {', '.join(missing)}; this SDK "
+            "version cannot apply that setting. Upgrade the SDK, or change the config so it is not needed"
+        )
+    return cls(**out)
 
 
 def _to_list(value: Any) -> list[float]:
@@ -269,15 +301,32 @@ def normalize_stop_reason(reason: Any) -> str:
     return "length" if ("length" in text or "max" in text) else "stop"
 
 
+# The layer groups the managed services train LoRA on, each as one switch; a group's modules under the
+# names models use (separate or fused projections).
+_LORA_GROUPS: dict[str, tuple[frozenset[str], ...]] = {
+    "train_attn": (frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}), frozenset({"qkv_proj", "o_proj"})),
+    "train_mlp": (frozenset({"gate_proj", "up_proj", "down_proj"}), frozenset({"gate_up_proj", "down_proj"})),
+    "train_unembed": (frozenset({"lm_head"}),),
+}
+
+
 def lora_flags(target_modules: Sequence[str]) -> dict[str, bool]:
-    """Managed services train whole groups of layers; map module names to their switches."""
+    """The services' switches for ``lora.target_modules``. They train whole groups of layers, so a list
+    that names part of a group, or a module in none, cannot be sent as it is: ``SdkOptionError``."""
     names = {m.split(".")[-1] for m in target_modules}
-    attn = bool(names & {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"})
-    mlp = bool(names & {"gate_proj", "up_proj", "down_proj", "gate_up_proj"})
-    unembed = "lm_head" in names
-    if not (attn or mlp or unembed):
-        attn = True
-    return {"train_attn": attn, "train_mlp": mlp, "train_unembed": unembed}
+    known = set().union(*(s for sets in _LORA_GROUPS.values() for s in sets))
+    flags = {flag: bool(names & set().union(*sets)) for flag, sets in _LORA_GROUPS.items()}
+    partial = [
+        flag for flag, sets in _LORA_GROUPS.items() if flags[flag] and not any(s <= names for s in sets)
+    ]
+    if names - known or partial or not any(flags.values()):
+        groups = "; ".join(f"{flag}: {' + '.join(sorted(sets[0]))}" for flag, sets in _LORA_GROUPS.items())
+        raise SdkOptionError(
+            f"lora.target_modules = {sorted(names)} cannot be trained on a managed service, which trains "
+            f"whole layer groups ({groups}); name every module of the groups to train"
+            + (f" (not a group's: {sorted(names - known)})" if names - known else "")
+        )
+    return flags
 
 
 def local_tokenizer(model_name: str) -> Any:
@@ -309,6 +358,7 @@ class RemoteSamplingClient(SamplingClient):
             stop += [s for s in extra if s not in stop]
         return build_model(
             self._owner._type("SamplingParams"),
+            self._owner.sdk_label,
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -474,6 +524,11 @@ class RemoteTrainingClient(TrainingClient):
             if self._tokenizer is not None:
                 self.share_tokenizer(self._tokenizer)
         return self._client
+
+    @property
+    def sdk_label(self) -> str:
+        """The SDK and its installed version, for messages (``"tinker 0.38.0"``)."""
+        return sdk_label(self._sdk)
 
     @property
     def types(self) -> Any:
@@ -741,6 +796,7 @@ class RemoteTrainingClient(TrainingClient):
     def _optim_step_sync(self, pending: PendingCall, adam: AdamParams) -> OptimStepResult:
         params = build_model(
             self._type("AdamParams"),
+            self.sdk_label,
             learning_rate=adam.lr,
             beta1=adam.beta1,
             beta2=adam.beta2,

@@ -69,10 +69,11 @@ from retool.backends.remote import (
     BackendUnavailableError,
     PendingCall,
     RemoteTrainingClient,
-    call_kwargs,
+    check_sdk_kwargs,
     import_sdk,
     local_tokenizer,
     resolve,
+    sdk_label,
 )
 from retool.retry import Failure
 
@@ -117,9 +118,11 @@ class TinkerTrainingClient(RemoteTrainingClient):
         base_url = config.backend.base_url
         service = sdk.ServiceClient(base_url=base_url) if base_url else sdk.ServiceClient()
         request = cls.lora_request(config)
+        # Checked now, not at the deferred creation: a setting this SDK cannot take fails before any work.
+        check_sdk_kwargs(service.create_lora_training_client, sdk_label(sdk), **request)
         return cls(
             sdk,
-            lambda: call_kwargs(service.create_lora_training_client, **request),
+            lambda: service.create_lora_training_client(**request),
             service=service,
             base_model=config.model.name,
             tokenizer=local_tokenizer(config.model.name),
