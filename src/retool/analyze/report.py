@@ -15,6 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retool.errors import UserError
 from retool.evaluate.metrics import summarize
 from retool.evaluate.settings import setting_value
 from retool.evaluate.store import summary_path_for
@@ -39,7 +40,7 @@ COMPARED_TOOL_SETTINGS: tuple[str, ...] = ("tool_format", "sandbox")
 MODE_ORDER: tuple[str, ...] = ("text-only", "retool")
 
 
-class AnalyzeError(ValueError):
+class AnalyzeError(UserError, ValueError):
     """An input that cannot be analysed; the message names the file and the reason."""
 
 

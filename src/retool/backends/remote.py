@@ -95,6 +95,7 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.errors import UserError
 from retool.retry import Failure, classify, retry_after_of, status_code_of, to_thread_with_timeout
 
 if TYPE_CHECKING:
@@ -116,7 +117,7 @@ __all__ = [
 ]
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(UserError, RuntimeError):
     """The SDK of a managed backend is not installed or not configured (the message says how to fix it)."""
 
 

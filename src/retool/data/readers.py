@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retool.errors import UserError
 from retool.jsonl import jsonl_lines
 
 logger = logging.getLogger(__name__)
@@ -22,7 +23,7 @@ logger = logging.getLogger(__name__)
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A data source that cannot be used at all: missing file, unknown name, missing optional package."""
 
 

@@ -7,6 +7,7 @@ import sys
 from typing import Any
 
 import typer
+from pydantic import ValidationError
 
 sandbox_app = typer.Typer(
     name="sandbox", help="Run model-style Python in the sandbox; check isolation.", no_args_is_help=True
@@ -21,9 +22,10 @@ def _make(**options: Any) -> Any:
     kwargs = {key: value for key, value in options.items() if value is not None}
     try:
         cfg = SandboxConfig(**kwargs)
-    except Exception as exc:  # pydantic ValidationError: one clear line
-        typer.echo(f"error: invalid sandbox options: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    except ValidationError as exc:  # one clear line per problem, all on the command's last line
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        typer.echo(f"error: invalid sandbox options: {problems}", err=True)
+        raise typer.Exit(2) from None
     try:
         return make_executor(cfg)
     except SandboxPreimportError as exc:

@@ -71,6 +71,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from retool.errors import UserError
 from retool.sandbox.base import ExecResult, Executor, SandboxWorkerError, is_memory_failure
 from retool.sandbox.procfs import descendant_pids
 
@@ -95,7 +96,7 @@ _SERVER_ENV = {
 }
 
 
-class SandboxUnavailableError(RuntimeError):
+class SandboxUnavailableError(UserError, RuntimeError):
     """The requested isolation cannot be provided on this machine."""
 
 

@@ -24,8 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retool.errors import ModelLoadError, UserError
 
-class ModelNotInstalledError(FileNotFoundError):
+
+class ModelNotInstalledError(UserError, FileNotFoundError):
     """A named model's wheel is not installed; the message holds the install command."""
 
 
@@ -116,4 +118,4 @@ def resolve_model_path(name: str) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         return path
-    raise ValueError(f"--model {name!r}: not a known demo model ({', '.join(REAL_MODELS)}) nor a path")
+    raise ModelLoadError(f"--model {name!r}: not a known demo model ({', '.join(REAL_MODELS)}) nor a path")

@@ -29,6 +29,7 @@ from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from retool.errors import UserError
 from retool.jsonl import first_jsonl_object
 from retool.train.records import TRAJECTORIES_FILE, read_records
 
@@ -46,7 +47,7 @@ QUESTION_PREVIEW = 240
 _SKIP_DIRS = frozenset({"checkpoints", "tensorboard", "view", "data", "analysis", "__pycache__"})
 
 
-class ViewError(ValueError):
+class ViewError(UserError, ValueError):
     """An input the viewer cannot use; the message names it and says why."""
 
 
