@@ -13,7 +13,8 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "retool"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("config", "retry", "jsonl", "errors"),  # config; remote-call retries; the JSONL reader; user errors
+    ("errors", "jsonl"),  # the user-facing error type; the one JSONL reader
+    ("config", "retry"),  # the typed config; how remote calls are bounded and retried
     ("data", "protocol", "sandbox", "reward", "backends"),  # the foundations, independent of each other
     ("rollout", "components"),  # the multi-turn loop; the one assembly of a run's parts
     ("env",),  # the environment seam: problems and how a trajectory is scored
