@@ -16,6 +16,7 @@ import sys
 from typing import Any
 
 import typer
+from typer import _click as click  # typer vendors click; its Context is the base of typer.Context
 from typer.core import TyperGroup
 
 from retool.errors import UserError
@@ -32,7 +33,7 @@ def one_line(exc: BaseException) -> str:
 class RetoolGroup(TyperGroup):
     """Every command runs inside ``invoke``: a ``UserError`` ends it with one line and exit 2."""
 
-    def invoke(self, ctx: typer.Context) -> Any:
+    def invoke(self, ctx: click.Context) -> Any:
         try:
             return super().invoke(ctx)
         except UserError as exc:

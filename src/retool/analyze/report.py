@@ -166,7 +166,7 @@ def load_inputs(paths: list[Path]) -> tuple[list[EvalResult], list[TrainingLog]]
 _GENERIC_PARTS = frozenset({"checkpoints", "backend", "state", "weights"})
 
 
-def _short(value: str) -> str:
+def short_label(value: str) -> str:
     """``runs/r1/checkpoints/step_000050/backend`` -> ``r1/step_000050``; URIs and names stay readable."""
     parts = [p for p in str(value).replace("\\", "/").rstrip("/").split("/") if p]
     meaningful = [p for p in parts if p not in _GENERIC_PARTS] or parts
@@ -177,9 +177,9 @@ def _assign_labels(evals: list[EvalResult]) -> None:
     models = {str(e.settings.get("model", "")) for e in evals}
     for e in evals:
         ckpt = e.settings.get("checkpoint")
-        label = _short(str(ckpt)) if ckpt else "base"
+        label = short_label(str(ckpt)) if ckpt else "base"
         if len(models) > 1:
-            label = f"{_short(str(e.settings.get('model', '?')))} | {label}"
+            label = f"{short_label(str(e.settings.get('model', '?')))} | {label}"
         e.label = label
     seen: dict[tuple[str, str], int] = {}
     for e in evals:

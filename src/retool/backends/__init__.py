@@ -10,11 +10,15 @@ transformers, the SDKs) are imported only when a client is built. It also owns w
 
 from __future__ import annotations
 
+import importlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from huggingface_hub import constants, try_to_load_from_cache
+
 from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.tinymodel import build_tiny_model
 from retool.backends.types import (
     AdamParams,
     Datum,
@@ -48,6 +52,8 @@ __all__ = [
     "pack_micro_batches",
 ]
 
+# Loaded on first use: each of these imports torch (the local backend also transformers and PEFT; the
+# remote adapters torch through the loss math), which the rest of the package does not need.
 _LAZY = {
     "LocalTrainingClient": "retool.backends.local",
     "LocalSamplingClient": "retool.backends.local",
@@ -59,8 +65,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'retool.backends' has no attribute {name!r}")
 
@@ -95,8 +99,6 @@ def resolve_model_name(config: Config) -> str:
         return name
     folder = Path(config.train.run_dir) / TINY_MODEL_FOLDER
     if not (folder / "config.json").is_file():
-        from retool.backends.tinymodel import build_tiny_model
-
         logger.info("building the tiny model into %s", folder)
         build_tiny_model(folder, size="demo", seed=0)
     return str(folder)
@@ -114,7 +116,6 @@ def check_model_available(name: str) -> None:
         return
     if _looks_like_path(name):
         raise ModelLoadError(f"model.name = {name!r}: no such file or folder")
-    from huggingface_hub import constants, try_to_load_from_cache  # deferred: a heavy import
 
     try:
         cached = try_to_load_from_cache(name, "config.json")
@@ -134,18 +135,18 @@ def make_training_client(config: Config) -> TrainingClient:
     if kind == "local":
         return _local_client(config)
     if kind == "pytrio":
-        from retool.backends.pytrio_backend import PytrioTrainingClient
+        from retool.backends.pytrio_backend import PytrioTrainingClient  # deferred: torch (see _LAZY)
 
         return PytrioTrainingClient.from_config(config)
     if kind == "tinker":
-        from retool.backends.tinker_backend import TinkerTrainingClient
+        from retool.backends.tinker_backend import TinkerTrainingClient  # deferred: torch (see _LAZY)
 
         return TinkerTrainingClient.from_config(config)
     raise ValueError(f"unknown backend kind {kind!r}; use local, pytrio or tinker")
 
 
 def _local_client(config: Config) -> TrainingClient:
-    from retool.backends.local import LocalTrainingClient  # deferred: torch, transformers
+    from retool.backends.local import LocalTrainingClient  # deferred: torch, transformers (see _LAZY)
 
     name = resolve_model_name(config)
     check_model_available(name)

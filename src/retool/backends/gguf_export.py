@@ -28,7 +28,9 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 
 def _byte_alphabet() -> list[str]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import (
+        bytes_to_unicode,
+    )  # deferred: transformers (~3 s), for exports only
 
     return list(bytes_to_unicode().values())
 
@@ -77,9 +79,9 @@ def export_qwen2_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
     Long because a GGUF file is one writer filled in order (architecture keys, tokenizer, chat template,
     tensors); the steps read as the format's own checklist.
     """
-    import gguf
+    import gguf  # deferred: gguf is optional (the gguf extra)
     import numpy as np
-    import torch
+    import torch  # deferred: torch and transformers (~3 s), for exports only
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)

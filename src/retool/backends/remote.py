@@ -73,8 +73,10 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+
 from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.losses import LOSS_NAMES, clip_thresholds, tis_cap
+from retool.backends.losses import LOSS_NAMES, LossTally, clip_thresholds, tis_cap, token_loss
 from retool.backends.reduction import (
     IGNORE_INDEX,
     REDUCTION_MODES,
@@ -333,7 +335,7 @@ def lora_flags(target_modules: Sequence[str]) -> dict[str, bool]:
 def local_tokenizer(model_name: str) -> Any:
     """The model's tokenizer if it is on this machine (a local folder, or the Hugging Face cache), else
     ``None``. Never downloads: the SDKs would fetch it themselves, and offline runs must not try."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers (~3 s) only when a client is built
 
     if Path(model_name).is_dir():
         return AutoTokenizer.from_pretrained(model_name)
@@ -680,10 +682,6 @@ class RemoteTrainingClient(TrainingClient):
         learner: list[list[float]] | None,
         server: dict[str, float],
     ) -> ForwardBackwardResult:
-        import torch
-
-        from retool.backends.losses import LossTally, token_loss
-
         if learner is None:
             logger.warning(
                 "service returned no per-datum logprobs for %d datums; metrics from server only", len(datums)

@@ -86,7 +86,9 @@ logger = logging.getLogger(__name__)
 def credential_problem() -> str | None:
     """Why the SDK would find no credential (``None`` when it would), by the SDK's own resolver."""
     try:
-        from tinker.lib._auth_token_provider import resolve_auth_provider
+        from tinker.lib._auth_token_provider import (
+            resolve_auth_provider,
+        )  # deferred: the tinker SDK is optional
     except ImportError:  # another SDK layout: check the documented sources ourselves
         stored = Path.home() / ".tinker" / "credentials.json"
         if os.environ.get("TINKER_API_KEY") or os.environ.get("TINKER_CREDENTIAL_CMD") or stored.is_file():

@@ -46,7 +46,7 @@ class VllmSamplingClient(LocalSamplingClient):
         keep_adapters: int = 2,
     ) -> None:
         try:
-            import vllm
+            import vllm  # deferred: vllm is optional (the vllm extra)
         except ImportError as exc:
             raise RuntimeError("backend.sampler=vllm needs vLLM: pip install 'retool-rl[vllm]'") from exc
         if owner.lora is None:
@@ -88,7 +88,7 @@ class VllmSamplingClient(LocalSamplingClient):
 
     def refresh(self) -> None:
         """Hand the trainer's current adapter to vLLM (runs on the trainer's worker thread)."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # deferred: vllm is optional (the vllm extra)
 
         self._version += 1
         folder = self._adapter_dir / f"v{self._version}"
@@ -143,7 +143,7 @@ class VllmSamplingClient(LocalSamplingClient):
 
 def _accepted_engine_args(vllm: Any) -> set[str] | None:
     try:
-        from vllm.engine.arg_utils import EngineArgs
+        from vllm.engine.arg_utils import EngineArgs  # deferred: vllm is optional (the vllm extra)
 
         names = set(inspect.signature(EngineArgs).parameters)
         return names | {"model"}

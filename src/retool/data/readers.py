@@ -89,7 +89,7 @@ def iter_json_array(path: Path) -> Iterator[RowItem]:
 
 def iter_parquet(path: Path) -> Iterator[RowItem]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # deferred: pyarrow is optional (the parquet extra)
     except ImportError as exc:
         raise DataError(
             f"reading parquet ({path}) needs pyarrow: pip install pyarrow (or 'retool-rl[parquet]'), "
@@ -122,7 +122,7 @@ def iter_local(path: Path) -> Iterator[RowItem]:
 
 def iter_hub(hub_id: str, split: str, config_name: str | None = None) -> Iterator[RowItem]:
     try:
-        import datasets
+        import datasets  # deferred: datasets is optional (the hub extra)
     except ImportError as exc:
         raise DataError(
             f"loading {hub_id!r} from the Hugging Face Hub needs the datasets package: "

@@ -8,6 +8,7 @@ Backends behind one ``Executor`` interface (``run``, ``arun``, ``format_tool_con
 
 from __future__ import annotations
 
+from retool.config import SandboxConfig
 from retool.sandbox.base import (
     ExecResult,
     Executor,
@@ -23,6 +24,7 @@ from retool.sandbox.forkserver import (
     strict_mode,
     strict_support,
 )
+from retool.sandbox.sandboxfusion import SandboxFusionExecutor
 from retool.sandbox.subprocess_executor import SubprocessExecutor
 
 __all__ = [
@@ -43,19 +45,8 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> object:
-    # Lazy: the HTTP client (httpx) is only needed by the sandboxfusion backend.
-    if name == "SandboxFusionExecutor":
-        from retool.sandbox.sandboxfusion import SandboxFusionExecutor
-
-        return SandboxFusionExecutor
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-
-
 def make_executor(cfg: object) -> Executor:
     """Build the executor a ``retool.config.SandboxConfig`` describes."""
-    from retool.config import SandboxConfig
-
     if not isinstance(cfg, SandboxConfig):
         raise TypeError(f"make_executor expects a SandboxConfig, got {type(cfg).__name__}")
     if cfg.backend == "forkserver":
@@ -79,8 +70,6 @@ def make_executor(cfg: object) -> Executor:
             auto_print=cfg.auto_print_last_expr,
         )
     if cfg.backend == "sandboxfusion":
-        from retool.sandbox.sandboxfusion import SandboxFusionExecutor
-
         return SandboxFusionExecutor(
             cfg.sandboxfusion_url,
             timeout=cfg.timeout,

@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import json
 import logging
 import os
@@ -570,8 +571,6 @@ class ForkServerExecutor(Executor):
         return "\n".join(lines)
 
     def _host_location(self, name: str) -> str:
-        import importlib.util
-
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError) as exc:

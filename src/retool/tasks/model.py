@@ -8,6 +8,7 @@ to the question, the code and the answer.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -62,8 +63,6 @@ def call_phrases(tokenizer: Any) -> list[str]:
 
 def task_corpus(tasks: Sequence[Task], extra: Sequence[str] = ()) -> list[str]:
     """Text the tokenizer is trained on: questions, canonical code as the call JSON shows it, answers."""
-    import json
-
     texts = [f"{t.question}\n{json.dumps({'code': t.code})}\n\\boxed{{{t.answer}}}" for t in tasks]
     texts += list(extra)
     # ChatML role names and tool tags, so the headers the model reads every turn are short.

@@ -6,13 +6,17 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
+import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retool.analyze import analyze
 from retool.data.gsm8k import GSM8K_SOURCE
 from retool.data.synthetic import parse_source
+from retool.evaluate.metrics import paired_gain
 from retool.jsonl import iter_jsonl, read_jsonl
 
 logger = logging.getLogger(__name__)
@@ -102,7 +106,6 @@ def flat_summary(summary: dict[str, Any], records_path: Path) -> dict[str, Any]:
 def demo_gain(eval_dir: Path, mode: str = "retool") -> dict[str, Any]:
     """RL minus SFT on the same held-out problems: Average@N with its paired 95% bootstrap interval, and
     the accuracy change on easy and hard problems."""
-    from retool.evaluate.metrics import paired_gain
 
     def records(label: str) -> list[dict[str, Any]]:
         path = eval_dir / f"{label}_{mode}.jsonl"
@@ -188,10 +191,7 @@ def _split_row(name: str, seconds: float, w: dict[str, float]) -> str:
 def machine_facts() -> dict[str, Any]:
     """What the run's numbers depend on: CPUs, memory, torch, peak memory of this process and its
     children (sandbox, verifier), and the load average when the report was written."""
-    import platform
-    import resource
-
-    import torch
+    import torch  # deferred: torch (~2 s); the CLI imports this module for every command
 
     facts: dict[str, Any] = {
         "cpus": os.cpu_count(),
@@ -232,11 +232,6 @@ def gain_line(gain: dict[str, Any]) -> str:
 
 def make_plots(out: Path) -> list[str]:
     """Comparison table + plots through ``retool.analyze`` (evals and the RL metrics log)."""
-    try:
-        from retool.analyze import analyze
-    except ImportError:
-        logger.warning("retool.analyze not available: no plots")
-        return []
     inputs = sorted((out / "eval").glob("*.jsonl"))
     metrics = out / "rl" / "metrics.jsonl"
     if metrics.exists():
