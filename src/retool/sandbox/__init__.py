@@ -8,7 +8,6 @@ Backends behind one ``Executor`` interface (``run``, ``arun``, ``format_tool_con
 
 from __future__ import annotations
 
-from retool.config import SandboxConfig
 from retool.sandbox.base import (
     ExecResult,
     Executor,
@@ -24,7 +23,6 @@ from retool.sandbox.forkserver import (
     strict_mode,
     strict_support,
 )
-from retool.sandbox.sandboxfusion import SandboxFusionExecutor
 from retool.sandbox.subprocess_executor import SubprocessExecutor
 
 __all__ = [
@@ -45,8 +43,21 @@ __all__ = [
 ]
 
 
+# ``retool.sandbox`` imports with the standard library alone (a bare virtualenv runs its executors,
+# tests/test_sandbox_environment.py), so the config (pydantic) and the SandboxFusion client (httpx) load on
+# first use.
+def __getattr__(name: str) -> object:
+    if name == "SandboxFusionExecutor":
+        from retool.sandbox.sandboxfusion import SandboxFusionExecutor  # deferred: httpx (see above)
+
+        return SandboxFusionExecutor
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 def make_executor(cfg: object) -> Executor:
     """Build the executor a ``retool.config.SandboxConfig`` describes."""
+    from retool.config import SandboxConfig  # deferred: pydantic (see above)
+
     if not isinstance(cfg, SandboxConfig):
         raise TypeError(f"make_executor expects a SandboxConfig, got {type(cfg).__name__}")
     if cfg.backend == "forkserver":
@@ -70,6 +81,8 @@ def make_executor(cfg: object) -> Executor:
             auto_print=cfg.auto_print_last_expr,
         )
     if cfg.backend == "sandboxfusion":
+        from retool.sandbox.sandboxfusion import SandboxFusionExecutor  # deferred: httpx (see above)
+
         return SandboxFusionExecutor(
             cfg.sandboxfusion_url,
             timeout=cfg.timeout,

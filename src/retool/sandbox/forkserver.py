@@ -391,11 +391,8 @@ class ForkServerExecutor(Executor):
         warmup: bool = True,
         start_timeout: float = 120.0,
     ) -> None:
-        """Validate and record the limits, choose the isolation, start the pool (see the class docstring).
-
-        Long because the isolation decision (strict, or a loud fallback) needs the interpreter's paths
-        and the first start attempt, and both happen here, before the executor is usable.
-        """
+        """Validate and record the limits, choose the isolation (strict, or a loud fallback: it needs the
+        interpreter's paths and the first start attempt), start the pool (see the class docstring)."""
         super().__init__()
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -409,26 +406,7 @@ class ForkServerExecutor(Executor):
         self.preimport = list(preimport)
         self.workers = int(workers) if workers and workers > 0 else (os.cpu_count() or 1)
         self.python = _python_binary(python)
-        self.requested_isolation = isolation
-        self.isolation = isolation
-        self.isolation_reason = ""
-        self.strict_mode: str | None = None
-        if isolation == "strict":
-            self.strict_mode, reason = strict_mode()
-            if self.strict_mode is None:
-                self._fallback(reason)
-        self._binds, self._sys_path = _python_paths(self.python)
-        self._rebind = [b for b in self._binds if any(_is_under(b, d) for d in _CHILD_PRIVATE_DIRS)]
-        unshowable = [
-            b
-            for b in self._binds
-            if b not in self._rebind and any(_is_under(b, d) for d in _SANDBOX_OWNED_DIRS)
-        ]
-        if unshowable and self.isolation == "strict":
-            self._fallback(
-                f"the interpreter's files at {', '.join(unshowable)} lie below a directory the strict "
-                "sandbox replaces (/proc, /dev); install the environment elsewhere (e.g. /opt)"
-            )
+        self._choose_isolation(isolation)
         self._limits = {
             "tmp_size_mb": int(tmp_size_mb),
             "fsize_bytes": int(file_size_mb) << 20,
@@ -461,7 +439,31 @@ class ForkServerExecutor(Executor):
             raise
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def _fallback(self, reason: str) -> None:
+    def _choose_isolation(self, isolation: str) -> None:
+        """``strict`` where this machine and the interpreter's file layout allow it, else a loud fallback."""
+        self.requested_isolation = isolation
+        self.isolation = isolation
+        self.isolation_reason = ""
+        self.strict_mode: str | None = None
+        if isolation == "strict":
+            self.strict_mode, reason = strict_mode()
+            if self.strict_mode is None:
+                self._fallback(reason, stacklevel=4)
+        self._binds, self._sys_path = _python_paths(self.python)
+        self._rebind = [b for b in self._binds if any(_is_under(b, d) for d in _CHILD_PRIVATE_DIRS)]
+        unshowable = [
+            b
+            for b in self._binds
+            if b not in self._rebind and any(_is_under(b, d) for d in _SANDBOX_OWNED_DIRS)
+        ]
+        if unshowable and self.isolation == "strict":
+            self._fallback(
+                f"the interpreter's files at {', '.join(unshowable)} lie below a directory the strict "
+                "sandbox replaces (/proc, /dev); install the environment elsewhere (e.g. /opt)",
+                stacklevel=4,
+            )
+
+    def _fallback(self, reason: str, stacklevel: int = 3) -> None:
         self.isolation = "none"
         self.strict_mode = None
         self.isolation_reason = reason
@@ -470,7 +472,7 @@ class ForkServerExecutor(Executor):
             "isolation='none': model code can read this machine's files and use its network."
         )
         logger.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)  # at the executor's creator
 
     def _server_cmd(self, slot: int) -> tuple[list[str], dict[str, str] | None]:
         cfg = {
