@@ -154,7 +154,7 @@ def test_lora_on_a_gguf_model_saves_merged_as_a_plain_folder(gguf_path: Path, tm
 
 
 def test_missing_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(ModelLoadError, match="model.gguf': no such file or folder"):
+    with pytest.raises(ModelLoadError, match=r"model\.gguf': no such file or folder"):
         _client(str(tmp_path / "nowhere" / "model.gguf"))
 
 
