@@ -310,3 +310,60 @@ def test_the_length_rule_reads_bodies_and_allows_only_the_named(tmp_path: Path) 
         "retool/m.py:too_long: 81 lines (at most 80)",
         "retool/m.py:short: not in the source, or short now: remove it from the list",
     ]
+
+
+# -- deferred imports ----------------------------------------------------------------------------------
+
+# Files other sessions are rewriting (issue 21) whose function-local imports do not say why yet; to shrink
+# once their branches land. A listed file with nothing left to explain fails the test too.
+KNOWN_UNEXPLAINED_DEFERRED: set[str] = {
+    "retool/backends/local.py",
+    "retool/evaluate/runner.py",
+    "retool/train/loop.py",
+    "retool/train/metrics.py",
+    "retool/train/step.py",
+}
+
+
+def unexplained_deferred_imports(root: Path) -> dict[str, list[int]]:
+    """file -> lines of function-local imports with no reason: a deferred import (of a heavy or optional
+    package) carries a ``#`` comment on its line, on an import line right above it in the same run, or
+    on a comment line right above that run."""
+    out: dict[str, list[int]] = {}
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        tree = ast.parse("\n".join(lines))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Import | ast.ImportFrom):
+                    continue
+                first = node.lineno
+                while first > 1 and lines[first - 2].strip().startswith(("import ", "from ")):
+                    first -= 1  # a run of imports shares the reason given on one of them
+                if first > 1 and lines[first - 2].strip().startswith("#"):
+                    first -= 1  # or on a comment line right above the run
+                run = lines[first - 1 : (node.end_lineno or node.lineno)]
+                if not any("#" in line for line in run):
+                    out.setdefault(str(path.relative_to(root.parent)), []).append(node.lineno)
+    return out
+
+
+def test_deferred_imports_say_why() -> None:
+    found = unexplained_deferred_imports(SRC)
+    assert {f: n for f, n in found.items() if f not in KNOWN_UNEXPLAINED_DEFERRED} == {}
+    assert sorted(KNOWN_UNEXPLAINED_DEFERRED - set(found)) == [], "explained now: remove from the list"
+
+
+def test_the_deferred_import_rule(tmp_path: Path) -> None:
+    root = tmp_path / "retool"
+    root.mkdir()
+    (root / "m.py").write_text(
+        "import os\n\n"
+        "def plain():\n    import json\n\n"
+        "def explained():\n    import torch  # deferred: torch (~2 s)\n    import numpy as np\n\n"
+        "def apart():\n    import torch  # deferred: torch\n    x = 1\n    import gguf\n\n"
+        "def above():\n    # deferred: gguf is optional\n    import gguf\n"
+    )
+    assert unexplained_deferred_imports(root) == {"retool/m.py": [4, 13]}

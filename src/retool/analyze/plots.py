@@ -33,7 +33,7 @@ def _pyplot() -> Any:
     import matplotlib  # deferred: matplotlib (~1 s) only when plots are drawn
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: as matplotlib above
 
     return plt
 

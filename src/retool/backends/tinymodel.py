@@ -95,14 +95,8 @@ def build_tokenizer(
     ``phrase_tokens`` become single added (non-special) tokens, e.g. the fixed system prompts: a tiny
     model's context and compute then go to the problem, not to a paragraph it sees in every sequence.
     """
-    from tokenizers import (
-        AddedToken,
-        Tokenizer,
-        decoders,
-        models,
-        pre_tokenizers,
-        trainers,
-    )  # deferred: tokenizers and transformers (~3 s), to build the model only
+    # deferred: tokenizers and transformers (~3 s), to build the model only
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
     texts = list(corpus) if corpus is not None else _default_corpus()
