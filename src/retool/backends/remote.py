@@ -71,6 +71,7 @@ import sys
 import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import torch
@@ -150,7 +151,7 @@ class RemoteCallError(RuntimeError):
         self.retry_after = retry_after
 
 
-def cancel_future(obj: Any) -> None:
+def cancel_future(obj: object) -> None:
     """Best effort: stop the SDK's work on a call nobody waits for any more.
 
     Tinker's futures hand out their ``concurrent.futures.Future`` through ``.future()`` (cancelling it
@@ -160,12 +161,12 @@ def cancel_future(obj: Any) -> None:
     kind = type(obj)
     try:
         if callable(getattr(kind, "future", None)):
-            inner = obj.future()
+            inner = getattr(obj, "future")()  # noqa: B009 - looked up on the type above
             if isinstance(inner, concurrent.futures.Future):
                 inner.cancel()
                 return
         if callable(getattr(kind, "cancel", None)):
-            obj.cancel()
+            getattr(obj, "cancel")()  # noqa: B009 - looked up on the type above
     except Exception:  # a courtesy to the SDK: the call's outcome is already "unknown" to the caller
         logger.debug("could not cancel an abandoned SDK future %r", obj, exc_info=True)
 
@@ -179,10 +180,10 @@ class PendingCall:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._future: Any = None
+        self._future: object = None
         self._abandoned = False
 
-    def hold(self, future: Any) -> Any:
+    def hold(self, future: T) -> T:
         with self._lock:
             self._future = future
             abandoned = self._abandoned
@@ -198,7 +199,7 @@ class PendingCall:
             cancel_future(future)
 
 
-def import_sdk(module: str, extra: str) -> Any:
+def import_sdk(module: str, extra: str) -> ModuleType:
     # pytrio replaces sys.excepthook when imported; the CLI's own error reporting must survive that.
     hook = sys.excepthook
     try:
@@ -212,7 +213,7 @@ def import_sdk(module: str, extra: str) -> Any:
         sys.excepthook = hook
 
 
-def resolve(obj: Any, expect: str | None = None) -> Any:
+def resolve(obj: object, expect: str | None = None) -> Any:
     """Wait for an SDK future: call ``.result()`` until the object has none, then check it has ``expect``.
 
     Never stops early because the object already looks like the client: Tinker's future-of-client
@@ -299,7 +300,7 @@ def _to_list(value: Any) -> list[float]:
     return list(value)
 
 
-def normalize_stop_reason(reason: Any) -> str:
+def normalize_stop_reason(reason: object) -> str:
     text = str(getattr(reason, "value", reason) or "").lower()
     return "length" if ("length" in text or "max" in text) else "stop"
 
@@ -354,7 +355,7 @@ class RemoteSamplingClient(SamplingClient):
         self._owner = owner
 
     def _params(self, params: SamplingParams) -> Any:
-        stop: list[Any] | None = list(params.stop) if params.stop else None
+        stop: list[str | int] | None = list(params.stop) if params.stop else None
         if stop:
             # A stop list replaces the default end-of-sequence stop on these services: keep EOS as well.
             extra = self._owner.eos_stop(string=isinstance(stop[0], str))
@@ -508,7 +509,7 @@ class RemoteTrainingClient(TrainingClient):
 
     # -- SDK helpers ---------------------------------------------------------------------------
     @classmethod
-    def lora_request(cls, config: Config) -> dict[str, Any]:
+    def lora_request(cls, config: Config) -> dict[str, str | int | bool]:
         """The arguments of ``create_lora_training_client`` for ``config`` (both SDKs take these)."""
         return {
             "base_model": config.model.name,
@@ -579,7 +580,7 @@ class RemoteTrainingClient(TrainingClient):
     def model_input(self, tokens: list[int]) -> Any:
         return self._type("ModelInput").from_ints(tokens)
 
-    def eos_stop(self, string: bool) -> list[Any]:
+    def eos_stop(self, string: bool) -> list[str | int]:
         tok = self._tokenizer
         if tok is None:
             return []
@@ -635,7 +636,7 @@ class RemoteTrainingClient(TrainingClient):
         return WireDatum(inputs, targets, logprobs=lps, advantages=adv)
 
     def to_sdk_datum(self, w: WireDatum, scale: float) -> Any:
-        inputs: dict[str, Any] = {"target_tokens": self.tensor(w.targets, "int64")}
+        inputs: dict[str, object] = {"target_tokens": self.tensor(w.targets, "int64")}
         if w.weights is not None:
             inputs["weights"] = self.tensor([x * scale for x in w.weights], "float32")
         if w.logprobs is not None and w.advantages is not None:
@@ -733,7 +734,7 @@ class RemoteTrainingClient(TrainingClient):
         if scale is None:
             scale = self.reduction_scale(totals, loss_fn)
         data = [self.to_sdk_datum(w, scale) for w in wire]
-        kwargs: dict[str, Any] = {"loss_fn": loss_fn}
+        kwargs: dict[str, object] = {"loss_fn": loss_fn}
         if loss_fn == "ppo":
             kwargs["loss_fn_config"] = {"clip_low_threshold": lo, "clip_high_threshold": hi}
         self.prepare_training_call()
