@@ -138,3 +138,40 @@ def test_the_traceback_is_shown_on_request(tmp_path: Path) -> None:
             .splitlines()[-1]
             .startswith("retool.backends.remote.BackendUnavailableError: pytrio backend: no API key")
         )
+
+
+def _fake_hub_cache(cache: Path, repo: str, files: list[str]) -> None:
+    """The Hugging Face cache layout: models--ORG--NAME/{refs/main, snapshots/REV/FILE}."""
+    folder = cache / f"models--{repo.replace('/', '--')}"
+    (folder / "refs").mkdir(parents=True)
+    (folder / "refs" / "main").write_text("abc123")
+    for name in files:
+        (folder / "snapshots" / "abc123").mkdir(parents=True, exist_ok=True)
+        (folder / "snapshots" / "abc123" / name).write_text("{}")
+
+
+@pytest.mark.parametrize("offline", [True, False])
+def test_a_hub_model_is_checked_against_the_cache(
+    offline: bool, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from huggingface_hub import constants
+
+    from retool.backends import check_model_available
+    from retool.errors import ModelLoadError
+
+    monkeypatch.setattr(constants, "HF_HUB_CACHE", str(tmp_path / "hub"))
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", offline)
+    _fake_hub_cache(tmp_path / "hub", "org/cached", ["config.json"])
+    _fake_hub_cache(tmp_path / "hub", "org/gguf-only", ["m.Q4.gguf"])
+    check_model_available("org/cached")
+    check_model_available("org/gguf-only", "m.Q4.gguf")
+    check_model_available(str(tmp_path))  # a local folder
+    with pytest.raises(ModelLoadError, match="no such file or folder"):
+        check_model_available(str(tmp_path / "missing"))
+    if offline:
+        with pytest.raises(ModelLoadError, match=f"'org/absent' {NOT_CACHED}"):
+            check_model_available("org/absent")
+        with pytest.raises(ModelLoadError, match=NOT_CACHED):
+            check_model_available("org/gguf-only")  # its config.json is not there
+    else:  # online, loading will try the Hub (and say so in one line if it cannot)
+        check_model_available("org/absent")

@@ -109,16 +109,17 @@ def _looks_like_path(name: str) -> bool:
     return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or name.endswith(".gguf")
 
 
-def check_model_available(name: str) -> None:
+def check_model_available(name: str, gguf_file: str | None = None) -> None:
     """Fail in one line, before anything loads, when ``name`` can be neither a local model nor a cached or
-    downloadable Hub model: ``ModelLoadError`` (no such path; not in the Hugging Face cache while offline)."""
+    downloadable Hub model: ``ModelLoadError`` (no such path; not in the Hugging Face cache while offline).
+    A Hub id counts as cached when its ``config.json`` is (or ``gguf_file``, for a GGUF-only repository)."""
     if Path(name).expanduser().exists():
         return
     if _looks_like_path(name):
         raise ModelLoadError(f"model.name = {name!r}: no such file or folder")
 
     try:
-        cached = try_to_load_from_cache(name, "config.json")
+        cached = try_to_load_from_cache(name, gguf_file or "config.json")
     except ValueError as exc:  # HFValidationError: not a Hub id at all
         raise ModelLoadError(f"model.name = {name!r}: not a local path, nor a Hub id ({exc})") from None
     if not isinstance(cached, str) and constants.HF_HUB_OFFLINE:
@@ -149,7 +150,7 @@ def _local_client(config: Config) -> TrainingClient:
     from retool.backends.local import LocalTrainingClient  # deferred: torch, transformers (see _LAZY)
 
     name = resolve_model_name(config)
-    check_model_available(name)
+    check_model_available(name, config.model.gguf_file)
     try:
         client = LocalTrainingClient(
             name,
