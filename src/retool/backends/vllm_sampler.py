@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from retool.backends.generation import GenRequest
 from retool.backends.local import LocalSamplingClient
+from retool.backends.remote import SdkOptionError, sdk_label
 from retool.backends.types import Sample
 
 if TYPE_CHECKING:
@@ -67,20 +68,19 @@ class VllmSamplingClient(LocalSamplingClient):
             "seed": owner.seed,
             "logprobs_mode": "raw_logprobs",
         }
+        # Every setting reaches the engine or the run stops: without raw_logprobs, for one, the sampled
+        # logprobs would be post-processing ones and every importance ratio off.
         accepted = _accepted_engine_args(vllm)
-        if accepted is not None:
-            dropped = sorted(set(kwargs) - accepted)
-            if dropped:
-                logger.warning("this vLLM does not accept %s; logprobs may be post-processing ones", dropped)
-            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        unknown = sorted(set(kwargs) - accepted) if accepted is not None else []
+        if unknown:
+            raise _unsupported(vllm, kwargs, unknown)
         try:
             self.llm = vllm.LLM(**kwargs)
-        except TypeError as exc:  # an older vLLM without raw-logprob mode
-            if "logprobs_mode" not in str(exc):
+        except TypeError as exc:  # no EngineArgs to read beforehand: the engine names what it refuses
+            refused = [k for k in kwargs if f"'{k}'" in str(exc)]
+            if not refused:
                 raise
-            logger.warning("this vLLM has no logprobs_mode; returned logprobs may be post-processing ones")
-            kwargs.pop("logprobs_mode")
-            self.llm = vllm.LLM(**kwargs)
+            raise _unsupported(vllm, kwargs, refused) from exc
         self._adapter_dir = Path(owner.checkpoint_dir) / "vllm_adapters"
         self._version = 0
         self._lora_request: Any = None
@@ -139,6 +139,14 @@ class VllmSamplingClient(LocalSamplingClient):
             reason = "length" if comp.finish_reason == "length" else "stop"
             samples.append(Sample(tokens, lps, reason))  # type: ignore[arg-type]
         return samples
+
+
+def _unsupported(vllm: object, kwargs: dict[str, Any], names: list[str]) -> SdkOptionError:
+    settings = ", ".join(f"{k}={kwargs[k]!r}" for k in names)
+    return SdkOptionError(
+        f"{sdk_label(vllm)}: the engine takes no {settings}; this vLLM cannot apply that setting. Upgrade it "
+        "(pip install 'retool-rl[vllm]') or use backend.sampler = 'hf'"
+    )
 
 
 def _accepted_engine_args(vllm: Any) -> set[str] | None:
