@@ -305,11 +305,11 @@ def ordered_checkpoints(evals: list[EvalResult]) -> list[str]:
     return out
 
 
-def _pct(x: Any) -> str:
+def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * float(x):.2f}%"
 
 
-def _num(x: Any, digits: int = 2) -> str:
+def _num(x: float | None, digits: int = 2) -> str:
     return "" if x is None else f"{float(x):.{digits}f}"
 
 

@@ -121,7 +121,7 @@ class GuardedTrainingClient(TrainingClient):
         self.retry_stats = RetryStats()
         self.replays = 0
         self.dedupes = bool(getattr(inner, "dedupes_request_ids", False))
-        self._zero_grad: Callable[[], Awaitable[Any]] | None = getattr(inner, "zero_grad_async", None)
+        self._zero_grad: Callable[[], Awaitable[object]] | None = getattr(inner, "zero_grad_async", None)
         self._session = session or uuid.uuid4().hex[:12]
         self._window: list[_Call] = []
         self._window_seq = 0

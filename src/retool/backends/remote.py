@@ -349,7 +349,7 @@ def local_tokenizer(model_name: str) -> Any:
 class RemoteSamplingClient(SamplingClient):
     """Wraps an SDK sampling client; returns our ``Sample`` objects."""
 
-    def __init__(self, sdk: Any, client: Any, owner: RemoteTrainingClient) -> None:
+    def __init__(self, sdk: ModuleType, client: Any, owner: RemoteTrainingClient) -> None:
         self._sdk = sdk
         self._client = client
         self._owner = owner
@@ -432,7 +432,7 @@ class RemoteTrainingClient(TrainingClient):
 
     def __init__(
         self,
-        sdk: Any,
+        sdk: ModuleType,
         training_client: Any,
         *,
         base_model: str,

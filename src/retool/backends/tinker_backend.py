@@ -62,6 +62,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from retool.backends.reduction import ReductionMode
@@ -107,12 +108,12 @@ class TinkerTrainingClient(RemoteTrainingClient):
     default_reduction: ReductionMode = "sum"
     server_loss_key = "loss:sum"
 
-    def __init__(self, sdk: Any, training_client: Any, *, service: Any = None, **kwargs: Any) -> None:
+    def __init__(self, sdk: ModuleType, training_client: Any, *, service: Any = None, **kwargs: Any) -> None:
         super().__init__(sdk, training_client, **kwargs)
         self._service = service
 
     @classmethod
-    def from_config(cls, config: Config, sdk: Any = None) -> TinkerTrainingClient:
+    def from_config(cls, config: Config, sdk: ModuleType | None = None) -> TinkerTrainingClient:
         sdk = sdk or import_sdk("tinker", "tinker")
         problem = credential_problem()
         if problem is not None:

@@ -124,7 +124,7 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def _pct(v: Any) -> str:
+def _pct(v: float | None) -> str:
     return "  -  " if v is None else f"{100 * float(v):5.1f}%"
 
 

@@ -182,7 +182,7 @@ def _curves(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"step": steps, "series": series}
 
 
-def _finite(value: Any) -> float | None:
+def _finite(value: object) -> float | None:
     if not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf")):
         return None
     return float(value)
@@ -339,7 +339,7 @@ class _Index:
         )
 
 
-def _round(value: Any) -> float | None:
+def _round(value: float | None) -> float | None:
     return None if value is None else round(float(value), 4)
 
 
@@ -589,7 +589,7 @@ def _asset(name: str) -> str:
     return (resources.files("retool.view") / "assets" / name).read_text(encoding="utf-8")
 
 
-def script_json(data: Any) -> str:
+def script_json(data: object) -> str:
     """JSON safe inside ``<script type="application/json">``: no ``<``, ``>`` or ``&`` survives, so model
     output cannot close the element or open a comment, whatever it contains."""
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
