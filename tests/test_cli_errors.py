@@ -3,8 +3,9 @@
 config, a missing input. Each command runs as a user runs it (``python -m retool``), offline
 (``HF_HUB_OFFLINE=1``, an empty Hugging Face cache and home), so nothing tries the network.
 
-(The third way a model cannot be loaded, the Hub unreachable while online, ends the same way through the
-same path, after huggingface_hub's own retries: about a minute, so it is not run here.)
+The third way a model cannot be loaded, the Hub unreachable while online, ends the same way after
+huggingface_hub's own retries (about a minute: run by hand with ``HF_ENDPOINT=http://127.0.0.1:9``); here its
+translation is tested in-process, with transformers' OSError stood in for.
 """
 
 from __future__ import annotations
@@ -175,3 +176,28 @@ def test_a_hub_model_is_checked_against_the_cache(
             check_model_available("org/gguf-only")  # its config.json is not there
     else:  # online, loading will try the Hub (and say so in one line if it cannot)
         check_model_available("org/absent")
+
+
+def test_a_hub_that_cannot_provide_the_model_is_one_line(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Online, loading a Hub id that is not cached goes to the Hub; when that fails, transformers raises an
+    OSError (what it raises after its retries, stood in for here), said as a ModelLoadError."""
+    from huggingface_hub import constants
+
+    import retool.backends.local
+    from retool.backends import make_training_client
+    from retool.config import load_config
+    from retool.errors import ModelLoadError
+
+    def unreachable(*_: object, **__: object) -> None:
+        raise OSError(
+            "We couldn't connect to 'https://huggingface.co' to load the files.\nCheck your connection."
+        )
+
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(retool.backends.local, "LocalTrainingClient", unreachable)
+    with pytest.raises(ModelLoadError) as caught:
+        make_training_client(load_config("tiny", [f"model.name='{QWEN}'"]))
+    assert str(caught.value) == (
+        f"model.name = '{QWEN}' is neither a local path nor in the Hugging Face cache, and the Hub could not "
+        "provide it (We couldn't connect to 'https://huggingface.co' to load the files.)"
+    )
