@@ -15,6 +15,7 @@ import argparse
 import asyncio
 import random
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
@@ -34,7 +35,10 @@ def main() -> None:
     import torch
 
     from retool.backends.local import LocalTrainingClient
-    from retool.backends.packing import greedy_micro_batches, pack_micro_batches, padding_efficiency
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the packing baseline
+    from packing_baseline import greedy_micro_batches
+    from retool.backends.packing import pack_micro_batches, padding_efficiency
     from retool.backends.tinymodel import build_tiny_model
     from retool.backends.types import Datum, SamplingParams
 

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
-from retool.view.browser import launch, open_site
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' run writer and browser
+from headless_browser import launch, open_site
 from retool.view.site import build_site
-from retool.view.synthetic import write_training_run
+from synthetic_runs import write_training_run
 
 FILTERS = [
     ("outcome", "correct"),

@@ -3,7 +3,7 @@
     python scripts/viewer_screenshot.py runs/demo --out docs/viewer.png [--overview docs/viewer-overview.png]
 
 Builds the site for the given run/eval paths into a temporary folder, opens it in headless Chromium
-(``retool.view.browser``), picks a trajectory from the last sampled training step that called the tool
+(``tests/headless_browser.py``), picks a trajectory from the last sampled training step that called the tool
 and got the answer right (so the picture shows code, interpreter output marked masked, and the boxed
 answer against the reference), and saves the viewport as PNG. Fails if the page logged a console error.
 """
@@ -17,7 +17,8 @@ import sys
 import tempfile
 from pathlib import Path
 
-from retool.view.browser import launch, open_site
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the browser tests' tooling
+from headless_browser import launch, open_site
 from retool.view.site import build_site
 
 

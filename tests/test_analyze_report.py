@@ -188,8 +188,8 @@ def test_bad_inputs_are_clear_errors(tmp_path: Path) -> None:
 
 
 def test_checkpoint_labels_drop_generic_path_parts() -> None:
-    from retool.analyze.report import _short
+    from retool.analyze.report import short_label
 
-    assert _short("runs/r1/checkpoints/step_000050/backend") == "r1/step_000050"
-    assert _short("tinker://abc/weights/7") == "abc/7"
-    assert _short("step_3") == "step_3"
+    assert short_label("runs/r1/checkpoints/step_000050/backend") == "r1/step_000050"
+    assert short_label("tinker://abc/weights/7") == "abc/7"
+    assert short_label("step_3") == "step_3"

@@ -1,18 +1,26 @@
-"""The import rule, checked by reading every import in ``src/retool``: a stage imports only stages below it.
+"""The structure rules, checked by reading the source of ``src/retool``:
 
-``LAYERS`` lists the stages bottom-up (``docs/ARCHITECTURE.md`` draws the same picture). A module may
-import its own stage and any stage on a lower layer; stages on one layer are independent of each other.
-Imports inside functions count too: a lazy import is still a dependency.
+- the layer rule: a stage imports only stages below it. ``LAYERS`` lists the stages bottom-up
+  (``docs/ARCHITECTURE.md`` draws the same picture). A module may import its own stage and any stage on a
+  lower layer; stages on one layer are independent of each other.
+- the circle rule: no import circle between modules, inside a stage too.
+- the length rule: a function's body is at most 60 lines; at most five, named in ``UP_TO_80`` with the
+  reason splitting them would hurt, run to 80; none is longer.
+
+Imports inside functions (and under ``TYPE_CHECKING``) count too: a lazy import is still a dependency.
 """
 
 from __future__ import annotations
 
 import ast
+import itertools
+from collections.abc import Iterator
 from pathlib import Path
 
 SRC = Path(__file__).resolve().parents[1] / "src" / "retool"
 
 LAYERS: list[tuple[str, ...]] = [
+    ("errors", "jsonl"),  # the user-facing error type; the one JSONL reader
     ("config", "retry"),  # the typed config; how remote calls are bounded and retried
     ("data", "protocol", "sandbox", "reward", "backends"),  # the foundations, independent of each other
     ("env", "components"),  # the environments (problems, the interaction, the reward); a run's parts
@@ -89,36 +97,273 @@ def test_the_rule_catches_upward_and_lazy_imports(tmp_path: Path) -> None:
     ]
 
 
-MAX_FUNCTION_LINES = 60
+# -- import circles ------------------------------------------------------------------------------------
+
+# Circles in files other sessions are rewriting (issue 21), to be removed from here once their branches
+# land: the frozen sampler (backends/snapshot.py) is being folded into the local backend. A listed circle
+# that is gone fails the test too, so this list only shrinks.
+KNOWN_CIRCLES: set[frozenset[str]] = {
+    frozenset({"retool.backends.local", "retool.backends.snapshot"}),
+}
 
 
-def long_functions(root: Path, limit: int = MAX_FUNCTION_LINES) -> list[str]:
-    """Functions whose body (docstring aside) runs past ``limit`` lines without saying why: their
-    docstring must hold a "Long because ..." sentence."""
-    out: list[str] = []
+def module_graph(root: Path) -> dict[str, dict[str, int]]:
+    """module -> {imported module: line of its first import}, over the modules under ``root`` (a package
+    is its ``__init__``). ``from a.b import c`` points at ``a.b.c`` when that is a module, else ``a.b``."""
+    modules = {}
     for path in sorted(root.rglob("*.py")):
+        name = module_name(path, root)
+        modules[name.removesuffix(".__init__")] = path
+    graph: dict[str, dict[str, int]] = {}
+    for name, path in modules.items():
+        edges = graph.setdefault(name, {})
         for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
-            if not isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                targets = [f"{node.module}.{a.name}" for a in node.names]
+                targets = [t if t in modules else node.module for t in targets]
+            for target in targets:
+                while target and target not in modules:
+                    target = target.rpartition(".")[0]
+                if target and target != name:
+                    edges.setdefault(target, node.lineno)
+    return graph
+
+
+def strongly_connected(graph: dict[str, dict[str, int]]) -> Iterator[list[str]]:
+    """Tarjan's algorithm, iteratively: every group of modules that import each other, directly or not."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph[start])))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, {})))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
                 continue
-            doc = ast.get_docstring(node) or ""
-            body = node.body[1:] if doc and len(node.body) > 1 else node.body
-            lines = (node.end_lineno or node.lineno) - body[0].lineno + 1
-            if lines > limit and "Long because" not in doc:
-                out.append(f"{path.relative_to(root.parent)}:{node.lineno}: {node.name} ({lines} lines)")
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                group = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    group.append(member)
+                    if member == node:
+                        break
+                yield sorted(group)
+
+
+def circle_in(graph: dict[str, dict[str, int]], group: list[str], root: Path) -> str:
+    """The shortest circle through ``group[0]`` (breadth-first inside the group), each step with the file
+    and line of its import."""
+    members, start = set(group), group[0]
+    came_from: dict[str, str] = {}
+    frontier = [start]
+    while start not in came_from:
+        frontier = [
+            came_from.setdefault(t, here) and t
+            for here in frontier
+            for t in sorted(graph[here])
+            if t in members and t not in came_from
+        ]
+    path = [start]
+    while len(path) == 1 or path[-1] != start:
+        path.append(came_from[path[-1]])
+    path.reverse()
+    steps = []
+    for a, b in itertools.pairwise(path):
+        file = a.replace(".", "/") + ".py"
+        if not (root.parent / file).is_file():
+            file = a.replace(".", "/") + "/__init__.py"
+        steps.append(f"{a} -> {b} ({file}:{graph[a][b]})")
+    return "; ".join(steps)
+
+
+def import_circles(root: Path) -> dict[frozenset[str], str]:
+    graph = module_graph(root)
+    return {
+        frozenset(group): circle_in(graph, group, root)
+        for group in strongly_connected(graph)
+        if len(group) > 1
+    }
+
+
+def test_no_import_circles() -> None:
+    found = import_circles(SRC)
+    new = [how for group, how in found.items() if group not in KNOWN_CIRCLES]
+    gone = [sorted(group) for group in KNOWN_CIRCLES if group not in found]
+    assert new == [], "import circles (function-local imports count):\n" + "\n".join(new)
+    assert gone == [], f"no longer circles, remove them from KNOWN_CIRCLES: {gone}"
+
+
+def test_the_circle_rule_sees_lazy_imports_and_says_where(tmp_path: Path) -> None:
+    root = tmp_path / "retool"
+    (root / "train").mkdir(parents=True)
+    (root / "train" / "__init__.py").write_text("")
+    (root / "train" / "a.py").write_text("import os\nfrom retool.train.b import g\n")
+    (root / "train" / "b.py").write_text("def g():\n    from retool.train import c\n")
+    (root / "train" / "c.py").write_text("def h():\n    import retool.train.a\n")
+    (root / "train" / "d.py").write_text("from retool.train.a import g\n")  # into the circle, not in it
+    assert import_circles(root) == {
+        frozenset({"retool.train.a", "retool.train.b", "retool.train.c"}): (
+            "retool.train.a -> retool.train.b (retool/train/a.py:2); "
+            "retool.train.b -> retool.train.c (retool/train/b.py:2); "
+            "retool.train.c -> retool.train.a (retool/train/c.py:2)"
+        )
+    }
+
+
+# -- function length -----------------------------------------------------------------------------------
+
+MAX_FUNCTION_LINES = 60
+MAX_EXCUSED_LINES = 80
+# The few functions allowed past 60 lines (to 80 at most), each with why splitting it would hurt reading.
+UP_TO_80: dict[str, str] = {}
+# Long functions in files other sessions are rewriting (issue 21), to shrink once their branches land. A
+# listed function that is no longer too long fails the test too, so this list only shrinks.
+KNOWN_LONG: set[str] = {
+    "retool/backends/generation.py:generate_batch",
+    "retool/rollout/engine.py:_Rollout.run_round_sync",
+    "retool/train/records.py:trajectory_record",
+}
+
+
+def function_lengths(root: Path) -> dict[str, int]:
+    """``file:Class.function`` -> lines of its body, docstring aside, for every function under ``root``."""
+    out: dict[str, int] = {}
+
+    def visit(node: ast.AST, file: str, prefix: str) -> None:
+        for child in ast.iter_child_nodes(node):
+            if isinstance(child, ast.FunctionDef | ast.AsyncFunctionDef):
+                body = child.body[1:] if ast.get_docstring(child) and len(child.body) > 1 else child.body
+                out[f"{file}:{prefix}{child.name}"] = (child.end_lineno or child.lineno) - body[0].lineno + 1
+                visit(child, file, f"{prefix}{child.name}.")
+            elif isinstance(child, ast.ClassDef):
+                visit(child, file, f"{prefix}{child.name}.")
+            else:
+                visit(child, file, prefix)
+
+    for path in sorted(root.rglob("*.py")):
+        visit(ast.parse(path.read_text(encoding="utf-8")), str(path.relative_to(root.parent)), "")
     return out
 
 
-def test_functions_are_short_or_say_why() -> None:
-    assert long_functions(SRC) == []
+def length_violations(lengths: dict[str, int], excused: dict[str, str], known: set[str]) -> list[str]:
+    out = []
+    for name, n in sorted(lengths.items()):
+        limit = MAX_EXCUSED_LINES if name in excused else MAX_FUNCTION_LINES
+        if n > limit and name not in known:
+            out.append(f"{name}: {n} lines (at most {limit})")
+    out += [
+        f"{name}: not in the source, or short now: remove it from the list"
+        for name in sorted(excused)
+        if lengths.get(name, 0) <= MAX_FUNCTION_LINES
+    ]
+    out += [
+        f"{name}: short now: remove it from KNOWN_LONG"
+        for name in sorted(known)
+        if lengths.get(name, 0) <= MAX_FUNCTION_LINES
+    ]
+    return out
 
 
-def test_the_length_rule_reads_bodies_and_reasons(tmp_path: Path) -> None:
+def test_functions_are_short() -> None:
+    assert len(UP_TO_80) <= 5 and all(reason.strip() for reason in UP_TO_80.values())
+    assert length_violations(function_lengths(SRC), UP_TO_80, KNOWN_LONG) == []
+
+
+def test_the_length_rule_reads_bodies_and_allows_only_the_named(tmp_path: Path) -> None:
     root = tmp_path / "retool"
     root.mkdir()
-    body, short = ("".join(f"    x{i} = {i}\n" for i in range(n)) for n in (61, 60))
+    body = {n: "".join(f"    x{i} = {i}\n" for i in range(n)) for n in (60, 61, 80, 81)}
     (root / "m.py").write_text(
-        f'def long():\n    """Does a lot."""\n{body}\n'
-        f'def explained():\n    """Does a lot.\n\n    Long because it must.\n    """\n{body}\n'
-        f'def short():\n    """Sixty lines is fine."""\n{short}\n'
+        f'def long():\n    """Does a lot.\n\n    Long because it must.\n    """\n{body[61]}\n'
+        f'def short():\n    """Sixty lines is fine."""\n{body[60]}\n'
+        f"def excused():\n{body[80]}\n"
+        f"def too_long():\n{body[81]}\n"
+        f"class C:\n    def method(self):\n{body[61].replace('    ', '        ')}\n"
     )
-    assert long_functions(root) == ["retool/m.py:1: long (61 lines)"]
+    lengths = function_lengths(root)
+    assert lengths["retool/m.py:short"] == 60 and lengths["retool/m.py:C.method"] == 61
+    excused = {"retool/m.py:excused": "why", "retool/m.py:too_long": "why", "retool/m.py:short": "why"}
+    assert length_violations(lengths, excused, set()) == [
+        "retool/m.py:C.method: 61 lines (at most 60)",
+        "retool/m.py:long: 61 lines (at most 60)",  # a docstring that explains is not a reason
+        "retool/m.py:too_long: 81 lines (at most 80)",
+        "retool/m.py:short: not in the source, or short now: remove it from the list",
+    ]
+
+
+# -- deferred imports ----------------------------------------------------------------------------------
+
+# Files other sessions are rewriting (issue 21) whose function-local imports do not say why yet; to shrink
+# once their branches land. A listed file with nothing left to explain fails the test too.
+KNOWN_UNEXPLAINED_DEFERRED: set[str] = {
+    "retool/backends/local.py",
+    "retool/evaluate/runner.py",
+    "retool/train/loop.py",
+    "retool/train/metrics.py",
+    "retool/train/step.py",
+}
+
+
+def unexplained_deferred_imports(root: Path) -> dict[str, list[int]]:
+    """file -> lines of function-local imports with no reason: a deferred import (of a heavy or optional
+    package) carries a ``#`` comment on its line, on an import line right above it in the same run, or
+    on a comment line right above that run."""
+    out: dict[str, list[int]] = {}
+    for path in sorted(root.rglob("*.py")):
+        lines = path.read_text(encoding="utf-8").splitlines()
+        tree = ast.parse("\n".join(lines))
+        for fn in ast.walk(tree):
+            if not isinstance(fn, ast.FunctionDef | ast.AsyncFunctionDef):
+                continue
+            for node in ast.walk(fn):
+                if not isinstance(node, ast.Import | ast.ImportFrom):
+                    continue
+                first = node.lineno
+                while first > 1 and lines[first - 2].strip().startswith(("import ", "from ")):
+                    first -= 1  # a run of imports shares the reason given on one of them
+                if first > 1 and lines[first - 2].strip().startswith("#"):
+                    first -= 1  # or on a comment line right above the run
+                run = lines[first - 1 : (node.end_lineno or node.lineno)]
+                if not any("#" in line for line in run):
+                    out.setdefault(str(path.relative_to(root.parent)), []).append(node.lineno)
+    return out
+
+
+def test_deferred_imports_say_why() -> None:
+    found = unexplained_deferred_imports(SRC)
+    assert {f: n for f, n in found.items() if f not in KNOWN_UNEXPLAINED_DEFERRED} == {}
+    assert sorted(KNOWN_UNEXPLAINED_DEFERRED - set(found)) == [], "explained now: remove from the list"
+
+
+def test_the_deferred_import_rule(tmp_path: Path) -> None:
+    root = tmp_path / "retool"
+    root.mkdir()
+    (root / "m.py").write_text(
+        "import os\n\n"
+        "def plain():\n    import json\n\n"
+        "def explained():\n    import torch  # deferred: torch (~2 s)\n    import numpy as np\n\n"
+        "def apart():\n    import torch  # deferred: torch\n    x = 1\n    import gguf\n\n"
+        "def above():\n    # deferred: gguf is optional\n    import gguf\n"
+    )
+    assert unexplained_deferred_imports(root) == {"retool/m.py": [4, 13]}

@@ -17,6 +17,7 @@ pytest.importorskip("accelerate")  # transformers refuses GGUF files without it
 
 from retool.backends.base import TrainingClient
 from retool.backends.types import SamplingParams
+from retool.errors import ModelLoadError
 
 # Small budgets shared by the CLI runs: one short turn pair, one thread (the CPU is shared).
 SMALL = [
@@ -153,7 +154,7 @@ def test_lora_on_a_gguf_model_saves_merged_as_a_plain_folder(gguf_path: Path, tm
 
 
 def test_missing_gguf_file_is_a_clear_error(tmp_path: Path) -> None:
-    with pytest.raises(FileNotFoundError, match="does not exist"):
+    with pytest.raises(ModelLoadError, match=r"model\.gguf': no such file or folder"):
         _client(str(tmp_path / "nowhere" / "model.gguf"))
 
 

@@ -336,11 +336,11 @@ def test_guard_applies_to_remote_backends_by_default() -> None:
 def test_every_command_gets_the_guard_through_build_components(monkeypatch: pytest.MonkeyPatch) -> None:
     """Train, eval, sft and demo build their parts with ``build_components``: a remote backend comes back
     behind the guard there (so ``retool eval`` has the same timeouts as training), a local one bare."""
-    import retool.backends as backends
+    import retool.components
     from retool.components import build_components
 
     service = FakeService()
-    monkeypatch.setattr(backends, "make_training_client", lambda config: service)
+    monkeypatch.setattr(retool.components, "make_training_client", lambda config: service)
     monkeypatch.setattr("retool.protocol.ChatProtocol.from_config", lambda *a, **k: object())
     remote = build_components(load_config(None, ["backend.kind='tinker'"]), tools=False)
     local = build_components(load_config(None, []), tools=False)

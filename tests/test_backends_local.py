@@ -119,7 +119,8 @@ def test_missing_model_path_is_clear(tmp_path: Path) -> None:
 def test_model_name_tiny_is_built_once_into_the_run_folder(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    from retool.backends import resolve_model_name, tinymodel
+    import retool.backends
+    from retool.backends import resolve_model_name
     from retool.config import load_config
 
     built: list[tuple[Path, str, int]] = []
@@ -130,7 +131,7 @@ def test_model_name_tiny_is_built_once_into_the_run_folder(
         (Path(out_dir) / "config.json").write_text("{}")
         return Path(out_dir)
 
-    monkeypatch.setattr(tinymodel, "build_tiny_model", fake_build)
+    monkeypatch.setattr(retool.backends, "build_tiny_model", fake_build)
     monkeypatch.chdir(tmp_path)
     cfg = load_config("tiny", [f'train.run_dir="{tmp_path / "run"}"'])
     folder = tmp_path / "run" / "tiny_model"

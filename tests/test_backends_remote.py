@@ -9,6 +9,8 @@ SDK, ``build_model``'s field mapping).
 from __future__ import annotations
 
 import asyncio
+import importlib.metadata
+import inspect
 import json
 import logging
 import sys
@@ -24,15 +26,22 @@ import pytrio.client.training
 import tinker
 
 from retool.backends import make_training_client
+from retool.backends.base import TrainingClient
+from retool.backends.guarded import GuardedTrainingClient
 from retool.backends.reduction import (
     ReductionCheckError,
     batch_totals,
-    check_remote_reduction,
     probe_datums,
 )
-from retool.backends.remote import BackendUnavailableError, RemoteTrainingClient, StateOrderError
+from retool.backends.remote import (
+    BackendUnavailableError,
+    RemoteTrainingClient,
+    SdkOptionError,
+    StateOrderError,
+)
 from retool.backends.types import AdamParams, Datum, SamplingParams
 from retool.config import Config, load_config
+from retool.retry import RetryPolicy
 from sdk_stubs import (
     PYTRIO_KEY,
     TINKER_KEY,
@@ -190,7 +199,7 @@ def test_a_stubbed_tinker_session_raises_no_future_warning(
     with TinkerStub() as stub, warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         client = make_training_client(make_cfg("tinker", tok_dir, base_url=stub.url))
-        asyncio.run(check_remote_reduction(client, "ppo", PPO))
+        asyncio.run(client.check_reduction_async("ppo", PPO))
         client.forward_backward(_datums(), "ppo", PPO)
         client.optim_step(AdamParams())
         path = client.save_state("step-1")
@@ -316,8 +325,8 @@ def test_optim_step_sends_every_adam_field(remote: Remote) -> None:
     assert res.grad_norm == 0.75 and remote.client.step == 1
 
 
-def test_build_model_aliases_and_drops() -> None:
-    from retool.backends.remote import build_model
+def test_build_model_renames_aliases_and_refuses_a_field_the_sdk_lacks() -> None:
+    from retool.backends.remote import SdkOptionError, build_model
 
     class LrAdam:  # an SDK version with other field names: no server involved, so a local class
         model_fields: ClassVar[dict[str, Any]] = {"lr": 1e-4, "beta1": 0.9}
@@ -325,8 +334,72 @@ def test_build_model_aliases_and_drops() -> None:
         def __init__(self, **kwargs: Any) -> None:
             self.__dict__.update(kwargs)
 
-    p = build_model(LrAdam, learning_rate=3e-5, beta1=0.8, grad_clip_norm=0.0)
-    assert (p.lr, p.beta1) == (3e-5, 0.8) and not hasattr(p, "grad_clip_norm")
+    p = build_model(LrAdam, "sdk 1.0", learning_rate=3e-5, beta1=0.8, grad_clip_norm=None)
+    assert p.__dict__ == {"lr": 3e-5, "beta1": 0.8}  # an unset (None) field loses nothing
+    for value in (1.0, 0.0):  # 0.0 too: whether "no clipping" is this SDK's default is not ours to guess
+        with pytest.raises(
+            SdkOptionError, match=rf"sdk 1\.0: LrAdam has no field for grad_clip_norm={value}"
+        ):
+            build_model(LrAdam, "sdk 1.0", learning_rate=3e-5, grad_clip_norm=value)
+
+
+def _older_sdk(monkeypatch: pytest.MonkeyPatch, kind: str, without: str) -> str:
+    """The installed SDK's real ``create_lora_training_client``, as a version that lacks ``without``
+    would declare it; returns the SDK's name and version as messages give them."""
+    sdk = pytrio if kind == "pytrio" else tinker
+    real = sdk.ServiceClient.create_lora_training_client
+    params = [p for p in inspect.signature(real).parameters.values() if p.name != without]
+
+    def older(self: Any, *args: Any, **kwargs: Any) -> Any:
+        return real(self, *args, **kwargs)
+
+    older.__signature__ = inspect.Signature(params)  # type: ignore[attr-defined]
+    older.__qualname__ = real.__qualname__
+    monkeypatch.setattr(sdk.ServiceClient, "create_lora_training_client", older)
+    return f"{kind} {importlib.metadata.version(kind)}"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(("option", "value"), [("seed", "7"), ("rank", "16"), ("train_unembed", "False")])
+def test_a_setting_the_installed_sdk_cannot_take_is_an_error_naming_it_and_the_version(
+    kind: str, option: str, value: str, home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, kind)
+    label = _older_sdk(monkeypatch, kind, without=option)
+    with make_stub(kind) as stub:
+        with pytest.raises(SdkOptionError) as caught:
+            make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
+        message = str(caught.value)
+        assert message.startswith(f"{label}: ServiceClient.create_lora_training_client takes no ")
+        assert f"{option}={value}" in message
+        assert stub.bodies("/training-runs" if kind == "pytrio" else "/create_model") == []
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize(
+    "modules", [["q_proj", "v_proj"], ["q_proj", "k_proj", "v_proj", "o_proj", "embed_tokens"], ["gate_proj"]]
+)
+def test_lora_targets_a_service_cannot_train_exactly_are_refused(
+    kind: str, modules: list[str], home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    set_key(monkeypatch, kind)
+    targets = "lora.target_modules=[" + ", ".join(f'"{m}"' for m in modules) + "]"
+    with make_stub(kind) as stub:
+        with pytest.raises(SdkOptionError, match=r"lora\.target_modules = .* whole layer groups"):
+            make_training_client(make_cfg(kind, tok_dir, targets, base_url=stub.url))
+        assert stub.bodies("/training-runs" if kind == "pytrio" else "/create_model") == []
+
+
+def test_whole_lora_groups_map_to_the_services_switches() -> None:
+    from retool.backends.remote import lora_flags
+
+    attn_mlp = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    assert lora_flags(attn_mlp) == {"train_attn": True, "train_mlp": True, "train_unembed": False}
+    assert lora_flags(["model.layers.0.self_attn.qkv_proj", "o_proj", "lm_head"]) == {
+        "train_attn": True,
+        "train_mlp": False,
+        "train_unembed": True,
+    }
 
 
 # -- sampling -----------------------------------------------------------------------------------------
@@ -633,8 +706,9 @@ def test_self_check_finds_the_services_denominator(
         assumed = "active_tokens" if kind == "pytrio" else "sum"
         assert (before == pytest.approx(1.0, rel=1e-5)) == (reduction == assumed)
         n_calls = len(stub.calls)
+        guarded = GuardedTrainingClient(client, policy=RetryPolicy())  # as the trainer holds it
         with caplog.at_level(logging.INFO, logger="retool.backends.reduction"):
-            reports = asyncio.run(check_remote_reduction(client, "ppo", PPO))
+            reports = asyncio.run(guarded.check_reduction_async("ppo", PPO))
         assert [(r.loss_fn, r.mode) for r in reports] == [
             ("cross_entropy", CE_MODE[reduction]),
             ("ppo", reduction),
@@ -642,7 +716,7 @@ def test_self_check_finds_the_services_denominator(
         assert f"normalises ppo by {reduction}" in caplog.text
         assert all(c.forward_only for c in stub.calls[n_calls:])  # the probe never accumulates a gradient
         assert len(stub.calls) == n_calls + 2
-        assert asyncio.run(check_remote_reduction(client, "ppo", PPO)) == []  # once per client
+        assert asyncio.run(client.check_reduction_async("ppo", PPO)) == []  # once per client
         after = client.forward_backward(_mixed_datums(), "ppo", PPO)
         assert after.extra["server/loss_ratio"] == pytest.approx(1.0, rel=1e-5)
         assert stub.calls[-1].reported_loss == pytest.approx(after.loss, rel=1e-5)
@@ -660,14 +734,18 @@ def test_self_check_refuses_an_unknown_normalisation(
     with make_stub(kind, "per_sequence_mean") as stub:
         client = make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
         with pytest.raises(ReductionCheckError, match="matches none of the known normalisations"):
-            asyncio.run(check_remote_reduction(client, "importance_sampling"))
+            asyncio.run(client.check_reduction_async("importance_sampling"))
         assert stub.calls and all(c.forward_only for c in stub.calls)
         assert not client.reduction_verified
         shutdown(client)
 
 
 def test_self_check_is_a_no_op_for_other_backends() -> None:
-    assert asyncio.run(check_remote_reduction(object(), "ppo", PPO)) == []
+    class LocalLike(TrainingClient):  # computes its loss itself: the base class's hook applies
+        forward_backward_async = optim_step_async = save_state_async = None  # type: ignore[assignment]
+        load_state_async = sampling_client_async = None  # type: ignore[assignment]
+
+    assert asyncio.run(LocalLike().check_reduction_async("ppo", PPO)) == []
 
 
 # -- a stubbed training run ---------------------------------------------------------------------------

@@ -108,3 +108,47 @@ def test_vllm_sampler_refuses_full_finetuning(fake_vllm: dict[str, list[Any]], t
     client = LocalTrainingClient(tiny_model_dir, lora=None, device="cpu", seed=0)
     with pytest.raises(ValueError, match="full fine-tuning"):
         attach_vllm_sampler(client)
+
+
+def test_an_engine_setting_this_vllm_cannot_take_is_an_error(
+    fake_vllm: dict[str, list[Any]], tiny_model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Nothing is dropped on the way to vLLM: an engine without ``logprobs_mode`` (read from its
+    ``EngineArgs``, or refused by ``LLM`` itself) stops the run, naming the setting."""
+    from retool.backends.remote import SdkOptionError
+    from retool.backends.vllm_sampler import attach_vllm_sampler
+
+    client = LocalTrainingClient(
+        tiny_model_dir, lora={"rank": 4, "alpha": 8}, device="cpu", seed=0, checkpoint_dir=tmp_path
+    )
+    message = r"vllm \(version unknown\): the engine takes no logprobs_mode='raw_logprobs'"
+
+    class OlderEngineArgs:  # an EngineArgs from before raw-logprob mode
+        def __init__(
+            self,
+            model: str,
+            enable_lora: bool,
+            max_lora_rank: int,
+            max_loras: int,
+            dtype: str,
+            gpu_memory_utilization: float,
+            max_model_len: int,
+            seed: int,
+        ) -> None: ...
+
+    arg_utils = types.ModuleType("vllm.engine.arg_utils")
+    arg_utils.EngineArgs = OlderEngineArgs
+    monkeypatch.setitem(sys.modules, "vllm.engine", types.ModuleType("vllm.engine"))
+    monkeypatch.setitem(sys.modules, "vllm.engine.arg_utils", arg_utils)
+    with pytest.raises(SdkOptionError, match=message):
+        attach_vllm_sampler(client)
+    assert fake_vllm["LLM"] == []  # refused before the engine was built
+
+    def older_llm(**kwargs: Any) -> None:
+        if "logprobs_mode" in kwargs:
+            raise TypeError("LLM.__init__() got an unexpected keyword argument 'logprobs_mode'")
+
+    monkeypatch.setitem(sys.modules, "vllm.engine", None)  # no EngineArgs to read: the engine refuses
+    monkeypatch.setattr(sys.modules["vllm"], "LLM", older_llm)
+    with pytest.raises(SdkOptionError, match=message):
+        attach_vllm_sampler(client)

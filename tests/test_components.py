@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-import retool.backends
+import retool.components
 from retool.components import Components, build_components
 from retool.config import load_config
 
@@ -32,7 +32,7 @@ class _Backend:
 def test_protocol_and_verifier_follow_the_config(monkeypatch: pytest.MonkeyPatch) -> None:
     """The protocol and verifier take every knob of ``model`` and ``reward``; text-only builds no executor."""
     seen: list[Any] = []
-    monkeypatch.setattr(retool.backends, "make_training_client", lambda c: seen.append(c) or _Backend())
+    monkeypatch.setattr(retool.components, "make_training_client", lambda c: seen.append(c) or _Backend())
     cfg = load_config(
         None,
         [
@@ -64,7 +64,7 @@ def test_a_failed_build_closes_what_it_built(monkeypatch: pytest.MonkeyPatch) ->
     class NoTemplate(_Backend):
         tokenizer = object()  # no chat template: the protocol refuses
 
-    monkeypatch.setattr(retool.backends, "make_training_client", lambda c: NoTemplate())
+    monkeypatch.setattr(retool.components, "make_training_client", lambda c: NoTemplate())
     CLOSED.clear()
     with pytest.raises(ValueError, match="no chat template"):
         build_components(load_config(None), tools=False)

@@ -372,7 +372,7 @@ def test_cli_flags_override_the_config_only_when_given(
     from typer.testing import CliRunner
 
     from retool.cli import app
-    from retool.evaluate import runner
+    from retool.evaluate import cli as eval_cli
 
     seen: list[Any] = []
 
@@ -380,7 +380,7 @@ def test_cli_flags_override_the_config_only_when_given(
         seen.append((cfg, kw))
         raise EvalError("stop here")
 
-    monkeypatch.setattr(runner, "evaluate", fake_evaluate)
+    monkeypatch.setattr(eval_cli, "evaluate", fake_evaluate)
     base = ["eval", "--mode", "retool", "-o", str(tmp_path / "e.jsonl")]
     CliRunner().invoke(app, [*base, "--set", "sampling.top_p=0.9", "--set", "eval.val_n=3"])
     cfg, kw = seen[-1]

@@ -40,7 +40,7 @@ def smollm2_file() -> Path:
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from retool.tasks.real_model import real_model_settings
+    from retool.tasks.demo import real_model_settings
 
     small = [
         "lora.rank=8",

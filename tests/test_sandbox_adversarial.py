@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from retool.sandbox import ForkServerExecutor, SubprocessExecutor, strict_support
+from sandbox_helpers import server_pids
 
 TIMEOUT = 2.0
 SLACK = 4.0  # seconds beyond the timeout a contained call may take on a loaded 2-core machine
@@ -82,7 +83,7 @@ def _server_python_pids(ex: ForkServerExecutor) -> list[int]:
     """The fork-server interpreters: under each bwrap, the oldest python process (an orphan re-parented
     to bwrap's init is python too, but younger)."""
     out = []
-    for root in ex.server_pids():
+    for root in server_pids(ex):
         pythons = [pid for pid in _descendants([root]) if _is_python(pid)]
         if pythons:
             out.append(min(pythons, key=_start_time))
@@ -94,7 +95,7 @@ def _sandboxed_processes(ex: ForkServerExecutor) -> list[int]:
     init and the fork-servers (orphans re-parented to bwrap's init count too). Root and userns mode alike."""
     servers = set(_server_python_pids(ex))
     out = []
-    for pid in _descendants(ex.server_pids()):
+    for pid in _descendants(server_pids(ex)):
         try:
             comm = Path(f"/proc/{pid}/comm").read_text().strip()
         except OSError:

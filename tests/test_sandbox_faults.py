@@ -12,7 +12,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 
 import pytest
 
@@ -25,31 +24,10 @@ from retool.sandbox import (
     strict_support,
 )
 from retool.sandbox.base import ExecutorStats
+from sandbox_helpers import descendant_pids, server_pids
 
 STRICT_OK, STRICT_WHY = strict_support()
 needs_strict = pytest.mark.skipif(not STRICT_OK, reason=f"strict sandbox unavailable here: {STRICT_WHY}")
-
-
-def _children(pid: int) -> list[int]:
-    out = []
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            if int(stat.rsplit(")", 1)[1].split()[1]) == pid:
-                out.append(int(entry))
-    return out
-
-
-def _descendants(pid: int) -> list[int]:
-    out, stack = [], [pid]
-    while stack:
-        for child in _children(stack.pop()):
-            out.append(child)
-            stack.append(child)
-    return out
 
 
 def _wait_for(condition, what: str, limit: float = 60.0) -> None:
@@ -63,7 +41,7 @@ def _wait_for(condition, what: str, limit: float = 60.0) -> None:
 
 def _kill_server_mid_call(ex: ForkServerExecutor, min_descendants: int) -> tuple[BaseException | None, int]:
     """Start a long call, SIGKILL its server once the call's child runs, return what the call raised."""
-    (server_pid,) = ex.server_pids()
+    (server_pid,) = server_pids(ex)
     box: dict[str, BaseException | ExecResult] = {}
 
     def call() -> None:
@@ -74,7 +52,7 @@ def _kill_server_mid_call(ex: ForkServerExecutor, min_descendants: int) -> tuple
 
     worker = threading.Thread(target=call)
     worker.start()
-    _wait_for(lambda: len(_descendants(server_pid)) >= min_descendants, "the call's child to start")
+    _wait_for(lambda: len(descendant_pids(server_pid)) >= min_descendants, "the call's child to start")
     os.kill(server_pid, signal.SIGKILL)
     worker.join(timeout=60)
     assert not worker.is_alive()
@@ -93,7 +71,7 @@ def test_server_killed_mid_call_fails_that_call_only_and_is_respawned(isolation:
         assert isinstance(error, SandboxWorkerError), error
         assert "failed mid-call" in str(error)
         assert ex.stats.worker_failures == 1 and ex.stats.worker_restarts == 1
-        assert ex.server_pids() and ex.server_pids() != [old_pid]
+        assert server_pids(ex) and server_pids(ex) != [old_pid]
         r = ex.run("print('back')")
         assert r.ok and r.stdout == "back\n"
         assert ex.stats.calls == 1  # the lost call is not recorded as a result of the model's code
@@ -101,9 +79,9 @@ def test_server_killed_mid_call_fails_that_call_only_and_is_respawned(isolation:
 
 def test_server_killed_while_idle_loses_nothing() -> None:
     with ForkServerExecutor(timeout=5.0, workers=1, isolation="none", preimport=[]) as ex:
-        (pid,) = ex.server_pids()
+        (pid,) = server_pids(ex)
         os.kill(pid, signal.SIGKILL)
-        _wait_for(lambda: not ex.server_pids(), "the server to die")
+        _wait_for(lambda: not server_pids(ex), "the server to die")
         r = ex.run("print(1)")
         assert r.ok and ex.stats.worker_failures == 0 and ex.stats.worker_restarts == 1
 

@@ -22,6 +22,7 @@ from retool.sandbox import (
     strict_support,
 )
 from retool.sandbox import forkserver as fs_mod
+from sandbox_helpers import descendant_pids, server_pids
 
 STRICT_OK, STRICT_WHY = strict_support()
 needs_strict = pytest.mark.skipif(not STRICT_OK, reason=f"strict sandbox unavailable here: {STRICT_WHY}")
@@ -37,23 +38,6 @@ def _alive(pid: int) -> bool:
         return Path(f"/proc/{pid}/stat").read_text().split(")")[-1].split()[0] != "Z"
     except OSError:
         return False
-
-
-def _descendants(roots: list[int]) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if entry.isdigit():
-            try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
-            except OSError:
-                continue
-            children.setdefault(int(stat.rsplit(")", 1)[1].split()[1]), []).append(int(entry))
-    out, stack = [], list(roots)
-    while stack:
-        for c in children.get(stack.pop(), []):
-            out.append(c)
-            stack.append(c)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -147,7 +131,7 @@ def test_double_fork_cleanup_without_namespaces(light):
     )
     assert light.run(code).ok
     # only the servers themselves remain: the sub-reaper killed the setsid'd grandchild
-    assert _descendants(light.server_pids()) == []
+    assert descendant_pids(*server_pids(light)) == []
 
 
 def test_auto_print_last_expression():
@@ -190,20 +174,20 @@ def test_arun_is_concurrent_and_does_not_block_the_loop(light):
 
 def test_server_crash_is_recovered():
     with ForkServerExecutor(timeout=2.0, workers=1, isolation="none", preimport=[]) as ex:
-        (pid,) = ex.server_pids()
+        (pid,) = server_pids(ex)
         os.kill(pid, signal.SIGKILL)
         time.sleep(0.1)
         r = ex.run("print('back')")
         assert r.ok and r.stdout == "back\n"
-        assert ex.server_pids() != [pid]
+        assert server_pids(ex) != [pid]
 
 
 def test_close_leaves_no_process_and_no_temp_file(tmp_path, monkeypatch):
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
     ex = ForkServerExecutor(timeout=2.0, workers=2, isolation="none", preimport=[])
     assert ex.run("import time\nprint(1)").ok
-    pids = ex.server_pids()
-    tree = pids + _descendants(pids)
+    pids = server_pids(ex)
+    tree = pids + descendant_pids(*pids)
     assert len(pids) == 2
     ex.close()
     assert not any(_alive(p) for p in tree)
@@ -218,7 +202,7 @@ def test_close_strict_leaves_no_process(tmp_path, monkeypatch):
     ex = ForkServerExecutor(timeout=2.0, workers=1, isolation="strict", preimport=[])
     assert ex.isolation == "strict"
     assert ex.run("import os\nif os.fork() == 0:\n    os.setsid(); import time; time.sleep(30)\nprint(1)").ok
-    tree = ex.server_pids() + _descendants(ex.server_pids())
+    tree = server_pids(ex) + descendant_pids(*server_pids(ex))
     assert len(tree) >= 2  # bwrap + the server (+ bwrap's init)
     ex.close()
     assert not any(_alive(p) for p in tree)
@@ -246,13 +230,13 @@ def test_bad_arguments_are_rejected(light):
 
 
 def test_missing_preimport_fails_the_start_and_leaves_no_process():
-    before = set(_descendants([os.getpid()]))
+    before = set(descendant_pids(os.getpid()))
     with pytest.raises(SandboxPreimportError) as info:
         ForkServerExecutor(timeout=2.0, workers=2, isolation="none", preimport=["math", "no_such_module_xyz"])
     message = str(info.value)
     assert "'no_such_module_xyz': ModuleNotFoundError" in message and "not installed" in message
     assert "'math'" not in message  # only the failing module is named
-    leftover = [p for p in set(_descendants([os.getpid()])) - before if _alive(p)]
+    leftover = [p for p in set(descendant_pids(os.getpid())) - before if _alive(p)]
     assert leftover == []  # the servers that did start were stopped
 
 
@@ -295,10 +279,10 @@ def test_servers_survive_the_thread_that_created_them():
     t.start()
     t.join()
     with box["ex"] as ex:
-        pids = ex.server_pids()
+        pids = server_pids(ex)
         time.sleep(0.2)
         r = ex.run("print('still here')")
-        assert r.ok and ex.server_pids() == pids  # the same server answered: no restart was needed
+        assert r.ok and server_pids(ex) == pids  # the same server answered: no restart was needed
 
 
 def test_strict_server_failing_to_start_falls_back_loudly(monkeypatch):

@@ -11,7 +11,6 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,19 +22,21 @@ SRC = str(Path(__file__).resolve().parents[1] / "src")
 
 DRIVER = r"""
 import json, os, sys
-from retool.sandbox.forkserver import ForkServerExecutor, _descendant_pids
+from retool.sandbox.forkserver import ForkServerExecutor
 from retool.sandbox.probe import PROBE_CODE, probe_rows
-out = {}
+from retool.sandbox.procfs import descendant_pids
+out = {"uid": os.getuid()}
 with ForkServerExecutor(timeout=1.5, workers=1, preimport=[], python=sys.executable) as ex:
+    (server,) = [s.proc.pid for s in ex._servers if s is not None]  # white-box: tests/sandbox_helpers.py
     out["isolation"], out["mode"] = ex.isolation, ex.strict_mode
     r = ex.run(PROBE_CODE)
     out["probe_ok"] = r.ok
     out["rows"] = probe_rows(json.loads(r.stdout)) if r.ok else r.stderr
-    base = len(_descendant_pids(ex.server_pids()[0]))
+    base = len(descendant_pids(server))
     r = ex.run("import os, time\nif os.fork() == 0:\n    os.setsid()\n    if os.fork() == 0:\n"
                "        time.sleep(60)\n    os._exit(0)\ntime.sleep(0.2)\nprint('ok')")
     out["double_fork_ok"] = r.ok
-    out["extra_processes"] = len(_descendant_pids(ex.server_pids()[0])) - base
+    out["extra_processes"] = len(descendant_pids(server)) - base
     r = ex.run("while True: pass")
     out["loop_timed_out"], out["loop_latency"] = r.timed_out, r.latency
     r = ex.run("import ctypes, os\nlibc = ctypes.CDLL(None, use_errno=True)\n"
@@ -86,4 +87,4 @@ def test_strict_profile_without_root():
     assert out["loop_timed_out"] and out["loop_latency"] < 6
     assert out["unshare"] == "[-1, -1, -1, -1]"
     assert not out["env_secret_seen"]
-    assert sys.executable  # the outer test process itself is unaffected
+    assert out["uid"] == 65534 and os.geteuid() == 0  # the driver ran unprivileged; this process did not

@@ -11,8 +11,10 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
+from retool.data import DataError
+from retool.data.gsm8k import GSM8K_FILE, gsm8k_problems
 from retool.tasks import real_model as rm
-from retool.tasks.demo import DemoSettings, held_out, run_demo, task_env
+from retool.tasks.demo import DemoSettings, held_out, real_model_settings, run_demo, task_env
 
 
 def test_missing_wheel_names_the_install_command() -> None:
@@ -52,26 +54,26 @@ def test_unknown_demo_model_is_a_clear_error() -> None:
 
 def test_gsm8k_slice_is_seeded_and_parses_the_reference(tmp_path: Path) -> None:
     rows = [{"question": f"Q{i}?", "answer": f"work\n#### {1000 * i:,}", "idx": i} for i in range(20)]
-    (tmp_path / rm.GSM8K_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
-    a = rm.gsm8k_problems(5, tmp_path, seed=0)
-    assert [p.id for p in a] == [p.id for p in rm.gsm8k_problems(5, tmp_path, seed=0)]
-    assert [p.id for p in a] != [p.id for p in rm.gsm8k_problems(5, tmp_path, seed=1)]
+    (tmp_path / GSM8K_FILE).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    a = gsm8k_problems(5, tmp_path, seed=0)
+    assert [p.id for p in a] == [p.id for p in gsm8k_problems(5, tmp_path, seed=0)]
+    assert [p.id for p in a] != [p.id for p in gsm8k_problems(5, tmp_path, seed=1)]
     by_id = {f"gsm8k-{r['idx']}": r for r in rows}
     for p in a:
         assert p.answer == str(1000 * by_id[p.id]["idx"]) and p.data_source == "gsm8k"
-    with pytest.raises(ValueError, match="only 20"):
-        rm.gsm8k_problems(21, tmp_path)
-    with pytest.raises(FileNotFoundError, match="--data-dir"):
-        rm.gsm8k_problems(1, tmp_path / "empty")
+    with pytest.raises(DataError, match="only 20"):
+        gsm8k_problems(21, tmp_path)
+    with pytest.raises(DataError, match="--data-dir"):
+        gsm8k_problems(1, tmp_path / "empty")
 
 
 def test_real_gsm8k_file_reads(shared_data: Path) -> None:
-    problems = rm.gsm8k_problems(30, shared_data, seed=0)
+    problems = gsm8k_problems(30, shared_data, seed=0)
     assert len(problems) == 30 and all(p.answer.lstrip("-").replace(".", "").isdigit() for p in problems)
 
 
 def test_held_out_hard_split_never_repeats_a_training_question() -> None:
-    settings = rm.real_model_settings("smollm2", ["data.task_count=300", "data.task_test_count=60"])
+    settings = real_model_settings("smollm2", ["data.task_count=300", "data.task_test_count=60"])
     assert settings.config.model.system_prompt == "compact" and settings.config.lora.enabled
     train, test, problems = held_out(settings, task_env(settings.config))
     assert all(t.hard for t in test) and len(test) == 60

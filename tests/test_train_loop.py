@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult, Sample
 from retool.components import Components
 from retool.config import Config, load_config, override_config
@@ -33,7 +34,7 @@ class FakeSampler:
         raise NotImplementedError
 
 
-class FakeClient:
+class FakeClient(TrainingClient):
     """A 'model' with one scalar weight; save/load keep it and the step count in a JSON file."""
 
     tokenizer = None

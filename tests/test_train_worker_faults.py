@@ -39,6 +39,7 @@ from retool.sandbox import ExecResult, ForkServerExecutor
 from retool.train.checkpoint import CheckpointManager, CheckpointWriteError
 from retool.train.loop import Trainer
 from retool.train.metrics import MetricsLog
+from sandbox_helpers import server_pids
 from train_harness import ParityScoredEnv
 
 STEPS = 3
@@ -153,7 +154,7 @@ class ServerKiller:
         await _until(SLOW_MARK.is_file, "the slow call to start")
         server = int(SLOW_MARK.read_text())
         SLOW_MARK.unlink()
-        assert server in self.inner.server_pids()
+        assert server in server_pids(self.inner)
         os.kill(server, signal.SIGKILL)
         self.killed.append(server)
         return await task
@@ -240,8 +241,8 @@ def test_fork_server_sigkill_mid_run(parts: Any, tmp_path: Path) -> None:
                 executor=killer,
                 verifier=verifier,
             )
-        assert len(killer.killed) == 1 and killer.killed[0] not in real.server_pids()  # respawned
-        assert len(real.server_pids()) == 2
+        assert len(killer.killed) == 1 and killer.killed[0] not in server_pids(real)  # respawned
+        assert len(server_pids(real)) == 2
     total = 2 * GROUP
     lost = [r["faults/trajectories_lost"] for r in rows]
     assert lost == [0.0, 1.0, 0.0]  # only the trajectory whose call was in flight

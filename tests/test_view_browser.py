@@ -19,11 +19,11 @@ from typing import Any
 
 import pytest
 
+from headless_browser import BrowserUnavailable, check_available, launch, open_site
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog, read_records
 from retool.train.step import build_step_data, trajectory_tokens
-from retool.view.browser import BrowserUnavailable, check_available, launch, open_site
 from retool.view.site import build_site
-from retool.view.synthetic import HOSTILE, decode, make_problems, make_trajectory, write_demo_like
+from synthetic_runs import HOSTILE, decode, make_problems, make_trajectory, write_demo_like
 
 
 @pytest.fixture(scope="module")
@@ -208,7 +208,7 @@ def test_compare_lines_a_problem_up_across_sources(built: Built, browser: Any) -
 
 def test_serve_shows_new_steps_on_refresh(browser: Any, tmp_path: Path) -> None:
     from retool.view.serve import LiveSite, make_server
-    from retool.view.synthetic import write_training_run
+    from synthetic_runs import write_training_run
 
     run = write_training_run(tmp_path / "run", steps=1)
     site = LiveSite([run], tmp_path / "site")

@@ -12,6 +12,7 @@ from typing import Any
 
 import pytest
 
+from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult
 from retool.components import Components
 from retool.config import ConfigError, load_config
@@ -22,7 +23,7 @@ from retool.rollout.records import datum_tokens, trajectory_record
 from retool.train.loop import Trainer
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog, cut_from_step, read_records, select_groups
 from retool.train.step import build_step_data, trajectory_tokens
-from retool.view.synthetic import decode, encode, make_problems, make_trajectory
+from synthetic_runs import decode, encode, make_problems, make_trajectory
 
 
 def group_of(problem: Problem, n: int, seed: int) -> list[Any]:
@@ -183,7 +184,7 @@ class FakeSampler:
     version = 0.0
 
 
-class FakeClient:
+class FakeClient(TrainingClient):
     """Keeps the datums it was given, per optimizer step."""
 
     tokenizer = None
@@ -207,6 +208,9 @@ class FakeClient:
     async def save_state_async(self, name: str) -> str:
         Path(name).mkdir(parents=True, exist_ok=True)
         return name
+
+    async def load_state_async(self, path: str) -> None:  # pragma: no cover - these runs never resume
+        raise NotImplementedError
 
 
 async def synthetic_rollouts(request: RolloutRequest) -> list[list[Any]]:
@@ -293,7 +297,7 @@ def test_config_knob_values() -> None:
 
 
 def test_eval_transcripts_use_the_record_shape(tmp_path: Path) -> None:
-    from retool.view.synthetic import write_eval
+    from synthetic_runs import write_eval
 
     problems = make_problems(2, 3, prefix="test")
     summary = write_eval(tmp_path / "ev.jsonl", mode="retool", label="rl", problems=problems, val_n=3)

@@ -15,7 +15,7 @@ from typer.testing import CliRunner
 from retool.cli import app
 from retool.train.records import TRAJECTORIES_FILE, read_records
 from retool.view.site import ViewError, build_site, discover, render_html, script_json
-from retool.view.synthetic import HOSTILE, write_demo_like, write_training_run
+from synthetic_runs import HOSTILE, write_demo_like, write_training_run
 
 
 @pytest.fixture(scope="module")

@@ -18,15 +18,14 @@ import logging
 import threading
 from dataclasses import dataclass
 from types import TracebackType
-from typing import TYPE_CHECKING
 
+from retool.backends import make_training_client
 from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.guarded import guard_training_client
 from retool.config import Config
-
-if TYPE_CHECKING:
-    from retool.protocol import ChatProtocol
-    from retool.reward import Verifier
-    from retool.sandbox import Executor
+from retool.protocol import ChatProtocol
+from retool.reward import Verifier
+from retool.sandbox import Executor, make_executor
 
 logger = logging.getLogger(__name__)
 
@@ -86,12 +85,6 @@ def build_components(config: Config, *, tools: bool = True) -> Components:
     The backend comes first (it is the slowest and the likeliest to fail); if a later part fails, the
     parts already built are closed before the error propagates.
     """
-    from retool.backends import make_training_client
-    from retool.backends.guarded import guard_training_client
-    from retool.protocol import ChatProtocol
-    from retool.reward import Verifier
-    from retool.sandbox import make_executor
-
     # Behind the retry guard as ``[retry]`` says (remote backends by default): evaluation and SFT get the
     # same timeouts and retries as training.
     backend = guard_training_client(make_training_client(config), config)

@@ -18,6 +18,8 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from retool.errors import UserError
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
@@ -291,7 +293,7 @@ class Config(_Section):
         return self
 
 
-class ConfigError(ValueError):
+class ConfigError(UserError, ValueError):
     """A config file or override that cannot be used; the message says which and why."""
 
 
@@ -363,12 +365,12 @@ def _validate(data: dict[str, Any]) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
-        lines = [
+        problems = [
             # A check across sections (``Config._check_combinations``) has no location of its own.
-            f"  {'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
+            f"{'.'.join(str(p) for p in e['loc']) or 'settings'}: {e['msg'].removeprefix('Value error, ')}"
             for e in exc.errors()
         ]
-        raise ConfigError("invalid configuration:\n" + "\n".join(lines)) from None
+        raise ConfigError("invalid configuration: " + "; ".join(problems)) from None  # one line: the CLI's
 
 
 def dump_config(config: Config) -> str:

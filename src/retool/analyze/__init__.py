@@ -10,6 +10,7 @@ import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from retool.analyze.plots import plot_evals, plot_training
 from retool.analyze.report import (
     LONG_COLUMNS,
     AnalyzeError,
@@ -65,8 +66,6 @@ def analyze(paths: list[Path], out_dir: Path, *, plots: bool = True) -> AnalyzeR
         write_csv(out_dir / "evals.csv", long_rows(evals), list(LONG_COLUMNS))
         files += [out_dir / "comparison.csv", out_dir / "evals.csv"]
     if plots:
-        from retool.analyze.plots import plot_evals, plot_training
-
         files += plot_evals(evals, out_dir)
         files += plot_training(logs, out_dir)
     return AnalyzeResult(evals=evals, logs=logs, warnings=warnings, table_markdown=report, files=files)

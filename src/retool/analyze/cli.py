@@ -6,6 +6,8 @@ from pathlib import Path
 
 import typer
 
+from retool.analyze import AnalyzeError, analyze
+
 
 def register(app: typer.Typer) -> None:
     @app.command("analyze")
@@ -17,8 +19,6 @@ def register(app: typer.Typer) -> None:
         no_plots: bool = typer.Option(False, "--no-plots", help="Only the tables."),
     ) -> None:
         """Compare checkpoints and modes side by side; warn when evals used different settings."""
-        from retool.analyze import AnalyzeError, analyze
-
         try:
             result = analyze(files, out, plots=not no_plots)
         except (AnalyzeError, OSError, ValueError) as exc:

@@ -30,10 +30,10 @@ CURVE_PANELS: tuple[tuple[str, Callable[[str], bool]], ...] = (
 
 
 def _pyplot() -> Any:
-    import matplotlib
+    import matplotlib  # deferred: matplotlib (~1 s) only when plots are drawn
 
     matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
+    import matplotlib.pyplot as plt  # deferred: as matplotlib above
 
     return plt
 
@@ -115,7 +115,7 @@ def plot_evals(evals: list[EvalResult], out_dir: Path) -> list[Path]:
     ax2.set_ylim(0, 105)
     written.append(_save(fig, out_dir / "code_calls.png", plt))
 
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # deferred: matplotlib, as in _pyplot
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for e in evals:
@@ -158,7 +158,7 @@ def plot_training(logs: list[TrainingLog], out_dir: Path) -> list[Path]:
         logger.warning("training logs have no reward / correct / format / code-call keys; no curves drawn")
         return []
     plt = _pyplot()
-    from matplotlib.ticker import MaxNLocator
+    from matplotlib.ticker import MaxNLocator  # deferred: matplotlib, as in _pyplot
 
     fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
     for ax, (title, keys) in zip(axes[0], panels, strict=True):

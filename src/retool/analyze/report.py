@@ -11,14 +11,15 @@ from __future__ import annotations
 import csv
 import json
 import logging
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retool.errors import UserError
 from retool.evaluate.metrics import summarize
 from retool.evaluate.settings import setting_value
 from retool.evaluate.store import summary_path_for
+from retool.jsonl import first_jsonl_object, iter_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -39,7 +40,7 @@ COMPARED_TOOL_SETTINGS: tuple[str, ...] = ("tool_format", "sandbox")
 MODE_ORDER: tuple[str, ...] = ("text-only", "retool")
 
 
-class AnalyzeError(ValueError):
+class AnalyzeError(UserError, ValueError):
     """An input that cannot be analysed; the message names the file and the reason."""
 
 
@@ -63,18 +64,6 @@ class TrainingLog:
     label: str = ""
 
 
-def _first_record(path: Path) -> dict[str, Any] | None:
-    with path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if line.strip():
-                try:
-                    obj = json.loads(line)
-                except ValueError:
-                    return None
-                return obj if isinstance(obj, dict) else None
-    return None
-
-
 def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in d.items():
@@ -86,24 +75,9 @@ def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
     return out
 
 
-def _json_lines(path: Path) -> Iterator[Any]:
-    """The parsed lines of a JSONL file, read-only: blank lines skipped, an unreadable one skipped with a
-    warning (analysis never repairs a file)."""
-    with path.open(encoding="utf-8") as fh:
-        for i, line in enumerate(fh, 1):
-            if not line.strip():
-                continue
-            try:
-                obj = json.loads(line)
-            except ValueError:
-                logger.warning("%s:%d: skipping an unreadable line", path, i)
-                continue
-            yield obj
-
-
 def load_training_log(path: Path) -> TrainingLog:
     rows: list[dict[str, float]] = []
-    for obj in _json_lines(path):
+    for obj in iter_jsonl(path, "warn"):
         if isinstance(obj, dict):
             row = _flatten(obj)
             row.setdefault("step", float(len(rows) + 1))
@@ -117,7 +91,7 @@ def load_training_log(path: Path) -> TrainingLog:
 def _read_records(path: Path) -> list[dict[str, Any]]:
     """Eval records, read-only (analysis never repairs a file; a damaged line is skipped with a warning)."""
     records: dict[str, dict[str, Any]] = {}
-    for obj in _json_lines(path):
+    for obj in iter_jsonl(path, "warn"):
         if isinstance(obj, dict) and "candidates" in obj:
             records.setdefault(str(obj.get("id")), obj)
     return list(records.values())
@@ -174,7 +148,7 @@ def load_inputs(paths: list[Path]) -> tuple[list[EvalResult], list[TrainingLog]]
         if path.name.endswith(".summary.json") or summary_path_for(path).exists():
             evals.append(load_eval(path))
             continue
-        first = _first_record(path)
+        first = first_jsonl_object(path)
         if first is None:
             raise AnalyzeError(
                 f"{path}: not an eval JSONL/summary or a metrics.jsonl (first line is not a JSON object)"
@@ -192,7 +166,7 @@ def load_inputs(paths: list[Path]) -> tuple[list[EvalResult], list[TrainingLog]]
 _GENERIC_PARTS = frozenset({"checkpoints", "backend", "state", "weights"})
 
 
-def _short(value: str) -> str:
+def short_label(value: str) -> str:
     """``runs/r1/checkpoints/step_000050/backend`` -> ``r1/step_000050``; URIs and names stay readable."""
     parts = [p for p in str(value).replace("\\", "/").rstrip("/").split("/") if p]
     meaningful = [p for p in parts if p not in _GENERIC_PARTS] or parts
@@ -203,9 +177,9 @@ def _assign_labels(evals: list[EvalResult]) -> None:
     models = {str(e.settings.get("model", "")) for e in evals}
     for e in evals:
         ckpt = e.settings.get("checkpoint")
-        label = _short(str(ckpt)) if ckpt else "base"
+        label = short_label(str(ckpt)) if ckpt else "base"
         if len(models) > 1:
-            label = f"{_short(str(e.settings.get('model', '?')))} | {label}"
+            label = f"{short_label(str(e.settings.get('model', '?')))} | {label}"
         e.label = label
     seen: dict[tuple[str, str], int] = {}
     for e in evals:
@@ -331,11 +305,11 @@ def ordered_checkpoints(evals: list[EvalResult]) -> list[str]:
     return out
 
 
-def _pct(x: Any) -> str:
+def _pct(x: float | None) -> str:
     return "" if x is None else f"{100 * float(x):.2f}%"
 
 
-def _num(x: Any, digits: int = 2) -> str:
+def _num(x: float | None, digits: int = 2) -> str:
     return "" if x is None else f"{float(x):.{digits}f}"
 
 

@@ -10,11 +10,15 @@ transformers, the SDKs) are imported only when a client is built. It also owns w
 
 from __future__ import annotations
 
+import importlib
 import logging
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from huggingface_hub import constants, try_to_load_from_cache
+
 from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.tinymodel import build_tiny_model
 from retool.backends.types import (
     AdamParams,
     Datum,
@@ -23,6 +27,7 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from retool.config import Config
@@ -47,6 +52,8 @@ __all__ = [
     "pack_micro_batches",
 ]
 
+# Loaded on first use: each of these imports torch (the local backend also transformers and PEFT; the
+# remote adapters torch through the loss math), which the rest of the package does not need.
 _LAZY = {
     "LocalTrainingClient": "retool.backends.local",
     "LocalSamplingClient": "retool.backends.local",
@@ -58,8 +65,6 @@ _LAZY = {
 
 def __getattr__(name: str) -> Any:
     if name in _LAZY:
-        import importlib
-
         return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'retool.backends' has no attribute {name!r}")
 
@@ -94,21 +99,61 @@ def resolve_model_name(config: Config) -> str:
         return name
     folder = Path(config.train.run_dir) / TINY_MODEL_FOLDER
     if not (folder / "config.json").is_file():
-        from retool.backends.tinymodel import build_tiny_model
-
         logger.info("building the tiny model into %s", folder)
         build_tiny_model(folder, size="demo", seed=0)
     return str(folder)
+
+
+def _looks_like_path(name: str) -> bool:
+    """A name meant as a file or folder rather than a Hub id (``owner/name``)."""
+    return name.startswith(("/", "./", "../", "~")) or name.count("/") > 1 or name.endswith(".gguf")
+
+
+def check_model_available(name: str, gguf_file: str | None = None) -> None:
+    """Fail in one line, before anything loads, when ``name`` can be neither a local model nor a cached or
+    downloadable Hub model: ``ModelLoadError`` (no such path; not in the Hugging Face cache while offline).
+    A Hub id counts as cached when its ``config.json`` is (or ``gguf_file``, for a GGUF-only repository)."""
+    if Path(name).expanduser().exists():
+        return
+    if _looks_like_path(name):
+        raise ModelLoadError(f"model.name = {name!r}: no such file or folder")
+
+    try:
+        cached = try_to_load_from_cache(name, gguf_file or "config.json")
+    except ValueError as exc:  # HFValidationError: not a Hub id at all
+        raise ModelLoadError(f"model.name = {name!r}: not a local path, nor a Hub id ({exc})") from None
+    if not isinstance(cached, str) and constants.HF_HUB_OFFLINE:
+        raise ModelLoadError(
+            f"model.name = {name!r} is neither a local path nor in the Hugging Face cache "
+            f"({constants.HF_HUB_CACHE}), and HF_HUB_OFFLINE is set: download it where the Hub is "
+            "reachable (huggingface-cli download NAME), or name a local model folder"
+        )
 
 
 def make_training_client(config: Config) -> TrainingClient:
     """Build the training client that ``config.backend.kind`` names (local / pytrio / tinker)."""
     kind = config.backend.kind
     if kind == "local":
-        from retool.backends.local import LocalTrainingClient
+        return _local_client(config)
+    if kind == "pytrio":
+        from retool.backends.pytrio_backend import PytrioTrainingClient  # deferred: torch (see _LAZY)
 
+        return PytrioTrainingClient.from_config(config)
+    if kind == "tinker":
+        from retool.backends.tinker_backend import TinkerTrainingClient  # deferred: torch (see _LAZY)
+
+        return TinkerTrainingClient.from_config(config)
+    raise ValueError(f"unknown backend kind {kind!r}; use local, pytrio or tinker")
+
+
+def _local_client(config: Config) -> TrainingClient:
+    from retool.backends.local import LocalTrainingClient  # deferred: torch, transformers (see _LAZY)
+
+    name = resolve_model_name(config)
+    check_model_available(name, config.model.gguf_file)
+    try:
         client = LocalTrainingClient(
-            resolve_model_name(config),
+            name,
             lora=config.lora if config.lora.enabled else None,
             device=config.backend.device,
             dtype=config.backend.dtype,
@@ -120,21 +165,20 @@ def make_training_client(config: Config) -> TrainingClient:
             max_context=config.model.max_context,
             num_threads=config.backend.cpu_threads or None,
         )
-        if config.backend.sampler == "vllm":
-            from retool.backends.vllm_sampler import attach_vllm_sampler
+    except OSError as exc:
+        if Path(name).expanduser().exists():  # a local model that fails to load: not a "where is it" error
+            raise
+        # transformers' OSError for a Hub id it could neither find in the cache nor download.
+        raise ModelLoadError(
+            f"model.name = {name!r} is neither a local path nor in the Hugging Face cache, and the Hub could "
+            f"not provide it ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
+        ) from exc
+    if config.backend.sampler == "vllm":
+        from retool.backends.vllm_sampler import attach_vllm_sampler  # deferred: vllm is optional
 
-            attach_vllm_sampler(client)
-        elif config.backend.sampler == "llamacpp":
-            from retool.backends.llamacpp import attach_llamacpp_sampler
+        attach_vllm_sampler(client)
+    elif config.backend.sampler == "llamacpp":
+        from retool.backends.llamacpp import attach_llamacpp_sampler  # deferred: xllamacpp is optional
 
-            attach_llamacpp_sampler(client, threads=config.backend.llamacpp_threads)
-        return client
-    if kind == "pytrio":
-        from retool.backends.pytrio_backend import PytrioTrainingClient
-
-        return PytrioTrainingClient.from_config(config)
-    if kind == "tinker":
-        from retool.backends.tinker_backend import TinkerTrainingClient
-
-        return TinkerTrainingClient.from_config(config)
-    raise ValueError(f"unknown backend kind {kind!r}; use local, pytrio or tinker")
+        attach_llamacpp_sampler(client, threads=config.backend.llamacpp_threads)
+    return client

@@ -11,6 +11,7 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
+from retool.backends.reduction import ReductionReport
 from retool.backends.types import (
     AdamParams,
     Datum,
@@ -82,6 +83,14 @@ class TrainingClient(abc.ABC):
         overrides this with a frozen copy.
         """
         return await self.sampling_client_async()
+
+    async def check_reduction_async(
+        self, loss_fn: str, loss_config: dict[str, float] | None = None
+    ) -> list[ReductionReport]:
+        """Hook the trainer calls once per run, before training: a backend whose service normalises the
+        loss its own way measures how (``retool.backends.reduction``) and adopts it, or raises. The loss
+        is computed here by default, so there is nothing to check."""
+        return []
 
     async def close_async(self) -> None:  # noqa: B027 - optional hook
         """Release resources (sessions, threads)."""

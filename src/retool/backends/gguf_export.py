@@ -20,6 +20,8 @@ import logging
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 logger = logging.getLogger(__name__)
 
 # llama.cpp's token types (gguf.TokenType): the loader adds CONTROL tokens as special tokens and
@@ -28,7 +30,9 @@ _NORMAL, _CONTROL, _USER_DEFINED = 1, 3, 4
 
 
 def _byte_alphabet() -> list[str]:
-    from transformers.convert_slow_tokenizer import bytes_to_unicode
+    from transformers.convert_slow_tokenizer import (
+        bytes_to_unicode,
+    )  # deferred: transformers (~3 s), for exports only
 
     return list(bytes_to_unicode().values())
 
@@ -74,12 +78,11 @@ def _tokenizer_metadata(tokenizer: Any) -> dict[str, Any]:
 def export_qwen2_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
     """Write ``model_dir`` (an HF Qwen2 folder with a fast BPE tokenizer) to ``out_file`` as f32 GGUF.
 
-    Long because a GGUF file is one writer filled in order (architecture keys, tokenizer, chat template,
-    tensors); the steps read as the format's own checklist.
+    A GGUF file is one writer filled in order, the format's own checklist: architecture keys, tokenizer
+    and chat template, tensors.
     """
-    import gguf
-    import numpy as np
-    import torch
+    import gguf  # deferred: gguf is optional (the gguf extra)
+    import torch  # deferred: torch and transformers (~3 s), for exports only
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = Path(model_dir)
@@ -93,19 +96,37 @@ def export_qwen2_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
     config = model.config
     if config.model_type != "qwen2":
         raise ValueError(f"only qwen2 models can be exported, {model_dir} is {config.model_type!r}")
-
     n_layers = int(config.num_hidden_layers)
-    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, n_layers)
-    arch = gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN2]  # "qwen2"
-    tied = bool(getattr(config, "tie_word_embeddings", False))
-
     out.parent.mkdir(parents=True, exist_ok=True)
-    writer = gguf.GGUFWriter(str(out), arch)
+    writer = gguf.GGUFWriter(str(out), gguf.MODEL_ARCH_NAMES[gguf.MODEL_ARCH.QWEN2])  # "qwen2"
     writer.add_name(model_dir.name)
     writer.add_file_type(gguf.LlamaFileType.ALL_F32)
+    _add_architecture(writer, config)
+    n_tokens = _add_tokenizer(writer, tokenizer, int(config.vocab_size))
+    name_map = gguf.get_tensor_name_map(gguf.MODEL_ARCH.QWEN2, n_layers)
+    tied = bool(getattr(config, "tie_word_embeddings", False))
+    for hf_name, tensor in model.state_dict().items():
+        if tied and hf_name == "lm_head.weight":
+            continue  # absent output.weight tells the loader the embeddings are tied
+        base, _, suffix = hf_name.rpartition(".")
+        gguf_name = name_map.get_name(base)
+        if gguf_name is None:
+            raise ValueError(f"no GGUF name for tensor {hf_name}")
+        data = tensor.detach().to(torch.float32).contiguous().numpy()
+        writer.add_tensor(f"{gguf_name}.{suffix}", np.ascontiguousarray(data))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    logger.info("wrote %s (%d layers, %d tokens)", out, n_layers, n_tokens)
+    return out
+
+
+def _add_architecture(writer: Any, config: Any) -> None:
+    """The Qwen2 hyper-parameters llama.cpp reads."""
     writer.add_context_length(int(config.max_position_embeddings))
     writer.add_embedding_length(int(config.hidden_size))
-    writer.add_block_count(n_layers)
+    writer.add_block_count(int(config.num_hidden_layers))
     writer.add_feed_forward_length(int(config.intermediate_size))
     writer.add_head_count(int(config.num_attention_heads))
     writer.add_head_count_kv(int(config.num_key_value_heads))
@@ -114,10 +135,13 @@ def export_qwen2_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
     writer.add_rope_freq_base(float(rope.get("rope_theta", getattr(config, "rope_theta", 10000.0))))
     writer.add_vocab_size(int(config.vocab_size))
 
+
+def _add_tokenizer(writer: Any, tokenizer: Any, vocab_size: int) -> int:
+    """The byte-level BPE tokenizer, its special ids and chat template; returns the number of tokens."""
     meta = _tokenizer_metadata(tokenizer)
-    if len(meta["tokens"]) != int(config.vocab_size):
+    if len(meta["tokens"]) != vocab_size:
         # The loader takes the vocabulary size from the embedding; a mismatch would misalign ids.
-        raise ValueError(f"tokenizer has {len(meta['tokens'])} tokens but the model {config.vocab_size} rows")
+        raise ValueError(f"tokenizer has {len(meta['tokens'])} tokens but the model {vocab_size} rows")
     writer.add_tokenizer_model("gpt2")
     # "default" = GPT-2's split regex (llama.cpp and transformers both), which is what a byte-level
     # tokenizer trained with the GPT-2 regex (like the tiny model's) uses.
@@ -135,20 +159,4 @@ def export_qwen2_gguf(model_dir: str | Path, out_file: str | Path) -> Path:
     writer.add_add_bos_token(False)
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
-
-    for hf_name, tensor in model.state_dict().items():
-        if tied and hf_name == "lm_head.weight":
-            continue  # absent output.weight tells the loader the embeddings are tied
-        base, _, suffix = hf_name.rpartition(".")
-        gguf_name = name_map.get_name(base)
-        if gguf_name is None:
-            raise ValueError(f"no GGUF name for tensor {hf_name}")
-        data = tensor.detach().to(torch.float32).contiguous().numpy()
-        writer.add_tensor(f"{gguf_name}.{suffix}", np.ascontiguousarray(data))
-
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    logger.info("wrote %s (%d layers, %d tokens)", out, n_layers, len(meta["tokens"]))
-    return out
+    return len(meta["tokens"])

@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.reduction import ReductionReport
 from retool.backends.types import (
     AdamParams,
     Datum,
@@ -120,7 +121,7 @@ class GuardedTrainingClient(TrainingClient):
         self.retry_stats = RetryStats()
         self.replays = 0
         self.dedupes = bool(getattr(inner, "dedupes_request_ids", False))
-        self._zero_grad: Callable[[], Awaitable[Any]] | None = getattr(inner, "zero_grad_async", None)
+        self._zero_grad: Callable[[], Awaitable[object]] | None = getattr(inner, "zero_grad_async", None)
         self._session = session or uuid.uuid4().hex[:12]
         self._window: list[_Call] = []
         self._window_seq = 0
@@ -244,6 +245,12 @@ class GuardedTrainingClient(TrainingClient):
         sampler = await self._retry(self._inner.frozen_sampling_client_async, "sampling_client")
         return GuardedSamplingClient(sampler, self.sample_policy, self.retry_stats)
 
+    async def check_reduction_async(
+        self, loss_fn: str, loss_config: dict[str, float] | None = None
+    ) -> list[ReductionReport]:
+        # Forward passes only, run once before training: a failure there stops the run before it starts.
+        return await self._inner.check_reduction_async(loss_fn, loss_config)
+
     async def close_async(self) -> None:
         await self._inner.close_async()
 
@@ -253,7 +260,7 @@ class GuardedTrainingClient(TrainingClient):
         return counts
 
 
-def guard_training_client(client: Any, config: Config) -> Any:
+def guard_training_client(client: TrainingClient, config: Config) -> TrainingClient:
     """Wrap ``client`` as ``config.retry`` says (unchanged when the guard does not apply)."""
     retry = config.retry
     remote = config.backend.kind != "local"

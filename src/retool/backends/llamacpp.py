@@ -74,7 +74,7 @@ _NEUTRAL_SAMPLERS: dict[str, Any] = {
 
 def _import_xllamacpp() -> Any:
     try:
-        import xllamacpp
+        import xllamacpp  # deferred: xllamacpp is optional (the llamacpp extra)
     except ImportError as exc:
         raise RuntimeError(INSTALL_HINT) from exc
     return xllamacpp
@@ -82,7 +82,7 @@ def _import_xllamacpp() -> Any:
 
 def gguf_architecture(path: str | Path) -> str:
     """``general.architecture`` of a GGUF file (``llama``, ``qwen2`` ...)."""
-    import gguf
+    import gguf  # deferred: gguf is optional (the llamacpp extra)
 
     reader = gguf.GGUFReader(str(path))
     field = reader.fields["general.architecture"]
@@ -99,8 +99,8 @@ def permute_rows(weight: Any, n_head: int, n_head_kv: int | None = None) -> Any:
 
 def lora_tensors(peft_model: Any, arch: str) -> dict[str, Any]:
     """``{gguf tensor name: float32 numpy array}`` of the active LoRA adapter of a PEFT causal LM."""
-    import gguf
-    import torch
+    import gguf  # deferred: gguf is optional (the llamacpp extra)
+    import torch  # deferred: torch (~2 s), once an adapter is exported
 
     config = peft_model.get_base_model().config
     n_layers = int(config.num_hidden_layers)
@@ -131,7 +131,7 @@ def lora_tensors(peft_model: Any, arch: str) -> dict[str, Any]:
 
 def export_lora_gguf(peft_model: Any, out_file: str | Path, *, arch: str, alpha: float) -> Path:
     """Write the active LoRA adapter of ``peft_model`` as a llama.cpp adapter GGUF (see the module docstring)."""
-    import gguf
+    import gguf  # deferred: gguf is optional (the llamacpp extra)
 
     out = Path(out_file)
     out.parent.mkdir(parents=True, exist_ok=True)

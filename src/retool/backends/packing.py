@@ -48,19 +48,6 @@ def pack_micro_batches(lengths: Sequence[int], max_padded_area: int) -> list[lis
     return batches
 
 
-def greedy_micro_batches(lengths: Sequence[int], max_padded_area: int) -> list[list[int]]:
-    """The plain baseline ``pack_micro_batches`` is measured against: sort longest first and fill each
-    micro-batch until the next row would exceed the area (same batch count, more padding)."""
-    order = sorted(range(len(lengths)), key=lambda i: -lengths[i])
-    batches: list[list[int]] = []
-    for i in order:
-        if batches and (len(batches[-1]) + 1) * lengths[batches[-1][0]] <= max_padded_area:
-            batches[-1].append(i)
-        else:
-            batches.append([i])
-    return batches
-
-
 def padding_efficiency(lengths: Sequence[int], batches: Sequence[Sequence[int]]) -> float:
     """Real tokens / padded tokens over all micro-batches (1.0 = no padding waste)."""
     real = sum(int(lengths[i]) for b in batches for i in b)

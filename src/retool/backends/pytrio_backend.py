@@ -65,6 +65,7 @@ import logging
 import os
 import re
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from retool.backends.reduction import ReductionMode
@@ -77,6 +78,7 @@ from retool.backends.remote import (
     import_sdk,
     local_tokenizer,
     resolve,
+    sdk_label,
 )
 from retool.retry import Failure
 
@@ -91,7 +93,7 @@ NAME_RE = re.compile(r"^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$")
 DEAD_RUN_CODES = frozenset({"training.run_broken", "training.run_closed"})
 
 
-def configure_sdk(sdk: Any, base_url: str | None) -> None:
+def configure_sdk(sdk: ModuleType, base_url: str | None) -> None:
     """Re-read the SDK's configuration from the current environment, as its import did, then apply
     ``base_url`` (``backend.base_url`` wins over ``PYTRIO_BASE_URL`` and the profile's server)."""
     configure = getattr(sdk, "configure", None)
@@ -105,7 +107,7 @@ def configure_sdk(sdk: Any, base_url: str | None) -> None:
         configure(base_url=url)
 
 
-def credential_problem(sdk: Any) -> str | None:
+def credential_problem(sdk: ModuleType) -> str | None:
     """Why the SDK has no usable API key (``None`` when it has one), by the SDK's own lookup."""
     try:
         state = importlib.import_module(f"{getattr(sdk, '__name__', 'pytrio')}.config.config")
@@ -129,7 +131,7 @@ class PytrioTrainingClient(RemoteTrainingClient):
     server_loss_key = "loss_sum"
 
     @classmethod
-    def from_config(cls, config: Config, sdk: Any = None) -> PytrioTrainingClient:
+    def from_config(cls, config: Config, sdk: ModuleType | None = None) -> PytrioTrainingClient:
         sdk = sdk or import_sdk("pytrio", "pytrio")
         configure_sdk(sdk, config.backend.base_url)
         problem = credential_problem(sdk)
@@ -142,7 +144,9 @@ class PytrioTrainingClient(RemoteTrainingClient):
         if not 4 <= rank <= 64:
             raise ValueError(f"pytrio supports LoRA rank 4-64, config has lora.rank={rank}")
         service = sdk.ServiceClient()  # the key the SDK resolved above
-        training = call_kwargs(service.create_lora_training_client, **cls.lora_request(config))
+        training = call_kwargs(
+            service.create_lora_training_client, sdk_label(sdk), **cls.lora_request(config)
+        )
         return cls(
             sdk,
             training,

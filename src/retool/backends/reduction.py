@@ -2,8 +2,9 @@
 
 Owns the vocabulary the remote adapters share: the batch totals a service can divide by (``BatchTotals``,
 counted exactly as PyTRIO's SDK counts them in ``pytrio/client/training_batch.py``), the named
-denominators (``ReductionMode``), and ``check_remote_reduction``: once per run, before training, the loop
-asks a remote backend to score a tiny probe batch with known weights and compares the loss the service
+denominators (``ReductionMode``), and ``verify_reduction``: once per run, before training, the loop
+calls the training client's ``check_reduction_async`` hook (a no-op but for the remote adapters, which
+run this check): the adapter asks its service to score a tiny probe batch with known weights and compares the loss the service
 reports with the same loss computed here from the logprobs it returns. Their ratio is the denominator the
 service used. If it is one of the known ones the adapter adopts it (so what it sends reproduces the loop's
 weighted sum); if not, training is refused, because every gradient would be off by an unknown factor.
@@ -24,18 +25,13 @@ that; the check then makes any mismatch loud instead of silent.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Literal, Protocol
 
-from retool.backends.base import TrainingClient
-from retool.backends.types import Datum
-
-if TYPE_CHECKING:
-    from retool.backends.remote import RemoteTrainingClient
+from retool.backends.types import Datum, Tokenizer
 
 logger = logging.getLogger(__name__)
 
@@ -121,7 +117,32 @@ class ReductionReport:
     server_loss: float
 
 
-def probe_datums(tokenizer: Any = None) -> list[Datum]:
+@dataclass(frozen=True)
+class LossProbe:
+    """One forward pass scored two ways: by the service and here (for the reduction self-check)."""
+
+    local_loss: float
+    server_loss: float
+    totals: BatchTotals
+    learner_logprobs: list[list[float]]
+
+
+class ProbedService(Protocol):
+    """What the self-check needs of a remote adapter (``retool.backends.remote.RemoteTrainingClient``)."""
+
+    sdk_name: str
+
+    @property
+    def held_tokenizer(self) -> Tokenizer | None: ...
+
+    def probe_loss(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None = None
+    ) -> LossProbe: ...
+
+    def set_reduction(self, loss_fn: str, mode: ReductionMode) -> None: ...
+
+
+def probe_datums(tokenizer: Tokenizer | None = None) -> list[Datum]:
     """Two short datums whose totals make every known denominator different: 2 samples, 5 active
     tokens, 3 advantage tokens (a weighted position with advantage 0 is active but not an advantage
     token), and a plain sum of 1. The first position of each is masked, as prompt tokens are."""
@@ -151,7 +172,7 @@ def _on_policy(datums: Sequence[Datum], learner_logprobs: Sequence[Sequence[floa
 
 
 def verify_reduction(
-    client: RemoteTrainingClient, loss_fn: str, loss_config: dict[str, float] | None = None
+    client: ProbedService, loss_fn: str, loss_config: dict[str, float] | None = None
 ) -> list[ReductionReport]:
     """Probe the service (forward passes only), adopt the denominators it uses, or raise.
 
@@ -190,20 +211,4 @@ def verify_reduction(
         reports.append(ReductionReport(name, mode, denominator, probe.local_loss, probe.server_loss))
         if name == "cross_entropy":
             datums = _on_policy(datums, probe.learner_logprobs)
-    return reports
-
-
-async def check_remote_reduction(
-    client: TrainingClient, loss_fn: str, loss_config: dict[str, float] | None = None
-) -> list[ReductionReport]:
-    """The training loop's start-of-run hook: for a remote backend, verify (once per client) how the
-    service normalises ``loss_fn`` and adopt it; for any other backend, do nothing and return ``[]``."""
-    from retool.backends.remote import RemoteTrainingClient
-
-    # The trainer hands over the retry guard around the adapter; the check talks to the adapter itself.
-    client = getattr(client, "inner", client)
-    if not isinstance(client, RemoteTrainingClient) or client.reduction_verified:
-        return []
-    reports = await asyncio.to_thread(verify_reduction, client, loss_fn, loss_config)
-    client.reduction_verified = True
     return reports

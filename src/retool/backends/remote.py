@@ -63,25 +63,31 @@ import asyncio
 import concurrent.futures
 import dataclasses
 import importlib
+import importlib.metadata
 import inspect
 import logging
 import math
 import sys
 import threading
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypeVar
 
+import torch
+
 from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.losses import LOSS_NAMES, clip_thresholds, tis_cap
+from retool.backends.losses import LOSS_NAMES, LossTally, clip_thresholds, tis_cap, token_loss
 from retool.backends.reduction import (
     IGNORE_INDEX,
     REDUCTION_MODES,
     BatchTotals,
+    LossProbe,
     ReductionMode,
+    ReductionReport,
     WireDatum,
     batch_totals,
+    verify_reduction,
 )
 from retool.backends.types import (
     AdamParams,
@@ -92,6 +98,7 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.errors import UserError
 from retool.retry import Failure, classify, retry_after_of, status_code_of, to_thread_with_timeout
 
 if TYPE_CHECKING:
@@ -107,13 +114,19 @@ __all__ = [
     "RemoteCallError",
     "RemoteSamplingClient",
     "RemoteTrainingClient",
+    "SdkOptionError",
     "StateOrderError",
     "resolve",
 ]
 
 
-class BackendUnavailableError(RuntimeError):
+class BackendUnavailableError(UserError, RuntimeError):
     """The SDK of a managed backend is not installed or not configured (the message says how to fix it)."""
+
+
+class SdkOptionError(BackendUnavailableError):
+    """A setting the installed SDK (or the service behind it) cannot take; the message names it and the
+    SDK version."""
 
 
 class StateOrderError(RuntimeError):
@@ -138,7 +151,7 @@ class RemoteCallError(RuntimeError):
         self.retry_after = retry_after
 
 
-def cancel_future(obj: Any) -> None:
+def cancel_future(obj: object) -> None:
     """Best effort: stop the SDK's work on a call nobody waits for any more.
 
     Tinker's futures hand out their ``concurrent.futures.Future`` through ``.future()`` (cancelling it
@@ -148,12 +161,12 @@ def cancel_future(obj: Any) -> None:
     kind = type(obj)
     try:
         if callable(getattr(kind, "future", None)):
-            inner = obj.future()
+            inner = getattr(obj, "future")()  # noqa: B009 - looked up on the type above
             if isinstance(inner, concurrent.futures.Future):
                 inner.cancel()
                 return
         if callable(getattr(kind, "cancel", None)):
-            obj.cancel()
+            getattr(obj, "cancel")()  # noqa: B009 - looked up on the type above
     except Exception:  # a courtesy to the SDK: the call's outcome is already "unknown" to the caller
         logger.debug("could not cancel an abandoned SDK future %r", obj, exc_info=True)
 
@@ -167,10 +180,10 @@ class PendingCall:
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._future: Any = None
+        self._future: object = None
         self._abandoned = False
 
-    def hold(self, future: Any) -> Any:
+    def hold(self, future: T) -> T:
         with self._lock:
             self._future = future
             abandoned = self._abandoned
@@ -186,7 +199,7 @@ class PendingCall:
             cancel_future(future)
 
 
-def import_sdk(module: str, extra: str) -> Any:
+def import_sdk(module: str, extra: str) -> ModuleType:
     # pytrio replaces sys.excepthook when imported; the CLI's own error reporting must survive that.
     hook = sys.excepthook
     try:
@@ -200,7 +213,7 @@ def import_sdk(module: str, extra: str) -> Any:
         sys.excepthook = hook
 
 
-def resolve(obj: Any, expect: str | None = None) -> Any:
+def resolve(obj: object, expect: str | None = None) -> Any:
     """Wait for an SDK future: call ``.result()`` until the object has none, then check it has ``expect``.
 
     Never stops early because the object already looks like the client: Tinker's future-of-client
@@ -216,37 +229,62 @@ def resolve(obj: Any, expect: str | None = None) -> Any:
     return obj
 
 
-def call_kwargs(fn: Callable[..., Any], **kwargs: Any) -> Any:
-    """Call ``fn`` with only the keyword arguments it declares (SDK versions differ in optional ones)."""
+def sdk_label(sdk: object) -> str:
+    """``"pytrio 0.2.9"``: the SDK's distribution and installed version, for messages."""
+    name = getattr(sdk, "__name__", type(sdk).__name__).split(".")[0]
+    try:
+        return f"{name} {importlib.metadata.version(name)}"
+    except importlib.metadata.PackageNotFoundError:
+        return f"{name} (version unknown)"
+
+
+def check_sdk_kwargs(fn: Callable[..., object], sdk: str, **kwargs: object) -> None:
+    """Refuse a keyword ``fn`` does not declare: each one carries a setting, and dropping it would train
+    with another one than the config says. ``SdkOptionError`` names them and the SDK version ``sdk``."""
     try:
         params = inspect.signature(fn).parameters
-    except (TypeError, ValueError):
-        return fn(**kwargs)
+    except (TypeError, ValueError):  # no signature to read (a C function): the call itself will say
+        return
     if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values()):
-        return fn(**kwargs)
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
+        return
+    unknown = [f"{k}={v!r}" for k, v in kwargs.items() if k not in params]
+    if unknown:
+        raise SdkOptionError(
+            f"{sdk}: {getattr(fn, '__qualname__', fn)} takes no {', '.join(unknown)}; this SDK version "
+            "cannot apply that setting. Upgrade the SDK, or change the config so it is not needed"
+        )
+
+
+def call_kwargs(fn: Callable[..., T], sdk: str, **kwargs: object) -> T:
+    """``fn(**kwargs)`` after ``check_sdk_kwargs``: no keyword is ever dropped on the way."""
+    check_sdk_kwargs(fn, sdk, **kwargs)
+    return fn(**kwargs)
 
 
 _ALIASES = {"learning_rate": ("lr",), "grad_clip_norm": ("grad_clip",)}
 
 
-def build_model(cls: Any, **kwargs: Any) -> Any:
-    """Construct an SDK pydantic type with the fields it has: known aliases are renamed (``learning_rate``
-    -> ``lr``), other unknown fields are dropped with a warning (SDK versions differ)."""
+def build_model(cls: Callable[..., T], sdk: str, **kwargs: object) -> T:
+    """Construct an SDK pydantic type: known aliases are renamed (``learning_rate`` -> ``lr``) where the
+    version has the other name; a field it lacks is an ``SdkOptionError`` naming it and the SDK version
+    ``sdk``, unless its value is ``None`` (not set: nothing is lost)."""
     fields = getattr(cls, "model_fields", None)
-    if fields:
-        out: dict[str, Any] = {}
-        for key, value in kwargs.items():
-            if key in fields:
-                out[key] = value
-                continue
-            alias = next((a for a in _ALIASES.get(key, ()) if a in fields), None)
-            if alias is not None:
-                out[alias] = value
-            elif value not in (None, 0, 0.0):
-                logger.warning("%s has no field %r; %r not sent", getattr(cls, "__name__", cls), key, value)
-        kwargs = out
-    return cls(**kwargs)
+    if not fields:
+        return cls(**kwargs)
+    out: dict[str, object] = {}
+    missing: list[str] = []
+    for key, value in kwargs.items():
+        name = key if key in fields else next((a for a in _ALIASES.get(key, ()) if a in fields), None)
+        if name is not None:
+            out[name] = value
+        elif value is not None:
+            missing.append(f"{key}={value!r}")
+    if missing:
+        raise SdkOptionError(
+            f"{sdk}: {getattr(cls, '__name__', cls)} has no field for {', '.join(missing)}; this SDK "
+            "version cannot apply that setting. Upgrade the SDK, or change the config so it is not needed"
+        )
+    return cls(**out)
 
 
 def _to_list(value: Any) -> list[float]:
@@ -262,26 +300,43 @@ def _to_list(value: Any) -> list[float]:
     return list(value)
 
 
-def normalize_stop_reason(reason: Any) -> str:
+def normalize_stop_reason(reason: object) -> str:
     text = str(getattr(reason, "value", reason) or "").lower()
     return "length" if ("length" in text or "max" in text) else "stop"
 
 
+# The layer groups the managed services train LoRA on, each as one switch; a group's modules under the
+# names models use (separate or fused projections).
+_LORA_GROUPS: dict[str, tuple[frozenset[str], ...]] = {
+    "train_attn": (frozenset({"q_proj", "k_proj", "v_proj", "o_proj"}), frozenset({"qkv_proj", "o_proj"})),
+    "train_mlp": (frozenset({"gate_proj", "up_proj", "down_proj"}), frozenset({"gate_up_proj", "down_proj"})),
+    "train_unembed": (frozenset({"lm_head"}),),
+}
+
+
 def lora_flags(target_modules: Sequence[str]) -> dict[str, bool]:
-    """Managed services train whole groups of layers; map module names to their switches."""
+    """The services' switches for ``lora.target_modules``. They train whole groups of layers, so a list
+    that names part of a group, or a module in none, cannot be sent as it is: ``SdkOptionError``."""
     names = {m.split(".")[-1] for m in target_modules}
-    attn = bool(names & {"q_proj", "k_proj", "v_proj", "o_proj", "qkv_proj"})
-    mlp = bool(names & {"gate_proj", "up_proj", "down_proj", "gate_up_proj"})
-    unembed = "lm_head" in names
-    if not (attn or mlp or unembed):
-        attn = True
-    return {"train_attn": attn, "train_mlp": mlp, "train_unembed": unembed}
+    known = set().union(*(s for sets in _LORA_GROUPS.values() for s in sets))
+    flags = {flag: bool(names & set().union(*sets)) for flag, sets in _LORA_GROUPS.items()}
+    partial = [
+        flag for flag, sets in _LORA_GROUPS.items() if flags[flag] and not any(s <= names for s in sets)
+    ]
+    if names - known or partial or not any(flags.values()):
+        groups = "; ".join(f"{flag}: {' + '.join(sorted(sets[0]))}" for flag, sets in _LORA_GROUPS.items())
+        raise SdkOptionError(
+            f"lora.target_modules = {sorted(names)} cannot be trained on a managed service, which trains "
+            f"whole layer groups ({groups}); name every module of the groups to train"
+            + (f" (not a group's: {sorted(names - known)})" if names - known else "")
+        )
+    return flags
 
 
 def local_tokenizer(model_name: str) -> Any:
     """The model's tokenizer if it is on this machine (a local folder, or the Hugging Face cache), else
     ``None``. Never downloads: the SDKs would fetch it themselves, and offline runs must not try."""
-    from transformers import AutoTokenizer
+    from transformers import AutoTokenizer  # deferred: transformers (~3 s) only when a client is built
 
     if Path(model_name).is_dir():
         return AutoTokenizer.from_pretrained(model_name)
@@ -291,32 +346,23 @@ def local_tokenizer(model_name: str) -> Any:
         return None
 
 
-@dataclass(frozen=True)
-class LossProbe:
-    """One forward pass scored two ways: by the service and here (for the reduction self-check)."""
-
-    local_loss: float
-    server_loss: float
-    totals: BatchTotals
-    learner_logprobs: list[list[float]]
-
-
 class RemoteSamplingClient(SamplingClient):
     """Wraps an SDK sampling client; returns our ``Sample`` objects."""
 
-    def __init__(self, sdk: Any, client: Any, owner: RemoteTrainingClient) -> None:
+    def __init__(self, sdk: ModuleType, client: Any, owner: RemoteTrainingClient) -> None:
         self._sdk = sdk
         self._client = client
         self._owner = owner
 
     def _params(self, params: SamplingParams) -> Any:
-        stop: list[Any] | None = list(params.stop) if params.stop else None
+        stop: list[str | int] | None = list(params.stop) if params.stop else None
         if stop:
             # A stop list replaces the default end-of-sequence stop on these services: keep EOS as well.
             extra = self._owner.eos_stop(string=isinstance(stop[0], str))
             stop += [s for s in extra if s not in stop]
         return build_model(
             self._owner._type("SamplingParams"),
+            self._owner.sdk_label,
             max_tokens=params.max_tokens,
             temperature=params.temperature,
             top_p=params.top_p,
@@ -386,7 +432,7 @@ class RemoteTrainingClient(TrainingClient):
 
     def __init__(
         self,
-        sdk: Any,
+        sdk: ModuleType,
         training_client: Any,
         *,
         base_model: str,
@@ -406,7 +452,7 @@ class RemoteTrainingClient(TrainingClient):
         self._tokenizer: Any = None
         self.step = 0
         self.started = False  # any call that makes the service start (or change) the trainer's state
-        self.reduction_verified = False  # set by ``reduction.check_remote_reduction``
+        self.reduction_verified = False  # set by ``check_reduction_async``
         mode = reduction or self.default_reduction
         if mode not in REDUCTION_MODES:
             raise ValueError(f"unknown reduction {mode!r}; use one of {', '.join(REDUCTION_MODES)}")
@@ -463,7 +509,7 @@ class RemoteTrainingClient(TrainingClient):
 
     # -- SDK helpers ---------------------------------------------------------------------------
     @classmethod
-    def lora_request(cls, config: Config) -> dict[str, Any]:
+    def lora_request(cls, config: Config) -> dict[str, str | int | bool]:
         """The arguments of ``create_lora_training_client`` for ``config`` (both SDKs take these)."""
         return {
             "base_model": config.model.name,
@@ -482,6 +528,11 @@ class RemoteTrainingClient(TrainingClient):
             if self._tokenizer is not None:
                 self.share_tokenizer(self._tokenizer)
         return self._client
+
+    @property
+    def sdk_label(self) -> str:
+        """The SDK and its installed version, for messages (``"tinker 0.38.0"``)."""
+        return sdk_label(self._sdk)
 
     @property
     def types(self) -> Any:
@@ -529,7 +580,7 @@ class RemoteTrainingClient(TrainingClient):
     def model_input(self, tokens: list[int]) -> Any:
         return self._type("ModelInput").from_ints(tokens)
 
-    def eos_stop(self, string: bool) -> list[Any]:
+    def eos_stop(self, string: bool) -> list[str | int]:
         tok = self._tokenizer
         if tok is None:
             return []
@@ -551,6 +602,17 @@ class RemoteTrainingClient(TrainingClient):
         if mode not in REDUCTION_MODES:
             raise ValueError(f"unknown reduction {mode!r}; use one of {', '.join(REDUCTION_MODES)}")
         self._modes[loss_fn] = mode
+
+    async def check_reduction_async(
+        self, loss_fn: str, loss_config: dict[str, float] | None = None
+    ) -> list[ReductionReport]:
+        """Verify (once per client) how the service normalises ``loss_fn`` and adopt it, or raise
+        ``ReductionCheckError`` (``retool.backends.reduction``)."""
+        if self.reduction_verified:
+            return []
+        reports = await asyncio.to_thread(verify_reduction, self, loss_fn, loss_config)
+        self.reduction_verified = True
+        return reports
 
     def reduction_scale(self, totals: BatchTotals, loss_fn: str) -> float:
         """Factor applied to advantages / CE weights so the service's reduction yields the loop's sum."""
@@ -574,7 +636,7 @@ class RemoteTrainingClient(TrainingClient):
         return WireDatum(inputs, targets, logprobs=lps, advantages=adv)
 
     def to_sdk_datum(self, w: WireDatum, scale: float) -> Any:
-        inputs: dict[str, Any] = {"target_tokens": self.tensor(w.targets, "int64")}
+        inputs: dict[str, object] = {"target_tokens": self.tensor(w.targets, "int64")}
         if w.weights is not None:
             inputs["weights"] = self.tensor([x * scale for x in w.weights], "float32")
         if w.logprobs is not None and w.advantages is not None:
@@ -621,10 +683,6 @@ class RemoteTrainingClient(TrainingClient):
         learner: list[list[float]] | None,
         server: dict[str, float],
     ) -> ForwardBackwardResult:
-        import torch
-
-        from retool.backends.losses import LossTally, token_loss
-
         if learner is None:
             logger.warning(
                 "service returned no per-datum logprobs for %d datums; metrics from server only", len(datums)
@@ -676,7 +734,7 @@ class RemoteTrainingClient(TrainingClient):
         if scale is None:
             scale = self.reduction_scale(totals, loss_fn)
         data = [self.to_sdk_datum(w, scale) for w in wire]
-        kwargs: dict[str, Any] = {"loss_fn": loss_fn}
+        kwargs: dict[str, object] = {"loss_fn": loss_fn}
         if loss_fn == "ppo":
             kwargs["loss_fn_config"] = {"clip_low_threshold": lo, "clip_high_threshold": hi}
         self.prepare_training_call()
@@ -738,6 +796,7 @@ class RemoteTrainingClient(TrainingClient):
     def _optim_step_sync(self, pending: PendingCall, adam: AdamParams) -> OptimStepResult:
         params = build_model(
             self._type("AdamParams"),
+            self.sdk_label,
             learning_rate=adam.lr,
             beta1=adam.beta1,
             beta2=adam.beta2,

@@ -62,6 +62,7 @@ from __future__ import annotations
 import logging
 import os
 from pathlib import Path
+from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
 from retool.backends.reduction import ReductionMode
@@ -69,10 +70,11 @@ from retool.backends.remote import (
     BackendUnavailableError,
     PendingCall,
     RemoteTrainingClient,
-    call_kwargs,
+    check_sdk_kwargs,
     import_sdk,
     local_tokenizer,
     resolve,
+    sdk_label,
 )
 from retool.retry import Failure
 
@@ -85,7 +87,9 @@ logger = logging.getLogger(__name__)
 def credential_problem() -> str | None:
     """Why the SDK would find no credential (``None`` when it would), by the SDK's own resolver."""
     try:
-        from tinker.lib._auth_token_provider import resolve_auth_provider
+        from tinker.lib._auth_token_provider import (
+            resolve_auth_provider,
+        )  # deferred: the tinker SDK is optional
     except ImportError:  # another SDK layout: check the documented sources ourselves
         stored = Path.home() / ".tinker" / "credentials.json"
         if os.environ.get("TINKER_API_KEY") or os.environ.get("TINKER_CREDENTIAL_CMD") or stored.is_file():
@@ -104,12 +108,12 @@ class TinkerTrainingClient(RemoteTrainingClient):
     default_reduction: ReductionMode = "sum"
     server_loss_key = "loss:sum"
 
-    def __init__(self, sdk: Any, training_client: Any, *, service: Any = None, **kwargs: Any) -> None:
+    def __init__(self, sdk: ModuleType, training_client: Any, *, service: Any = None, **kwargs: Any) -> None:
         super().__init__(sdk, training_client, **kwargs)
         self._service = service
 
     @classmethod
-    def from_config(cls, config: Config, sdk: Any = None) -> TinkerTrainingClient:
+    def from_config(cls, config: Config, sdk: ModuleType | None = None) -> TinkerTrainingClient:
         sdk = sdk or import_sdk("tinker", "tinker")
         problem = credential_problem()
         if problem is not None:
@@ -117,9 +121,11 @@ class TinkerTrainingClient(RemoteTrainingClient):
         base_url = config.backend.base_url
         service = sdk.ServiceClient(base_url=base_url) if base_url else sdk.ServiceClient()
         request = cls.lora_request(config)
+        # Checked now, not at the deferred creation: a setting this SDK cannot take fails before any work.
+        check_sdk_kwargs(service.create_lora_training_client, sdk_label(sdk), **request)
         return cls(
             sdk,
-            lambda: call_kwargs(service.create_lora_training_client, **request),
+            lambda: service.create_lora_training_client(**request),
             service=service,
             base_model=config.model.name,
             tokenizer=local_tokenizer(config.model.name),

@@ -95,6 +95,7 @@ def build_tokenizer(
     ``phrase_tokens`` become single added (non-special) tokens, e.g. the fixed system prompts: a tiny
     model's context and compute then go to the problem, not to a paragraph it sees in every sequence.
     """
+    # deferred: tokenizers and transformers (~3 s), to build the model only
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, trainers
     from transformers import PreTrainedTokenizerFast
 
@@ -135,7 +136,7 @@ def build_tiny_model(
     phrase_tokens: Iterable[str] = (),
 ) -> Path:
     """Write tokenizer + randomly initialised Qwen2 model to ``out_dir``; return the folder."""
-    import torch
+    import torch  # deferred: torch and transformers (~3 s), to build the model only
     from transformers import Qwen2Config, Qwen2ForCausalLM
 
     out = Path(out_dir)

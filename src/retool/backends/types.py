@@ -9,10 +9,16 @@ usual convention: for a token sequence ``seq``, ``input_tokens = seq[:-1]`` and
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, Protocol
 
 StopReason = Literal["stop", "length"]
 LossName = Literal["ppo", "importance_sampling", "cross_entropy"]
+
+
+class Tokenizer(Protocol):
+    """The part of a Hugging Face tokenizer the backends call themselves (the rest is the protocol's)."""
+
+    def encode(self, text: str, /) -> list[int]: ...
 
 
 @dataclass(frozen=True)

@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from retool.backends.generation import GenRequest
 from retool.backends.local import LocalSamplingClient
+from retool.backends.remote import SdkOptionError, sdk_label
 from retool.backends.types import Sample
 
 if TYPE_CHECKING:
@@ -46,7 +47,7 @@ class VllmSamplingClient(LocalSamplingClient):
         keep_adapters: int = 2,
     ) -> None:
         try:
-            import vllm
+            import vllm  # deferred: vllm is optional (the vllm extra)
         except ImportError as exc:
             raise RuntimeError("backend.sampler=vllm needs vLLM: pip install 'retool-rl[vllm]'") from exc
         if owner.lora is None:
@@ -67,20 +68,19 @@ class VllmSamplingClient(LocalSamplingClient):
             "seed": owner.seed,
             "logprobs_mode": "raw_logprobs",
         }
+        # Every setting reaches the engine or the run stops: without raw_logprobs, for one, the sampled
+        # logprobs would be post-processing ones and every importance ratio off.
         accepted = _accepted_engine_args(vllm)
-        if accepted is not None:
-            dropped = sorted(set(kwargs) - accepted)
-            if dropped:
-                logger.warning("this vLLM does not accept %s; logprobs may be post-processing ones", dropped)
-            kwargs = {k: v for k, v in kwargs.items() if k in accepted}
+        unknown = sorted(set(kwargs) - accepted) if accepted is not None else []
+        if unknown:
+            raise _unsupported(vllm, kwargs, unknown)
         try:
             self.llm = vllm.LLM(**kwargs)
-        except TypeError as exc:  # an older vLLM without raw-logprob mode
-            if "logprobs_mode" not in str(exc):
+        except TypeError as exc:  # no EngineArgs to read beforehand: the engine names what it refuses
+            refused = [k for k in kwargs if f"'{k}'" in str(exc)]
+            if not refused:
                 raise
-            logger.warning("this vLLM has no logprobs_mode; returned logprobs may be post-processing ones")
-            kwargs.pop("logprobs_mode")
-            self.llm = vllm.LLM(**kwargs)
+            raise _unsupported(vllm, kwargs, refused) from exc
         self._adapter_dir = Path(owner.checkpoint_dir) / "vllm_adapters"
         self._version = 0
         self._lora_request: Any = None
@@ -88,7 +88,7 @@ class VllmSamplingClient(LocalSamplingClient):
 
     def refresh(self) -> None:
         """Hand the trainer's current adapter to vLLM (runs on the trainer's worker thread)."""
-        from vllm.lora.request import LoRARequest
+        from vllm.lora.request import LoRARequest  # deferred: vllm is optional (the vllm extra)
 
         self._version += 1
         folder = self._adapter_dir / f"v{self._version}"
@@ -141,9 +141,17 @@ class VllmSamplingClient(LocalSamplingClient):
         return samples
 
 
+def _unsupported(vllm: object, kwargs: dict[str, Any], names: list[str]) -> SdkOptionError:
+    settings = ", ".join(f"{k}={kwargs[k]!r}" for k in names)
+    return SdkOptionError(
+        f"{sdk_label(vllm)}: the engine takes no {settings}; this vLLM cannot apply that setting. Upgrade it "
+        "(pip install 'retool-rl[vllm]') or use backend.sampler = 'hf'"
+    )
+
+
 def _accepted_engine_args(vllm: Any) -> set[str] | None:
     try:
-        from vllm.engine.arg_utils import EngineArgs
+        from vllm.engine.arg_utils import EngineArgs  # deferred: vllm is optional (the vllm extra)
 
         names = set(inspect.signature(EngineArgs).parameters)
         return names | {"model"}

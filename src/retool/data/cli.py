@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import typer
 
+from retool.data import DataError, prepare_dapo
 from retool.data.dapo import DEV_SEED, DEV_SIZE
 
 prepare_app = typer.Typer(help="Prepare training data (strip, deduplicate, split).", no_args_is_help=True)
@@ -20,8 +21,6 @@ def prepare_dapo_command(
     split: str = typer.Option("train", "--split", help="Split to read when INPUT is a Hub id."),
 ) -> None:
     """Strip DAPO's instruction wrapper, deduplicate, hold out a dev split, and print the counts."""
-    from retool.data import DataError, prepare_dapo
-
     try:
         report = prepare_dapo(input, out, dev_size=dev_size, seed=seed, split=split)
     except DataError as exc:

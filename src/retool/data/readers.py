@@ -15,12 +15,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retool.errors import UserError
+from retool.jsonl import jsonl_lines
+
 logger = logging.getLogger(__name__)
 
 LOCAL_SUFFIXES = (".jsonl", ".json", ".parquet")
 
 
-class DataError(Exception):
+class DataError(UserError):
     """A data source that cannot be used at all: missing file, unknown name, missing optional package."""
 
 
@@ -44,26 +47,24 @@ def looks_like_hub_id(source: str) -> bool:
     return len(parts) == 2 and all(p and not p.startswith(".") for p in parts)
 
 
-def iter_jsonl(path: Path) -> Iterator[RowItem]:
-    # Bytes first: one undecodable line must not abort the whole file.
-    with path.open("rb") as fh:
-        for number, raw in enumerate(fh, start=1):
-            if not raw.strip():
-                continue
-            try:
-                text = raw.decode("utf-8")
-            except UnicodeDecodeError as exc:
-                yield number, BadRow(number, "bad_encoding", str(exc)[:120])
-                continue
-            try:
-                row = json.loads(text)
-            except json.JSONDecodeError as exc:
-                yield number, BadRow(number, "malformed_json", str(exc)[:120])
-                continue
-            if not isinstance(row, dict):
-                yield number, BadRow(number, "not_an_object", type(row).__name__)
-                continue
-            yield number, row
+def iter_jsonl_rows(path: Path) -> Iterator[RowItem]:
+    # Bytes first (``retool.jsonl``: lines end at "\n" only): one undecodable line must not abort the file.
+    for line in jsonl_lines(path):
+        number = line.number
+        try:
+            text = line.text
+        except UnicodeDecodeError as exc:
+            yield number, BadRow(number, "bad_encoding", str(exc)[:120])
+            continue
+        try:
+            row = json.loads(text)
+        except json.JSONDecodeError as exc:
+            yield number, BadRow(number, "malformed_json", str(exc)[:120])
+            continue
+        if not isinstance(row, dict):
+            yield number, BadRow(number, "not_an_object", type(row).__name__)
+            continue
+        yield number, row
 
 
 def iter_json_array(path: Path) -> Iterator[RowItem]:
@@ -71,7 +72,7 @@ def iter_json_array(path: Path) -> Iterator[RowItem]:
         data = json.loads(path.read_text(encoding="utf-8"))
     except (json.JSONDecodeError, UnicodeDecodeError):
         # Not one JSON document: maybe JSONL with a .json name.
-        yield from iter_jsonl(path)
+        yield from iter_jsonl_rows(path)
         return
     if isinstance(data, dict):
         # {"data": [...]} / {"rows": [...]} style wrappers.
@@ -88,7 +89,7 @@ def iter_json_array(path: Path) -> Iterator[RowItem]:
 
 def iter_parquet(path: Path) -> Iterator[RowItem]:
     try:
-        import pyarrow.parquet as pq
+        import pyarrow.parquet as pq  # deferred: pyarrow is optional (the parquet extra)
     except ImportError as exc:
         raise DataError(
             f"reading parquet ({path}) needs pyarrow: pip install pyarrow (or 'retool-rl[parquet]'), "
@@ -116,12 +117,12 @@ def iter_local(path: Path) -> Iterator[RowItem]:
         return iter_parquet(path)
     if suffix == ".json":
         return iter_json_array(path)
-    return iter_jsonl(path)
+    return iter_jsonl_rows(path)
 
 
 def iter_hub(hub_id: str, split: str, config_name: str | None = None) -> Iterator[RowItem]:
     try:
-        import datasets
+        import datasets  # deferred: datasets is optional (the hub extra)
     except ImportError as exc:
         raise DataError(
             f"loading {hub_id!r} from the Hugging Face Hub needs the datasets package: "

@@ -7,6 +7,13 @@ from typing import Any, NoReturn
 
 import typer
 
+from retool.config import ConfigError, flag_overrides, load_config
+from retool.data import DataError
+from retool.evaluate.runner import MODES, evaluate
+from retool.evaluate.settings import EvalError
+from retool.evaluate.store import EvalStoreError
+from retool.sandbox import SandboxPreimportError
+
 
 def _fail(message: str) -> NoReturn:
     typer.echo(f"error: {message}", err=True)
@@ -79,13 +86,6 @@ def eval_command(
     Every default comes from the config (``[eval]``, ``[sampling]``, ``[data]``); a flag overrides it only
     when given, after any ``--set``.
     """
-    from retool.config import ConfigError, flag_overrides, load_config
-    from retool.data import DataError
-    from retool.evaluate.runner import MODES, evaluate
-    from retool.evaluate.settings import EvalError
-    from retool.evaluate.store import EvalStoreError
-    from retool.sandbox import SandboxPreimportError
-
     if mode not in MODES:
         _fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     flags = {

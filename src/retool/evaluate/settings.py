@@ -14,13 +14,14 @@ from typing import Any
 
 from retool.config import Config
 from retool.data.problem import Problem
+from retool.errors import UserError
 from retool.evaluate.store import ResultStore
 
 # Settings that may change between a run and its resumption (they select problems, not how they are solved).
 RESUME_IGNORED: frozenset[str] = frozenset({"limit", "problems", "dataset_source"})
 
 
-class EvalError(RuntimeError):
+class EvalError(UserError, RuntimeError):
     """An eval that cannot start or continue; the message says why (the CLI prints it, exit 2)."""
 
 

@@ -17,13 +17,14 @@ from pathlib import Path
 from typing import Any
 
 from retool.data.problem import Problem
+from retool.errors import UserError
 from retool.rollout.records import Decode, trajectory_record
 from retool.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
 
 
-class EvalStoreError(RuntimeError):
+class EvalStoreError(UserError, RuntimeError):
     """An output file that cannot be resumed safely; the message says which file and why."""
 
 

@@ -6,6 +6,9 @@ import json
 
 import typer
 
+from retool.config import RewardConfig
+from retool.reward.verifier import Verifier
+
 
 def verify_command(
     pred: str = typer.Argument(..., help="Predicted answer (LaTeX without $...$, e.g. '\\frac{1}{2}')."),
@@ -19,9 +22,6 @@ def verify_command(
     Prints {"equivalent": bool, "status": "ok"|"timeout"|"error"}; the exit code is 0 in all three cases,
     so scripts read the status from the JSON.
     """
-    from retool.config import RewardConfig
-    from retool.reward.verifier import Verifier
-
     reward = RewardConfig(verify_workers=1)
     if timeout is not None:
         reward.verify_timeout = timeout

@@ -23,10 +23,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import importlib
 import itertools
 import logging
 import os
 import queue
+import resource
 import signal
 import socket
 import subprocess
@@ -38,12 +40,11 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
+from retool.config import Config, RewardConfig
+from retool.reward.equivalence import check_equivalence
 from retool.reward.extract import extract_last_boxed
-
-if TYPE_CHECKING:
-    from retool.config import Config, RewardConfig
 
 logger = logging.getLogger(__name__)
 
@@ -108,9 +109,6 @@ def _worker_main(fd: int, memory_limit_mb: int | None, hard_timeout: float) -> N
 
     Started as ``python -c`` by :class:`_Worker`; ``fd`` is its end of a socketpair.
     """
-    import importlib
-    import resource
-
     conn = Connection(fd)
     # Ctrl-C goes to the whole process group; the parent decides what to do, workers just get killed.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -286,8 +284,6 @@ class Verifier:
         """The verifier a run's config asks for: a ``retool.config.Config`` or its ``RewardConfig`` section
         (``verify_workers``, ``verify_timeout``, ``tail_chars``). Training and evaluation both build it here,
         so the two score answers alike."""
-        from retool.config import Config  # here, not at import: the worker processes import this module
-
         reward = config.reward if isinstance(config, Config) else config
         return cls(workers=reward.verify_workers, timeout=reward.verify_timeout, tail_chars=reward.tail_chars)
 
@@ -476,8 +472,6 @@ def score_answer(text: str, reference: str, verifier: Verifier | None = None) ->
     pred, ref = answer.strip(), str(reference).strip()
     if verifier is not None:
         return _reward_from(answer, verifier.verify(pred, ref))
-    from retool.reward.equivalence import check_equivalence
-
     start = time.monotonic()
     equivalent, status, detail = check_equivalence(pred, ref)
     if status != "ok":

@@ -43,10 +43,12 @@ __all__ = [
 ]
 
 
+# ``retool.sandbox`` imports with the standard library alone (a bare virtualenv runs its executors,
+# tests/test_sandbox_environment.py), so the config (pydantic) and the SandboxFusion client (httpx) load on
+# first use.
 def __getattr__(name: str) -> object:
-    # Lazy: the HTTP client (httpx) is only needed by the sandboxfusion backend.
     if name == "SandboxFusionExecutor":
-        from retool.sandbox.sandboxfusion import SandboxFusionExecutor
+        from retool.sandbox.sandboxfusion import SandboxFusionExecutor  # deferred: httpx (see above)
 
         return SandboxFusionExecutor
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
@@ -54,7 +56,7 @@ def __getattr__(name: str) -> object:
 
 def make_executor(cfg: object) -> Executor:
     """Build the executor a ``retool.config.SandboxConfig`` describes."""
-    from retool.config import SandboxConfig
+    from retool.config import SandboxConfig  # deferred: pydantic (see above)
 
     if not isinstance(cfg, SandboxConfig):
         raise TypeError(f"make_executor expects a SandboxConfig, got {type(cfg).__name__}")
@@ -79,7 +81,7 @@ def make_executor(cfg: object) -> Executor:
             auto_print=cfg.auto_print_last_expr,
         )
     if cfg.backend == "sandboxfusion":
-        from retool.sandbox.sandboxfusion import SandboxFusionExecutor
+        from retool.sandbox.sandboxfusion import SandboxFusionExecutor  # deferred: httpx (see above)
 
         return SandboxFusionExecutor(
             cfg.sandboxfusion_url,

@@ -27,15 +27,25 @@ Per execution (see ``forkserver.py`` for the bubblewrap layer around this proces
 
 from __future__ import annotations
 
+import ast
+import atexit
+import builtins
 import ctypes
 import gc
+import importlib
+import io
 import json
 import os
+import random
+import resource
 import select
 import signal
 import struct
 import sys
+import threading
 import time
+import traceback
+import types
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWIPC = 0x08000000
@@ -151,8 +161,6 @@ def _send(fd: int, obj: dict) -> None:
 
 # ----------------------------------------------------------------------------------------------- child
 def _compile_user(code: str, auto_print: bool):  # -> code object
-    import ast
-
     tree = ast.parse(code, "<string>", "exec")
     if auto_print and tree.body and isinstance(tree.body[-1], ast.Expr):
         # REPL semantics for a bare last expression: print its repr unless it is None.
@@ -175,12 +183,6 @@ def _compile_user(code: str, auto_print: bool):  # -> code object
 
 def _run_user(code: str, auto_print: bool) -> int:
     """Run like ``python -c``: a fresh ``__main__``; traceback on stderr; the exit status returned."""
-    import atexit
-    import builtins
-    import threading
-    import traceback
-    import types
-
     atexit._clear()  # only the user's own exit handlers run, not the server's inherited ones
     main = types.ModuleType("__main__")
     main.__dict__["__builtins__"] = builtins
@@ -227,40 +229,55 @@ def _exit_code(exc: SystemExit) -> int:
 
 
 def _child(cfg: dict, req: dict, out_w: int, err_w: int, devnull: int) -> None:
-    """The forked child that becomes the model's Python: namespaces, mounts, limits, streams, then exec.
-
-    Long because each step depends on the previous one having happened in this very process, in order
-    (unshare before mount, limits before dropping privileges, streams last); split into helpers, the
-    order that makes the isolation hold would no longer be visible in one place.
-    """
-    import io
-    import resource
-
+    """The forked child that becomes the model's Python. The steps run in this order, in this process:
+    namespaces and mounts before the privileges that allow them are dropped, limits before the model's
+    code can run, the streams last (after them nothing of the server's is open)."""
     os.setsid()
     if cfg["strict"]:
-        _unshare(CLONE_NEWNS | CLONE_NEWIPC)
-        _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
-        # Read-only binds below /tmp or /dev/shm (a virtualenv at /tmp/venv) would vanish under the fresh
-        # tmpfs mounted next: hold each by an O_PATH descriptor and bind it back on top afterwards.
-        held = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for path in cfg["rebind"]]
-        _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_size_mb']}m,mode=1777")
-        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
-        if os.path.isdir("/dev/shm"):  # POSIX semaphores/shared memory (multiprocessing) need it writable
-            _mount(
-                "tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_size_mb']}m,mode=1777"
-            )
-        for path, fd in held:
-            os.makedirs(path, mode=0o755, exist_ok=True)
-            # A bind keeps the source mount's read-only flag; the uid switch below adds the owner check.
-            _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
-            os.close(fd)
-        if cfg.get("drop", "setuid") == "setuid":
-            uid = cfg["uid"]
-            os.setgroups([])
-            os.setresgid(uid, uid, uid)
-            os.setresuid(uid, uid, uid)  # drops every capability
-        else:
-            _drop_all_capabilities()  # user-namespace mode: only uid 0 is mapped, so drop caps instead
+        _isolate(cfg)
+    _limit(cfg)
+    _own_streams(out_w, err_w, devnull)
+    random.seed()
+    np = sys.modules.get("numpy")
+    if np is not None:
+        np.random.seed()
+    gc.enable()
+    rc = _run_user(req["code"], bool(req.get("auto_print")))
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except BaseException:
+            pass
+    os._exit(rc)
+
+
+def _isolate(cfg: dict) -> None:
+    """Strict mode: private mount and IPC namespaces, fresh /tmp, /proc and /dev/shm, then no privileges."""
+    _unshare(CLONE_NEWNS | CLONE_NEWIPC)
+    _mount("none", "/", None, MS_REC | MS_PRIVATE, None)
+    # Read-only binds below /tmp or /dev/shm (a virtualenv at /tmp/venv) would vanish under the fresh
+    # tmpfs mounted next: hold each by an O_PATH descriptor and bind it back on top afterwards.
+    held = [(path, os.open(path, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)) for path in cfg["rebind"]]
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_size_mb']}m,mode=1777")
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC, None)
+    if os.path.isdir("/dev/shm"):  # POSIX semaphores/shared memory (multiprocessing) need it writable
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, f"size={cfg['tmp_size_mb']}m,mode=1777")
+    for path, fd in held:
+        os.makedirs(path, mode=0o755, exist_ok=True)
+        # A bind keeps the source mount's read-only flag; the uid switch below adds the owner check.
+        _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC, None)
+        os.close(fd)
+    if cfg.get("drop", "setuid") == "setuid":
+        uid = cfg["uid"]
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)  # drops every capability
+    else:
+        _drop_all_capabilities()  # user-namespace mode: only uid 0 is mapped, so drop caps instead
+
+
+def _limit(cfg: dict) -> None:
+    """No new privileges, and the resource limits (CPU hard = soft + 1 s)."""
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     _prctl(PR_SET_DUMPABLE, 1)  # the server set 0 for itself; the child may read its own /proc/self
     if not cfg["strict"]:
@@ -280,6 +297,11 @@ def _child(cfg: dict, req: dict, out_w: int, err_w: int, devnull: int) -> None:
         except (ValueError, OSError):
             if which != resource.RLIMIT_NPROC:  # NPROC may already be lower; anything else is a bug
                 raise
+
+
+def _own_streams(out_w: int, err_w: int, devnull: int) -> None:
+    """stdin /dev/null, stdout/stderr the server's pipes, nothing else open; a clean environment and
+    signal dispositions as a fresh interpreter has them."""
     os.dup2(devnull, 0)
     os.dup2(out_w, 1)
     os.dup2(err_w, 2)
@@ -300,20 +322,6 @@ def _child(cfg: dict, req: dict, out_w: int, err_w: int, devnull: int) -> None:
         io.FileIO(2, "w", closefd=False), encoding="utf-8", errors="backslashreplace", write_through=True
     )
     sys.__stdin__, sys.__stdout__, sys.__stderr__ = sys.stdin, sys.stdout, sys.stderr  # type: ignore[misc]
-    import random
-
-    random.seed()
-    np = sys.modules.get("numpy")
-    if np is not None:
-        np.random.seed()
-    gc.enable()
-    rc = _run_user(req["code"], bool(req.get("auto_print")))
-    for stream in (sys.stdout, sys.stderr):
-        try:
-            stream.flush()
-        except BaseException:
-            pass
-    os._exit(rc)
 
 
 # ----------------------------------------------------------------------------------------------- server
@@ -372,6 +380,8 @@ def _kill_strays(me: int) -> None:
             return
 
 
+# This and ``_kill_strays``'s /proc scan repeat ``retool.sandbox.procfs``: this script runs standalone inside
+# the sandbox, where ``retool`` cannot be imported.
 def _oom_kills() -> int:
     """The kernel's count of OOM kills since boot (``/proc/vmstat``, Linux >= 4.13); -1 if unknown."""
     try:
@@ -385,92 +395,21 @@ def _oom_kills() -> int:
 
 
 def _execute(cfg: dict, req: dict, devnull: int, pidns_fd: int | None) -> dict:
-    """Run one request in a fresh child and return its result: pipes, fork, bounded reads, the wall-clock
-    kill, the reap of every descendant, and the classification (ok / error / timeout / memory_limit).
-
-    Long because the pipes, the child's pid and the deadline are shared by every stage of one execution
-    and must be cleaned up on every path out of it.
-    """
+    """Run one request in a fresh child and return its result: fork, bounded reads until exit or the
+    wall-clock kill, the reap of every descendant, and the classification (ok / error / timeout /
+    memory_limit). Every path out closes the pipes and the child's pidfd."""
     started = time.perf_counter()
     oom_before = _oom_kills()
     timeout = float(req.get("timeout") or cfg["timeout"])
-    out_r, out_w = os.pipe()
-    err_r, err_w = os.pipe()
-    if pidns_fd is not None:
-        _unshare(CLONE_NEWPID)  # only the next fork lands in the new namespace (as its pid 1)
-    try:
-        pid = os.fork()
-    except BaseException:
-        if pidns_fd is not None:
-            _setns(pidns_fd, CLONE_NEWPID)
-        raise
-    if pid != 0 and pidns_fd is not None:
-        _setns(pidns_fd, CLONE_NEWPID)  # later forks of the server go back to its own namespace
-    if pid == 0:
-        try:
-            os.close(out_r)
-            os.close(err_r)
-            _child(cfg, req, out_w, err_w, devnull)
-        except BaseException as exc:
-            try:
-                os.write(err_w, f"sandbox setup failed: {exc!r}\n".encode())
-            except BaseException:
-                pass
-        os._exit(71)
-    os.close(out_w)
-    os.close(err_w)
+    pid, out_r, err_r = _fork_child(cfg, req, devnull, pidns_fd)
     keep = cfg["output_cap"] * 4 + 16  # UTF-8: at most 4 bytes per character, so the tail has >= cap chars
     tails = {out_r: _Tail(keep), err_r: _Tail(keep)}
     pidfd = os.pidfd_open(pid)
-    poller = select.poll()
-    for fd in (out_r, err_r, pidfd):
-        poller.register(fd, select.POLLIN)
-    deadline = started + timeout
-    timed_out = False
-    exited = False
-    open_fds = {out_r, err_r}
-    while not exited:
-        remaining = deadline - time.perf_counter()
-        if remaining <= 0:
-            timed_out = True
-            break
-        for fd, _ in poller.poll(max(1, int(remaining * 1000))):
-            if fd == pidfd:
-                exited = True
-            else:
-                data = os.read(fd, 1 << 16)
-                if data:
-                    tails[fd].add(data)
-                else:
-                    poller.unregister(fd)
-                    open_fds.discard(fd)
-    if timed_out:
-        # Strict: pid 1 of its PID namespace; its death makes the kernel kill every other member.
-        try:
-            os.killpg(pid, signal.SIGKILL)
-        except OSError:
-            pass
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except OSError:
-            pass
-    _, status = os.waitpid(pid, 0)
-    if pidns_fd is None:
-        _kill_strays(os.getpid())
-    # Drain what is left; every writer is dead now, so EOF comes at once (bounded anyway).
-    drain_deadline = time.perf_counter() + 1.0
-    while open_fds and time.perf_counter() < drain_deadline:
-        for fd, _ in poller.poll(50):
-            if fd == pidfd:
-                continue
-            data = os.read(fd, 1 << 16)
-            if data:
-                tails[fd].add(data)
-            else:
-                poller.unregister(fd)
-                open_fds.discard(fd)
-    for fd in (out_r, err_r, pidfd):
-        os.close(fd)
+    try:
+        timed_out, status = _collect(pid, pidfd, tails, started + timeout, pidns_fd is None)
+    finally:
+        for fd in (out_r, err_r, pidfd):
+            os.close(fd)
     stdout, t1 = _decode_tail(tails[out_r], cfg["output_cap"])
     stderr, t2 = _decode_tail(tails[err_r], cfg["output_cap"])
     if timed_out:
@@ -492,9 +431,87 @@ def _execute(cfg: dict, req: dict, devnull: int, pidns_fd: int | None) -> dict:
     }
 
 
-def _preimport(cfg: dict) -> list[dict]:
-    import importlib
+def _fork_child(cfg: dict, req: dict, devnull: int, pidns_fd: int | None) -> tuple[int, int, int]:
+    """Fork the child (strict: as pid 1 of a new PID namespace); returns its pid and the read ends of
+    its stdout and stderr pipes."""
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    if pidns_fd is not None:
+        _unshare(CLONE_NEWPID)  # only the next fork lands in the new namespace (as its pid 1)
+    try:
+        pid = os.fork()
+    except BaseException:
+        if pidns_fd is not None:
+            _setns(pidns_fd, CLONE_NEWPID)
+        for fd in (out_r, out_w, err_r, err_w):
+            os.close(fd)
+        raise
+    if pid != 0 and pidns_fd is not None:
+        _setns(pidns_fd, CLONE_NEWPID)  # later forks of the server go back to its own namespace
+    if pid == 0:
+        try:
+            os.close(out_r)
+            os.close(err_r)
+            _child(cfg, req, out_w, err_w, devnull)
+        except BaseException as exc:
+            try:
+                os.write(err_w, f"sandbox setup failed: {exc!r}\n".encode())
+            except BaseException:
+                pass
+        os._exit(71)
+    os.close(out_w)
+    os.close(err_w)
+    return pid, out_r, err_r
 
+
+def _collect(pid: int, pidfd: int, tails: dict, deadline: float, reap_strays: bool) -> tuple[bool, int]:
+    """Read the child's output into ``tails`` until it exits or ``deadline`` passes (then kill it), reap
+    it (and, outside a PID namespace, every stray it left), drain what is left. Returns (timed out,
+    wait status)."""
+    poller = select.poll()
+    for fd in (*tails, pidfd):
+        poller.register(fd, select.POLLIN)
+    open_fds = set(tails)
+    timed_out = exited = False
+    while not exited:
+        remaining = deadline - time.perf_counter()
+        if remaining <= 0:
+            timed_out = True
+            break
+        for fd, _ in poller.poll(max(1, int(remaining * 1000))):
+            if fd == pidfd:
+                exited = True
+            else:
+                _read_into(fd, tails, poller, open_fds)
+    if timed_out:
+        # Strict: pid 1 of its PID namespace; its death makes the kernel kill every other member.
+        for kill in (os.killpg, os.kill):
+            try:
+                kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+    _, status = os.waitpid(pid, 0)
+    if reap_strays:
+        _kill_strays(os.getpid())
+    # Drain what is left; every writer is dead now, so EOF comes at once (bounded anyway).
+    drain_deadline = time.perf_counter() + 1.0
+    while open_fds and time.perf_counter() < drain_deadline:
+        for fd, _ in poller.poll(50):
+            if fd != pidfd:
+                _read_into(fd, tails, poller, open_fds)
+    return timed_out, status
+
+
+def _read_into(fd: int, tails: dict, poller: select.poll, open_fds: set) -> None:
+    data = os.read(fd, 1 << 16)
+    if data:
+        tails[fd].add(data)
+    else:
+        poller.unregister(fd)
+        open_fds.discard(fd)
+
+
+def _preimport(cfg: dict) -> list[dict]:
     failed = []
     for name in cfg["preimport"]:
         try:
@@ -541,15 +558,6 @@ def main() -> None:
             os._exit(0)
     _prctl(PR_SET_DUMPABLE, 0)  # nothing without CAP_SYS_PTRACE can attach to the server
     failed = _preimport(cfg)
-    import ast  # noqa: F401  - used by children; import once here
-    import atexit  # noqa: F401
-    import io  # noqa: F401
-    import random  # noqa: F401
-    import resource  # noqa: F401
-    import threading  # noqa: F401
-    import traceback  # noqa: F401
-    import types  # noqa: F401
-
     pidns_fd = os.open("/proc/self/ns/pid", os.O_RDONLY | os.O_CLOEXEC) if cfg["strict"] else None
     gc.collect()
     gc.freeze()  # children's GC then leaves the pre-imported objects (and their pages) alone

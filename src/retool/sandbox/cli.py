@@ -7,6 +7,12 @@ import sys
 from typing import Any
 
 import typer
+from pydantic import ValidationError
+
+from retool.config import SandboxConfig
+from retool.sandbox import SandboxPreimportError, SandboxWorkerError, make_executor
+from retool.sandbox.forkserver import find_bwrap, strict_support
+from retool.sandbox.probe import PROBE_CODE, import_probe_code, import_rows, probe_rows
 
 sandbox_app = typer.Typer(
     name="sandbox", help="Run model-style Python in the sandbox; check isolation.", no_args_is_help=True
@@ -15,15 +21,13 @@ sandbox_app = typer.Typer(
 
 def _make(**options: Any) -> Any:
     """The executor of a ``SandboxConfig`` with ``options`` given (None: the config's default)."""
-    from retool.config import SandboxConfig
-    from retool.sandbox import SandboxPreimportError, make_executor
-
     kwargs = {key: value for key, value in options.items() if value is not None}
     try:
         cfg = SandboxConfig(**kwargs)
-    except Exception as exc:  # pydantic ValidationError: one clear line
-        typer.echo(f"error: invalid sandbox options: {exc}", err=True)
-        raise typer.Exit(2) from exc
+    except ValidationError as exc:  # one clear line per problem, all on the command's last line
+        problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+        typer.echo(f"error: invalid sandbox options: {problems}", err=True)
+        raise typer.Exit(2) from None
     try:
         return make_executor(cfg)
     except SandboxPreimportError as exc:
@@ -51,8 +55,6 @@ def exec_cmd(
 
     Defaults are the ``[sandbox]`` section's; a flag overrides one only when given.
     """
-    from retool.sandbox import SandboxWorkerError
-
     code = sys.stdin.read()
     options = {"backend": backend, "isolation": isolation, "timeout": timeout, "memory_mb": memory_mb}
     with _make(**options, sandboxfusion_url=url, workers=1) as executor:
@@ -74,10 +76,6 @@ def check_cmd(
     """Print which isolation features are active on this machine and whether each pre-import is
     importable by model code (both measured from inside a sandbox). Exit 1 if a probe fails or a module
     cannot be imported there."""
-    from retool.config import SandboxConfig
-    from retool.sandbox.forkserver import find_bwrap, strict_support
-    from retool.sandbox.probe import PROBE_CODE, import_probe_code, import_rows, probe_rows
-
     modules = (
         [m.strip() for m in preimport.split(",") if m.strip()]
         if preimport is not None

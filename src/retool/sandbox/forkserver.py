@@ -52,6 +52,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import importlib.util
 import json
 import logging
 import os
@@ -71,7 +72,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from retool.errors import UserError
 from retool.sandbox.base import ExecResult, Executor, SandboxWorkerError, is_memory_failure
+from retool.sandbox.procfs import descendant_pids
 
 logger = logging.getLogger(__name__)
 
@@ -94,7 +97,7 @@ _SERVER_ENV = {
 }
 
 
-class SandboxUnavailableError(RuntimeError):
+class SandboxUnavailableError(UserError, RuntimeError):
     """The requested isolation cannot be provided on this machine."""
 
 
@@ -280,28 +283,6 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
-def _descendant_pids(root: int) -> list[int]:
-    children: dict[int, list[int]] = {}
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            with open(f"/proc/{entry}/stat", "rb") as fh:
-                stat = fh.read()
-        except OSError:
-            continue
-        fields = stat[stat.rfind(b")") + 2 :].split()
-        if len(fields) > 1:
-            children.setdefault(int(fields[1]), []).append(int(entry))
-    out: list[int] = []
-    stack = [root]
-    while stack:
-        for child in children.get(stack.pop(), []):
-            out.append(child)
-            stack.append(child)
-    return out
-
-
 class _Server:
     """One fork-server process and its pipes. Used by one thread at a time (the pool guarantees it)."""
 
@@ -356,7 +337,7 @@ class _Server:
     def close(self, graceful: bool = True) -> None:
         # The sandbox's inner processes are not our children: hold pidfds to wait for their actual exit.
         pidfds = []
-        for pid in _descendant_pids(self.proc.pid):
+        for pid in descendant_pids(self.proc.pid):
             try:
                 pidfds.append(os.pidfd_open(pid))
             except OSError:
@@ -410,11 +391,8 @@ class ForkServerExecutor(Executor):
         warmup: bool = True,
         start_timeout: float = 120.0,
     ) -> None:
-        """Validate and record the limits, choose the isolation, start the pool (see the class docstring).
-
-        Long because the isolation decision (strict, or a loud fallback) needs the interpreter's paths
-        and the first start attempt, and both happen here, before the executor is usable.
-        """
+        """Validate and record the limits, choose the isolation (strict, or a loud fallback: it needs the
+        interpreter's paths and the first start attempt), start the pool (see the class docstring)."""
         super().__init__()
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -428,26 +406,7 @@ class ForkServerExecutor(Executor):
         self.preimport = list(preimport)
         self.workers = int(workers) if workers and workers > 0 else (os.cpu_count() or 1)
         self.python = _python_binary(python)
-        self.requested_isolation = isolation
-        self.isolation = isolation
-        self.isolation_reason = ""
-        self.strict_mode: str | None = None
-        if isolation == "strict":
-            self.strict_mode, reason = strict_mode()
-            if self.strict_mode is None:
-                self._fallback(reason)
-        self._binds, self._sys_path = _python_paths(self.python)
-        self._rebind = [b for b in self._binds if any(_is_under(b, d) for d in _CHILD_PRIVATE_DIRS)]
-        unshowable = [
-            b
-            for b in self._binds
-            if b not in self._rebind and any(_is_under(b, d) for d in _SANDBOX_OWNED_DIRS)
-        ]
-        if unshowable and self.isolation == "strict":
-            self._fallback(
-                f"the interpreter's files at {', '.join(unshowable)} lie below a directory the strict "
-                "sandbox replaces (/proc, /dev); install the environment elsewhere (e.g. /opt)"
-            )
+        self._choose_isolation(isolation)
         self._limits = {
             "tmp_size_mb": int(tmp_size_mb),
             "fsize_bytes": int(file_size_mb) << 20,
@@ -480,7 +439,31 @@ class ForkServerExecutor(Executor):
             raise
 
     # ------------------------------------------------------------------------------------------ lifecycle
-    def _fallback(self, reason: str) -> None:
+    def _choose_isolation(self, isolation: str) -> None:
+        """``strict`` where this machine and the interpreter's file layout allow it, else a loud fallback."""
+        self.requested_isolation = isolation
+        self.isolation = isolation
+        self.isolation_reason = ""
+        self.strict_mode: str | None = None
+        if isolation == "strict":
+            self.strict_mode, reason = strict_mode()
+            if self.strict_mode is None:
+                self._fallback(reason, stacklevel=4)
+        self._binds, self._sys_path = _python_paths(self.python)
+        self._rebind = [b for b in self._binds if any(_is_under(b, d) for d in _CHILD_PRIVATE_DIRS)]
+        unshowable = [
+            b
+            for b in self._binds
+            if b not in self._rebind and any(_is_under(b, d) for d in _SANDBOX_OWNED_DIRS)
+        ]
+        if unshowable and self.isolation == "strict":
+            self._fallback(
+                f"the interpreter's files at {', '.join(unshowable)} lie below a directory the strict "
+                "sandbox replaces (/proc, /dev); install the environment elsewhere (e.g. /opt)",
+                stacklevel=4,
+            )
+
+    def _fallback(self, reason: str, stacklevel: int = 3) -> None:
         self.isolation = "none"
         self.strict_mode = None
         self.isolation_reason = reason
@@ -489,7 +472,7 @@ class ForkServerExecutor(Executor):
             "isolation='none': model code can read this machine's files and use its network."
         )
         logger.warning(msg)
-        warnings.warn(msg, RuntimeWarning, stacklevel=3)
+        warnings.warn(msg, RuntimeWarning, stacklevel=stacklevel)  # at the executor's creator
 
     def _server_cmd(self, slot: int) -> tuple[list[str], dict[str, str] | None]:
         cfg = {
@@ -590,8 +573,6 @@ class ForkServerExecutor(Executor):
         return "\n".join(lines)
 
     def _host_location(self, name: str) -> str:
-        import importlib.util
-
         try:
             spec = importlib.util.find_spec(name)
         except (ImportError, ValueError) as exc:
@@ -624,10 +605,6 @@ class ForkServerExecutor(Executor):
                 self._idle.get_nowait()
             except queue.Empty:
                 break
-
-    def server_pids(self) -> list[int]:
-        """PIDs of the live server processes (the bwrap process in strict mode); for tests and monitoring."""
-        return [s.proc.pid for s in self._servers if s is not None and s.alive()]
 
     def close(self) -> None:
         if self._closed:

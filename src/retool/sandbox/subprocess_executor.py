@@ -26,6 +26,7 @@ import time
 from typing import IO
 
 from retool.sandbox.base import ExecResult, Executor, is_memory_failure
+from retool.sandbox.procfs import oom_kill_count
 
 logger = logging.getLogger(__name__)
 
@@ -91,18 +92,6 @@ def _wait(proc: subprocess.Popen[bytes], timeout: float) -> int | None:
     return proc.wait() if ready else None
 
 
-def _oom_kills() -> int:
-    """The kernel's count of OOM kills since boot (``/proc/vmstat``); -1 if unknown."""
-    try:
-        with open("/proc/vmstat", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"oom_kill "):
-                    return int(line.split()[1])
-    except (OSError, ValueError):
-        pass
-    return -1
-
-
 class SubprocessExecutor(Executor):
     """The chapter's ``LocalPythonSandbox``: one fresh interpreter per call, no isolation (see module doc)."""
 
@@ -146,7 +135,7 @@ class SubprocessExecutor(Executor):
             cpu=self.cpu_limit, mem=self.memory_bytes, fsize=self.fsize_bytes, code=repr(code)
         )
         env = {**os.environ, **_CHILD_ENV_OVERRIDES}
-        oom_before = _oom_kills()
+        oom_before = oom_kill_count()
         with (
             self._semaphore,
             tempfile.TemporaryFile() as stdout_file,
@@ -179,7 +168,7 @@ class SubprocessExecutor(Executor):
             timed_out=timed_out,
             latency=time.perf_counter() - started,
             memory_killed=is_memory_failure(
-                stderr, returncode, timed_out, returncode == -signal.SIGKILL and _oom_kills() > oom_before
+                stderr, returncode, timed_out, returncode == -signal.SIGKILL and oom_kill_count() > oom_before
             ),
             truncated=t1 or t2,
         )

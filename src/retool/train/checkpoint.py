@@ -29,11 +29,16 @@ import contextlib
 import json
 import logging
 import os
+import pickle
 import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
+
+import numpy as np
+
+from retool.jsonl import jsonl_lines
 
 logger = logging.getLogger(__name__)
 
@@ -107,14 +112,9 @@ def write_text_atomic(path: Path, text: str) -> None:
 
 def capture_rng() -> dict[str, Any]:
     state: dict[str, Any] = {"python": random.getstate()}
+    state["numpy"] = np.random.get_state()
     try:
-        import numpy as np
-
-        state["numpy"] = np.random.get_state()
-    except ImportError:
-        pass
-    try:
-        import torch
+        import torch  # deferred: torch (~2 s); `retool view` and `analyze` use this package without it
 
         state["torch"] = torch.get_rng_state()
         if torch.cuda.is_available():
@@ -128,11 +128,9 @@ def restore_rng(state: dict[str, Any]) -> None:
     if "python" in state:
         random.setstate(state["python"])
     if "numpy" in state:
-        import numpy as np
-
         np.random.set_state(state["numpy"])
     if "torch" in state:
-        import torch
+        import torch  # deferred: as in capture_rng
 
         torch.set_rng_state(state["torch"])
         if "cuda" in state and torch.cuda.is_available():
@@ -186,7 +184,7 @@ class CheckpointManager:
 
         A local ``backend_path`` inside ``tmp`` is stored relative to it, so the rename keeps it valid.
         """
-        import torch
+        import torch  # deferred: as in capture_rng
 
         path = backend_path
         if backend_is_local:
@@ -262,8 +260,6 @@ class CheckpointManager:
         """Store the pipeline's queued batches (``retool.train.pipeline.PipelineState``) in the checkpoint
         being built in ``tmp``. Pickled: trajectories are plain dataclasses of this package, and a
         checkpoint is read back by the code that wrote it (as ``rng.pt`` is)."""
-        import pickle
-
         where = tmp / PIPELINE_FILE
         try:
             with open(where, "wb") as fh:
@@ -276,8 +272,6 @@ class CheckpointManager:
     @staticmethod
     def load_pipeline(path: Path) -> Any | None:
         """The pipeline state stored in checkpoint ``path``; None when it stores none (synchronous runs)."""
-        import pickle
-
         where = path / PIPELINE_FILE
         if not where.is_file():
             return None
@@ -287,7 +281,7 @@ class CheckpointManager:
     @staticmethod
     def load(path: Path) -> tuple[TrainerState, dict[str, Any], str]:
         """Trainer state, RNG state and the backend state path (absolute when local)."""
-        import torch
+        import torch  # deferred: as in capture_rng
 
         state = TrainerState.from_json((path / STATE_FILE).read_text(encoding="utf-8"))
         rng = torch.load(path / "rng.pt", weights_only=False)
@@ -308,10 +302,11 @@ def repair_metrics(metrics_path: Path, state: TrainerState) -> int:
     seen: set[int] = set()
     dropped = 0
     if metrics_path.is_file():
-        for raw in metrics_path.read_text(encoding="utf-8").splitlines():
+        for entry in jsonl_lines(metrics_path):
             try:
+                raw = entry.text
                 obj = json.loads(raw)
-            except json.JSONDecodeError:
+            except ValueError:  # a torn line (JSONDecodeError, or a cut multi-byte character)
                 dropped += 1
                 continue
             if (

@@ -3,13 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, NoReturn
+from typing import NoReturn
 
 import typer
 
-if TYPE_CHECKING:
-    from retool.config import Config
-    from retool.train.loop import TrainSummary
+from retool.config import Config, ConfigError, dump_config
+from retool.data import DataError
+from retool.retry import RetriesExhaustedError, UnsafeRetryError
+from retool.sandbox import SandboxPreimportError
+from retool.train.checkpoint import RunWriteError
+from retool.train.datasource import DataSourceError
+from retool.train.loop import RunDirError, TrainSummary, load_run_config, run_training
+from retool.train.metrics import StepLostError
+from retool.train.trackers import TrackerError
 
 
 def _fail(message: str) -> NoReturn:
@@ -31,9 +37,6 @@ def train_command(
     show_config: bool = typer.Option(False, "--show-config", help="Print the resolved config and exit."),
 ) -> None:
     """RL with the code interpreter: rollouts, interpreter-masked PPO steps, metrics, checkpoints."""
-    from retool.config import ConfigError, dump_config
-    from retool.train.loop import load_run_config
-
     if resume is not None and run_dir is not None and resume != run_dir:
         _fail("--resume names the run folder; do not also pass a different --run-dir")
     if resume is None and config is None:
@@ -60,16 +63,6 @@ def train_command(
 def _train(cfg: Config, folder: Path, resume: bool) -> TrainSummary:
     """``run_training``, its errors as one line each: exit 2 for bad input, 1 for a fault to resume
     after, 130 for an abort."""
-    from retool.config import ConfigError
-    from retool.data import DataError
-    from retool.retry import RetriesExhaustedError, UnsafeRetryError
-    from retool.sandbox import SandboxPreimportError
-    from retool.train.checkpoint import RunWriteError
-    from retool.train.datasource import DataSourceError
-    from retool.train.loop import RunDirError, run_training
-    from retool.train.metrics import StepLostError
-    from retool.train.trackers import TrackerError
-
     try:
         return run_training(cfg, folder, resume=resume)
     except (RunDirError, DataSourceError, DataError, TrackerError, ConfigError) as exc:

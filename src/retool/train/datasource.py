@@ -14,11 +14,12 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from retool.data.problem import Problem
+from retool.errors import UserError
 
 DataSource = Callable[[int, int], Iterable[Problem]]
 
 
-class DataSourceError(ValueError):
+class DataSourceError(UserError, ValueError):
     """A stream that cannot continue (no problems, or a resume position past its epoch)."""
 
 

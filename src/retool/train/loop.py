@@ -219,10 +219,8 @@ class Trainer:
     async def _check_backend(self) -> None:
         """Once per run, after any checkpoint is loaded (PyTRIO loads state only before training): a
         remote backend measures how its service normalises the loss, or refuses to train. No-op locally."""
-        from retool.backends.reduction import check_remote_reduction
-
         cfg = self.config
-        await check_remote_reduction(self._backend, cfg.loss.name, _loss_config(cfg))
+        await self._backend.check_reduction_async(cfg.loss.name, _loss_config(cfg))
 
     async def _save_backend(self, folder: Path, name: str) -> tuple[str, bool]:
         if self.config.backend.kind == "local":

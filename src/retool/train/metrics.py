@@ -37,6 +37,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from retool.jsonl import read_jsonl
 from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
 from retool.train.checkpoint import RunWriteError
 from retool.train.step import trajectory_tokens
@@ -202,7 +203,7 @@ class MetricsLog:
     def read(self) -> list[dict[str, Any]]:
         if not self.path.exists():
             return []
-        return [json.loads(x) for x in self.path.read_text(encoding="utf-8").splitlines() if x.strip()]
+        return read_jsonl(self.path)
 
 
 def _finite(obj: Any) -> Any:

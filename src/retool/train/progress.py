@@ -10,6 +10,16 @@ import sys
 import time
 from typing import Any
 
+from rich.console import Console
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
+from rich.progress import Progress as RichProgress
+
 logger = logging.getLogger(__name__)
 
 
@@ -21,16 +31,6 @@ class Progress:
         self._bar: Any = None
         self._task: Any = None
         if enabled and sys.stderr.isatty():
-            from rich.console import Console
-            from rich.progress import (
-                BarColumn,
-                MofNCompleteColumn,
-                TextColumn,
-                TimeElapsedColumn,
-                TimeRemainingColumn,
-            )
-            from rich.progress import Progress as RichProgress
-
             self._bar = RichProgress(
                 TextColumn("[bold]train"),
                 BarColumn(),

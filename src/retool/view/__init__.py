@@ -1,6 +1,6 @@
 """retool.view: see the rollouts. The static site (``site``) that ``retool view`` builds from training
-runs and evals, its local server (``serve``) and the headless-browser helpers the tests, the bench and
-the README screenshot share (``browser``).
+runs and evals and its local server (``serve``). (The synthetic runs and the headless browser its tests,
+bench and README screenshot use are test helpers: ``tests/synthetic_runs.py``, ``tests/headless_browser.py``.)
 
 The trajectory record it reads is written by training and evaluation (``retool.train.records``); this
 package sits above them and below ``retool.tasks`` (the demo writes its view).

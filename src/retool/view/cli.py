@@ -6,6 +6,9 @@ from pathlib import Path
 
 import typer
 
+from retool.view.serve import serve as serve_site
+from retool.view.site import ViewError, build_site
+
 
 def default_out(paths: list[Path]) -> Path:
     """``<folder>/view`` for one folder (``retool view runs/demo`` -> ``runs/demo/view``), else ``./view``."""
@@ -30,12 +33,8 @@ def register(app: typer.Typer) -> None:
         port: int = typer.Option(8000, "--port", help="Port for --serve (0: any free port)."),
     ) -> None:
         """See the rollouts: curves, eval comparisons and every saved trajectory, turn by turn."""
-        from retool.view.site import ViewError, build_site
-
         target = out or default_out(paths)
         if serve:
-            from retool.view.serve import serve as serve_site
-
             try:
                 serve_site(
                     paths,

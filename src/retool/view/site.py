@@ -22,13 +22,21 @@ import hashlib
 import json
 import logging
 import os
+import re
+import secrets
 import time
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
+from html import escape
 from importlib import resources
 from pathlib import Path
 from typing import Any
 
+from retool.analyze.report import AnalyzeError, load_training_log, short_label
+from retool.errors import UserError
+from retool.evaluate.metrics import bootstrap_ci, summarize
+from retool.evaluate.store import summary_path_for
+from retool.jsonl import first_jsonl_object
 from retool.train.records import TRAJECTORIES_FILE, read_records
 
 logger = logging.getLogger(__name__)
@@ -47,7 +55,7 @@ _SKIP_DIRS = frozenset(
 )
 
 
-class ViewError(ValueError):
+class ViewError(UserError, ValueError):
     """An input the viewer cannot use; the message names it and says why."""
 
 
@@ -83,8 +91,6 @@ class Inputs:
 
 
 def _summary_path(path: Path) -> Path:
-    from retool.evaluate.store import summary_path_for
-
     return summary_path_for(path)
 
 
@@ -92,24 +98,12 @@ def _is_run_folder(path: Path) -> bool:
     return (path / METRICS_FILE).is_file() or (path / TRAJECTORIES_FILE).is_file()
 
 
-def _first_object(path: Path) -> dict[str, Any] | None:
-    try:
-        with path.open(encoding="utf-8") as fh:
-            for line in fh:
-                if line.strip():
-                    obj = json.loads(line)
-                    return obj if isinstance(obj, dict) else None
-    except (OSError, ValueError):
-        return None
-    return None
-
-
 def _is_eval_file(path: Path) -> bool:
     if path.suffix != ".jsonl" or path.name in (METRICS_FILE, TRAJECTORIES_FILE):
         return False
     if _summary_path(path).is_file():
         return True
-    first = _first_object(path)
+    first = first_jsonl_object(path)
     return first is not None and "candidates" in first
 
 
@@ -172,8 +166,6 @@ def _metrics_rows(path: Path) -> list[dict[str, Any]]:
     """Numeric columns of a metrics.jsonl, one dict per step (read-only; a partial last line is skipped)."""
     if not path.is_file():
         return []
-    from retool.analyze.report import AnalyzeError, load_training_log
-
     try:
         return [dict(r) for r in load_training_log(path).rows]
     except AnalyzeError:
@@ -192,7 +184,7 @@ def _curves(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
     return {"step": steps, "series": series}
 
 
-def _finite(value: Any) -> float | None:
+def _finite(value: object) -> float | None:
     if not isinstance(value, int | float) or value != value or value in (float("inf"), float("-inf")):
         return None
     return float(value)
@@ -225,9 +217,7 @@ def _eval_label(summary: dict[str, Any], path: Path) -> str:
     settings = summary.get("settings") or {}
     ckpt = settings.get("checkpoint")
     if ckpt:
-        from retool.analyze.report import _short  # the label `retool analyze` uses for the same eval
-
-        return _short(str(ckpt))
+        return short_label(str(ckpt))  # the label `retool analyze` uses for the same eval
     model = settings.get("model")
     if model:
         return Path(str(model)).name or str(model)
@@ -236,8 +226,6 @@ def _eval_label(summary: dict[str, Any], path: Path) -> str:
 
 def eval_intervals(records: Sequence[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
     """Point estimates and 95% bootstrap intervals over problems of the headline eval metrics."""
-    from retool.evaluate.metrics import bootstrap_ci
-
     per_problem: dict[str, list[float]] = {
         "average_at_n": [],
         "pass_at_n": [],
@@ -353,7 +341,7 @@ class _Index:
         )
 
 
-def _round(value: Any) -> float | None:
+def _round(value: float | None) -> float | None:
     return None if value is None else round(float(value), 4)
 
 
@@ -421,95 +409,29 @@ def build_site(
 ) -> SiteResult:
     """Write the site for ``paths`` into ``out_dir``; returns where ``index.html`` is and what it holds.
 
-    ``keep``: chunk files (``data/c-….js``) a previous build referenced that must survive this one.
-
-    Long because one index and one chunk writer are filled source by source, run by run, and then
-    written together; the loop is the site's table of contents.
+    One index and one chunk writer are filled source by source (each run, then each eval), then written
+    together. ``keep``: chunk files (``data/c-….js``) a previous build referenced that must survive this one.
     """
     t0 = time.perf_counter()
     inputs = paths if isinstance(paths, Inputs) else discover(paths)
     out = Path(out_dir)
     data_dir = out / DATA_DIR
     data_dir.mkdir(parents=True, exist_ok=True)
-    index = _Index()
-    chunks = _ChunkWriter(data_dir)
-    sources: list[dict[str, Any]] = []
-    runs: list[dict[str, Any]] = []
-    evals: list[dict[str, Any]] = []
-
+    site = _SiteParts(_Index(), _ChunkWriter(data_dir))
     for run in inputs.runs:
-        source = len(sources)
-        steps: set[int] = set()
-        count = 0
-        for rec in _run_records(run):
-            index.add(rec, source, chunks.index, chunks.offset)
-            chunks.add(rec)
-            count += 1
-            if rec.get("step") is not None:
-                steps.add(int(rec["step"]))
-        rows = _metrics_rows(run.metrics)
-        sources.append(
-            {"kind": "train", "label": run.label, "mode": "retool", "path": str(run.folder), "n": count}
-        )
-        runs.append(
-            {
-                "source": source,
-                "label": run.label,
-                "path": str(run.folder),
-                "steps_done": int(rows[-1].get("step", len(rows))) if rows else 0,
-                "sampled_steps": len(steps),
-                "curves": _curves(rows),
-            }
-        )
-
+        _add_run(site, run)
     for path in inputs.evals:
-        summary = _eval_summary(path)
-        records = _eval_records(path)
-        settings = summary.get("settings") or {}
-        mode = str(settings.get("mode") or (records[0].get("mode") if records else "") or "?")
-        source = len(sources)
-        label = _eval_label(summary, path)
-        count = 0
-        transcripts = 0
-        for record in records:
-            for cand in record.get("candidates") or []:
-                rec = candidate_as_record(record, cand, mode)
-                index.add(rec, source, chunks.index, chunks.offset)
-                chunks.add(rec)
-                count += 1
-                transcripts += 1 if rec.get("spans") else 0
-        sources.append({"kind": "eval", "label": label, "mode": mode, "path": str(path), "n": count})
-        metrics = summary.get("metrics") or {}
-        if not metrics and records:
-            from retool.evaluate.metrics import summarize
-
-            metrics = summarize(records, bootstrap_resamples=200)
-        evals.append(
-            {
-                "source": source,
-                "label": label,
-                "mode": mode,
-                "path": str(path),
-                "status": str(summary.get("status", "unknown")),
-                "completed": summary.get("completed", len(records)),
-                "total": summary.get("total", len(records)),
-                "transcripts": transcripts,
-                "val_n": settings.get("val_n", metrics.get("val_n")),
-                "dataset": settings.get("dataset", ""),
-                "metrics": _eval_metric_subset(metrics),
-                "intervals": eval_intervals(records, seed=int(settings.get("seed", 0) or 0)),
-            }
-        )
-    chunks.flush()
-    _dedupe_eval_labels(evals, sources)
-
+        _add_eval(site, path)
+    site.chunks.flush()
+    _dedupe_eval_labels(site.evals, site.sources)
+    index, chunks = site.index, site.chunks
     data = {
         "version": 1,
         "generated": time.strftime("%Y-%m-%d %H:%M:%S"),
         "title": _title(inputs),
-        "sources": sources,
-        "runs": runs,
-        "evals": evals,
+        "sources": site.sources,
+        "runs": site.runs,
+        "evals": site.evals,
         "problems": index.problems,
         "stops": index.stops,
         "rows": index.rows,
@@ -521,10 +443,88 @@ def build_site(
     return SiteResult(
         index=index_path,
         trajectories=len(index.rows),
-        runs=len(runs),
-        evals=len(evals),
+        runs=len(site.runs),
+        evals=len(site.evals),
         chunks=list(chunks.files),
         seconds=time.perf_counter() - t0,
+    )
+
+
+@dataclass
+class _SiteParts:
+    """What ``build_site`` fills source by source: the row index, the chunk files, the sources' tables."""
+
+    index: _Index
+    chunks: _ChunkWriter
+    sources: list[dict[str, Any]] = field(default_factory=list)
+    runs: list[dict[str, Any]] = field(default_factory=list)
+    evals: list[dict[str, Any]] = field(default_factory=list)
+
+    def add(self, rec: dict[str, Any], source: int) -> None:
+        self.index.add(rec, source, self.chunks.index, self.chunks.offset)
+        self.chunks.add(rec)
+
+
+def _add_run(site: _SiteParts, run: RunInput) -> None:
+    """A training run: its sampled trajectories and its curves."""
+    source = len(site.sources)
+    steps: set[int] = set()
+    count = 0
+    for rec in _run_records(run):
+        site.add(rec, source)
+        count += 1
+        if rec.get("step") is not None:
+            steps.add(int(rec["step"]))
+    rows = _metrics_rows(run.metrics)
+    site.sources.append(
+        {"kind": "train", "label": run.label, "mode": "retool", "path": str(run.folder), "n": count}
+    )
+    site.runs.append(
+        {
+            "source": source,
+            "label": run.label,
+            "path": str(run.folder),
+            "steps_done": int(rows[-1].get("step", len(rows))) if rows else 0,
+            "sampled_steps": len(steps),
+            "curves": _curves(rows),
+        }
+    )
+
+
+def _add_eval(site: _SiteParts, path: Path) -> None:
+    """An evaluation: every candidate as a trajectory, and its metrics with their intervals."""
+    summary = _eval_summary(path)
+    records = _eval_records(path)
+    settings = summary.get("settings") or {}
+    mode = str(settings.get("mode") or (records[0].get("mode") if records else "") or "?")
+    source = len(site.sources)
+    label = _eval_label(summary, path)
+    count = transcripts = 0
+    for record in records:
+        for cand in record.get("candidates") or []:
+            rec = candidate_as_record(record, cand, mode)
+            site.add(rec, source)
+            count += 1
+            transcripts += 1 if rec.get("spans") else 0
+    site.sources.append({"kind": "eval", "label": label, "mode": mode, "path": str(path), "n": count})
+    metrics = summary.get("metrics") or {}
+    if not metrics and records:
+        metrics = summarize(records, bootstrap_resamples=200)
+    site.evals.append(
+        {
+            "source": source,
+            "label": label,
+            "mode": mode,
+            "path": str(path),
+            "status": str(summary.get("status", "unknown")),
+            "completed": summary.get("completed", len(records)),
+            "total": summary.get("total", len(records)),
+            "transcripts": transcripts,
+            "val_n": settings.get("val_n", metrics.get("val_n")),
+            "dataset": settings.get("dataset", ""),
+            "metrics": _eval_metric_subset(metrics),
+            "intervals": eval_intervals(records, seed=int(settings.get("seed", 0) or 0)),
+        }
     )
 
 
@@ -591,7 +591,7 @@ def _asset(name: str) -> str:
     return (resources.files("retool.view") / "assets" / name).read_text(encoding="utf-8")
 
 
-def script_json(data: Any) -> str:
+def script_json(data: object) -> str:
     """JSON safe inside ``<script type="application/json">``: no ``<``, ``>`` or ``&`` survives, so model
     output cannot close the element or open a comment, whatever it contains."""
     text = json.dumps(data, ensure_ascii=False, separators=(",", ":"))
@@ -604,10 +604,6 @@ def render_html(data: dict[str, Any]) -> str:
     One pass over the template: substituted text is never searched again, so a placeholder that turns
     up inside model output stays text.
     """
-    import re
-    import secrets
-    from html import escape
-
     parts = {
         "__TITLE__": escape(str(data.get("title", "retool view"))),
         "__NONCE__": secrets.token_hex(12),

@@ -1,4 +1,4 @@
-"""Headless Chromium for the viewer's browser tests, its bench and the README screenshot.
+"""Test helper: headless Chromium for the viewer's browser tests, its bench and the README screenshot.
 
 Uses the Python ``playwright`` package (a dev extra) to drive the system's Chromium (Debian's
 ``chromium``, installed by ``scripts/setup.sh --dev``); Playwright's own browser downloads are never

@@ -1,4 +1,4 @@
-"""A synthetic run for the viewer's tests, its bench and the README screenshot: no model, real plumbing.
+"""Test helper: a synthetic run for the viewer's tests and its bench: no model, real plumbing.
 
 Trajectories are real ``retool.rollout.Trajectory`` objects over a one-character-per-token "tokenizer"
 (``ord`` / ``chr``) in a ChatML-like template; their datums come from the real ``build_step_data`` and
@@ -18,9 +18,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from retool.components import Components
+from retool.config import Config
 from retool.data.problem import Problem
+from retool.evaluate.runner import run_eval
+from retool.rollout import RolloutRequest
 from retool.rollout.types import AssistantTurn, Trajectory, Transition
 from retool.sandbox.base import ExecResult
+from retool.train.metrics import MetricsLog, rollout_metrics
+from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
+from retool.train.step import build_step_data
 
 SYSTEM = "You are a careful mathematician. Use the code_interpreter tool when computing helps."
 HOSTILE = (
@@ -206,9 +213,6 @@ def write_training_run(
     hostile: bool = False,
 ) -> Path:
     """``metrics.jsonl`` + ``trajectories.jsonl`` of a run whose skill rises with the step."""
-    from retool.train.metrics import MetricsLog, rollout_metrics
-    from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
-    from retool.train.step import build_step_data
 
     run = Path(run_dir)
     run.mkdir(parents=True, exist_ok=True)
@@ -270,10 +274,6 @@ def write_eval(
     reasoning_chars: tuple[int, int] = (150, 900),
 ) -> dict[str, Any]:
     """An eval JSONL + summary written by the real ``run_eval`` (``save_transcripts=True``)."""
-    from retool.components import Components
-    from retool.config import Config
-    from retool.evaluate.runner import run_eval
-    from retool.rollout import RolloutRequest
 
     use_tools = mode == "retool"
 
