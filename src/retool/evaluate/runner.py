@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+from retool.backends import resolve_model_name
 from retool.backends.base import SamplingClient
 from retool.components import Components, build_components
 from retool.config import Config
@@ -289,8 +290,6 @@ def _resolve_model(config: Config) -> Config:
     built on first use), so the summary records the model actually evaluated."""
     if config.backend.kind != "local":
         return config
-    from retool.backends import resolve_model_name
-
     name = resolve_model_name(config)
     return config.model_copy(update={"model": config.model.model_copy(update={"name": name})})
 

@@ -34,6 +34,7 @@ import asyncio
 import logging
 import re
 import signal
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -497,8 +498,6 @@ SignalHandler = Callable[[int, FrameType | None], None]
 
 
 def _install_signals(handler: SignalHandler) -> dict[int, Any]:
-    import threading
-
     if threading.current_thread() is not threading.main_thread():
         return {}
     previous: dict[int, Any] = {}

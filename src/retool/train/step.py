@@ -22,6 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from retool.backends.base import TrainingClient
+from retool.backends.packing import pack_micro_batches as backend_pack
 from retool.backends.types import AdamParams, Datum, ForwardBackwardResult, LossName
 from retool.rollout.types import (
     NotAPrefixError as NotAPrefixError,
@@ -90,8 +91,6 @@ def pack_micro_batches(datums: Sequence[Datum], max_tokens: int) -> list[list[in
     The backends' packer over the datums' lengths (one packer for the whole project); a datum longer than
     the budget gets a batch alone.
     """
-    from retool.backends.packing import pack_micro_batches as backend_pack
-
     return [list(batch) for batch in backend_pack([len(d) for d in datums], max_tokens)]
 
 

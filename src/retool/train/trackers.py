@@ -65,7 +65,7 @@ class Tracker:
 
 class TensorBoardTracker(Tracker):
     def __init__(self, log_dir: Path, purge_step: int | None = None) -> None:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # deferred: torch is heavy, TensorBoard optional
 
         # purge_step drops events a killed run wrote after the checkpoint we resume from.
         self._writer = SummaryWriter(log_dir=str(log_dir), purge_step=purge_step)
@@ -83,7 +83,7 @@ class SwanLabTracker(Tracker):
     """One SwanLab run; ``run_id`` reopens an earlier one (resume)."""
 
     def __init__(self, spec: TrackerSpec, run_id: str | None) -> None:
-        import swanlab
+        import swanlab  # deferred: optional package (the swanlab extra)
 
         self._swanlab = swanlab
         settings = swanlab.Settings(
@@ -116,7 +116,7 @@ class WandbTracker(Tracker):
     """One W&B run; ``run_id`` reopens an earlier one (resume)."""
 
     def __init__(self, spec: TrackerSpec, run_id: str | None, timeout: float) -> None:
-        import wandb
+        import wandb  # deferred: optional package (the wandb extra)
 
         # stdout stays the progress display's: no console capture, no history summary at the end.
         settings = wandb.Settings(init_timeout=timeout, console="off", quiet=True)
@@ -136,7 +136,7 @@ class WandbTracker(Tracker):
         self._run.log(scalars, step=step)
 
     def close(self) -> None:
-        import wandb
+        import wandb  # deferred: optional package (the wandb extra)
 
         self._run.finish()
         # finish() returns once W&B's service process has the run's exit; the service writes the run
@@ -263,7 +263,7 @@ def credentials_source(name: str) -> str | None:
     if name == "swanlab":
         if os.environ.get("SWANLAB_API_KEY"):
             return "SWANLAB_API_KEY"
-        import swanlab
+        import swanlab  # deferred: optional package (the swanlab extra)
 
         # Settings() reads what swanlab.init would: the environment, ./.env and the saved login (.netrc).
         return "saved SwanLab login" if swanlab.Settings().api_key else None
@@ -275,7 +275,7 @@ def credentials_source(name: str) -> str | None:
 
 def _wandb_netrc_key() -> str | None:
     """W&B's saved login (``wandb login`` writes a netrc entry for the API host)."""
-    import wandb
+    import wandb  # deferred: optional package (the wandb extra)
 
     host = os.environ.get("WANDB_BASE_URL") or wandb.Settings().base_url
     hostname = host.split("://", 1)[-1].split("/", 1)[0].split(":", 1)[0]
