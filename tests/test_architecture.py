@@ -16,6 +16,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("config", "retry"),  # the typed config; how remote calls are bounded and retried
     ("data", "protocol", "sandbox", "reward", "backends"),  # the foundations, independent of each other
     ("rollout", "components"),  # the multi-turn loop; the one assembly of a run's parts
+    ("serve",),  # the PyTRIO / Tinker wire APIs over the local backend (retool serve)
     ("env",),  # the environment seam: problems and how a trajectory is scored
     ("train",),
     ("evaluate",),

@@ -31,6 +31,7 @@ _STAGE_CLIS = (
     "retool.evaluate.cli",
     "retool.analyze.cli",
     "retool.view.cli",
+    "retool.serve.cli",
 )
 
 
