@@ -179,9 +179,12 @@ class PytrioApi:
         self._check_session(sid)
         body = _validated(TrainingRunCreateRequest, await self._json(request))
         lora = LoraRequest(body.lora_rank, body.seed, body.train_mlp, body.train_attn, body.train_unembed)
-        run = self.state.create_run(body.base_model, lora)
+        base_model = body.base_model
+        if body.source_checkpoint_uri:  # from a saved state: the SDK may leave the base model to us
+            meta, _ = self.state.read_checkpoint(body.source_checkpoint_uri)
+            base_model = base_model or meta.base_model
+        run = self.state.create_run(base_model, lora)
         if body.source_checkpoint_uri:
-            self.state.read_checkpoint(body.source_checkpoint_uri)
             run.restore = (body.source_checkpoint_uri, body.restore_optimizer)
         return as_json(
             {

@@ -123,6 +123,7 @@ class ServeState:
         for name, path in models.items():
             self.models[name] = self._describe(name, path)
         self.runs: dict[str, TrainingRun] = {}
+        self.aliases: dict[str, TrainingRun] = {}
         self.sessions: set[str] = set()
         self._samplers: collections.OrderedDict[str, SamplingClient] = collections.OrderedDict()
         self._sampler_owners: dict[str, Any] = {}
@@ -165,8 +166,13 @@ class ServeState:
         self.runs[run.run_id] = run
         return run
 
+    def alias(self, name: str, run: TrainingRun) -> str:
+        """Let ``name`` also mean ``run`` (Tinker's SDK computes model ids as ``<session>:train:<n>``)."""
+        self.aliases[name] = run
+        return name
+
     def run(self, run_id: str) -> TrainingRun:
-        run = self.runs.get(run_id) if isinstance(run_id, str) else None
+        run = (self.runs.get(run_id) or self.aliases.get(run_id)) if isinstance(run_id, str) else None
         if run is None:
             raise ServeError(404, "unknown_run", f"no training run {run_id!r} on this server")
         return run

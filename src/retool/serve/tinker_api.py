@@ -194,19 +194,21 @@ class TinkerApi:
             train_unembed=self._field(cfg, "train_unembed", bool, True),
         )
         run = self.state.create_run(self._field(data, "base_model", str), lora)
+        model_id = self.state.alias(f"{sid}:train:{self._field(data, 'model_seq_id', int)}", run)
 
         async def build() -> dict[str, Any]:
             await self.state.client(run)
-            return {"model_id": run.run_id, "type": "create_model"}
+            return {"model_id": model_id, "type": "create_model"}
 
-        return self._future("create_model", run.submit(build), run.run_id)
+        return self._future("create_model", run.submit(build), model_id)
 
     async def get_info(self, request: Request) -> Response:
-        run = self.state.run(self._field(await self._json(request), "model_id", str))
+        model_id = self._field(await self._json(request), "model_id", str)
+        run = self.state.run(model_id)
         return as_json(
             {
                 "type": "get_info",
-                "model_id": run.run_id,
+                "model_id": model_id,
                 "model_data": {"arch": "causal_lm", "model_name": run.model.path, "tokenizer_id": run.model.path},
                 "is_lora": True,
                 "lora_rank": run.lora.rank,
@@ -335,10 +337,11 @@ class TinkerApi:
             if sid not in self.state.sessions:
                 raise ServeError(404, "unknown_session", f"no session {sid!r} on this server")
             run = self.state.create_run(meta.base_model, meta.lora)
+            model_id = self.state.alias(f"{sid}:train:{self._field(data, 'model_seq_id', int)}", run)
 
         async def call() -> dict[str, Any]:
             await self.state.load_into(run, path, with_optimizer)
-            return {"type": "load_weights", "path": path, "model_id": run.run_id}
+            return {"type": "load_weights", "path": path, "model_id": model_id}
 
         return self._ordered(run, data.get("seq_id"), "load_weights", call)
 

@@ -1,0 +1,207 @@
+"""``retool serve`` end to end: the real ``pytrio`` and ``tinker`` SDKs against a real server process.
+
+The server runs ``python -m retool serve`` on 127.0.0.1 (a free port) with the tiny test model on CPU, and
+is always stopped. The scripts in ``examples/serve`` (written the chapter's way) run unmodified in a child
+process with only ``PYTRIO_BASE_URL`` / ``PYTRIO_API_KEY`` set.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pytest
+import pytrio
+import tinker
+from pytrio import types as ptypes
+from serve_harness import REPO, ServeProcess
+from tinker import types as ttypes
+
+PPO_CFG = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
+
+
+@pytest.fixture(scope="module")
+def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
+    with ServeProcess(tiny_model_dir, tmp_path_factory.mktemp("serve") / "root") as proc:
+        yield proc
+
+
+@pytest.fixture
+def sdk_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """An empty HOME, no SDK variables from outside, quick SDK retries, no telemetry."""
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("PYTRIO_API_KEY", "PYTRIO_BASE_URL", "PYTRIO_ENV", "TINKER_API_KEY", "TINKER_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    pytrio.configure_observability(enabled=False)
+    pytrio.configure(
+        retry_max_attempts=1,
+        control_retry_timeout_seconds=3,
+        training_retry_timeout_seconds=3,
+        sampling_retry_timeout_seconds=3,
+    )
+    return home
+
+
+def pytrio_service(url: str, key: str = "local") -> pytrio.ServiceClient:
+    pytrio.configure(base_url=url, api_key=key, home=os.environ["HOME"])
+    return pytrio.ServiceClient(api_key=key)
+
+
+def tinker_service(url: str, key: str = "tml-local") -> tinker.ServiceClient:
+    return tinker.ServiceClient(base_url=url, api_key=key)
+
+
+def run_example(name: str, url: str, home: Path, *args: str) -> None:
+    env = {**os.environ, "PYTRIO_BASE_URL": url, "PYTRIO_API_KEY": "local", "HOME": str(home)}
+    script = REPO / "examples" / "serve" / name
+    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+
+
+def rl_datums(prompt: list[int], samples: list[tuple[list[int], list[float]]], advantages: list[float], sdk: Any) -> list[Any]:
+    out = []
+    for (tokens, logprobs), adv in zip(samples, advantages, strict=True):
+        seq = prompt + tokens
+        first, n = len(prompt) - 1, len(seq) - 1
+        inputs = {
+            "target_tokens": np.asarray(seq[1:], dtype=np.int64),
+            "logprobs": np.asarray([0.0] * first + list(logprobs), dtype=np.float32),
+            "advantages": np.asarray([0.0] * first + [adv] * (n - first), dtype=np.float32),
+        }
+        if sdk is ptypes:
+            inputs = {k: ptypes.TensorData.from_numpy(v) for k, v in inputs.items()}
+        out.append(sdk.Datum(model_input=sdk.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs))
+    return out
+
+
+# -- PyTRIO ---------------------------------------------------------------------------------------------
+
+
+def test_chapter_shaped_pytrio_training_and_evaluation_scripts_run_unmodified(
+    server: ServeProcess, tiny_model_dir: Path, sdk_env: Path, tmp_path: Path
+) -> None:
+    out = tmp_path / "train.json"
+    run_example("pytrio_train.py", server.url, sdk_env, str(tiny_model_dir), "2", str(out))
+    report = json.loads(out.read_text())
+    assert len(report["history"]) == 2
+    assert all(0.0 <= h["reward"] <= 1.0 and math.isfinite(h["loss"]) for h in report["history"])
+    assert all(h["opt"]["grad_norm"] > 0 for h in report["history"])  # the PPO step had a gradient
+    assert report["state_path"].startswith("trio://") and report["sampler_path"].startswith("trio://")
+
+    evaluated = tmp_path / "eval.json"
+    run_example("pytrio_eval.py", server.url, sdk_env, str(tiny_model_dir), report["sampler_path"], str(evaluated))
+    rows = json.loads(evaluated.read_text())
+    assert len(rows) == 4
+    for row in rows:
+        assert 1 <= len(row["tokens"]) <= 6 and len(row["logprobs"]) == len(row["tokens"])
+        assert all(lp <= 0.0 for lp in row["logprobs"]) and row["stop_reason"] in ("stop", "length")
+        assert isinstance(row["text"], str)
+    assert rows[0]["tokens"] == rows[1]["tokens"]  # temperature 0: both samples of a prompt agree
+
+    # The trained weights are what the evaluation sampled: the base model gives other logprobs.
+    service = pytrio_service(server.url)
+    base = service.create_sampling_client(base_model=str(tiny_model_dir))
+    trained = service.create_sampling_client(base_model=str(tiny_model_dir), model_path=report["sampler_path"])
+    prompt = ptypes.ModelInput.from_ints(rows[0]["tokens"][:1] + [5, 6])
+    params = ptypes.SamplingParams(max_tokens=3, temperature=0.0)
+    a = base.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
+    b = trained.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
+    assert not np.allclose(a.logprobs, b.logprobs, atol=1e-6)
+
+
+def test_pytrio_state_resumes_into_a_new_client_with_identical_logprobs(
+    server: ServeProcess, tiny_model_dir: Path, sdk_env: Path
+) -> None:
+    service = pytrio_service(server.url)
+    trainer = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=1)
+    prompt = trainer.get_tokenizer().encode("3 + 4 =")
+    sampler = trainer.save_weights_and_get_sampling_client()
+    got = sampler.sample(ptypes.ModelInput.from_ints(prompt), num_samples=2, sampling_params=ptypes.SamplingParams(max_tokens=4, seed=5)).result()
+    samples = [(list(s.tokens), list(s.logprobs)) for s in got.sequences]
+    data = rl_datums(prompt, samples, [1.0, -1.0], ptypes)
+    trainer.forward_backward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
+    trainer.optim_step(ptypes.AdamParams(learning_rate=1e-2)).result()
+    path = trainer.save_state("resume-me").result().path
+
+    resumed = service.create_training_client_from_state(path)
+    mine = trainer.forward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
+    theirs = resumed.forward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
+    for x, y in zip(mine.loss_fn_outputs, theirs.loss_fn_outputs, strict=True):
+        assert np.allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-6)
+    fresh = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=1)
+    other = fresh.forward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
+    assert not np.allclose(mine.loss_fn_outputs[0]["logprobs"].to_numpy(), other.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-6)
+
+
+def test_an_unknown_pytrio_loss_is_refused_naming_the_supported_ones(
+    server: ServeProcess, tiny_model_dir: Path, sdk_env: Path
+) -> None:
+    service = pytrio_service(server.url)
+    trainer = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+    data = rl_datums([5, 6, 7], [([8, 9], [-1.0, -1.0])], [1.0], ptypes)
+    with pytest.raises(pytrio.PyTrioError, match="supported: cross_entropy, importance_sampling, ppo"):
+        trainer.forward_backward(data, loss_fn="cispo").result()
+
+
+# -- Tinker ---------------------------------------------------------------------------------------------
+
+
+def test_tinker_sdk_trains_samples_saves_and_resumes(server: ServeProcess, tiny_model_dir: Path, sdk_env: Path) -> None:
+    service = tinker_service(server.url)
+    trainer = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=2).result()
+    prompt = trainer.get_tokenizer().encode("5 + 6 =")
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    params = ttypes.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    got = sampler.sample(prompt=ttypes.ModelInput.from_ints(prompt), num_samples=3, sampling_params=params).result()
+    assert len(got.sequences) == 3
+    samples = [(list(s.tokens), list(s.logprobs or [])) for s in got.sequences]
+    assert all(len(t) == len(lp) == 4 for t, lp in samples)
+    data = rl_datums(prompt, samples, [1.0, 0.0, -1.0], ttypes)
+    fb = trainer.forward_backward(data, "ppo", PPO_CFG)
+    opt = trainer.optim_step(ttypes.AdamParams(learning_rate=1e-2))
+    # On-policy the ratio is 1, so Tinker's sum is -sum(A) over trained tokens: 4 * (1 + 0 - 1) = 0.
+    assert abs(fb.result().metrics["loss:sum"]) < 1e-4
+    assert opt.result().metrics["grad_norm:mean"] > 0
+    state = trainer.save_state("t1").result().path
+    weights = trainer.save_weights_for_sampler("t1-sampler").result().path
+    assert state.startswith("tinker://") and "/weights/" in state and "/sampler_weights/" in weights
+
+    resumed = service.create_training_client_from_state_with_optimizer(state).result()
+    a = trainer.forward(data, "cross_entropy").result()
+    b = resumed.forward(data, "cross_entropy").result()
+    assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5)
+    reloaded = service.create_sampling_client(model_path=weights).result()
+    greedy = ttypes.SamplingParams(max_tokens=3, temperature=0.0)
+    one = reloaded.sample(prompt=ttypes.ModelInput.from_ints(prompt), num_samples=1, sampling_params=greedy).result()
+    two = resumed.save_weights_and_get_sampling_client().result().sample(
+        prompt=ttypes.ModelInput.from_ints(prompt), num_samples=1, sampling_params=greedy
+    ).result()
+    assert list(one.sequences[0].tokens) == list(two.sequences[0].tokens)
+
+
+def test_two_tinker_training_clients_never_see_each_others_weights(
+    server: ServeProcess, tiny_model_dir: Path, sdk_env: Path
+) -> None:
+    service = tinker_service(server.url)
+    first = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=0).result()
+    second = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=0).result()
+    data = rl_datums([5, 6, 7], [([8, 9, 10], [-5.0, -5.0, -5.0])], [1.0], ttypes)
+    before = second.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert first.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before, rel=1e-6)
+    for _ in range(2):
+        first.forward_backward(data, "cross_entropy")
+        first.optim_step(ttypes.AdamParams(learning_rate=5e-2))
+    after_first = first.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    after_second = second.forward(data, "cross_entropy").result().metrics["loss:sum"]
+    assert after_first < before - 1e-3  # cross-entropy went down for the one that trained
+    assert after_second == pytest.approx(before, rel=1e-6)
