@@ -16,6 +16,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import httpx
 import numpy as np
 import pytest
 import pytrio
@@ -29,7 +30,8 @@ PPO_CFG = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
 
 @pytest.fixture(scope="module")
 def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServeProcess]:
-    with ServeProcess(tiny_model_dir, tmp_path_factory.mktemp("serve") / "root") as proc:
+    root = tmp_path_factory.mktemp("serve") / "root"
+    with ServeProcess(tiny_model_dir, root, "--max-request-mb", "1") as proc:
         yield proc
 
 
@@ -205,3 +207,100 @@ def test_two_tinker_training_clients_never_see_each_others_weights(
     after_second = second.forward(data, "cross_entropy").result().metrics["loss:sum"]
     assert after_first < before - 1e-3  # cross-entropy went down for the one that trained
     assert after_second == pytest.approx(before, rel=1e-6)
+
+
+# -- hostile requests (point 5) -------------------------------------------------------------------------
+
+
+def _post(url: str, path: str, body: Any = None, **kw: Any) -> httpx.Response:
+    content = kw.pop("content", None)
+    if content is None:
+        content = json.dumps(body).encode()
+    return httpx.post(f"{url}{path}", content=content, timeout=60, **kw)
+
+
+def test_hostile_tinker_requests_get_a_clear_4xx_and_the_server_keeps_serving(
+    server: ServeProcess, tiny_model_dir: Path
+) -> None:
+    url, model = server.url, str(tiny_model_dir)
+    sid = _post(url, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"}).json()["session_id"]
+    lora = {"rank": 4, "train_mlp": False, "train_attn": True, "train_unembed": False}
+    good_model = {"session_id": sid, "model_seq_id": 0, "base_model": model, "lora_config": lora}
+    cases: list[tuple[str, Any, int, str]] = [
+        ("/api/v1/create_model", b"{not json", 400, "not JSON"),
+        ("/api/v1/create_model", [1, 2], 400, "JSON object"),
+        ("/api/v1/create_model", {**good_model, "lora_config": {**lora, "rank": "big"}}, 400, "rank"),
+        ("/api/v1/create_model", {**good_model, "base_model": "Qwen/Qwen3-4B"}, 404, "not served"),
+        ("/api/v1/create_model", {**good_model, "session_id": "sess-nope"}, 404, "no session"),
+        ("/api/v1/create_model", {**good_model, "lora_config": {**lora, "train_attn": False}}, 400, "at least one"),
+        ("/api/v1/optim_step", {"model_id": "sess-x:train:9", "adam_params": {}}, 404, "no training run"),
+        ("/api/v1/forward_backward", b"\xff\x00garbage", 400, "ForwardBackwardRequest"),
+        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "/etc/passwd", "optimizer": False}, 400, "URI"),
+        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "tinker://../x/weights/y", "optimizer": False}, 400, "is not <trio|tinker>"),
+        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "tinker://../weights/y", "optimizer": False}, 400, "not allowed"),
+        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "tinker://run-1/weights/..", "optimizer": False}, 400, "not allowed"),
+        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "tinker://run-1/weights/nothing", "optimizer": False}, 404, "no checkpoint"),
+        ("/api/v1/retrieve_future", {"request_id": "req-unknown"}, 404, "no future"),
+    ]
+    for path, body, status, words in cases:
+        answer = _post(url, path, content=body) if isinstance(body, bytes) else _post(url, path, body)
+        assert answer.status_code == status, (path, body, answer.text)
+        assert words in answer.json()["message"], (path, answer.text)
+
+    created = _post(url, "/api/v1/create_model", good_model).json()
+    model_id = created["model_id"]
+    for name in ("../escape", "/abs/path", "a/b", ".hidden", "x" * 300):
+        answer = _post(url, "/api/v1/save_weights", {"model_id": model_id, "path": name})
+        assert answer.status_code == 400 and "not allowed" in answer.json()["message"], name
+    sampler = {"session_id": sid, "sampling_session_seq_id": 0, "base_model": model}
+    samp = _post(url, "/api/v1/create_sampling_session", sampler).json()["sampling_session_id"]
+
+    def sample(prompt: list[int], n: int = 1, **params: Any) -> httpx.Response:
+        body = {"sampling_session_id": samp, "seq_id": 0, "num_samples": n,
+                "prompt": {"chunks": [{"type": "encoded_text", "tokens": prompt}]},
+                "sampling_params": {"max_tokens": 2, **params}}  # fmt: skip
+        return _post(url, "/api/v1/asample", body)
+
+    for prompt, n, params, words in (
+        ([5, 10**9], 1, {}, "outside the vocabulary"),
+        ([5, -3], 1, {}, "outside the vocabulary"),
+        ([5, 6], 1, {"max_tokens": -1}, "max_tokens"),
+        ([5, 6], 1, {"max_tokens": 10**9}, "max_tokens"),
+        ([5, 6], 0, {}, "num_samples"),
+        ([5, 6], 10**6, {}, "num_samples"),
+        ([5, 6], 1, {"max_tokens": "2"}, "max_tokens"),
+        ([5, 6], 1, {"stop": [10**9]}, "outside the vocabulary"),
+        ([], 1, {}, "empty"),
+    ):
+        answer = sample(prompt, n, **params)
+        assert answer.status_code == 400 and words in answer.json()["message"], (prompt, n, params, answer.text)
+    assert sample([5, 6]).status_code == 200  # still serving, and serving this caller too
+
+
+def test_a_planted_symlink_in_the_root_is_refused(server: ServeProcess, tmp_path: Path) -> None:
+    outside = tmp_path / "outside" / "state" / "x"
+    outside.mkdir(parents=True)
+    (outside / "serve.json").write_text("{}")
+    (server.root / "checkpoints" / "linked").symlink_to(tmp_path / "outside")
+    answer = _post(server.url, "/api/v1/weights_info", {"tinker_path": "tinker://linked/weights/x"})
+    assert answer.status_code == 400
+    assert "symbolic link" in answer.json()["message"] or "leaves the server root" in answer.json()["message"]
+
+
+def test_hostile_pytrio_events_and_oversized_bodies(server: ServeProcess) -> None:
+    import msgpack
+
+    answer = _post(server.url, "/v1/events", content=b"\xc1\xc1 not msgpack")
+    assert answer.status_code == 400
+    envelope = {"version": 1, "event_id": "event_0123456789ab", "type": "trainer.forward_backward",
+                "metadata": {"index": 1, "step": 0, "timestamp": 0, "sdk": "x", "sdk_version": "x", "run_id": "run-nope"},
+                "payload": {}}  # fmt: skip
+    answer = _post(server.url, "/v1/events", content=msgpack.packb(envelope))
+    assert answer.status_code == 404 and "no training run" in answer.json()["message"]
+    envelope["event_id"] = "../../etc"
+    answer = _post(server.url, "/v1/events", content=msgpack.packb(envelope))
+    assert answer.status_code == 400 and "event_id" in answer.json()["message"]
+    big = b"x" * (2 * 1024 * 1024)  # the test server accepts 1 MB
+    answer = _post(server.url, "/api/v1/create_session", content=big)
+    assert answer.status_code == 413 and "larger than" in answer.json()["message"]
+    assert httpx.get(f"{server.url}/api/v1/healthz").status_code == 200

@@ -25,15 +25,19 @@ def serve_command(
     api_key: str | None = typer.Option(None, "--api-key", envvar="RETOOL_SERVE_API_KEY", help="Key clients must send."),
     config: str | None = typer.Option(None, "--config", "-c", help="Config TOML or preset (backend, lora, model)."),
     overrides: list[str] = typer.Option([], "--set", help="Config override section.key=value (repeatable)."),
+    max_request_mb: float = typer.Option(64.0, "--max-request-mb", help="Largest request body accepted (413 above)."),
 ) -> None:
     """Serve the PyTRIO and Tinker training APIs (sampling, LoRA training, checkpoints) from this machine."""
     from retool.config import ConfigError, load_config
-    from retool.serve.server import ServeSetupError, parse_models, run_server
+    from retool.serve.server import ServeSetupError, check_bind, parse_models, run_server
+    from retool.serve.state import Limits
 
     try:
+        check_bind(host, api_key)
         cfg = load_config(config, overrides)
         served = parse_models(models, cfg, root)
-        run_server(cfg, served, root, host=host, port=port, api_key=api_key, announce=typer.echo)
+        limits = Limits(max_body_bytes=int(max_request_mb * 1024 * 1024))
+        run_server(cfg, served, root, host=host, port=port, api_key=api_key, limits=limits, announce=typer.echo)
     except (ConfigError, ServeSetupError, FileNotFoundError) as exc:
         _fail(str(exc))
 

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from retool.config import Config
-from retool.serve.state import ServeState
+from retool.serve.state import Limits, ServeState
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +48,12 @@ def is_loopback(host: str) -> bool:
         return False
 
 
+def check_bind(host: str, api_key: str | None) -> None:
+    """Anything but a loopback address exposes the server beyond this machine: that needs an API key."""
+    if not is_loopback(host) and not api_key:
+        raise ServeSetupError(f"binding {host} exposes the server beyond this machine: pass --api-key")
+
+
 def bind_socket(host: str, port: int) -> socket.socket:
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
@@ -65,6 +71,7 @@ def run_server(
     host: str = "127.0.0.1",
     port: int = 8000,
     api_key: str | None = None,
+    limits: Limits | None = None,
     announce: Callable[[str], None] = logger.info,
 ) -> None:
     """Serve until interrupted (see the module docstring)."""
@@ -72,9 +79,8 @@ def run_server(
 
     from retool.serve.app import create_app
 
-    if not is_loopback(host) and not api_key:
-        raise ServeSetupError(f"binding {host} exposes the server beyond this machine: pass --api-key")
-    state = ServeState(config, models, root)
+    check_bind(host, api_key)
+    state = ServeState(config, models, root, limits)
     app = create_app(state, api_key)
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]

@@ -127,6 +127,7 @@ class ServeState:
         self.sessions: set[str] = set()
         self._samplers: collections.OrderedDict[str, SamplingClient] = collections.OrderedDict()
         self._sampler_owners: dict[str, Any] = {}
+        self._sampler_locks: dict[str, asyncio.Lock] = {}
         self._build_lock = threading.Lock()
         self.sampler_cache_size = 8
 
@@ -179,7 +180,7 @@ class ServeState:
 
     def _new_client(self, model: ServedModel, lora: LoraRequest | None) -> Any:
         """A ``LocalTrainingClient`` on ``model`` (LoRA as asked; ``None``: plain weights, for sampling)."""
-        from retool.backends.local import LocalLoraSpec, LocalTrainingClient
+        from retool.backends.local import LocalLoraSpec
 
         cfg = self.config
         spec = None
@@ -190,6 +191,13 @@ class ServeState:
                 dropout=cfg.lora.dropout,
                 target_modules=lora.target_modules(),
             )
+        with self._build_lock:  # transformers' loading patches torch globally: one model load at a time
+            return self._build(model, spec, lora)
+
+    def _build(self, model: ServedModel, spec: Any, lora: LoraRequest | None) -> Any:
+        from retool.backends.local import LocalTrainingClient
+
+        cfg = self.config
         return LocalTrainingClient(
             model.path,
             lora=spec,
@@ -288,15 +296,16 @@ class ServeState:
             served, key, meta, folder = self.model(base_model), f"base:{base_model}", None, None
         else:
             raise ServeError(400, "invalid_request", "give a model_path or a base_model to sample from")
-        cached = self._samplers.get(key)
-        if cached is not None:
-            self._samplers.move_to_end(key)
-            return cached, served
-        client = await asyncio.to_thread(self._new_client, served, meta.lora if meta else None)
-        if folder is not None:
-            await client.load_state_async(str(folder))
-        sampler = await client.sampling_client_async()
-        self._remember_sampler(key, sampler, owner=client)
+        async with self._sampler_locks.setdefault(key, asyncio.Lock()):  # concurrent first uses: one load
+            cached = self._samplers.get(key)
+            if cached is not None:
+                self._samplers.move_to_end(key)
+                return cached, served
+            client = await asyncio.to_thread(self._new_client, served, meta.lora if meta else None)
+            if folder is not None:
+                await client.load_state_async(str(folder))
+            sampler = await client.sampling_client_async()
+            self._remember_sampler(key, sampler, owner=client)
         return sampler, served
 
     def check_sample(self, served: ServedModel, prompt: list[int], num_samples: int, params: SamplingParams) -> None:
