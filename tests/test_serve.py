@@ -24,6 +24,7 @@ import tinker
 from pytrio import types as ptypes
 from serve_harness import REPO, ServeProcess
 from tinker import types as ttypes
+from tinker.lib.retry_handler import RetryConfig
 
 PPO_CFG = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
 
@@ -304,3 +305,82 @@ def test_hostile_pytrio_events_and_oversized_bodies(server: ServeProcess) -> Non
     answer = _post(server.url, "/api/v1/create_session", content=big)
     assert answer.status_code == 413 and "larger than" in answer.json()["message"]
     assert httpx.get(f"{server.url}/api/v1/healthz").status_code == 200
+
+
+# -- faults and keys (points 4 and 5) -------------------------------------------------------------------
+
+
+def test_sigkilled_server_restarts_and_every_saved_path_loads_and_a_vanished_server_is_an_sdk_error(
+    tiny_model_dir: Path, tmp_path: Path, sdk_env: Path
+) -> None:
+    root, model = tmp_path / "root", str(tiny_model_dir)
+    first = ServeProcess(tiny_model_dir, root).start()
+    try:
+        tk = tinker_service(first.url)
+        trainer = tk.create_lora_training_client(base_model=model, rank=4, seed=1).result()
+        data = rl_datums([5, 6, 7], [([8, 9, 10], [-5.0, -5.0, -5.0])], [1.0], ttypes)
+        trainer.forward_backward(data, "cross_entropy")
+        trainer.optim_step(ttypes.AdamParams(learning_rate=5e-2)).result()
+        state = trainer.save_state("before-kill").result().path
+        weights = trainer.save_weights_for_sampler("before-kill").result().path
+        loss_before = trainer.forward(data, "cross_entropy").result().metrics["loss:sum"]
+        pt = pytrio_service(first.url)
+        pt_trainer = pt.create_lora_training_client(base_model=model, rank=4, seed=1)
+        pt_path = pt_trainer.save_weights_for_sampler("pt-before-kill").result().path
+        pt_sampler = pt.create_sampling_client(base_model=model, model_path=pt_path)
+        quick = RetryConfig(progress_timeout=5, retry_delay_max=1)  # the SDK's default retries for 2 hours
+        tk_sampler = tk.create_sampling_client(model_path=weights, retry_config=quick).result()
+        first.kill()
+        # The server is gone: the SDK raises its own error (after its retries), it does not hang.
+        with pytest.raises(pytrio.PyTrioError):
+            pt_sampler.sample(ptypes.ModelInput.from_ints([5, 6]), num_samples=1,
+                              sampling_params=ptypes.SamplingParams(max_tokens=2)).result(timeout=60)  # fmt: skip
+        with pytest.raises(tinker.APIConnectionError):
+            tk_sampler.sample(prompt=ttypes.ModelInput.from_ints([5, 6]), num_samples=1,
+                              sampling_params=ttypes.SamplingParams(max_tokens=2)).result(timeout=60)  # fmt: skip
+    finally:
+        first.stop()
+    with ServeProcess(tiny_model_dir, root) as second:
+        tk = tinker_service(second.url)
+        resumed = tk.create_training_client_from_state_with_optimizer(state).result()
+        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(loss_before, rel=1e-5)
+        sampler = tk.create_sampling_client(model_path=weights).result()
+        got = sampler.sample(prompt=ttypes.ModelInput.from_ints([5, 6]), num_samples=1,
+                             sampling_params=ttypes.SamplingParams(max_tokens=2)).result()  # fmt: skip
+        assert len(got.sequences[0].tokens) == 2
+        pt = pytrio_service(second.url)
+        again = pt.create_sampling_client(base_model=model, model_path=pt_path)
+        seq = again.sample(ptypes.ModelInput.from_ints([5, 6]), num_samples=1,
+                           sampling_params=ptypes.SamplingParams(max_tokens=2)).result().sequences[0]  # fmt: skip
+        assert len(seq.tokens) == 2 and len(seq.logprobs) == 2
+
+
+def test_an_api_key_is_required_the_way_each_sdk_sends_it(tiny_model_dir: Path, tmp_path: Path, sdk_env: Path) -> None:
+    key = "tml-secret-key"
+    with ServeProcess(tiny_model_dir, tmp_path / "root", api_key=key) as server:
+        for headers in ({}, {"X-API-Key": "tml-wrong"}):
+            answer = _post(server.url, "/api/v1/create_session", {"tags": []}, headers=headers)
+            assert answer.status_code == 401
+            assert _post(server.url, "/v1/client/heartbeat", {}, headers=headers).status_code == 401
+        assert httpx.get(f"{server.url}/api/openapi/v1/api-key/verify", headers={"X-API-Key": "x"}).status_code == 401
+        with pytest.raises(tinker.AuthenticationError):
+            tinker_service(server.url, key="tml-wrong").create_lora_training_client(
+                base_model=str(tiny_model_dir), rank=4
+            ).result(timeout=60)
+        with pytest.raises(pytrio.PyTrioError):
+            pytrio_service(server.url, key="wrong")
+        # The right key works through both SDKs, PyTRIO's actor token included.
+        trainer = tinker_service(server.url, key=key).create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        assert trainer.get_tokenizer() is not None
+        pt = pytrio_service(server.url, key=key)
+        sampler = pt.create_sampling_client(base_model=str(tiny_model_dir))
+        seq = sampler.sample(ptypes.ModelInput.from_ints([5, 6]), num_samples=1,
+                             sampling_params=ptypes.SamplingParams(max_tokens=2)).result().sequences[0]  # fmt: skip
+        assert len(seq.tokens) == 2
+
+
+def test_binding_beyond_loopback_needs_an_api_key(tmp_path: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
+    cmd = [sys.executable, "-m", "retool", "serve", "--host", "0.0.0.0", "--model", str(tmp_path), "--root", str(tmp_path)]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "pass --api-key" in done.stderr

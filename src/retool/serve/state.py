@@ -285,7 +285,9 @@ class ServeState:
             self._sampler_owners[key] = owner
         while len(self._samplers) > self.sampler_cache_size:
             old, _ = self._samplers.popitem(last=False)
-            self._sampler_owners.pop(old, None)
+            evicted = self._sampler_owners.pop(old, None)
+            if evicted is not None:  # its worker thread ends once its last batch has run
+                threading.Thread(target=evicted.close, name="retool-serve-evict", daemon=True).start()
 
     async def sampler(self, model_path: str | None, base_model: str | None) -> tuple[SamplingClient, ServedModel]:
         """The sampler for saved weights (``model_path``) or for a base model's plain weights."""
