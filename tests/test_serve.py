@@ -384,3 +384,33 @@ def test_binding_beyond_loopback_needs_an_api_key(tmp_path: Path) -> None:
     cmd = [sys.executable, "-m", "retool", "serve", "--host", "0.0.0.0", "--model", str(tmp_path), "--root", str(tmp_path)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "pass --api-key" in done.stderr
+
+
+# -- tinker-cookbook ------------------------------------------------------------------------------------
+
+
+def test_tinker_cookbook_math_rl_arithmetic_recipe_runs_against_the_server(
+    server: ServeProcess, tiny_model_dir: Path, sdk_env: Path, tmp_path: Path
+) -> None:
+    pytest.importorskip("tinker_cookbook.recipes.math_rl.train", reason="tinker-cookbook not installed (setup.sh --dev)")
+    log = tmp_path / "cookbook"
+    args = [
+        f"model_name={tiny_model_dir}", "renderer_name=qwen3", "env=arithmetic", "group_size=2",
+        "groups_per_batch=2", "max_tokens=5", "max_steps=2", "loss_fn=importance_sampling", "lora_rank=8",
+        f"base_url={server.url}", f"log_path={log}", "behavior_if_log_dir_exists=delete",
+        "eval_every=0", "save_every=0",
+    ]  # fmt: skip
+    env = {**os.environ, "TINKER_API_KEY": "tml-local", "TINKER_TELEMETRY": "0", "HOME": str(sdk_env)}
+    cmd = [sys.executable, "-m", "tinker_cookbook.recipes.math_rl.train", *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-3000:]
+    rows = [json.loads(line) for line in (log / "metrics.jsonl").read_text().splitlines()]
+    trained = [r for r in rows if "env/all/reward/total" in r]
+    assert len(trained) == 2
+    # The sampler's logprobs and the trainer's agree: the recipe's own on-policy check.
+    assert all(abs(r["optim/kl_sample_train_v1"]) < 1e-4 for r in trained)
+    assert "Training completed successfully" in done.stderr
+    # Its default loss (stable_reinforce) is not one this server computes: a clear refusal, not a hang.
+    cmd[-len(args) :] = [a if not a.startswith("loss_fn=") else "loss_fn=stable_reinforce" for a in args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0 and "supported: cross_entropy, importance_sampling, ppo" in done.stderr
