@@ -22,9 +22,10 @@ import pytest
 import pytrio
 import tinker
 from pytrio import types as ptypes
-from serve_harness import REPO, ServeProcess
 from tinker import types as ttypes
 from tinker.lib.retry_handler import RetryConfig
+
+from serve_harness import REPO, ServeProcess
 
 PPO_CFG = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
 
@@ -67,11 +68,15 @@ def tinker_service(url: str, key: str = "tml-local") -> tinker.ServiceClient:
 def run_example(name: str, url: str, home: Path, *args: str) -> None:
     env = {**os.environ, "PYTRIO_BASE_URL": url, "PYTRIO_API_KEY": "local", "HOME": str(home)}
     script = REPO / "examples" / "serve" / name
-    done = subprocess.run([sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300)
+    done = subprocess.run(
+        [sys.executable, str(script), *args], env=env, capture_output=True, text=True, timeout=300
+    )
     assert done.returncode == 0, done.stderr[-3000:]
 
 
-def rl_datums(prompt: list[int], samples: list[tuple[list[int], list[float]]], advantages: list[float], sdk: Any) -> list[Any]:
+def rl_datums(
+    prompt: list[int], samples: list[tuple[list[int], list[float]]], advantages: list[float], sdk: Any
+) -> list[Any]:
     out = []
     for (tokens, logprobs), adv in zip(samples, advantages, strict=True):
         seq = prompt + tokens
@@ -102,7 +107,9 @@ def test_chapter_shaped_pytrio_training_and_evaluation_scripts_run_unmodified(
     assert report["state_path"].startswith("trio://") and report["sampler_path"].startswith("trio://")
 
     evaluated = tmp_path / "eval.json"
-    run_example("pytrio_eval.py", server.url, sdk_env, str(tiny_model_dir), report["sampler_path"], str(evaluated))
+    run_example(
+        "pytrio_eval.py", server.url, sdk_env, str(tiny_model_dir), report["sampler_path"], str(evaluated)
+    )
     rows = json.loads(evaluated.read_text())
     assert len(rows) == 4
     for row in rows:
@@ -114,8 +121,10 @@ def test_chapter_shaped_pytrio_training_and_evaluation_scripts_run_unmodified(
     # The trained weights are what the evaluation sampled: the base model gives other logprobs.
     service = pytrio_service(server.url)
     base = service.create_sampling_client(base_model=str(tiny_model_dir))
-    trained = service.create_sampling_client(base_model=str(tiny_model_dir), model_path=report["sampler_path"])
-    prompt = ptypes.ModelInput.from_ints(rows[0]["tokens"][:1] + [5, 6])
+    trained = service.create_sampling_client(
+        base_model=str(tiny_model_dir), model_path=report["sampler_path"]
+    )
+    prompt = ptypes.ModelInput.from_ints([*rows[0]["tokens"][:1], 5, 6])
     params = ptypes.SamplingParams(max_tokens=3, temperature=0.0)
     a = base.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
     b = trained.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0]
@@ -129,7 +138,11 @@ def test_pytrio_state_resumes_into_a_new_client_with_identical_logprobs(
     trainer = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=1)
     prompt = trainer.get_tokenizer().encode("3 + 4 =")
     sampler = trainer.save_weights_and_get_sampling_client()
-    got = sampler.sample(ptypes.ModelInput.from_ints(prompt), num_samples=2, sampling_params=ptypes.SamplingParams(max_tokens=4, seed=5)).result()
+    got = sampler.sample(
+        ptypes.ModelInput.from_ints(prompt),
+        num_samples=2,
+        sampling_params=ptypes.SamplingParams(max_tokens=4, seed=5),
+    ).result()
     samples = [(list(s.tokens), list(s.logprobs)) for s in got.sequences]
     data = rl_datums(prompt, samples, [1.0, -1.0], ptypes)
     trainer.forward_backward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
@@ -143,7 +156,11 @@ def test_pytrio_state_resumes_into_a_new_client_with_identical_logprobs(
         assert np.allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-6)
     fresh = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=1)
     other = fresh.forward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
-    assert not np.allclose(mine.loss_fn_outputs[0]["logprobs"].to_numpy(), other.loss_fn_outputs[0]["logprobs"].to_numpy(), atol=1e-6)
+    assert not np.allclose(
+        mine.loss_fn_outputs[0]["logprobs"].to_numpy(),
+        other.loss_fn_outputs[0]["logprobs"].to_numpy(),
+        atol=1e-6,
+    )
 
 
 def test_an_unknown_pytrio_loss_is_refused_naming_the_supported_ones(
@@ -159,13 +176,17 @@ def test_an_unknown_pytrio_loss_is_refused_naming_the_supported_ones(
 # -- Tinker ---------------------------------------------------------------------------------------------
 
 
-def test_tinker_sdk_trains_samples_saves_and_resumes(server: ServeProcess, tiny_model_dir: Path, sdk_env: Path) -> None:
+def test_tinker_sdk_trains_samples_saves_and_resumes(
+    server: ServeProcess, tiny_model_dir: Path, sdk_env: Path
+) -> None:
     service = tinker_service(server.url)
     trainer = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=2).result()
     prompt = trainer.get_tokenizer().encode("5 + 6 =")
     sampler = trainer.save_weights_and_get_sampling_client().result()
     params = ttypes.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
-    got = sampler.sample(prompt=ttypes.ModelInput.from_ints(prompt), num_samples=3, sampling_params=params).result()
+    got = sampler.sample(
+        prompt=ttypes.ModelInput.from_ints(prompt), num_samples=3, sampling_params=params
+    ).result()
     assert len(got.sequences) == 3
     samples = [(list(s.tokens), list(s.logprobs or [])) for s in got.sequences]
     assert all(len(t) == len(lp) == 4 for t, lp in samples)
@@ -185,10 +206,15 @@ def test_tinker_sdk_trains_samples_saves_and_resumes(server: ServeProcess, tiny_
     assert a.metrics["loss:sum"] == pytest.approx(b.metrics["loss:sum"], rel=1e-5)
     reloaded = service.create_sampling_client(model_path=weights).result()
     greedy = ttypes.SamplingParams(max_tokens=3, temperature=0.0)
-    one = reloaded.sample(prompt=ttypes.ModelInput.from_ints(prompt), num_samples=1, sampling_params=greedy).result()
-    two = resumed.save_weights_and_get_sampling_client().result().sample(
+    one = reloaded.sample(
         prompt=ttypes.ModelInput.from_ints(prompt), num_samples=1, sampling_params=greedy
     ).result()
+    two = (
+        resumed.save_weights_and_get_sampling_client()
+        .result()
+        .sample(prompt=ttypes.ModelInput.from_ints(prompt), num_samples=1, sampling_params=greedy)
+        .result()
+    )
     assert list(one.sequences[0].tokens) == list(two.sequences[0].tokens)
 
 
@@ -200,7 +226,9 @@ def test_two_tinker_training_clients_never_see_each_others_weights(
     second = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=0).result()
     data = rl_datums([5, 6, 7], [([8, 9, 10], [-5.0, -5.0, -5.0])], [1.0], ttypes)
     before = second.forward(data, "cross_entropy").result().metrics["loss:sum"]
-    assert first.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(before, rel=1e-6)
+    assert first.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+        before, rel=1e-6
+    )
     for _ in range(2):
         first.forward_backward(data, "cross_entropy")
         first.optim_step(ttypes.AdamParams(learning_rate=5e-2))
@@ -224,7 +252,9 @@ def test_hostile_tinker_requests_get_a_clear_4xx_and_the_server_keeps_serving(
     server: ServeProcess, tiny_model_dir: Path
 ) -> None:
     url, model = server.url, str(tiny_model_dir)
-    sid = _post(url, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"}).json()["session_id"]
+    sid = _post(
+        url, "/api/v1/create_session", {"tags": [], "user_metadata": None, "sdk_version": "x"}
+    ).json()["session_id"]
     lora = {"rank": 4, "train_mlp": False, "train_attn": True, "train_unembed": False}
     good_model = {"session_id": sid, "model_seq_id": 0, "base_model": model, "lora_config": lora}
     cases: list[tuple[str, Any, int, str]] = [
@@ -233,14 +263,49 @@ def test_hostile_tinker_requests_get_a_clear_4xx_and_the_server_keeps_serving(
         ("/api/v1/create_model", {**good_model, "lora_config": {**lora, "rank": "big"}}, 400, "rank"),
         ("/api/v1/create_model", {**good_model, "base_model": "Qwen/Qwen3-4B"}, 404, "not served"),
         ("/api/v1/create_model", {**good_model, "session_id": "sess-nope"}, 404, "no session"),
-        ("/api/v1/create_model", {**good_model, "lora_config": {**lora, "train_attn": False}}, 400, "at least one"),
+        (
+            "/api/v1/create_model",
+            {**good_model, "lora_config": {**lora, "train_attn": False}},
+            400,
+            "at least one",
+        ),
         ("/api/v1/optim_step", {"model_id": "sess-x:train:9", "adam_params": {}}, 404, "no training run"),
         ("/api/v1/forward_backward", b"\xff\x00garbage", 400, "ForwardBackwardRequest"),
-        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "/etc/passwd", "optimizer": False}, 400, "URI"),
-        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "tinker://../x/weights/y", "optimizer": False}, 400, "is not <trio|tinker>"),
-        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "tinker://../weights/y", "optimizer": False}, 400, "not allowed"),
-        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "tinker://run-1/weights/..", "optimizer": False}, 400, "not allowed"),
-        ("/api/v1/load_weights", {"session_id": sid, "model_seq_id": 1, "path": "tinker://run-1/weights/nothing", "optimizer": False}, 404, "no checkpoint"),
+        (
+            "/api/v1/load_weights",
+            {"session_id": sid, "model_seq_id": 1, "path": "/etc/passwd", "optimizer": False},
+            400,
+            "URI",
+        ),
+        (
+            "/api/v1/load_weights",
+            {"session_id": sid, "model_seq_id": 1, "path": "tinker://../x/weights/y", "optimizer": False},
+            400,
+            "is not <trio|tinker>",
+        ),
+        (
+            "/api/v1/load_weights",
+            {"session_id": sid, "model_seq_id": 1, "path": "tinker://../weights/y", "optimizer": False},
+            400,
+            "not allowed",
+        ),
+        (
+            "/api/v1/load_weights",
+            {"session_id": sid, "model_seq_id": 1, "path": "tinker://run-1/weights/..", "optimizer": False},
+            400,
+            "not allowed",
+        ),
+        (
+            "/api/v1/load_weights",
+            {
+                "session_id": sid,
+                "model_seq_id": 1,
+                "path": "tinker://run-1/weights/nothing",
+                "optimizer": False,
+            },
+            404,
+            "no checkpoint",
+        ),
         ("/api/v1/retrieve_future", {"request_id": "req-unknown"}, 404, "no future"),
     ]
     for path, body, status, words in cases:
@@ -274,7 +339,12 @@ def test_hostile_tinker_requests_get_a_clear_4xx_and_the_server_keeps_serving(
         ([], 1, {}, "empty"),
     ):
         answer = sample(prompt, n, **params)
-        assert answer.status_code == 400 and words in answer.json()["message"], (prompt, n, params, answer.text)
+        assert answer.status_code == 400 and words in answer.json()["message"], (
+            prompt,
+            n,
+            params,
+            answer.text,
+        )
     assert sample([5, 6]).status_code == 200  # still serving, and serving this caller too
 
 
@@ -343,7 +413,9 @@ def test_sigkilled_server_restarts_and_every_saved_path_loads_and_a_vanished_ser
     with ServeProcess(tiny_model_dir, root) as second:
         tk = tinker_service(second.url)
         resumed = tk.create_training_client_from_state_with_optimizer(state).result()
-        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(loss_before, rel=1e-5)
+        assert resumed.forward(data, "cross_entropy").result().metrics["loss:sum"] == pytest.approx(
+            loss_before, rel=1e-5
+        )
         sampler = tk.create_sampling_client(model_path=weights).result()
         got = sampler.sample(prompt=ttypes.ModelInput.from_ints([5, 6]), num_samples=1,
                              sampling_params=ttypes.SamplingParams(max_tokens=2)).result()  # fmt: skip
@@ -355,14 +427,19 @@ def test_sigkilled_server_restarts_and_every_saved_path_loads_and_a_vanished_ser
         assert len(seq.tokens) == 2 and len(seq.logprobs) == 2
 
 
-def test_an_api_key_is_required_the_way_each_sdk_sends_it(tiny_model_dir: Path, tmp_path: Path, sdk_env: Path) -> None:
+def test_an_api_key_is_required_the_way_each_sdk_sends_it(
+    tiny_model_dir: Path, tmp_path: Path, sdk_env: Path
+) -> None:
     key = "tml-secret-key"
     with ServeProcess(tiny_model_dir, tmp_path / "root", api_key=key) as server:
         for headers in ({}, {"X-API-Key": "tml-wrong"}):
             answer = _post(server.url, "/api/v1/create_session", {"tags": []}, headers=headers)
             assert answer.status_code == 401
             assert _post(server.url, "/v1/client/heartbeat", {}, headers=headers).status_code == 401
-        assert httpx.get(f"{server.url}/api/openapi/v1/api-key/verify", headers={"X-API-Key": "x"}).status_code == 401
+        assert (
+            httpx.get(f"{server.url}/api/openapi/v1/api-key/verify", headers={"X-API-Key": "x"}).status_code
+            == 401
+        )
         with pytest.raises(tinker.AuthenticationError):
             tinker_service(server.url, key="tml-wrong").create_lora_training_client(
                 base_model=str(tiny_model_dir), rank=4
@@ -370,7 +447,11 @@ def test_an_api_key_is_required_the_way_each_sdk_sends_it(tiny_model_dir: Path, 
         with pytest.raises(pytrio.PyTrioError):
             pytrio_service(server.url, key="wrong")
         # The right key works through both SDKs, PyTRIO's actor token included.
-        trainer = tinker_service(server.url, key=key).create_lora_training_client(base_model=str(tiny_model_dir), rank=4).result()
+        trainer = (
+            tinker_service(server.url, key=key)
+            .create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+            .result()
+        )
         assert trainer.get_tokenizer() is not None
         pt = pytrio_service(server.url, key=key)
         sampler = pt.create_sampling_client(base_model=str(tiny_model_dir))
@@ -381,7 +462,18 @@ def test_an_api_key_is_required_the_way_each_sdk_sends_it(tiny_model_dir: Path, 
 
 def test_binding_beyond_loopback_needs_an_api_key(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    cmd = [sys.executable, "-m", "retool", "serve", "--host", "0.0.0.0", "--model", str(tmp_path), "--root", str(tmp_path)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "retool",
+        "serve",
+        "--host",
+        "0.0.0.0",
+        "--model",
+        str(tmp_path),
+        "--root",
+        str(tmp_path),
+    ]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "pass --api-key" in done.stderr
 
@@ -392,7 +484,9 @@ def test_binding_beyond_loopback_needs_an_api_key(tmp_path: Path) -> None:
 def test_tinker_cookbook_math_rl_arithmetic_recipe_runs_against_the_server(
     server: ServeProcess, tiny_model_dir: Path, sdk_env: Path, tmp_path: Path
 ) -> None:
-    pytest.importorskip("tinker_cookbook.recipes.math_rl.train", reason="tinker-cookbook not installed (setup.sh --dev)")
+    pytest.importorskip(
+        "tinker_cookbook.recipes.math_rl.train", reason="tinker-cookbook not installed (setup.sh --dev)"
+    )
     log = tmp_path / "cookbook"
     args = [
         f"model_name={tiny_model_dir}", "renderer_name=qwen3", "env=arithmetic", "group_size=2",

@@ -18,6 +18,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from serve_harness import REPO, ServeProcess
 
 RUN = [
@@ -37,7 +38,9 @@ RUN = [
 ]  # fmt: skip
 
 
-def train(kind: str, model: Path, run_dir: Path, home: Path, base_url: str | None = None) -> list[dict[str, Any]]:
+def train(
+    kind: str, model: Path, run_dir: Path, home: Path, base_url: str | None = None
+) -> list[dict[str, Any]]:
     args = [*RUN, "--set", f"model.name={model}", "--set", f"backend.kind={kind}", "--run-dir", str(run_dir)]
     if base_url:
         args += ["--set", f"backend.base_url={base_url}"]
@@ -61,13 +64,18 @@ def train(kind: str, model: Path, run_dir: Path, home: Path, base_url: str | Non
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
 
 
-def test_retool_train_through_both_adapters_matches_the_local_backend(tiny_model_dir: Path, tmp_path: Path) -> None:
+def test_retool_train_through_both_adapters_matches_the_local_backend(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
     home = tmp_path / "home"
     home.mkdir()
     local = train("local", tiny_model_dir, tmp_path / "local", home)
     server_args = ("--config", "tiny", "--set", "model.max_context=4096")
     with ServeProcess(tiny_model_dir, tmp_path / "root", *server_args) as server:
-        remote = {kind: train(kind, tiny_model_dir, tmp_path / kind, home, server.url) for kind in ("pytrio", "tinker")}
+        remote = {
+            kind: train(kind, tiny_model_dir, tmp_path / kind, home, server.url)
+            for kind in ("pytrio", "tinker")
+        }
     assert any(r != local[0]["rewards"][0][0] for r in local[0]["rewards"][0])  # a mixed group: a real step
     assert local[0]["policy/grad_norm"] > 0
     for kind, rows in remote.items():

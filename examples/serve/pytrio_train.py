@@ -27,7 +27,9 @@ async def step(training_client: pytrio.TrainingClient, prompts: list[list[int]],
     params = types.SamplingParams(max_tokens=8, temperature=1.0, seed=1)
     results = await asyncio.gather(
         *[
-            sampling_client.sample_async(types.ModelInput.from_ints(p), num_samples=group, sampling_params=params)
+            sampling_client.sample_async(
+                types.ModelInput.from_ints(p), num_samples=group, sampling_params=params
+            )
             for p in prompts
         ]
     )
@@ -45,7 +47,9 @@ async def step(training_client: pytrio.TrainingClient, prompts: list[list[int]],
                     model_input=types.ModelInput.from_ints(tokens[:-1]),
                     loss_fn_inputs={
                         "target_tokens": types.TensorData.from_numpy(np.asarray(tokens[1:], dtype=np.int64)),
-                        "logprobs": types.TensorData.from_numpy(np.asarray([0.0] * first + list(seq.logprobs), dtype=np.float32)),
+                        "logprobs": types.TensorData.from_numpy(
+                            np.asarray([0.0] * first + list(seq.logprobs), dtype=np.float32)
+                        ),
                         "advantages": types.TensorData.from_numpy(
                             np.asarray([0.0] * first + [score - mean] * (n - first), dtype=np.float32)
                         ),

@@ -23,7 +23,9 @@ def _floats(values: Sequence[Any] | None, n: int, name: str, k: int) -> list[flo
         return None
     out = [float(v) for v in values]
     if len(out) != n:
-        raise ServeError(400, "invalid_request", f"datum {k}: {name} has {len(out)} values, the input has {n}")
+        raise ServeError(
+            400, "invalid_request", f"datum {k}: {name} has {len(out)} values, the input has {n}"
+        )
     if not all(math.isfinite(v) for v in out):
         raise ServeError(400, "invalid_request", f"datum {k}: {name} holds NaN or infinity")
     return out

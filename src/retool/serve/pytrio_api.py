@@ -84,14 +84,23 @@ class PytrioApi:
     def _actor(self, request: Request) -> dict[str, Any]:
         endpoint = str(request.base_url).rstrip("/")
         return {
-            "actor": {"actor_cuid": "retool-serve", "endpoint": endpoint, "connect_mode": "direct", "tls_enabled": False},
+            "actor": {
+                "actor_cuid": "retool-serve",
+                "endpoint": endpoint,
+                "connect_mode": "direct",
+                "tls_enabled": False,
+            },
             "actor_jwt": {"token": actor_token(self.api_key), "expires_at": _now(365)},
         }
 
     def _capacity(self, model_name: str) -> dict[str, Any]:
         served = self.state.model(model_name)
         context = min(served.max_context, self.state.config.model.max_context)
-        return {"max_batch_size": self.state.limits.max_datums, "max_tokens_per_request": context, "max_seq_len": context}
+        return {
+            "max_batch_size": self.state.limits.max_datums,
+            "max_tokens_per_request": context,
+            "max_seq_len": context,
+        }
 
     def _routes(self) -> None:
         r = self.router
@@ -103,12 +112,16 @@ class PytrioApi:
             "/api/openapi/v1/service-sessions/{sid}/training-runs", self.create_training_run, methods=["POST"]
         )
         r.add_api_route(
-            "/api/openapi/v1/service-sessions/{sid}/training-runs/{rid}", self.bind_checkpoint, methods=["PATCH"]
+            "/api/openapi/v1/service-sessions/{sid}/training-runs/{rid}",
+            self.bind_checkpoint,
+            methods=["PATCH"],
         )
         r.add_api_route(
             "/api/openapi/v1/service-sessions/{sid}/sampling-runs", self.create_sampling_run, methods=["POST"]
         )
-        r.add_api_route("/api/openapi/v1/training-runs/by-checkpoint-uri", self.find_by_checkpoint, methods=["GET"])
+        r.add_api_route(
+            "/api/openapi/v1/training-runs/by-checkpoint-uri", self.find_by_checkpoint, methods=["GET"]
+        )
         r.add_api_route("/api/telemetry/event", self.nothing, methods=["POST"])
         r.add_api_route("/api/openapi/v1/{rest:path}", self.renew_or_close, methods=["POST"])
         r.add_api_route("/v1/client/heartbeat", self.heartbeat, methods=["POST"])
@@ -158,7 +171,9 @@ class PytrioApi:
     async def create_session(self) -> Response:
         sid = new_id("ss")
         self.state.sessions.add(sid)
-        return as_json({"service_session_cuid": sid, "workspace_cuid": "local", "status": "ACTIVE", "created_at": _now()})
+        return as_json(
+            {"service_session_cuid": sid, "workspace_cuid": "local", "status": "ACTIVE", "created_at": _now()}
+        )
 
     async def _json(self, request: Request) -> dict[str, Any]:
         try:
@@ -290,7 +305,12 @@ class PytrioApi:
         self.events[envelope.event_id] = (envelope.type.value, run.submit(call))
         while len(self.events) > _EVENT_CACHE:
             self.events.popitem(last=False)
-        reply = {"version": 1, "event_id": envelope.event_id, "type": envelope.type.value, "status": "accepted"}
+        reply = {
+            "version": 1,
+            "event_id": envelope.event_id,
+            "type": envelope.type.value,
+            "status": "accepted",
+        }
         return Response(msgpack.packb(reply, use_bin_type=True), media_type="application/msgpack")
 
     async def get_event(self, event_id: str, request: Request) -> Response:
@@ -353,8 +373,14 @@ class PytrioApi:
         for k, d in enumerate(body.data):
             tokens = [t for chunk in d.model_input.chunks for t in getattr(chunk, "tokens", [])]
             targets = list(d.target_ids)
-            arrays: dict[str, Any] = {"weights": d.weights, "logprobs": d.logprobs, "advantages": d.advantages}
-            if body.auto_shift:  # the trainer drops each sample's first label (pytrio/client/training_batch.py)
+            arrays: dict[str, Any] = {
+                "weights": d.weights,
+                "logprobs": d.logprobs,
+                "advantages": d.advantages,
+            }
+            if (
+                body.auto_shift
+            ):  # the trainer drops each sample's first label (pytrio/client/training_batch.py)
                 tokens, targets = tokens[:-1], targets[1:]
                 arrays = {key: None if v is None else v[1:] for key, v in arrays.items()}
             datums.append(build_datum(k, tokens, targets, arrays, loss_fn, scale))
@@ -363,11 +389,22 @@ class PytrioApi:
         async def call() -> dict[str, Any]:
             result = await self.state.forward(run, datums, loss_fn, cfg, backward)
             outputs = [
-                {"logprobs": {"dtype": "<f4", "shape": [len(lps)], "encoding": "raw_le", "data": struct.pack(f"<{len(lps)}f", *lps)}}
+                {
+                    "logprobs": {
+                        "dtype": "<f4",
+                        "shape": [len(lps)],
+                        "encoding": "raw_le",
+                        "data": struct.pack(f"<{len(lps)}f", *lps),
+                    }
+                }
                 for lps in (result.token_logprobs or [])
             ]
             count = sum(1 for d in datums for w in d.weights if w != 0.0)
-            metrics = {"loss_sum": result.loss, "loss_mean": result.loss / max(count, 1), "token_count": count}
+            metrics = {
+                "loss_sum": result.loss,
+                "loss_mean": result.loss / max(count, 1),
+                "token_count": count,
+            }
             return {"loss_fn_outputs": outputs, "metrics": metrics}
 
         return call
@@ -396,7 +433,9 @@ class PytrioApi:
             raise ServeError(400, "invalid_name", str(exc)) from None
 
         async def call() -> dict[str, Any]:
-            uri = await self.state.save(run, kind, name, SCHEME, overwrite=body.overwrite or kind == "sampler_weights")
+            uri = await self.state.save(
+                run, kind, name, SCHEME, overwrite=body.overwrite or kind == "sampler_weights"
+            )
             return {"checkpoint": {"uri": uri, "model_id": run.model.path, "size_bytes": 0}}
 
         return call
@@ -423,5 +462,10 @@ class PytrioApi:
             }
             for s in samples
         ]
-        usage = {"input_tokens": len(prompt) * body.num_samples, "output_tokens": sum(len(s.tokens) for s in samples)}
-        return as_json({"request_id": body.request_id, "sampling_run": srid, "sequences": sequences, "usage": usage})
+        usage = {
+            "input_tokens": len(prompt) * body.num_samples,
+            "output_tokens": sum(len(s.tokens) for s in samples),
+        }
+        return as_json(
+            {"request_id": body.request_id, "sampling_run": srid, "sequences": sequences, "usage": usage}
+        )

@@ -230,7 +230,9 @@ class ServeState:
                 f"with {run.lora}",
             )
         if meta.lora.rank != run.lora.rank:
-            raise ServeError(400, "checkpoint_mismatch", f"{uri} has rank {meta.lora.rank}, run {run.lora.rank}")
+            raise ServeError(
+                400, "checkpoint_mismatch", f"{uri} has rank {meta.lora.rank}, run {run.lora.rank}"
+            )
         client = await self.client(run)
         await client.load_state_async(str(folder))
         if not with_optimizer:
@@ -289,7 +291,9 @@ class ServeState:
             if evicted is not None:  # its worker thread ends once its last batch has run
                 threading.Thread(target=evicted.close, name="retool-serve-evict", daemon=True).start()
 
-    async def sampler(self, model_path: str | None, base_model: str | None) -> tuple[SamplingClient, ServedModel]:
+    async def sampler(
+        self, model_path: str | None, base_model: str | None
+    ) -> tuple[SamplingClient, ServedModel]:
         """The sampler for saved weights (``model_path``) or for a base model's plain weights."""
         if model_path:
             meta, folder = self.read_checkpoint(model_path)
@@ -310,7 +314,9 @@ class ServeState:
             self._remember_sampler(key, sampler, owner=client)
         return sampler, served
 
-    def check_sample(self, served: ServedModel, prompt: list[int], num_samples: int, params: SamplingParams) -> None:
+    def check_sample(
+        self, served: ServedModel, prompt: list[int], num_samples: int, params: SamplingParams
+    ) -> None:
         """Refuse what the sampler would choke on, with a message the client can act on."""
         lim = self.limits
         if not prompt:
@@ -319,10 +325,14 @@ class ServeState:
             raise ServeError(400, "invalid_request", f"num_samples must be in [1, {lim.max_num_samples}]")
         context = min(served.max_context, self.config.model.max_context)
         if not 1 <= params.max_tokens <= context:
-            raise ServeError(400, "invalid_request", f"max_tokens must be in [1, {context}], got {params.max_tokens}")
+            raise ServeError(
+                400, "invalid_request", f"max_tokens must be in [1, {context}], got {params.max_tokens}"
+            )
         if len(prompt) + params.max_tokens > context:
             raise ServeError(
-                400, "invalid_request", f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > context {context}"
+                400,
+                "invalid_request",
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > context {context}",
             )
         check_token_ids(prompt, served.vocab_size, "prompt")
         if params.temperature < 0 or not 0 < params.top_p <= 1:
@@ -341,14 +351,20 @@ class ServeState:
     def check_datums(self, served: ServedModel, datums: list[Datum]) -> None:
         lim = self.limits
         if not 1 <= len(datums) <= lim.max_datums:
-            raise ServeError(400, "invalid_request", f"a call needs 1 to {lim.max_datums} datums, got {len(datums)}")
+            raise ServeError(
+                400, "invalid_request", f"a call needs 1 to {lim.max_datums} datums, got {len(datums)}"
+            )
         total = sum(len(d) for d in datums)
         if total > lim.max_tokens_per_call:
-            raise ServeError(413, "too_large", f"{total} tokens in one call; at most {lim.max_tokens_per_call}")
+            raise ServeError(
+                413, "too_large", f"{total} tokens in one call; at most {lim.max_tokens_per_call}"
+            )
         context = min(served.max_context, self.config.model.max_context)
         for k, d in enumerate(datums):
             if not 1 <= len(d) <= context:
-                raise ServeError(400, "invalid_request", f"datum {k} has {len(d)} tokens; context is {context}")
+                raise ServeError(
+                    400, "invalid_request", f"datum {k} has {len(d)} tokens; context is {context}"
+                )
             check_token_ids(d.input_tokens, served.vocab_size, f"datum {k} input tokens")
             check_token_ids(d.target_tokens, served.vocab_size, f"datum {k} target tokens")
 
@@ -361,13 +377,17 @@ class ServeState:
 def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
     bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
     if bad:
-        raise ServeError(400, "invalid_token", f"{what} hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}")
+        raise ServeError(
+            400, "invalid_token", f"{what} hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+        )
 
 
 def check_loss(loss_fn: str) -> str:
     if loss_fn not in SUPPORTED_LOSSES:
         raise ServeError(
-            400, "unsupported_loss", f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(SUPPORTED_LOSSES)}"
+            400,
+            "unsupported_loss",
+            f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(SUPPORTED_LOSSES)}",
         )
     return loss_fn
 
@@ -378,7 +398,9 @@ def loss_config(loss_fn: str, given: dict[str, Any] | None) -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in (given or {}).items():
         if key not in names:
-            raise ServeError(400, "invalid_loss_config", f"loss config key {key!r} unknown; known: {sorted(names)}")
+            raise ServeError(
+                400, "invalid_loss_config", f"loss config key {key!r} unknown; known: {sorted(names)}"
+            )
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a number")
         out[names[key]] = float(value)

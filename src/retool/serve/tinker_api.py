@@ -70,7 +70,9 @@ def _json_tokens(prompt: Any) -> list[int]:
         if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
             raise ServeError(400, "invalid_request", "only encoded_text prompt chunks are supported")
         toks = c.get("tokens")
-        if not isinstance(toks, list) or not all(isinstance(t, int) and not isinstance(t, bool) for t in toks):
+        if not isinstance(toks, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in toks
+        ):
             raise ServeError(400, "invalid_request", "prompt chunk tokens must be a list of integers")
         tokens += toks
     return tokens
@@ -81,7 +83,9 @@ class TinkerApi:
 
     def __init__(self, state: ServeState) -> None:
         self.state = state
-        self.futures: collections.OrderedDict[str, tuple[str, asyncio.Future[Any]]] = collections.OrderedDict()
+        self.futures: collections.OrderedDict[str, tuple[str, asyncio.Future[Any]]] = (
+            collections.OrderedDict()
+        )
         self.by_seq: dict[str, str] = {}  # "<model_id>:<seq_id>" -> future id
         self.sampling_sessions: dict[str, tuple[str | None, str, Any]] = {}  # id -> (path, base, sampler)
         self.router = APIRouter(prefix="/api/v1")
@@ -123,7 +127,9 @@ class TinkerApi:
             raise ServeError(400, "invalid_request", "the body must be a JSON object")
         return data
 
-    def _future(self, kind: str, call: Awaitable[Any] | asyncio.Future[Any], model_id: str | None = None, **extra: Any) -> Response:
+    def _future(
+        self, kind: str, call: Awaitable[Any] | asyncio.Future[Any], model_id: str | None = None, **extra: Any
+    ) -> Response:
         future = asyncio.ensure_future(call)
         rid = new_id("req")
         self.futures[rid] = (kind, future)
@@ -131,7 +137,9 @@ class TinkerApi:
             self.futures.popitem(last=False)
         return as_json({"request_id": rid, "model_id": model_id, **extra})
 
-    def _ordered(self, run: TrainingRun, seq_id: Any, kind: str, call: Callable[[], Awaitable[Any]]) -> Response:
+    def _ordered(
+        self, run: TrainingRun, seq_id: Any, kind: str, call: Callable[[], Awaitable[Any]]
+    ) -> Response:
         """Queue a training call on its run, once per ``(model_id, seq_id)``."""
         key = f"{run.run_id}:{seq_id}"
         if seq_id is not None and key in self.by_seq and self.by_seq[key] in self.futures:
@@ -146,7 +154,9 @@ class TinkerApi:
         value = data.get(name, default)
         if value is ...:
             raise ServeError(400, "invalid_request", f"field {name!r} is required")
-        if value is not None and (not isinstance(value, kind) or isinstance(value, bool) and kind is not bool):
+        if value is not None and (
+            not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)
+        ):
             raise ServeError(400, "invalid_request", f"field {name!r} has the wrong type")
         return value
 
@@ -155,7 +165,9 @@ class TinkerApi:
         return as_json({"status": "ok"})
 
     async def client_config(self) -> Response:
-        return as_json({"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "use_pyqwest_transport": False})
+        return as_json(
+            {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "use_pyqwest_transport": False}
+        )
 
     async def empty(self) -> Response:
         return as_json({})
@@ -173,7 +185,12 @@ class TinkerApi:
 
     async def capabilities(self) -> Response:
         models = [
-            {"model_name": m.name, "max_context_length": min(m.max_context, self.state.config.model.max_context), "trainable": True, "sampleable": True}
+            {
+                "model_name": m.name,
+                "max_context_length": min(m.max_context, self.state.config.model.max_context),
+                "trainable": True,
+                "sampleable": True,
+            }
             for m in self.state.models.values()
         ]
         return as_json({"supported_models": models})
@@ -209,7 +226,11 @@ class TinkerApi:
             {
                 "type": "get_info",
                 "model_id": model_id,
-                "model_data": {"arch": "causal_lm", "model_name": run.model.path, "tokenizer_id": run.model.path},
+                "model_data": {
+                    "arch": "causal_lm",
+                    "model_name": run.model.path,
+                    "tokenizer_id": run.model.path,
+                },
                 "is_lora": True,
                 "lora_rank": run.lora.rank,
                 "model_name": run.model.path,
@@ -218,7 +239,9 @@ class TinkerApi:
 
     async def weights_info(self, request: Request) -> Response:
         data = await self._json(request)
-        meta, _ = self.state.read_checkpoint(self._field(data, "tinker_path", str, None) or self._field(data, "path", str))
+        meta, _ = self.state.read_checkpoint(
+            self._field(data, "tinker_path", str, None) or self._field(data, "path", str)
+        )
         return as_json(
             {
                 "base_model": meta.base_model,
@@ -236,11 +259,15 @@ class TinkerApi:
         from tinker.proto import tinker_public_pb2 as pb
 
         if request.headers.get("content-encoding", "identity") != "identity":
-            raise ServeError(415, "unsupported_encoding", "compressed bodies are not accepted; client/config says so")
+            raise ServeError(
+                415, "unsupported_encoding", "compressed bodies are not accepted; client/config says so"
+            )
         try:
             msg = pb.ForwardBackwardRequest.FromString(await request.body())
         except DecodeError:
-            raise ServeError(400, "invalid_request", "the body is not a ForwardBackwardRequest protobuf") from None
+            raise ServeError(
+                400, "invalid_request", "the body is not a ForwardBackwardRequest protobuf"
+            ) from None
         run = self.state.run(msg.model_id)
         loss_fn = check_loss(msg.loss_fn)
         raw_cfg = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config.items())
@@ -248,10 +275,12 @@ class TinkerApi:
         cfg = ppo_defaults(cfg) if loss_fn == "ppo" else cfg
         datums = []
         for k, d in enumerate(msg.data):
-            inputs = {name: _tensor(pb, t) for name, t in d.loss_fn_inputs.items()}
+            inputs: dict[str, Any] = {name: _tensor(pb, t) for name, t in d.loss_fn_inputs.items()}
             unknown = set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"}
             if unknown or "target_tokens" not in inputs:
-                raise ServeError(400, "invalid_request", f"datum {k}: loss_fn_inputs {sorted(inputs)}; need target_tokens")
+                raise ServeError(
+                    400, "invalid_request", f"datum {k}: loss_fn_inputs {sorted(inputs)}; need target_tokens"
+                )
             targets = [int(t) for t in inputs.pop("target_tokens")]
             datums.append(build_datum(k, _chunk_tokens(d.model_input), targets, inputs, loss_fn, 1.0))
         self.state.check_datums(run.model, datums)
@@ -271,8 +300,12 @@ class TinkerApi:
             raise ServeError(400, "invalid_request", "only Adam optimizer params are supported")
         try:
             adam = AdamParams(
-                float(p.get("learning_rate", 1e-4)), float(p.get("beta1", 0.9)), float(p.get("beta2", 0.95)),
-                float(p.get("eps", 1e-12)), float(p.get("weight_decay", 0.0)), float(p.get("grad_clip_norm", 0.0)),
+                float(p.get("learning_rate", 1e-4)),
+                float(p.get("beta1", 0.9)),
+                float(p.get("beta2", 0.95)),
+                float(p.get("eps", 1e-12)),
+                float(p.get("weight_decay", 0.0)),
+                float(p.get("grad_clip_norm", 0.0)),
             )
         except (TypeError, ValueError):
             raise ServeError(400, "invalid_request", "adam_params must be numbers") from None
@@ -362,19 +395,31 @@ class TinkerApi:
         known = self.sampling_sessions.get(sampler_id)
         if known is None:
             raise ServeError(404, "unknown_sampler", f"no sampling session {sampler_id!r}")
-        return as_json({"sampler_id": sampler_id, "base_model": self.state.model(known[1]).path, "model_path": known[0]})
+        return as_json(
+            {"sampler_id": sampler_id, "base_model": self.state.model(known[1]).path, "model_path": known[0]}
+        )
 
     async def asample(self, request: Request) -> Response:
         data = await self._json(request)
-        if data.get("prompt_logprobs") or data.get("topk_prompt_logprobs") or data.get("topk_sample_logprobs"):
-            raise ServeError(400, "unsupported", "prompt logprobs and top-k logprobs are not supported by retool serve")
+        if (
+            data.get("prompt_logprobs")
+            or data.get("topk_prompt_logprobs")
+            or data.get("topk_sample_logprobs")
+        ):
+            raise ServeError(
+                400, "unsupported", "prompt logprobs and top-k logprobs are not supported by retool serve"
+            )
         sid = self._field(data, "sampling_session_id", str, None)
         if sid is not None:
             if sid not in self.sampling_sessions:
                 raise ServeError(404, "unknown_sampler", f"no sampling session {sid!r}")
             path, base, sampler = self.sampling_sessions[sid]
         else:
-            path, base, sampler = self._field(data, "model_path", str, None), self._field(data, "base_model", str, None), None
+            path, base, sampler = (
+                self._field(data, "model_path", str, None),
+                self._field(data, "base_model", str, None),
+                None,
+            )
         prompt = _json_tokens(data.get("prompt"))
         raw_params = self._field(data, "sampling_params", dict)
         params = sampling_params(raw_params)
