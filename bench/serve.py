@@ -1,0 +1,220 @@
+"""Benchmark of ``retool serve``: the same work in-process and through the server with the real SDKs.
+
+Prints, side by side in one run (the machine line first):
+- sampling throughput (sampled tokens/s) with 1 and 8 concurrent clients: the local backend's sampler
+  in this process, then ``retool serve`` through the ``tinker`` and the ``pytrio`` SDK (each client a thread
+  making sequential requests on one sampling client, as a script's worker pool would), and the ratio
+  server / in-process (target: >= 0.8 at 8 clients);
+- training throughput (trained tokens/s) of ppo ``forward_backward`` + ``optim_step`` steps, same ratio;
+- the per-request overhead of a 1-token sample: mean latency through each SDK minus in-process.
+
+The server runs in a child process on 127.0.0.1 with the same model, LoRA rank, device and thread count.
+Runs happen one after another (never overlapping), so they share the CPU only with whatever else runs.
+
+Usage: python bench/serve.py [--size test|demo] [--device cpu|cuda] [--threads 1] [--requests 4]
+                             [--tokens 16] [--steps 3] [--datums 8] [--sdks tinker,pytrio]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+RANK = 8
+PROMPTS = [[5 + (7 * i + j) % 200 for j in range(24)] for i in range(64)]
+
+
+def start_server(model: Path, root: Path, device: str, threads: int) -> tuple[subprocess.Popen[str], str]:
+    cmd = [sys.executable, "-m", "retool", "serve", "--port", "0", "--model", str(model), "--root", str(root)]
+    cmd += ["--set", f"backend.device={device}", "--set", f"backend.cpu_threads={threads}"]
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if line.startswith("PYTRIO_BASE_URL="):
+            return proc, line.strip().split("=", 1)[1]
+    proc.kill()
+    raise RuntimeError("retool serve did not start")
+
+
+def timed_threads(clients: int, requests: int, one: Callable[[int], int]) -> float:
+    """Tokens/s of ``clients`` threads each calling ``one(request_index)`` ``requests`` times in a row."""
+
+    def worker(c: int) -> int:
+        return sum(one(c * requests + r) for r in range(requests))
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(clients) as pool:
+        total = sum(pool.map(worker, range(clients)))
+    return total / (time.perf_counter() - t0)
+
+
+def datums_for(n: int, length: int) -> list[tuple[list[int], list[float], list[float]]]:
+    """(sequence, sampler logprobs, advantages) of ``n`` made-up trajectories of ``length`` tokens."""
+    return [(PROMPTS[i % len(PROMPTS)][:8] + [10 + (i + j) % 150 for j in range(length - 8)],
+             [-1.0] * (length - 1), [1.0 if i % 2 else -1.0] * (length - 1)) for i in range(n)]  # fmt: skip
+
+
+# -- in-process ---------------------------------------------------------------------------------------
+
+
+def bench_local(model: Path, args: argparse.Namespace) -> dict[str, float]:
+    from retool.backends.local import LocalLoraSpec, LocalTrainingClient
+    from retool.backends.types import AdamParams, Datum, SamplingParams
+
+    client = LocalTrainingClient(model, lora=LocalLoraSpec(rank=RANK, alpha=2 * RANK), device=args.device,
+                                 num_threads=args.threads, checkpoint_dir=tempfile.mkdtemp())  # fmt: skip
+    out: dict[str, float] = {}
+
+    async def sample_all(clients: int, max_tokens: int, requests: int) -> tuple[float, float]:
+        sampler = await client.sampling_client_async()
+        latencies: list[float] = []
+
+        async def worker(c: int) -> int:
+            n = 0
+            for r in range(requests):
+                t = time.perf_counter()
+                params = SamplingParams(max_tokens=max_tokens, seed=c * requests + r)
+                got = await sampler.sample_async(PROMPTS[(c * requests + r) % len(PROMPTS)], 1, params)
+                latencies.append(time.perf_counter() - t)
+                n += sum(len(s.tokens) for s in got)
+            return n
+
+        t0 = time.perf_counter()
+        total = sum(await asyncio.gather(*[worker(c) for c in range(clients)]))
+        return total / (time.perf_counter() - t0), statistics.mean(latencies)
+
+    for clients in (1, 8):
+        out[f"sample_{clients}"] = asyncio.run(sample_all(clients, args.tokens, args.requests))[0]
+    out["latency_1tok"] = asyncio.run(sample_all(1, 1, 20))[1]
+    rows = [Datum(s[:-1], s[1:], lp, adv) for s, lp, adv in datums_for(args.datums, 64)]
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        client.forward_backward(rows, "ppo", {"clip_low": 0.8, "clip_high": 1.28})
+        client.optim_step(AdamParams(lr=1e-4))
+    out["train"] = args.steps * sum(len(d) for d in rows) / (time.perf_counter() - t0)
+    client.close()
+    return out
+
+
+# -- through the server -------------------------------------------------------------------------------
+
+
+def bench_sdk(sdk: str, url: str, model: Path, args: argparse.Namespace) -> dict[str, float]:
+    """The same work through one real SDK (``tinker`` or ``pytrio``)."""
+    if sdk == "tinker":
+        import tinker
+        from tinker import types
+
+        service: Any = tinker.ServiceClient(base_url=url, api_key="tml-bench")
+        trainer = service.create_lora_training_client(base_model=str(model), rank=RANK).result()
+        sampler = trainer.save_weights_and_get_sampling_client().result()
+
+        def sample(i: int, max_tokens: int) -> int:
+            params = types.SamplingParams(max_tokens=max_tokens, seed=i)
+            prompt = types.ModelInput.from_ints(PROMPTS[i % len(PROMPTS)])
+            return len(sampler.sample(prompt=prompt, num_samples=1, sampling_params=params).result().sequences[0].tokens)
+
+        def to_datum(seq: list[int], lp: list[float], adv: list[float]) -> Any:
+            inputs = {"target_tokens": seq[1:], "logprobs": lp, "advantages": adv}
+            return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs)
+    else:
+        import numpy as np
+        import pytrio
+        from pytrio import types
+
+        pytrio.configure_observability(enabled=False)
+        pytrio.configure(base_url=url, api_key="bench")
+        service = pytrio.ServiceClient(api_key="bench")
+        trainer = service.create_lora_training_client(base_model=str(model), rank=RANK)
+        sampler = trainer.save_weights_and_get_sampling_client()
+
+        def sample(i: int, max_tokens: int) -> int:
+            params = types.SamplingParams(max_tokens=max_tokens, seed=i)
+            prompt = types.ModelInput.from_ints(PROMPTS[i % len(PROMPTS)])
+            return len(sampler.sample(prompt, num_samples=1, sampling_params=params).result().sequences[0].tokens)
+
+        def to_datum(seq: list[int], lp: list[float], adv: list[float]) -> Any:
+            arrays = {"target_tokens": np.asarray(seq[1:], np.int64), "logprobs": np.asarray(lp, np.float32),
+                      "advantages": np.asarray(adv, np.float32)}  # fmt: skip
+            inputs = {k: types.TensorData.from_numpy(v) for k, v in arrays.items()}
+            return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs)
+
+    out = {f"sample_{c}": timed_threads(c, args.requests, lambda i: sample(i, args.tokens)) for c in (1, 8)}
+    t0 = time.perf_counter()
+    for i in range(20):
+        sample(i, 1)
+    out["latency_1tok"] = (time.perf_counter() - t0) / 20
+    rows = [to_datum(*d) for d in datums_for(args.datums, 64)]
+    adam = types.AdamParams(learning_rate=1e-4)
+    cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
+    t0 = time.perf_counter()
+    for _ in range(args.steps):
+        fb = trainer.forward_backward(rows, loss_fn="ppo", loss_fn_config=cfg)
+        trainer.optim_step(adam).result()
+        fb.result()
+    out["train"] = args.steps * args.datums * 63 / (time.perf_counter() - t0)
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--size", default="demo", choices=["test", "demo"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--requests", type=int, default=4, help="sequential requests per client")
+    ap.add_argument("--tokens", type=int, default=16, help="max_tokens per sample")
+    ap.add_argument("--steps", type=int, default=3, help="training steps")
+    ap.add_argument("--datums", type=int, default=8, help="datums (64 tokens each) per forward_backward")
+    ap.add_argument("--sdks", default="tinker,pytrio")
+    args = ap.parse_args()
+    os.environ.setdefault("TINKER_TELEMETRY", "0")
+
+    from _machine import machine
+
+    from retool.backends.tinymodel import build_tiny_model
+
+    work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
+    model = build_tiny_model(work / "model", size=args.size, seed=0)
+    print(f"machine: {machine()}")
+    print(f"model: tiny ({args.size}), LoRA r={RANK}, device {args.device}, {args.threads} torch thread(s)")
+    results = {"in-process": bench_local(model, args)}
+    proc, url = start_server(model, work / "root", args.device, args.threads)
+    try:
+        for sdk in args.sdks.split(","):
+            results[f"serve+{sdk}"] = bench_sdk(sdk, url, model, args)
+    finally:
+        proc.terminate()
+        proc.wait(timeout=30)
+    report(results)
+
+
+def report(results: dict[str, dict[str, float]]) -> None:
+    base = results["in-process"]
+    print(f"\n{'':16}{'sample 1 cl':>14}{'sample 8 cl':>14}{'train tok/s':>14}{'1-token ms':>12}")
+    for name, r in results.items():
+        print(f"{name:16}{r['sample_1']:14.1f}{r['sample_8']:14.1f}{r['train']:14.1f}{1000 * r['latency_1tok']:12.1f}")
+    for name, r in results.items():
+        if name == "in-process":
+            continue
+        print(
+            f"{name}: sampling {r['sample_1'] / base['sample_1']:.2f}x (1 client), "
+            f"{r['sample_8'] / base['sample_8']:.2f}x (8 clients; target >= 0.8x), "
+            f"training {r['train'] / base['train']:.2f}x, "
+            f"1-token overhead {1000 * (r['latency_1tok'] - base['latency_1tok']):+.1f} ms"
+        )
+
+
+if __name__ == "__main__":
+    main()
