@@ -95,6 +95,7 @@ def bench_local(model: Path, args: argparse.Namespace) -> dict[str, float]:
         total = sum(await asyncio.gather(*[worker(c) for c in range(clients)]))
         return total / (time.perf_counter() - t0), statistics.mean(latencies)
 
+    asyncio.run(sample_all(8, args.tokens, 1))  # warm-up (first-call costs), as for the server below
     for clients in (1, 8):
         out[f"sample_{clients}"] = asyncio.run(sample_all(clients, args.tokens, args.requests))[0]
     out["latency_1tok"] = asyncio.run(sample_all(1, 1, 20))[1]
@@ -151,6 +152,7 @@ def bench_sdk(sdk: str, url: str, model: Path, args: argparse.Namespace) -> dict
             inputs = {k: types.TensorData.from_numpy(v) for k, v in arrays.items()}
             return types.Datum(model_input=types.ModelInput.from_ints(seq[:-1]), loss_fn_inputs=inputs)
 
+    timed_threads(8, 1, lambda i: sample(i, args.tokens))  # warm-up
     out = {f"sample_{c}": timed_threads(c, args.requests, lambda i: sample(i, args.tokens)) for c in (1, 8)}
     t0 = time.perf_counter()
     for i in range(20):
