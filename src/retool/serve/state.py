@@ -125,7 +125,9 @@ class ServeState:
         self.runs: dict[str, TrainingRun] = {}
         self.aliases: dict[str, TrainingRun] = {}
         self.sessions: set[str] = set()
-        self._samplers: collections.OrderedDict[str, SamplingClient] = collections.OrderedDict()
+        self._samplers: collections.OrderedDict[str, tuple[SamplingClient, ServedModel]] = (
+            collections.OrderedDict()
+        )
         self._sampler_owners: dict[str, Any] = {}
         self._sampler_locks: dict[str, asyncio.Lock] = {}
         self._build_lock = threading.Lock()
@@ -271,16 +273,24 @@ class ServeState:
         await client.save_state_async(str(folder))
         self.storage.write_meta(CheckpointMeta(run.run_id, kind, name, run.model.name, run.lora))
         uri = self.storage.uri(scheme, run.run_id, kind, name)
+        self._samplers.pop(self._key(uri), None)  # an overwritten path must never serve the old weights
         if kind == "sampler_weights":  # the next call is nearly always a sampler on it: skip the reload
-            self._remember_sampler(self._key(uri), await client.frozen_sampling_client_async())
+            frozen = await client.frozen_sampling_client_async()
+            self._remember_sampler(self._key(uri), (frozen, run.model))
         return uri
 
     # -- sampling --------------------------------------------------------------------------------
     @staticmethod
     def _key(uri: str) -> str:
-        return uri.split("://", 1)[-1]
+        """One cache key per checkpoint folder, whichever scheme (and Tinker's ``weights`` alias) named it."""
+        parts = uri.split("://", 1)[-1].split("/")
+        if len(parts) == 3 and parts[1] == "weights":
+            parts[1] = "state"
+        return "/".join(parts)
 
-    def _remember_sampler(self, key: str, sampler: SamplingClient, owner: Any = None) -> None:
+    def _remember_sampler(
+        self, key: str, sampler: tuple[SamplingClient, ServedModel], owner: Any = None
+    ) -> None:
         self._samplers[key] = sampler
         self._samplers.move_to_end(key)
         if owner is not None:
@@ -295,24 +305,33 @@ class ServeState:
         self, model_path: str | None, base_model: str | None
     ) -> tuple[SamplingClient, ServedModel]:
         """The sampler for saved weights (``model_path``) or for a base model's plain weights."""
-        if model_path:
-            meta, folder = self.read_checkpoint(model_path)
-            served, key = self.model(meta.base_model), self._key(model_path)
-        elif base_model:
-            served, key, meta, folder = self.model(base_model), f"base:{base_model}", None, None
-        else:
+        if not model_path and not base_model:
             raise ServeError(400, "invalid_request", "give a model_path or a base_model to sample from")
+        key = self._key(model_path) if model_path else f"base:{base_model}"
+        cached = self._samplers.get(key)  # the hot path: no file access per request
+        if cached is not None:
+            self._samplers.move_to_end(key)
+            return cached
         async with self._sampler_locks.setdefault(key, asyncio.Lock()):  # concurrent first uses: one load
             cached = self._samplers.get(key)
-            if cached is not None:
-                self._samplers.move_to_end(key)
-                return cached, served
-            client = await asyncio.to_thread(self._new_client, served, meta.lora if meta else None)
-            if folder is not None:
-                await client.load_state_async(str(folder))
-            sampler = await client.sampling_client_async()
-            self._remember_sampler(key, sampler, owner=client)
-        return sampler, served
+            if cached is None:
+                sampler, served, owner = await self._load_sampler(model_path, base_model)
+                cached = (sampler, served)
+                self._remember_sampler(key, cached, owner=owner)
+        return cached
+
+    async def _load_sampler(
+        self, model_path: str | None, base_model: str | None
+    ) -> tuple[SamplingClient, ServedModel, Any]:
+        if model_path:
+            meta, folder = self.read_checkpoint(model_path)
+            served, lora = self.model(meta.base_model), meta.lora
+        else:
+            served, lora, folder = self.model(str(base_model)), None, None
+        client = await asyncio.to_thread(self._new_client, served, lora)
+        if folder is not None:
+            await client.load_state_async(str(folder))
+        return await client.sampling_client_async(), served, client
 
     def check_sample(
         self, served: ServedModel, prompt: list[int], num_samples: int, params: SamplingParams
