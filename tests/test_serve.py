@@ -154,6 +154,11 @@ def test_pytrio_state_resumes_into_a_new_client_with_identical_logprobs(
     theirs = resumed.forward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
     for x, y in zip(mine.loss_fn_outputs, theirs.loss_fn_outputs, strict=True):
         assert np.allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-6)
+    bound = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=1)
+    bound.load_state_with_optimizer(path).result()  # load into an existing client, before its first call
+    loaded = bound.forward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
+    for x, y in zip(mine.loss_fn_outputs, loaded.loss_fn_outputs, strict=True):
+        assert np.allclose(x["logprobs"].to_numpy(), y["logprobs"].to_numpy(), atol=1e-6)
     fresh = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=1)
     other = fresh.forward(data, loss_fn="ppo", loss_fn_config=PPO_CFG).result()
     assert not np.allclose(
@@ -216,6 +221,21 @@ def test_tinker_sdk_trains_samples_saves_and_resumes(
         .result()
     )
     assert list(one.sequences[0].tokens) == list(two.sequences[0].tokens)
+
+
+def test_tinker_training_tokens_outside_the_vocabulary_are_refused(
+    server: ServeProcess, tiny_model_dir: Path, sdk_env: Path
+) -> None:
+    trainer = (
+        tinker_service(server.url)
+        .create_lora_training_client(base_model=str(tiny_model_dir), rank=4)
+        .result()
+    )
+    bad = rl_datums([5, 6, 7], [([8, 10**6], [-1.0, -1.0])], [1.0], ttypes)
+    with pytest.raises(tinker.BadRequestError, match="outside the vocabulary"):
+        trainer.forward_backward(bad, "ppo", PPO_CFG).result(timeout=60)
+    good = rl_datums([5, 6, 7], [([8, 9], [-1.0, -1.0])], [1.0], ttypes)
+    assert trainer.forward(good, "cross_entropy").result().metrics["loss:sum"] > 0  # the client still works
 
 
 def test_two_tinker_training_clients_never_see_each_others_weights(
