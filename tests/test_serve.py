@@ -105,6 +105,9 @@ def test_chapter_shaped_pytrio_training_and_evaluation_scripts_run_unmodified(
     assert all(0.0 <= h["reward"] <= 1.0 and math.isfinite(h["loss"]) for h in report["history"])
     assert all(h["opt"]["grad_norm"] > 0 for h in report["history"])  # the PPO step had a gradient
     assert report["state_path"].startswith("trio://") and report["sampler_path"].startswith("trio://")
+    # save_weights_and_get_sampling_client's temporary weights stay in memory; named saves are on disk.
+    saved = {p.name for p in (server.root / "checkpoints").glob("*/*/*")}
+    assert {"final", "final-sampler"} <= saved and not any(n.startswith("temp-sampling-") for n in saved)
 
     evaluated = tmp_path / "eval.json"
     run_example(

@@ -196,8 +196,7 @@ class PytrioApi:
         lora = LoraRequest(body.lora_rank, body.seed, body.train_mlp, body.train_attn, body.train_unembed)
         base_model = body.base_model
         if body.source_checkpoint_uri:  # from a saved state: the SDK may leave the base model to us
-            meta, _ = self.state.read_checkpoint(body.source_checkpoint_uri)
-            base_model = base_model or meta.base_model
+            base_model = base_model or self.state.checkpoint_meta(body.source_checkpoint_uri).base_model
         run = self.state.create_run(base_model, lora)
         if body.source_checkpoint_uri:
             run.restore = (body.source_checkpoint_uri, body.restore_optimizer)
@@ -242,8 +241,7 @@ class PytrioApi:
         self._check_session(sid)
         body = _validated(SamplingRunCreateRequest, await self._json(request))
         if body.source_checkpoint_uri:
-            meta, _ = self.state.read_checkpoint(body.source_checkpoint_uri)
-            served = self.state.model(meta.base_model)
+            served = self.state.model(self.state.checkpoint_meta(body.source_checkpoint_uri).base_model)
         else:
             served = self.state.model(body.base_model)
         srid = new_id("sr")
@@ -265,7 +263,7 @@ class PytrioApi:
         )
 
     async def find_by_checkpoint(self, checkpoint_uri: str) -> Response:
-        meta, _ = self.state.read_checkpoint(checkpoint_uri)
+        meta = self.state.checkpoint_meta(checkpoint_uri)
         lora = meta.lora
         return as_json(
             {
@@ -432,10 +430,14 @@ class PytrioApi:
         except StorageError as exc:
             raise ServeError(400, "invalid_name", str(exc)) from None
 
+        temporary = kind == "sampler_weights" and body.visibility == "TEMPORARY"
+
         async def call() -> dict[str, Any]:
-            uri = await self.state.save(
-                run, kind, name, SCHEME, overwrite=body.overwrite or kind == "sampler_weights"
-            )
+            if temporary:  # save_weights_and_get_sampling_client: a sampler in memory, nothing on disk
+                uri = await self.state.snapshot(run, name, SCHEME)
+            else:
+                overwrite = body.overwrite or kind == "sampler_weights"
+                uri = await self.state.save(run, kind, name, SCHEME, overwrite=overwrite)
             return {"checkpoint": {"uri": uri, "model_id": run.model.path, "size_bytes": 0}}
 
         return call

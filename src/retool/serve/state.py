@@ -130,6 +130,11 @@ class ServeState:
         )
         self._sampler_owners: dict[str, Any] = {}
         self._sampler_locks: dict[str, asyncio.Lock] = {}
+        # Temporary sampler weights (PyTRIO's save_weights_and_get_sampling_client): kept in memory only.
+        self._ephemeral: collections.OrderedDict[str, tuple[CheckpointMeta, SamplingClient, ServedModel]] = (
+            collections.OrderedDict()
+        )
+        self.ephemeral_size = 16
         self._build_lock = threading.Lock()
         self.sampler_cache_size = 8
 
@@ -223,6 +228,10 @@ class ServeState:
         return run.client
 
     async def load_into(self, run: TrainingRun, uri: str, with_optimizer: bool) -> None:
+        if self._key(uri) in self._ephemeral:
+            raise ServeError(
+                400, "temporary_weights", f"{uri} holds temporary sampler weights; load a save_state path"
+            )
         meta, folder = self.read_checkpoint(uri)
         if meta.base_model != run.model.name or meta.lora.target_modules() != run.lora.target_modules():
             raise ServeError(
@@ -239,6 +248,23 @@ class ServeState:
         await client.load_state_async(str(folder))
         if not with_optimizer:
             client.optimizer = None  # a fresh Adam state, as both SDKs' load_state (without optimizer) say
+
+    def checkpoint_meta(self, uri: str) -> CheckpointMeta:
+        """What a checkpoint URI holds (temporary sampler weights included); unknown: 404, malformed: 400."""
+        known = self._ephemeral.get(self._key(uri)) if isinstance(uri, str) else None
+        return known[0] if known is not None else self.read_checkpoint(uri)[0]
+
+    async def snapshot(self, run: TrainingRun, name: str, scheme: str) -> str:
+        """Temporary sampler weights: a frozen copy of the adapter in memory, nothing on disk (a step's
+        sampler with a large tied ``lm_head`` would otherwise write the embedding matrix every step)."""
+        client = await self.client(run)
+        frozen = await client.frozen_sampling_client_async()
+        uri = self.storage.uri(scheme, run.run_id, "sampler_weights", name)
+        meta = CheckpointMeta(run.run_id, "sampler_weights", name, run.model.name, run.lora)
+        self._ephemeral[self._key(uri)] = (meta, frozen, run.model)
+        while len(self._ephemeral) > self.ephemeral_size:
+            self._ephemeral.popitem(last=False)
+        return uri
 
     def read_checkpoint(self, uri: str) -> tuple[CheckpointMeta, Path]:
         try:
@@ -308,6 +334,9 @@ class ServeState:
         if not model_path and not base_model:
             raise ServeError(400, "invalid_request", "give a model_path or a base_model to sample from")
         key = self._key(model_path) if model_path else f"base:{base_model}"
+        temporary = self._ephemeral.get(key)
+        if temporary is not None:
+            return temporary[1], temporary[2]
         cached = self._samplers.get(key)  # the hot path: no file access per request
         if cached is not None:
             self._samplers.move_to_end(key)

@@ -239,7 +239,7 @@ class TinkerApi:
 
     async def weights_info(self, request: Request) -> Response:
         data = await self._json(request)
-        meta, _ = self.state.read_checkpoint(
+        meta = self.state.checkpoint_meta(
             self._field(data, "tinker_path", str, None) or self._field(data, "path", str)
         )
         return as_json(
@@ -383,8 +383,7 @@ class TinkerApi:
         data = await self._json(request)
         path = self._field(data, "model_path", str, None)
         if path:
-            meta, _ = self.state.read_checkpoint(path)
-            base = meta.base_model
+            base = self.state.checkpoint_meta(path).base_model
         else:
             base = self.state.model(self._field(data, "base_model", str)).name
         sid = new_id("samp")
