@@ -531,3 +531,20 @@ def test_tinker_cookbook_math_rl_arithmetic_recipe_runs_against_the_server(
     cmd[-len(args) :] = [a if not a.startswith("loss_fn=") else "loss_fn=stable_reinforce" for a in args]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert done.returncode != 0 and "supported: cross_entropy, importance_sampling, ppo" in done.stderr
+
+
+def test_ending_a_session_frees_its_runs_and_keeps_what_they_saved(
+    server: ServeProcess, tiny_model_dir: Path
+) -> None:
+    url = server.url
+    sid = _post(url, "/api/v1/create_session", {"tags": []}).json()["session_id"]
+    lora = {"rank": 4, "train_mlp": False, "train_attn": True, "train_unembed": False}
+    body = {"session_id": sid, "model_seq_id": 0, "base_model": str(tiny_model_dir), "lora_config": lora}
+    model_id = _post(url, "/api/v1/create_model", body).json()["model_id"]
+    future = _post(url, "/api/v1/save_weights", {"model_id": model_id, "path": "kept", "seq_id": 1}).json()
+    path = _post(url, "/api/v1/retrieve_future", {"request_id": future["request_id"]}).json()["path"]
+    assert _post(url, "/api/v1/get_info", {"model_id": model_id}).status_code == 200
+    assert _post(url, f"/api/v1/sessions/{sid}/finish", {}).status_code == 200
+    gone = _post(url, "/api/v1/get_info", {"model_id": model_id})
+    assert gone.status_code == 404 and "no training run" in gone.json()["message"]
+    assert _post(url, "/api/v1/weights_info", {"tinker_path": path}).json()["lora_rank"] == 4

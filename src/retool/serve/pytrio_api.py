@@ -197,7 +197,7 @@ class PytrioApi:
         base_model = body.base_model
         if body.source_checkpoint_uri:  # from a saved state: the SDK may leave the base model to us
             base_model = base_model or self.state.checkpoint_meta(body.source_checkpoint_uri).base_model
-        run = self.state.create_run(base_model, lora)
+        run = self.state.create_run(base_model, lora, session=sid)
         if body.source_checkpoint_uri:
             run.restore = (body.source_checkpoint_uri, body.restore_optimizer)
         return as_json(
@@ -282,6 +282,9 @@ class PytrioApi:
     async def renew_or_close(self, rest: str) -> Response:
         if rest.rsplit("/", 1)[-1] not in ("renew", "close"):
             raise ServeError(404, "not_found", f"no route POST /api/openapi/v1/{rest}")
+        parts = rest.split("/")
+        if parts[0] == "service-sessions" and parts[-1] == "close" and len(parts) == 3:
+            self.state.end_session(parts[1])
         return as_json({"expires_at": _now(1)})
 
     # -- actor -----------------------------------------------------------------------------------

@@ -88,6 +88,7 @@ class TrainingRun:
     )
     worker: asyncio.Task[None] | None = None
     restore: tuple[str, bool] | None = None  # (checkpoint URI, with optimizer) applied when built
+    session: str | None = None  # the session that created it: ending the session frees the run
 
     def submit(self, call: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
         """Queue ``call`` behind every call submitted before it; the future resolves with its result."""
@@ -162,7 +163,7 @@ class ServeState:
         raise ServeError(404, "unknown_model", f"model {name!r} is not served here; served: {known}")
 
     # -- runs ------------------------------------------------------------------------------------
-    def create_run(self, base_model: str, lora: LoraRequest) -> TrainingRun:
+    def create_run(self, base_model: str, lora: LoraRequest, session: str | None = None) -> TrainingRun:
         served = self.model(base_model)
         if not 1 <= lora.rank <= 256:
             raise ServeError(400, "invalid_lora", f"LoRA rank must be in [1, 256], got {lora.rank}")
@@ -170,9 +171,25 @@ class ServeState:
             lora.target_modules()
         except StorageError as exc:
             raise ServeError(400, "invalid_lora", str(exc)) from None
-        run = TrainingRun(new_id("run"), served, lora)
+        run = TrainingRun(new_id("run"), served, lora, session=session)
         self.runs[run.run_id] = run
         return run
+
+    def end_session(self, session: str) -> int:
+        """Free the runs a session created (each holds a model copy): new calls to them get 404, calls
+        already queued finish first, and their in-memory samplers go; what they saved stays on disk."""
+        self.sessions.discard(session)
+        ended = [run for run in self.runs.values() if run.session == session]
+        for run in ended:
+            del self.runs[run.run_id]
+            for name in [n for n, r in self.aliases.items() if r is run]:
+                del self.aliases[name]
+            for cache in (self._samplers, self._ephemeral):
+                for key in [k for k in cache if k.startswith(f"{run.run_id}/")]:
+                    del cache[key]
+            if run.client is not None:
+                run.submit(_closer(run.client))
+        return len(ended)
 
     def alias(self, name: str, run: TrainingRun) -> str:
         """Let ``name`` also mean ``run`` (Tinker's SDK computes model ids as ``<session>:train:<n>``)."""
@@ -420,6 +437,13 @@ class ServeState:
         for run in self.runs.values():
             if run.client is not None:
                 await run.client.close_async()
+
+
+def _closer(client: Any) -> Callable[[], Awaitable[None]]:
+    async def close() -> None:
+        await asyncio.to_thread(client.close)
+
+    return close
 
 
 def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:

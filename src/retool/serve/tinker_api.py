@@ -100,7 +100,7 @@ class TinkerApi:
             ("/telemetry", self.empty),
             ("/create_session", self.create_session),
             ("/session_heartbeat", self.heartbeat),
-            ("/sessions/{sid}/finish", self.empty),
+            ("/sessions/{sid}/finish", self.finish),
             ("/get_server_capabilities", self.capabilities),
             ("/create_model", self.create_model),
             ("/get_info", self.get_info),
@@ -172,6 +172,10 @@ class TinkerApi:
     async def empty(self) -> Response:
         return as_json({})
 
+    async def finish(self, sid: str) -> Response:
+        self.state.end_session(sid)
+        return as_json({})
+
     async def create_session(self) -> Response:
         sid = new_id("sess")
         self.state.sessions.add(sid)
@@ -210,7 +214,7 @@ class TinkerApi:
             train_attn=self._field(cfg, "train_attn", bool, True),
             train_unembed=self._field(cfg, "train_unembed", bool, True),
         )
-        run = self.state.create_run(self._field(data, "base_model", str), lora)
+        run = self.state.create_run(self._field(data, "base_model", str), lora, session=sid)
         model_id = self.state.alias(f"{sid}:train:{self._field(data, 'model_seq_id', int)}", run)
 
         async def build() -> dict[str, Any]:
@@ -369,7 +373,7 @@ class TinkerApi:
             sid = self._field(data, "session_id", str)
             if sid not in self.state.sessions:
                 raise ServeError(404, "unknown_session", f"no session {sid!r} on this server")
-            run = self.state.create_run(meta.base_model, meta.lora)
+            run = self.state.create_run(meta.base_model, meta.lora, session=sid)
             model_id = self.state.alias(f"{sid}:train:{self._field(data, 'model_seq_id', int)}", run)
 
         async def call() -> dict[str, Any]:
