@@ -34,6 +34,9 @@ def serve_command(
     max_request_mb: float = typer.Option(
         64.0, "--max-request-mb", help="Largest request body accepted (413 above)."
     ),
+    gather_ms: float = typer.Option(
+        10.0, "--gather-ms", help="How long a sampler waits for concurrent requests to join a batch."
+    ),
 ) -> None:
     """Serve the PyTRIO and Tinker training APIs (sampling, LoRA training, checkpoints) from this machine."""
     from retool.config import ConfigError, load_config
@@ -44,7 +47,7 @@ def serve_command(
         check_bind(host, api_key)
         cfg = load_config(config, overrides)
         served = parse_models(models, cfg, root)
-        limits = Limits(max_body_bytes=int(max_request_mb * 1024 * 1024))
+        limits = Limits(max_body_bytes=int(max_request_mb * 1024 * 1024), gather_ms=gather_ms)
         run_server(
             cfg, served, root, host=host, port=port, api_key=api_key, limits=limits, announce=typer.echo
         )
