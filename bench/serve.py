@@ -6,7 +6,8 @@ Prints, side by side in one run (the machine line first):
   making sequential requests on one sampling client, as a script's worker pool would), and the ratio
   server / in-process (target: >= 0.8 at 8 clients);
 - training throughput (trained tokens/s) of ppo ``forward_backward`` + ``optim_step`` steps, same ratio;
-- the per-request overhead of a 1-token sample: mean latency through each SDK minus in-process.
+- the per-request overhead of a 1-token sample: mean latency through each SDK minus in-process;
+- the same sampling through plain HTTP (no SDK), to tell the server's cost from the SDKs' client side.
 
 The server runs in a child process on 127.0.0.1 with the same model, LoRA rank, device and thread count.
 Runs happen one after another (never overlapping), in interleaved rounds (best of each reported), so a\nbusy spell on a shared machine does not favour one mode.
@@ -24,6 +25,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -186,6 +188,41 @@ def bench_sdk(sdk: str, url: str, model: Path, args: argparse.Namespace) -> Call
     return measure
 
 
+def bench_http(url: str, model: Path, args: argparse.Namespace) -> Callable[[], dict[str, float]]:
+    """Sampling through the server with plain HTTP (PyTRIO's JSON sample route, one httpx client per
+    thread): what the server costs without an SDK's client-side machinery. No training row."""
+    import httpx
+
+    control = httpx.Client(base_url=url)
+    sid = control.post("/api/openapi/v1/service-sessions", json={}).json()["service_session_cuid"]
+    run = control.post(
+        f"/api/openapi/v1/service-sessions/{sid}/sampling-runs", json={"base_model": str(model)}
+    )
+    route = f"/v1/sampling-runs/{run.json()['sampling_run_cuid']}/sample"
+    local = threading.local()
+
+    def sample(i: int, max_tokens: int) -> int:
+        if not hasattr(local, "client"):
+            local.client = httpx.Client(base_url=url)
+        body = {"request_id": f"r{i}", "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPTS[i % len(PROMPTS)]}]},
+                "sampling_params": {"max_tokens": max_tokens, "seed": i}, "return_text": False}  # fmt: skip
+        return len(local.client.post(route, json=body).json()["sequences"][0]["tokens"])
+
+    def measure() -> dict[str, float]:
+        timed_threads(8, 1, lambda i: sample(i, args.tokens))  # warm-up
+        out = {
+            f"sample_{c}": timed_threads(c, args.requests, lambda i: sample(i, args.tokens)) for c in (1, 8)
+        }
+        t0 = time.perf_counter()
+        for i in range(20):
+            sample(i, 1)
+        out["latency_1tok"] = (time.perf_counter() - t0) / 20
+        out["train"] = float("nan")
+        return out
+
+    return measure
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--size", default="demo", choices=["test", "demo"])
@@ -211,6 +248,7 @@ def main() -> None:
     measures = {"in-process": bench_local(model, args)}
     proc, url = start_server(model, work / "root", args.device, args.threads)
     try:
+        measures["serve+http"] = bench_http(url, model, args)
         for sdk in args.sdks.split(","):
             measures[f"serve+{sdk}"] = bench_sdk(sdk, url, model, args)
         # Rounds interleave the modes so a busy spell on a shared machine hits all of them; best per metric.
@@ -220,7 +258,10 @@ def main() -> None:
                 got = measure()
                 best = results.setdefault(name, got)
                 for key, value in got.items():
-                    best[key] = min(best[key], value) if key == "latency_1tok" else max(best[key], value)
+                    if key == "latency_1tok":
+                        best[key] = min(best[key], value)
+                    elif value == value:  # not NaN (plain HTTP has no training row)
+                        best[key] = max(best[key], value)
     finally:
         proc.terminate()
         proc.wait(timeout=30)
