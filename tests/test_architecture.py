@@ -25,6 +25,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("data", "protocol", "sandbox", "reward", "backends"),  # the foundations, independent of each other
     ("env", "components"),  # the environments (problems, the interaction, the reward); a run's parts
     ("rollout",),  # the scheduler: samples many environments with one policy; the trajectory record
+    ("serve",),  # the PyTRIO / Tinker wire APIs over the local backend (retool serve)
     ("train",),
     ("evaluate",),
     ("analyze",),

@@ -62,6 +62,7 @@ _STAGE_CLIS = (
     "retool.evaluate.cli",
     "retool.analyze.cli",
     "retool.view.cli",
+    "retool.serve.cli",
 )
 
 

@@ -630,6 +630,7 @@ class LocalTrainingClient(TrainingClient):
         self.model.train()
         tally = LossTally()
         lp_sum = 0.0
+        per_datum: list[list[float]] = [[] for _ in datums]
         for rows in batches:
             t = self._micro_batch_tensors(datums, rows)
             with torch.set_grad_enabled(backward):
@@ -639,17 +640,22 @@ class LocalTrainingClient(TrainingClient):
                     tl.loss.sum().backward()
             sel = tally.add(tl)
             lp_sum += float(lp.detach()[sel].sum())
+            rows_lp = lp.detach().float().cpu()
+            for r, i in enumerate(rows):
+                per_datum[i] = rows_lp[r, : lengths[i]].tolist()
         if backward:
             self._pending_grads = True
         padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in batches)
         self.stats.add_training(sum(lengths), padded, time.perf_counter() - t0, backward)
-        return tally.result(
+        result = tally.result(
             {
                 "micro_batches": float(len(batches)),
                 "padding_efficiency": padding_efficiency(lengths, batches),
                 "logprob_mean": lp_sum / tally.trained if tally.trained else 0.0,
             }
         )
+        result.token_logprobs = per_datum
+        return result
 
     async def forward_backward_async(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None

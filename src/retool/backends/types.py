@@ -110,6 +110,9 @@ class ForwardBackwardResult:
     ratio_outside: float = 0.0
     tis_truncated: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
+    # The learner's logprob of every target token, one list per datum in call order (local backend only;
+    # ``retool serve`` returns them as the SDKs' ``loss_fn_outputs[i]["logprobs"]``).
+    token_logprobs: list[list[float]] | None = None
 
     def as_metrics(self, prefix: str = "policy/") -> dict[str, float]:
         out = {

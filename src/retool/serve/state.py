@@ -1,0 +1,491 @@
+"""The training and sampling state ``retool serve`` holds, independent of which API a request came in by.
+
+- ``ServedModel``: a base model clients may name (``--model NAME=PATH``), with its local path, which is
+  also what the server reports as the model's id, so an SDK's ``get_tokenizer()`` loads it offline.
+- ``TrainingRun``: one LoRA adapter being trained: its own ``LocalTrainingClient`` (its own weights and
+  optimizer; two runs never share trainable tensors), and a FIFO of calls applied strictly in the order they
+  arrived (both SDKs pipeline requests and rely on that order).
+- Samplers: a sampler per saved path, built on first use from the files (so paths still load after a
+  restart), or, for weights a live run just saved, a frozen copy of that run's adapter that shares the base
+  weights. Concurrent ``sample`` calls on one sampler are batched by the local backend's sampler.
+- ``ServeState``: the registry of the above, plus ``Storage`` (``retool.serve.storage``) and the limits
+  every request is checked against.
+
+Loss semantics (what the APIs expose): per-token losses are the local backend's (``retool.backends.losses``:
+cross_entropy, importance_sampling, ppo with ratio thresholds). Tinker's reduction is the documented sum;
+PyTRIO's is the sum divided by the batch's active-token count the SDK sends (``total_active_tokens``), one of
+the denominators ``retool.backends.reduction`` recognises. The wire layers turn that into per-token weights.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import logging
+import threading
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, TypeVar
+
+from retool.backends.base import SamplingClient
+from retool.backends.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardResult,
+    OptimStepResult,
+    Sample,
+    SamplingParams,
+)
+from retool.config import Config
+from retool.serve.storage import CheckpointMeta, LoraRequest, Storage, StorageError, new_id
+
+logger = logging.getLogger(__name__)
+T = TypeVar("T")
+
+SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+
+
+class ServeError(Exception):
+    """A request the server refuses; ``status`` is the HTTP status, ``code`` a short machine-readable name."""
+
+    def __init__(self, status: int, code: str, message: str) -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+        self.message = message
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Bounds on what one request may ask for (the HTTP body size is bounded in ``retool.serve.app``)."""
+
+    max_body_bytes: int = 64 * 1024 * 1024
+    max_num_samples: int = 128
+    max_datums: int = 4096
+    max_tokens_per_call: int = 1 << 21
+    max_wait_seconds: float = 30.0  # longest a poll (Tinker futures, PyTRIO events) is held open
+    # How long a sampler waits for concurrent requests to join a batch. Requests over HTTP arrive more
+    # spread out than coroutines in one process, so the server waits longer than the local backend (5 ms);
+    # on the 2-core VM, 8 raw-HTTP clients sampled ~1.5x more tokens/s at 10 ms than at 5 ms.
+    gather_ms: float = 10.0
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    name: str
+    path: str
+    max_context: int
+    vocab_size: int
+
+
+@dataclass
+class TrainingRun:
+    """One LoRA adapter on one base model, trained by one client (see the module docstring)."""
+
+    run_id: str
+    model: ServedModel
+    lora: LoraRequest
+    client: Any = None  # LocalTrainingClient, built on first use (loading a model takes seconds)
+    queue: asyncio.Queue[tuple[Callable[[], Awaitable[Any]], asyncio.Future[Any]]] = field(
+        default_factory=asyncio.Queue
+    )
+    worker: asyncio.Task[None] | None = None
+    restore: tuple[str, bool] | None = None  # (checkpoint URI, with optimizer) applied when built
+    session: str | None = None  # the session that created it: ending the session frees the run
+
+    def submit(self, call: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
+        """Queue ``call`` behind every call submitted before it; the future resolves with its result."""
+        future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
+        self.queue.put_nowait((call, future))
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.create_task(self._work(), name=f"run-{self.run_id}")
+        return future
+
+    async def _work(self) -> None:
+        while not self.queue.empty():
+            call, future = self.queue.get_nowait()
+            try:
+                result = await call()
+            except Exception as exc:  # delivered to the caller's future; the run goes on serving
+                if not future.done():
+                    future.set_exception(exc)
+            else:
+                if not future.done():
+                    future.set_result(result)
+
+
+class ServeState:
+    """Models, runs, samplers and storage of one server (see the module docstring)."""
+
+    def __init__(
+        self, config: Config, models: dict[str, str], root: str | Path, limits: Limits | None = None
+    ) -> None:
+        self.config = config
+        self.storage = Storage(root)
+        self.limits = limits or Limits()
+        self.models: dict[str, ServedModel] = {}
+        for name, path in models.items():
+            self.models[name] = self._describe(name, path)
+        self.runs: dict[str, TrainingRun] = {}
+        self.aliases: dict[str, TrainingRun] = {}
+        self.sessions: set[str] = set()
+        self._samplers: collections.OrderedDict[str, tuple[SamplingClient, ServedModel]] = (
+            collections.OrderedDict()
+        )
+        self._sampler_owners: dict[str, Any] = {}
+        self._sampler_locks: dict[str, asyncio.Lock] = {}
+        # Temporary sampler weights (PyTRIO's save_weights_and_get_sampling_client): kept in memory only.
+        self._ephemeral: collections.OrderedDict[str, tuple[CheckpointMeta, SamplingClient, ServedModel]] = (
+            collections.OrderedDict()
+        )
+        self.ephemeral_size = 16
+        self._build_lock = threading.Lock()
+        self.sampler_cache_size = 8
+
+    # -- models ----------------------------------------------------------------------------------
+    @staticmethod
+    def _describe(name: str, path: str) -> ServedModel:
+        from transformers import AutoConfig, AutoTokenizer
+
+        folder = Path(path).expanduser().resolve()
+        if not folder.exists():
+            raise FileNotFoundError(f"model {name}: {folder} does not exist")
+        text = str(folder)
+        tokenizer = AutoTokenizer.from_pretrained(text)
+        config = AutoConfig.from_pretrained(text)
+        context = int(getattr(config, "max_position_embeddings", 0) or 1 << 20)
+        vocab = max(int(getattr(config, "vocab_size", 0) or 0), len(tokenizer))
+        return ServedModel(name=name, path=text, max_context=context, vocab_size=vocab)
+
+    def model(self, name: str) -> ServedModel:
+        """A served model by its name or by its path (clients get the path back as the model id)."""
+        for served in self.models.values():
+            if name in (served.name, served.path):
+                return served
+        known = ", ".join(sorted(self.models))
+        raise ServeError(404, "unknown_model", f"model {name!r} is not served here; served: {known}")
+
+    # -- runs ------------------------------------------------------------------------------------
+    def create_run(self, base_model: str, lora: LoraRequest, session: str | None = None) -> TrainingRun:
+        served = self.model(base_model)
+        if not 1 <= lora.rank <= 256:
+            raise ServeError(400, "invalid_lora", f"LoRA rank must be in [1, 256], got {lora.rank}")
+        try:
+            lora.target_modules()
+        except StorageError as exc:
+            raise ServeError(400, "invalid_lora", str(exc)) from None
+        run = TrainingRun(new_id("run"), served, lora, session=session)
+        self.runs[run.run_id] = run
+        return run
+
+    def end_session(self, session: str) -> int:
+        """Free the runs a session created (each holds a model copy): new calls to them get 404, calls
+        already queued finish first, and their in-memory samplers go; what they saved stays on disk."""
+        self.sessions.discard(session)
+        ended = [run for run in self.runs.values() if run.session == session]
+        for run in ended:
+            del self.runs[run.run_id]
+            for name in [n for n, r in self.aliases.items() if r is run]:
+                del self.aliases[name]
+            for cache in (self._samplers, self._ephemeral):
+                for key in [k for k in cache if k.startswith(f"{run.run_id}/")]:
+                    del cache[key]
+            if run.client is not None:
+                run.submit(_closer(run.client))
+        return len(ended)
+
+    def alias(self, name: str, run: TrainingRun) -> str:
+        """Let ``name`` also mean ``run`` (Tinker's SDK computes model ids as ``<session>:train:<n>``)."""
+        self.aliases[name] = run
+        return name
+
+    def run(self, run_id: str) -> TrainingRun:
+        run = (self.runs.get(run_id) or self.aliases.get(run_id)) if isinstance(run_id, str) else None
+        if run is None:
+            raise ServeError(404, "unknown_run", f"no training run {run_id!r} on this server")
+        return run
+
+    def _new_client(self, model: ServedModel, lora: LoraRequest | None) -> Any:
+        """A ``LocalTrainingClient`` on ``model`` (LoRA as asked; ``None``: plain weights, for sampling)."""
+        from retool.backends.local import LocalLoraSpec
+
+        cfg = self.config
+        spec = None
+        if lora is not None:
+            spec = LocalLoraSpec(
+                rank=lora.rank,
+                alpha=cfg.lora.alpha,
+                dropout=cfg.lora.dropout,
+                target_modules=lora.target_modules(),
+            )
+        with self._build_lock:  # transformers' loading patches torch globally: one model load at a time
+            return self._build(model, spec, lora)
+
+    def _build(self, model: ServedModel, spec: Any, lora: LoraRequest | None) -> Any:
+        from retool.backends.local import LocalTrainingClient
+
+        cfg = self.config
+        return LocalTrainingClient(
+            model.path,
+            lora=spec,
+            device=cfg.backend.device,
+            dtype=cfg.backend.dtype,
+            seed=(lora.seed if lora and lora.seed is not None else cfg.train.seed),
+            micro_batch_tokens=cfg.backend.micro_batch_tokens,
+            sample_batch_size=cfg.backend.sample_batch_size,
+            checkpoint_dir=self.storage.root / "checkpoints",
+            max_context=cfg.model.max_context,
+            num_threads=cfg.backend.cpu_threads or None,
+            gather_ms=self.limits.gather_ms,
+        )
+
+    async def client(self, run: TrainingRun) -> Any:
+        """The run's local client, built (and restored from its checkpoint, if asked) on first use."""
+        if run.client is None:
+            run.client = await asyncio.to_thread(self._new_client, run.model, run.lora)
+            if run.restore is not None:
+                uri, with_optimizer = run.restore
+                await self.load_into(run, uri, with_optimizer)
+        return run.client
+
+    async def load_into(self, run: TrainingRun, uri: str, with_optimizer: bool) -> None:
+        if self._key(uri) in self._ephemeral:
+            raise ServeError(
+                400, "temporary_weights", f"{uri} holds temporary sampler weights; load a save_state path"
+            )
+        meta, folder = self.read_checkpoint(uri)
+        if meta.base_model != run.model.name or meta.lora.target_modules() != run.lora.target_modules():
+            raise ServeError(
+                400,
+                "checkpoint_mismatch",
+                f"{uri} holds a LoRA for {meta.base_model} with {meta.lora}; this run is {run.model.name} "
+                f"with {run.lora}",
+            )
+        if meta.lora.rank != run.lora.rank:
+            raise ServeError(
+                400, "checkpoint_mismatch", f"{uri} has rank {meta.lora.rank}, run {run.lora.rank}"
+            )
+        client = await self.client(run)
+        await client.load_state_async(str(folder))
+        if not with_optimizer:
+            client.optimizer = None  # a fresh Adam state, as both SDKs' load_state (without optimizer) say
+
+    def checkpoint_meta(self, uri: str) -> CheckpointMeta:
+        """What a checkpoint URI holds (temporary sampler weights included); unknown: 404, malformed: 400."""
+        known = self._ephemeral.get(self._key(uri)) if isinstance(uri, str) else None
+        return known[0] if known is not None else self.read_checkpoint(uri)[0]
+
+    async def snapshot(self, run: TrainingRun, name: str, scheme: str) -> str:
+        """Temporary sampler weights: a frozen copy of the adapter in memory, nothing on disk (a step's
+        sampler with a large tied ``lm_head`` would otherwise write the embedding matrix every step)."""
+        client = await self.client(run)
+        frozen = await client.frozen_sampling_client_async()
+        uri = self.storage.uri(scheme, run.run_id, "sampler_weights", name)
+        meta = CheckpointMeta(run.run_id, "sampler_weights", name, run.model.name, run.lora)
+        self._ephemeral[self._key(uri)] = (meta, frozen, run.model)
+        while len(self._ephemeral) > self.ephemeral_size:
+            self._ephemeral.popitem(last=False)
+        return uri
+
+    def read_checkpoint(self, uri: str) -> tuple[CheckpointMeta, Path]:
+        try:
+            return self.storage.read_meta(uri)
+        except StorageError as exc:
+            raise ServeError(400, "invalid_path", str(exc)) from None
+        except KeyError:
+            raise ServeError(404, "unknown_checkpoint", f"no checkpoint {uri!r} on this server") from None
+
+    # -- training calls (run them through ``run.submit`` to keep the client's order) ------------------
+    async def forward(
+        self, run: TrainingRun, datums: list[Datum], loss_fn: str, cfg: dict[str, float], backward: bool
+    ) -> ForwardBackwardResult:
+        client = await self.client(run)
+        if backward:
+            result: ForwardBackwardResult = await client.forward_backward_async(datums, loss_fn, cfg)
+        else:
+            result = await client.forward_async(datums, loss_fn, cfg)
+        return result
+
+    async def optim_step(self, run: TrainingRun, adam: AdamParams) -> OptimStepResult:
+        client = await self.client(run)
+        result: OptimStepResult = await client.optim_step_async(adam)
+        return result
+
+    async def save(self, run: TrainingRun, kind: str, name: str, scheme: str, overwrite: bool = True) -> str:
+        """Save the run's state under ``kind/name``; return its URI. Sampler weights also get a sampler."""
+        folder = self.storage.folder(run.run_id, kind, name)
+        if folder.exists() and not overwrite:
+            raise ServeError(409, "checkpoint_exists", f"checkpoint {name!r} exists; pass overwrite")
+        client = await self.client(run)
+        await client.save_state_async(str(folder))
+        self.storage.write_meta(CheckpointMeta(run.run_id, kind, name, run.model.name, run.lora))
+        uri = self.storage.uri(scheme, run.run_id, kind, name)
+        self._samplers.pop(self._key(uri), None)  # an overwritten path must never serve the old weights
+        if kind == "sampler_weights":  # the next call is nearly always a sampler on it: skip the reload
+            frozen = await client.frozen_sampling_client_async()
+            self._remember_sampler(self._key(uri), (frozen, run.model))
+        return uri
+
+    # -- sampling --------------------------------------------------------------------------------
+    @staticmethod
+    def _key(uri: str) -> str:
+        """One cache key per checkpoint folder, whichever scheme (and Tinker's ``weights`` alias) named it."""
+        parts = uri.split("://", 1)[-1].split("/")
+        if len(parts) == 3 and parts[1] == "weights":
+            parts[1] = "state"
+        return "/".join(parts)
+
+    def _remember_sampler(
+        self, key: str, sampler: tuple[SamplingClient, ServedModel], owner: Any = None
+    ) -> None:
+        self._samplers[key] = sampler
+        self._samplers.move_to_end(key)
+        if owner is not None:
+            self._sampler_owners[key] = owner
+        while len(self._samplers) > self.sampler_cache_size:
+            old, _ = self._samplers.popitem(last=False)
+            evicted = self._sampler_owners.pop(old, None)
+            if evicted is not None:  # its worker thread ends once its last batch has run
+                threading.Thread(target=evicted.close, name="retool-serve-evict", daemon=True).start()
+
+    async def sampler(
+        self, model_path: str | None, base_model: str | None
+    ) -> tuple[SamplingClient, ServedModel]:
+        """The sampler for saved weights (``model_path``) or for a base model's plain weights."""
+        if not model_path and not base_model:
+            raise ServeError(400, "invalid_request", "give a model_path or a base_model to sample from")
+        key = self._key(model_path) if model_path else f"base:{base_model}"
+        temporary = self._ephemeral.get(key)
+        if temporary is not None:
+            return temporary[1], temporary[2]
+        cached = self._samplers.get(key)  # the hot path: no file access per request
+        if cached is not None:
+            self._samplers.move_to_end(key)
+            return cached
+        async with self._sampler_locks.setdefault(key, asyncio.Lock()):  # concurrent first uses: one load
+            cached = self._samplers.get(key)
+            if cached is None:
+                sampler, served, owner = await self._load_sampler(model_path, base_model)
+                cached = (sampler, served)
+                self._remember_sampler(key, cached, owner=owner)
+        return cached
+
+    async def _load_sampler(
+        self, model_path: str | None, base_model: str | None
+    ) -> tuple[SamplingClient, ServedModel, Any]:
+        if model_path:
+            meta, folder = self.read_checkpoint(model_path)
+            served, lora = self.model(meta.base_model), meta.lora
+        else:
+            served, lora, folder = self.model(str(base_model)), None, None
+        client = await asyncio.to_thread(self._new_client, served, lora)
+        if folder is not None:
+            await client.load_state_async(str(folder))
+        return await client.sampling_client_async(), served, client
+
+    def check_sample(
+        self, served: ServedModel, prompt: list[int], num_samples: int, params: SamplingParams
+    ) -> None:
+        """Refuse what the sampler would choke on, with a message the client can act on."""
+        lim = self.limits
+        if not prompt:
+            raise ServeError(400, "invalid_request", "prompt is empty")
+        if not 1 <= num_samples <= lim.max_num_samples:
+            raise ServeError(400, "invalid_request", f"num_samples must be in [1, {lim.max_num_samples}]")
+        context = min(served.max_context, self.config.model.max_context)
+        if not 1 <= params.max_tokens <= context:
+            raise ServeError(
+                400, "invalid_request", f"max_tokens must be in [1, {context}], got {params.max_tokens}"
+            )
+        if len(prompt) + params.max_tokens > context:
+            raise ServeError(
+                400,
+                "invalid_request",
+                f"prompt ({len(prompt)}) + max_tokens ({params.max_tokens}) > context {context}",
+            )
+        check_token_ids(prompt, served.vocab_size, "prompt")
+        if params.temperature < 0 or not 0 < params.top_p <= 1:
+            raise ServeError(400, "invalid_request", "temperature must be >= 0 and top_p in (0, 1]")
+        stop_ids = [s for s in params.stop if isinstance(s, int)]
+        check_token_ids(stop_ids, served.vocab_size, "stop token ids")
+
+    async def sample(
+        self, sampler: SamplingClient, prompt: list[int], num_samples: int, params: SamplingParams
+    ) -> list[Sample]:
+        try:
+            return await sampler.sample_async(prompt, num_samples, params)
+        except ValueError as exc:
+            raise ServeError(400, "invalid_request", str(exc)) from None
+
+    def check_datums(self, served: ServedModel, datums: list[Datum]) -> None:
+        lim = self.limits
+        if not 1 <= len(datums) <= lim.max_datums:
+            raise ServeError(
+                400, "invalid_request", f"a call needs 1 to {lim.max_datums} datums, got {len(datums)}"
+            )
+        total = sum(len(d) for d in datums)
+        if total > lim.max_tokens_per_call:
+            raise ServeError(
+                413, "too_large", f"{total} tokens in one call; at most {lim.max_tokens_per_call}"
+            )
+        context = min(served.max_context, self.config.model.max_context)
+        for k, d in enumerate(datums):
+            if not 1 <= len(d) <= context:
+                raise ServeError(
+                    400, "invalid_request", f"datum {k} has {len(d)} tokens; context is {context}"
+                )
+            check_token_ids(d.input_tokens, served.vocab_size, f"datum {k} input tokens")
+            check_token_ids(d.target_tokens, served.vocab_size, f"datum {k} target tokens")
+
+    async def close(self) -> None:
+        for run in self.runs.values():
+            if run.client is not None:
+                await run.client.close_async()
+
+
+def _closer(client: Any) -> Callable[[], Awaitable[None]]:
+    async def close() -> None:
+        await asyncio.to_thread(client.close)
+
+    return close
+
+
+def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
+    bad = [t for t in tokens if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab_size]
+    if bad:
+        raise ServeError(
+            400, "invalid_token", f"{what} hold ids outside the vocabulary [0, {vocab_size}): {bad[:5]}"
+        )
+
+
+def check_loss(loss_fn: str) -> str:
+    if loss_fn not in SUPPORTED_LOSSES:
+        raise ServeError(
+            400,
+            "unsupported_loss",
+            f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(SUPPORTED_LOSSES)}",
+        )
+    return loss_fn
+
+
+def loss_config(loss_fn: str, given: dict[str, Any] | None) -> dict[str, float]:
+    """The SDKs' loss config (``clip_low_threshold`` / ``clip_high_threshold``) in the local backend's names."""
+    names = {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"}
+    out: dict[str, float] = {}
+    for key, value in (given or {}).items():
+        if key not in names:
+            raise ServeError(
+                400, "invalid_loss_config", f"loss config key {key!r} unknown; known: {sorted(names)}"
+            )
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a number")
+        out[names[key]] = float(value)
+    if loss_fn == "cross_entropy":
+        return {}
+    return out
+
+
+def ppo_defaults(cfg: dict[str, float]) -> dict[str, float]:
+    """Tinker's documented PPO defaults (0.8 / 1.2) where a client gave no thresholds."""
+    return {"clip_low": 0.8, "clip_high": 1.2, **cfg}

@@ -1,0 +1,490 @@
+"""The Tinker REST API (as the ``tinker`` 0.38 SDK speaks it), served from ``ServeState``.
+
+Routes under ``/api/v1``: ``healthz``, ``client/config`` (feature flags: no JWT exchange, no zstd, plain
+per-request future polling), ``create_session``, ``session_heartbeat``, ``get_server_capabilities``,
+``create_model`` (LoRA rank, seed and train_mlp / train_attn / train_unembed), ``get_info``, ``weights_info``,
+``forward_backward`` (protobuf, ``forward_only`` for ``forward``), ``optim_step``, ``save_weights``,
+``save_weights_for_sampler``, ``load_weights`` (into a model, or a new model from a checkpoint),
+``create_sampling_session``, ``samplers/{id}``, ``asample``, ``retrieve_future``, ``telemetry``,
+``sessions/{id}/finish``.
+
+Every training and sampling call answers a future id at once and runs in the background (training calls in
+arrival order per model: the SDK submits them one turn at a time, so arrival order is its ``seq_id``
+order); ``retrieve_future`` long-polls it and answers 408 ``try_again`` while it runs, the result when done
+(protobuf for forward passes and samples when the SDK accepts it), or ``{"error", "category"}``. Requests
+are deduplicated by ``(model_id, seq_id)``: a re-sent training call gets the first call's future.
+
+Reduction: Tinker's documented sum over tokens and datums (no normalisation).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import json
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+import numpy as np
+from fastapi import APIRouter, Request, Response
+
+from retool.backends.types import AdamParams, Sample
+from retool.serve.common import build_datum, sampling_params
+from retool.serve.pytrio_api import as_json
+from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config, ppo_defaults
+from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
+
+SCHEME = "tinker"
+_FUTURE_CACHE = 10_000
+PROTO = "application/x-protobuf"
+
+
+def _tensor(pb: Any, t: Any) -> list[Any]:
+    if t.WhichOneof("encoding") != "dense":
+        raise ServeError(400, "invalid_request", "only dense loss_fn_inputs tensors are supported")
+    kinds = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
+    if t.dtype not in kinds:
+        raise ServeError(400, "invalid_request", f"tensor dtype {t.dtype} is not supported")
+    try:
+        return np.frombuffer(t.dense, dtype=kinds[t.dtype]).tolist()
+    except ValueError as exc:
+        raise ServeError(400, "invalid_request", f"bad tensor bytes: {exc}") from None
+
+
+def _chunk_tokens(chunks: Any) -> list[int]:
+    tokens: list[int] = []
+    for c in chunks:
+        if c.WhichOneof("chunk") != "encoded_text":
+            raise ServeError(400, "invalid_request", "only encoded_text chunks are supported (no images)")
+        if len(c.encoded_text.tokens) % 4:
+            raise ServeError(400, "invalid_request", "encoded_text tokens are not int32 bytes")
+        tokens += np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist()
+    return tokens
+
+
+def _json_tokens(prompt: Any) -> list[int]:
+    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
+        raise ServeError(400, "invalid_request", "prompt must be {'chunks': [...]}")
+    tokens: list[int] = []
+    for c in prompt["chunks"]:
+        if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
+            raise ServeError(400, "invalid_request", "only encoded_text prompt chunks are supported")
+        toks = c.get("tokens")
+        if not isinstance(toks, list) or not all(
+            isinstance(t, int) and not isinstance(t, bool) for t in toks
+        ):
+            raise ServeError(400, "invalid_request", "prompt chunk tokens must be a list of integers")
+        tokens += toks
+    return tokens
+
+
+class TinkerApi:
+    """Routes and per-server bookkeeping (sessions, models, futures, sampling sessions)."""
+
+    def __init__(self, state: ServeState) -> None:
+        self.state = state
+        self.futures: collections.OrderedDict[str, tuple[str, asyncio.Future[Any]]] = (
+            collections.OrderedDict()
+        )
+        self.by_seq: dict[str, str] = {}  # "<model_id>:<seq_id>" -> future id
+        self.sampling_sessions: dict[str, tuple[str | None, str, Any]] = {}  # id -> (path, base, sampler)
+        self.router = APIRouter(prefix="/api/v1")
+        self._routes()
+
+    def _routes(self) -> None:
+        r = self.router
+        for path, handler in (
+            ("/healthz", self.healthz),
+            ("/client/config", self.client_config),
+            ("/client/dynamic_config", self.empty),
+            ("/telemetry", self.empty),
+            ("/create_session", self.create_session),
+            ("/session_heartbeat", self.heartbeat),
+            ("/sessions/{sid}/finish", self.finish),
+            ("/get_server_capabilities", self.capabilities),
+            ("/create_model", self.create_model),
+            ("/get_info", self.get_info),
+            ("/weights_info", self.weights_info),
+            ("/forward_backward", self.forward_backward),
+            ("/optim_step", self.optim_step),
+            ("/save_weights", self.save_weights),
+            ("/save_weights_for_sampler", self.save_weights_for_sampler),
+            ("/load_weights", self.load_weights),
+            ("/create_sampling_session", self.create_sampling_session),
+            ("/samplers/{sampler_id}", self.get_sampler),
+            ("/asample", self.asample),
+            ("/retrieve_future", self.retrieve_future),
+        ):
+            r.add_api_route(path, handler, methods=["GET", "POST"])
+
+    # -- plumbing --------------------------------------------------------------------------------
+    async def _json(self, request: Request) -> dict[str, Any]:
+        try:
+            data = json.loads(await request.body() or b"{}")
+        except ValueError:
+            raise ServeError(400, "invalid_request", "the body is not JSON") from None
+        if not isinstance(data, dict):
+            raise ServeError(400, "invalid_request", "the body must be a JSON object")
+        return data
+
+    def _future(
+        self, kind: str, call: Awaitable[Any] | asyncio.Future[Any], model_id: str | None = None, **extra: Any
+    ) -> Response:
+        future = asyncio.ensure_future(call)
+        rid = new_id("req")
+        self.futures[rid] = (kind, future)
+        while len(self.futures) > _FUTURE_CACHE:
+            self.futures.popitem(last=False)
+        return as_json({"request_id": rid, "model_id": model_id, **extra})
+
+    def _ordered(
+        self, run: TrainingRun, seq_id: Any, kind: str, call: Callable[[], Awaitable[Any]]
+    ) -> Response:
+        """Queue a training call on its run, once per ``(model_id, seq_id)``."""
+        key = f"{run.run_id}:{seq_id}"
+        if seq_id is not None and key in self.by_seq and self.by_seq[key] in self.futures:
+            return as_json({"request_id": self.by_seq[key], "model_id": run.run_id})
+        answer = self._future(kind, run.submit(call), run.run_id)
+        if seq_id is not None:
+            self.by_seq[key] = json.loads(bytes(answer.body))["request_id"]
+        return answer
+
+    @staticmethod
+    def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+        value = data.get(name, default)
+        if value is ...:
+            raise ServeError(400, "invalid_request", f"field {name!r} is required")
+        if value is not None and (
+            not isinstance(value, kind) or (isinstance(value, bool) and kind is not bool)
+        ):
+            raise ServeError(400, "invalid_request", f"field {name!r} has the wrong type")
+        return value
+
+    # -- session and model info ------------------------------------------------------------------
+    async def healthz(self) -> Response:
+        return as_json({"status": "ok"})
+
+    async def client_config(self) -> Response:
+        return as_json(
+            {"pjwt_auth_enabled": False, "proto_compress_fwdbwd": False, "use_pyqwest_transport": False}
+        )
+
+    async def empty(self) -> Response:
+        return as_json({})
+
+    async def finish(self, sid: str) -> Response:
+        self.state.end_session(sid)
+        return as_json({})
+
+    async def create_session(self) -> Response:
+        sid = new_id("sess")
+        self.state.sessions.add(sid)
+        return as_json({"type": "create_session", "session_id": sid})
+
+    async def heartbeat(self, request: Request) -> Response:
+        sid = self._field(await self._json(request), "session_id", str)
+        if sid not in self.state.sessions:
+            raise ServeError(404, "unknown_session", f"no session {sid!r} on this server")
+        return as_json({"type": "session_heartbeat"})
+
+    async def capabilities(self) -> Response:
+        models = [
+            {
+                "model_name": m.name,
+                "max_context_length": min(m.max_context, self.state.config.model.max_context),
+                "trainable": True,
+                "sampleable": True,
+            }
+            for m in self.state.models.values()
+        ]
+        return as_json({"supported_models": models})
+
+    async def create_model(self, request: Request) -> Response:
+        data = await self._json(request)
+        sid = self._field(data, "session_id", str)
+        if sid not in self.state.sessions:
+            raise ServeError(404, "unknown_session", f"no session {sid!r} on this server")
+        cfg = self._field(data, "lora_config", dict, None)
+        if cfg is None:
+            raise ServeError(400, "invalid_lora", "retool serve trains LoRA adapters only: give lora_config")
+        lora = LoraRequest(
+            rank=self._field(cfg, "rank", int),
+            seed=self._field(cfg, "seed", int, None),
+            train_mlp=self._field(cfg, "train_mlp", bool, True),
+            train_attn=self._field(cfg, "train_attn", bool, True),
+            train_unembed=self._field(cfg, "train_unembed", bool, True),
+        )
+        run = self.state.create_run(self._field(data, "base_model", str), lora, session=sid)
+        model_id = self.state.alias(f"{sid}:train:{self._field(data, 'model_seq_id', int)}", run)
+
+        async def build() -> dict[str, Any]:
+            await self.state.client(run)
+            return {"model_id": model_id, "type": "create_model"}
+
+        return self._future("create_model", run.submit(build), model_id)
+
+    async def get_info(self, request: Request) -> Response:
+        model_id = self._field(await self._json(request), "model_id", str)
+        run = self.state.run(model_id)
+        return as_json(
+            {
+                "type": "get_info",
+                "model_id": model_id,
+                "model_data": {
+                    "arch": "causal_lm",
+                    "model_name": run.model.path,
+                    "tokenizer_id": run.model.path,
+                },
+                "is_lora": True,
+                "lora_rank": run.lora.rank,
+                "model_name": run.model.path,
+            }
+        )
+
+    async def weights_info(self, request: Request) -> Response:
+        data = await self._json(request)
+        meta = self.state.checkpoint_meta(
+            self._field(data, "tinker_path", str, None) or self._field(data, "path", str)
+        )
+        return as_json(
+            {
+                "base_model": meta.base_model,
+                "is_lora": True,
+                "lora_rank": meta.lora.rank,
+                "train_unembed": meta.lora.train_unembed,
+                "train_mlp": meta.lora.train_mlp,
+                "train_attn": meta.lora.train_attn,
+            }
+        )
+
+    # -- training --------------------------------------------------------------------------------
+    async def forward_backward(self, request: Request) -> Response:
+        from google.protobuf.message import DecodeError
+        from tinker.proto import tinker_public_pb2 as pb
+
+        if request.headers.get("content-encoding", "identity") != "identity":
+            raise ServeError(
+                415, "unsupported_encoding", "compressed bodies are not accepted; client/config says so"
+            )
+        try:
+            msg = pb.ForwardBackwardRequest.FromString(await request.body())
+        except DecodeError:
+            raise ServeError(
+                400, "invalid_request", "the body is not a ForwardBackwardRequest protobuf"
+            ) from None
+        run = self.state.run(msg.model_id)
+        loss_fn = check_loss(msg.loss_fn)
+        raw_cfg = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config.items())
+        cfg = loss_config(loss_fn, raw_cfg)
+        cfg = ppo_defaults(cfg) if loss_fn == "ppo" else cfg
+        datums = []
+        for k, d in enumerate(msg.data):
+            inputs: dict[str, Any] = {name: _tensor(pb, t) for name, t in d.loss_fn_inputs.items()}
+            unknown = set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"}
+            if unknown or "target_tokens" not in inputs:
+                raise ServeError(
+                    400, "invalid_request", f"datum {k}: loss_fn_inputs {sorted(inputs)}; need target_tokens"
+                )
+            targets = [int(t) for t in inputs.pop("target_tokens")]
+            datums.append(build_datum(k, _chunk_tokens(d.model_input), targets, inputs, loss_fn, 1.0))
+        self.state.check_datums(run.model, datums)
+        backward = not msg.forward_only
+
+        async def call() -> Any:
+            result = await self.state.forward(run, datums, loss_fn, cfg, backward)
+            return _forward_output(pb, result.loss, result.token_logprobs or [])
+
+        return self._ordered(run, msg.seq_id, "forward", call)
+
+    async def optim_step(self, request: Request) -> Response:
+        data = await self._json(request)
+        run = self.state.run(self._field(data, "model_id", str))
+        p = data.get("adam_params") or data.get("optim_params") or {}
+        if not isinstance(p, dict) or p.get("type", "adam") not in ("adam", "adamw"):
+            raise ServeError(400, "invalid_request", "only Adam optimizer params are supported")
+        try:
+            adam = AdamParams(
+                float(p.get("learning_rate", 1e-4)),
+                float(p.get("beta1", 0.9)),
+                float(p.get("beta2", 0.95)),
+                float(p.get("eps", 1e-12)),
+                float(p.get("weight_decay", 0.0)),
+                float(p.get("grad_clip_norm", 0.0)),
+            )
+        except (TypeError, ValueError):
+            raise ServeError(400, "invalid_request", "adam_params must be numbers") from None
+        if adam.lr < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1 or adam.eps <= 0:
+            raise ServeError(400, "invalid_request", "adam_params: lr >= 0, beta1/beta2 in [0, 1), eps > 0")
+
+        async def call() -> dict[str, Any]:
+            result = await self.state.optim_step(run, adam)
+            return {"metrics": {"grad_norm:mean": result.grad_norm, "learning_rate:mean": result.lr}}
+
+        return self._ordered(run, data.get("seq_id"), "optim_step", call)
+
+    def _name(self, name: Any) -> str:
+        try:
+            return check_name(name, "checkpoint name")
+        except StorageError as exc:
+            raise ServeError(400, "invalid_name", str(exc)) from None
+
+    async def save_weights(self, request: Request) -> Response:
+        data = await self._json(request)
+        run = self.state.run(self._field(data, "model_id", str))
+        name = self._name(self._field(data, "path", str, None) or new_id("ckpt"))
+        overwrite = bool(self._field(data, "overwrite", bool, False))
+
+        async def call() -> dict[str, Any]:
+            path = await self.state.save(run, "state", name, SCHEME, overwrite=overwrite)
+            return {"path": path, "type": "save_weights"}
+
+        return self._ordered(run, data.get("seq_id"), "save_weights", call)
+
+    async def save_weights_for_sampler(self, request: Request) -> Response:
+        data = await self._json(request)
+        run = self.state.run(self._field(data, "model_id", str))
+        name = self._field(data, "path", str, None)
+        if name is not None:
+            name = self._name(name)
+
+            async def save() -> dict[str, Any]:
+                path = await self.state.save(run, "sampler_weights", name, SCHEME)
+                return {"path": path, "type": "save_weights_for_sampler"}
+
+            return self._ordered(run, data.get("seq_id"), "save_weights_for_sampler", save)
+
+        async def snapshot() -> dict[str, Any]:  # save_weights_and_get_sampling_client: in memory only
+            client = await self.state.client(run)
+            sid = new_id("samp")
+            self.sampling_sessions[sid] = (None, run.model.name, await client.frozen_sampling_client_async())
+            return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
+
+        return self._ordered(run, data.get("seq_id"), "save_weights_for_sampler", snapshot)
+
+    async def load_weights(self, request: Request) -> Response:
+        data = await self._json(request)
+        path = self._field(data, "path", str)
+        with_optimizer = bool(self._field(data, "optimizer", bool, False))
+        meta, _ = self.state.read_checkpoint(path)
+        model_id = self._field(data, "model_id", str, None)
+        if model_id is not None:
+            run = self.state.run(model_id)
+        else:  # create_training_client_from_state: a new model whose LoRA settings come from the checkpoint
+            sid = self._field(data, "session_id", str)
+            if sid not in self.state.sessions:
+                raise ServeError(404, "unknown_session", f"no session {sid!r} on this server")
+            run = self.state.create_run(meta.base_model, meta.lora, session=sid)
+            model_id = self.state.alias(f"{sid}:train:{self._field(data, 'model_seq_id', int)}", run)
+
+        async def call() -> dict[str, Any]:
+            await self.state.load_into(run, path, with_optimizer)
+            return {"type": "load_weights", "path": path, "model_id": model_id}
+
+        return self._ordered(run, data.get("seq_id"), "load_weights", call)
+
+    # -- sampling --------------------------------------------------------------------------------
+    async def create_sampling_session(self, request: Request) -> Response:
+        data = await self._json(request)
+        path = self._field(data, "model_path", str, None)
+        if path:
+            base = self.state.checkpoint_meta(path).base_model
+        else:
+            base = self.state.model(self._field(data, "base_model", str)).name
+        sid = new_id("samp")
+        self.sampling_sessions[sid] = (path, base, None)
+        return as_json({"type": "create_sampling_session", "sampling_session_id": sid})
+
+    async def get_sampler(self, sampler_id: str) -> Response:
+        known = self.sampling_sessions.get(sampler_id)
+        if known is None:
+            raise ServeError(404, "unknown_sampler", f"no sampling session {sampler_id!r}")
+        return as_json(
+            {"sampler_id": sampler_id, "base_model": self.state.model(known[1]).path, "model_path": known[0]}
+        )
+
+    async def asample(self, request: Request) -> Response:
+        data = await self._json(request)
+        if (
+            data.get("prompt_logprobs")
+            or data.get("topk_prompt_logprobs")
+            or data.get("topk_sample_logprobs")
+        ):
+            raise ServeError(
+                400, "unsupported", "prompt logprobs and top-k logprobs are not supported by retool serve"
+            )
+        sid = self._field(data, "sampling_session_id", str, None)
+        if sid is not None:
+            if sid not in self.sampling_sessions:
+                raise ServeError(404, "unknown_sampler", f"no sampling session {sid!r}")
+            path, base, sampler = self.sampling_sessions[sid]
+        else:
+            path, base, sampler = (
+                self._field(data, "model_path", str, None),
+                self._field(data, "base_model", str, None),
+                None,
+            )
+        prompt = _json_tokens(data.get("prompt"))
+        raw_params = self._field(data, "sampling_params", dict)
+        params = sampling_params(raw_params)
+        n = self._field(data, "num_samples", int, 1)
+        if sampler is None:
+            sampler, served = await self.state.sampler(path, base)
+        else:
+            served = self.state.model(base)
+        self.state.check_sample(served, prompt, n, params)
+
+        async def call() -> list[Sample]:
+            return await self.state.sample(sampler, prompt, n, params)
+
+        ids = [new_id("seq") for _ in range(n)]
+        return self._future("sample", call(), None, sample_sequence_ids=ids)
+
+    async def retrieve_future(self, request: Request) -> Response:
+        rid = self._field(await self._json(request), "request_id", str)
+        known = self.futures.get(rid)
+        if known is None:
+            raise ServeError(404, "unknown_future", f"no future {rid!r} on this server")
+        kind, future = known
+        if not future.done():
+            await asyncio.wait([future], timeout=self.state.limits.max_wait_seconds)
+        if not future.done():
+            body = {"type": "try_again", "request_id": rid, "queue_state": "active"}
+            return Response(json.dumps(body).encode(), status_code=408, media_type="application/json")
+        exc = future.exception()
+        if exc is not None:
+            user = isinstance(exc, ServeError) and exc.status < 500
+            message = exc.message if isinstance(exc, ServeError) else f"{type(exc).__name__}: {exc}"
+            return as_json({"error": message, "category": "user" if user else "server"})
+        result = future.result()
+        if kind == "sample":
+            return _sample_response(result, PROTO in request.headers.get("accept", ""))
+        if isinstance(result, bytes):
+            return Response(result, media_type=PROTO)
+        return as_json(result)
+
+
+def _forward_output(pb: Any, loss: float, logprobs: list[list[float]]) -> bytes:
+    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
+    out.metrics["loss:sum"] = loss
+    record = out.loss_fn_outputs.add()
+    record.num_datums = len(logprobs)
+    field = record.fields["logprobs"]
+    field.data = np.asarray([x for lps in logprobs for x in lps], dtype=np.float32).tobytes()
+    field.offsets = np.cumsum([0] + [4 * len(lps) for lps in logprobs]).astype(np.int64).tobytes()
+    field.dtype = pb.DTYPE_FLOAT32
+    return bytes(out.SerializeToString())
+
+
+def _sample_response(samples: list[Sample], proto: bool) -> Response:
+    if not proto:
+        seqs = [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in samples]
+        return as_json({"type": "sample", "sequences": seqs})
+    from tinker.proto import tinker_public_pb2 as pb
+
+    out = pb.SampleResponse()
+    for s in samples:
+        seq = out.sequences.add()
+        seq.stop_reason = pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH
+        seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
+        seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+    return Response(out.SerializeToString(), media_type=PROTO)
