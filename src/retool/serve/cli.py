@@ -39,6 +39,8 @@ def serve_command(
     ),
 ) -> None:
     """Serve the PyTRIO and Tinker training APIs (sampling, LoRA training, checkpoints) from this machine."""
+    # deferred: the server's stack (FastAPI, uvicorn, the SDKs' protocol modules: the serve extra) loads only
+    # when serving, so `retool --help` and the other commands never need it.
     from retool.config import ConfigError, load_config
     from retool.serve.server import ServeSetupError, check_bind, parse_models, run_server
     from retool.serve.state import Limits

@@ -189,6 +189,7 @@ class PytrioApi:
             raise ServeError(404, "unknown_session", f"no service session {sid!r} on this server")
 
     async def create_training_run(self, sid: str, request: Request) -> Response:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
 
         self._check_session(sid)
@@ -217,6 +218,7 @@ class PytrioApi:
         )
 
     async def bind_checkpoint(self, sid: str, rid: str, request: Request) -> Response:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.control.training_run.update import TrainingRunUpdateRequest
 
         self._check_session(sid)
@@ -236,6 +238,7 @@ class PytrioApi:
         )
 
     async def create_sampling_run(self, sid: str, request: Request) -> Response:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest
 
         self._check_session(sid)
@@ -292,6 +295,7 @@ class PytrioApi:
         return as_json({"heartbeat_ms": 60_000})
 
     async def submit_event(self, request: Request) -> Response:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.event import EventEnvelope
 
         try:
@@ -349,6 +353,7 @@ class PytrioApi:
         raise ServeError(400, "unsupported_event", f"event type {kind!r} is not supported by retool serve")
 
     def _init_run(self, run: TrainingRun, payload: dict[str, Any]) -> Any:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.trainer.init_run import TrainerInitRunPayload
 
         body = _validated(TrainerInitRunPayload, payload)
@@ -363,6 +368,7 @@ class PytrioApi:
         return call
 
     def _forward(self, run: TrainingRun, payload: dict[str, Any], backward: bool) -> Any:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.trainer.forward import TrainerForwardBackwardPayload
 
         body = _validated(TrainerForwardBackwardPayload, payload)
@@ -411,6 +417,7 @@ class PytrioApi:
         return call
 
     def _optim_step(self, run: TrainingRun, payload: dict[str, Any]) -> Any:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeStepPayload
 
         p = _validated(TrainerOptimizeStepPayload, payload).adam_params
@@ -425,6 +432,7 @@ class PytrioApi:
         return call
 
     def _save(self, run: TrainingRun, payload: dict[str, Any], kind: str) -> Any:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 
         body = _validated(TrainerSavePayload, payload)
@@ -446,6 +454,7 @@ class PytrioApi:
         return call
 
     async def sample(self, srid: str, request: Request) -> Response:
+        # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.sampling_run.sample import SampleRequest
 
         if srid not in self.sampling_runs:

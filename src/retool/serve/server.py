@@ -12,6 +12,7 @@ import socket
 from collections.abc import Callable
 from pathlib import Path
 
+from retool.backends import resolve_model_name
 from retool.config import Config
 from retool.serve.state import Limits, ServeState
 
@@ -25,8 +26,6 @@ class ServeSetupError(ValueError):
 def parse_models(specs: list[str], config: Config, root: str | Path) -> dict[str, str]:
     """``--model`` values (``PATH`` or ``NAME=PATH``) as name -> path; none: the tiny model under ``root``."""
     if not specs:
-        from retool.backends import resolve_model_name
-
         tiny = config.model_copy(deep=True)
         tiny.train.run_dir = str(root)
         path = resolve_model_name(tiny)
@@ -78,9 +77,10 @@ def run_server(
     announce: Callable[[str], None] = logger.info,
 ) -> None:
     """Serve until interrupted (see the module docstring)."""
+    # deferred: uvicorn and FastAPI (the app) are the serve extra, imported only when a server starts
     import uvicorn
 
-    from retool.serve.app import create_app
+    from retool.serve.app import create_app  # deferred: imports FastAPI (see above)
 
     check_bind(host, api_key)
     state = ServeState(config, models, root, limits)

@@ -146,7 +146,7 @@ class ServeState:
     # -- models ----------------------------------------------------------------------------------
     @staticmethod
     def _describe(name: str, path: str) -> ServedModel:
-        from transformers import AutoConfig, AutoTokenizer
+        from transformers import AutoConfig, AutoTokenizer  # deferred: transformers is heavy
 
         folder = Path(path).expanduser().resolve()
         if not folder.exists():
@@ -208,7 +208,7 @@ class ServeState:
 
     def _new_client(self, model: ServedModel, lora: LoraRequest | None) -> Any:
         """A ``LocalTrainingClient`` on ``model`` (LoRA as asked; ``None``: plain weights, for sampling)."""
-        from retool.backends.local import LocalLoraSpec
+        from retool.backends.local import LocalLoraSpec  # deferred: imports torch
 
         cfg = self.config
         spec = None
@@ -223,7 +223,7 @@ class ServeState:
             return self._build(model, spec, lora)
 
     def _build(self, model: ServedModel, spec: Any, lora: LoraRequest | None) -> Any:
-        from retool.backends.local import LocalTrainingClient
+        from retool.backends.local import LocalTrainingClient  # deferred: imports torch
 
         cfg = self.config
         return LocalTrainingClient(

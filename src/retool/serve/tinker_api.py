@@ -259,6 +259,7 @@ class TinkerApi:
 
     # -- training --------------------------------------------------------------------------------
     async def forward_backward(self, request: Request) -> Response:
+        # deferred: protobuf and the tinker SDK's protocol module are optional (the serve extra)
         from google.protobuf.message import DecodeError
         from tinker.proto import tinker_public_pb2 as pb
 
@@ -479,7 +480,7 @@ def _sample_response(samples: list[Sample], proto: bool) -> Response:
     if not proto:
         seqs = [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in samples]
         return as_json({"type": "sample", "sequences": seqs})
-    from tinker.proto import tinker_public_pb2 as pb
+    from tinker.proto import tinker_public_pb2 as pb  # deferred: the tinker SDK is optional (serve extra)
 
     out = pb.SampleResponse()
     for s in samples:
