@@ -119,6 +119,7 @@ def make_training_client(config: Config) -> TrainingClient:
             checkpoint_dir=Path(config.train.run_dir) / "checkpoints",
             max_context=config.model.max_context,
             num_threads=config.backend.cpu_threads or None,
+            prefix_cache_mb=config.backend.prefix_cache_mb,
         )
         if config.backend.sampler == "vllm":
             from retool.backends.vllm_sampler import attach_vllm_sampler

@@ -556,6 +556,17 @@ class LocalTrainingClient(TrainingClient):
         )
 
     @property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a sequence (benches clear them to sample fixed lengths)."""
+        return self._eos_id_set
+
+    @eos_ids.setter
+    def eos_ids(self, value: set[int]) -> None:
+        self._eos_id_set = set(value)
+        if getattr(self, "engine", None) is not None:
+            self.engine.eos_ids = self._eos_id_set
+
+    @property
     def prefix_cache(self) -> PrefixCache:
         """The live sampler's prefix cache (``retool.backends.prefix_cache``)."""
         return self.engine.cache
