@@ -67,8 +67,10 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, load_model, save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.base import SamplingClient, TrainingClient, run_sync
 from retool.backends.generation import ContinuousGenerator, GenRequest
 from retool.backends.losses import LOSS_NAMES, LossTally, token_loss
 from retool.backends.packing import pack_micro_batches, padding_efficiency
@@ -146,6 +148,12 @@ def _forget_gguf_quantization(model: Any) -> None:
         del model.config.quantization_config
     if getattr(model, "quantization_method", None) is not None:
         model.quantization_method = None
+
+
+def _prefix_cache_bytes(megabytes: float) -> int:
+    if megabytes < 0:
+        raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the cache off), got {megabytes}")
+    return int(megabytes * 2**20)
 
 
 def _lora_spec(lora: Any) -> LocalLoraSpec | None:
@@ -235,7 +243,7 @@ class _MergedSampler:
 
     @classmethod
     def build(cls, peft_model: Any) -> _MergedSampler | None:
-        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import Linear as LoraLinear  # deferred: peft is needed with LoRA only
 
         base = peft_model.get_base_model()
         live = {name: mod for name, mod in base.named_modules() if isinstance(mod, LoraLinear)}
@@ -442,14 +450,10 @@ class LocalTrainingClient(TrainingClient):
         merge_lora_for_sampling: bool = True,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
-        from transformers import AutoTokenizer
-
         if num_threads:
             # Process-wide. On a busy CPU one thread is often several times faster for tiny models.
             torch.set_num_threads(int(num_threads))
-        if prefix_cache_mb < 0:
-            raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the cache off), got {prefix_cache_mb}")
-        self.prefix_cache_bytes = int(prefix_cache_mb * 2**20)
+        self.prefix_cache_bytes = _prefix_cache_bytes(prefix_cache_mb)
 
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -465,9 +469,7 @@ class LocalTrainingClient(TrainingClient):
         looks_local = self.model_path.startswith(("/", ".", "~")) or bool(self.gguf_file)
         if looks_local and not Path(self.model_path).expanduser().exists():
             raise FileNotFoundError(f"model path {self.model_path} does not exist")
-        load_kwargs: dict[str, Any] = {}
-        if self.gguf_file:
-            load_kwargs["gguf_file"] = self.gguf_file
+        load_kwargs: dict[str, Any] = {"gguf_file": self.gguf_file} if self.gguf_file else {}
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
@@ -511,8 +513,6 @@ class LocalTrainingClient(TrainingClient):
 
         Returns ``Any``: transformers / PEFT model classes vary by architecture and wrapping.
         """
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed)
         model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
         if self.gguf_file:
@@ -520,7 +520,7 @@ class LocalTrainingClient(TrainingClient):
         model.to(self.device)
         if self.lora is None:
             return model
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # deferred: needed with LoRA only, slow to import
 
         torch.manual_seed(seed)  # LoRA A matrices are random: make them a function of the seed
         peft_cfg = LoraConfig(
@@ -799,8 +799,6 @@ class LocalTrainingClient(TrainingClient):
     def forward(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
     ) -> ForwardBackwardResult:
-        from retool.backends.base import run_sync
-
         return run_sync(self.forward_async(datums, loss_fn, loss_config))
 
     def _ensure_optimizer(self, adam: AdamParams) -> torch.optim.Optimizer:
@@ -857,8 +855,6 @@ class LocalTrainingClient(TrainingClient):
         return self.checkpoint_dir / name
 
     def _save_state(self, name: str) -> str:
-        from safetensors.torch import save_model
-
         folder = self._state_path(name)
         folder.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:
@@ -891,8 +887,6 @@ class LocalTrainingClient(TrainingClient):
         return str(folder)
 
     def _load_state(self, path: str) -> None:
-        from safetensors.torch import load_file, load_model
-
         folder = Path(path)
         meta_path = folder / BACKEND_META_FILE
         if not meta_path.is_file():
@@ -908,7 +902,7 @@ class LocalTrainingClient(TrainingClient):
                 f"state {folder} was saved with lora={meta.get('lora')}, this client has lora={mine}"
             )
         if self.lora is not None:
-            from peft import set_peft_model_state_dict
+            from peft import set_peft_model_state_dict  # deferred: LoRA only
 
             weights = load_file(str(folder / ADAPTER_WEIGHTS_FILE), device=str(self.device))
             result = set_peft_model_state_dict(self.model, weights)
