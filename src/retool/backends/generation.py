@@ -43,6 +43,7 @@ from typing import Any, Protocol
 
 import torch
 from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
 from retool.backends.prefix_cache import KV, PrefixCache
 from retool.backends.types import Sample, SamplingParams, StopReason
@@ -223,7 +224,11 @@ class _Row:
 
 
 def _layers(cache: Any) -> list[Any]:
-    return list(cache.layers)
+    layers = list(cache.layers)
+    if any(type(layer) is not DynamicLayer for layer in layers):  # sliding windows drop old columns
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise NotImplementedError(f"the local sampler needs full KV caches; this model's are {kinds}")
+    return layers
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -510,7 +515,9 @@ class ContinuousGenerator:
         )
         computed = sum(len(it.tokens) - it.cached for it in items)
         self.stats.add_prefill(computed, time.perf_counter() - t0)
-        return _Batch([], _output_cache(out), mask, pos[:, -1:], out.logits[:, -1, :].float())
+        cache = _output_cache(out)
+        _layers(cache)  # refuse a cache layout the batch cannot merge, before any row depends on it
+        return _Batch([], cache, mask, pos[:, -1:], out.logits[:, -1, :].float())
 
     def _padded_cache(self, items: list[_Prefill], width: int) -> Any:
         """A ``DynamicCache`` holding each item's cached KV right-aligned in ``width`` columns."""

@@ -585,6 +585,12 @@ class LocalTrainingClient(TrainingClient):
         writing parameters): the merged sampling view is rebuilt and the prefix cache emptied."""
         self._weights_version += 1
 
+    def _on_new_weights(self) -> None:
+        """Worker thread, after an optimizer step or a state load: a new weights version, and the live
+        sampler's cache freed at once (its entries can never serve again; no job runs meanwhile)."""
+        self._weights_version += 1
+        self.engine.cache.clear()
+
     async def _on_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
         """Run ``fn(*args)`` on the worker thread; the sampler admits no new sequences while it waits."""
         with self._waiting_lock:
@@ -828,7 +834,7 @@ class LocalTrainingClient(TrainingClient):
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._pending_grads = False
-        self._weights_version += 1
+        self._on_new_weights()
         self.step += 1
         return OptimStepResult(grad_norm=grad_norm, lr=adam.lr)
 
@@ -924,7 +930,7 @@ class LocalTrainingClient(TrainingClient):
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = int(meta["step"])
-        self._weights_version += 1
+        self._on_new_weights()
         if self.model.training is False:
             self.model.train()
         for p in self.trainable_parameters():
