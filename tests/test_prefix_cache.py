@@ -283,3 +283,36 @@ def test_requests_join_mid_decode_and_leave_when_done(uncached: LocalTrainingCli
     assert finished == ["short", "long"]
     assert uncached.engine.peak_rows == 3  # the short group joined the long sequence's batch
     assert [s.tokens for s in got] == [s.tokens for s in alone]
+
+
+def test_prefill_groups_bound_padding() -> None:
+    from retool.backends.generation import PREFILL_PADDING_SLACK, _padding_groups
+
+    lengths = [5, 400, 6, 390, 7, 1]
+    groups = _padding_groups(lengths)
+    assert sorted(i for g in groups for i in g) == list(range(len(lengths)))
+    for g in groups:
+        area = len(g) * max(lengths[i] for i in g)
+        assert len(g) == 1 or area <= PREFILL_PADDING_SLACK * sum(lengths[i] for i in g)
+
+
+def test_a_failed_forward_fails_its_requests_and_the_engine_serves_on(
+    uncached: LocalTrainingClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = _encode(uncached, "What is 5*5?")
+    params = SamplingParams(max_tokens=6, seed=3)
+    want = uncached.sample(prompt, 2, params)
+    model = uncached.sampling_model()
+    real_forward = model.forward
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 3:  # a decoding step of the next request
+            raise RuntimeError("simulated device error")
+        return real_forward(*args, **kwargs)
+
+    monkeypatch.setattr(model, "forward", flaky)
+    with pytest.raises(RuntimeError, match="simulated device error"):
+        uncached.sample(prompt, 2, params)
+    assert [s.tokens for s in uncached.sample(prompt, 2, params)] == [s.tokens for s in want]
