@@ -28,8 +28,9 @@ the copy costs only the adapted weights), rebuilt lazily after each ``optim_step
 Through the PEFT wrapper every adapted linear costs three extra small matmuls and Python dispatch per
 decoded token. Merged and unmerged forwards agree to float rounding (ratio 1 within ~1e-5, not bitwise).
 
-``stats`` counts what the worker thread did: sampled sequences and tokens, prompt tokens prefilled, and
-seconds spent generating; trained tokens (padded and real) and seconds spent in forward/backward.
+``stats`` counts what the worker thread did: sampled sequences and tokens, prompt tokens (all of them, and
+those actually prefilled, i.e. not served by a cache) and seconds spent generating; trained tokens (padded
+and real) and seconds spent in forward/backward.
 
 Seeds: sample ``i`` of a request with ``seed=s`` uses its own generator seeded from ``(s, i)``, so the
 result does not depend on what else shares the batch; unseeded requests draw seeds from the client's RNG
