@@ -316,3 +316,22 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_serves_on(
     with pytest.raises(RuntimeError, match="simulated device error"):
         uncached.sample(prompt, 2, params)
     assert [s.tokens for s in uncached.sample(prompt, 2, params)] == [s.tokens for s in want]
+
+
+def test_a_job_that_cannot_start_fails_its_requests_instead_of_hanging(
+    uncached: LocalTrainingClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    prompt = _encode(uncached, "What is 6*6?")
+    real = uncached.engine._model_fn
+    calls = {"n": 0}
+
+    def broken_once():  # type: ignore[no-untyped-def]
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("cannot build the sampling view (simulated)")
+        return real()
+
+    monkeypatch.setattr(uncached.engine, "_model_fn", broken_once)
+    with pytest.raises(RuntimeError, match="simulated"):
+        uncached.sample(prompt, 2, SamplingParams(max_tokens=4, seed=1))
+    assert len(uncached.sample(prompt, 2, SamplingParams(max_tokens=4, seed=1))) == 2

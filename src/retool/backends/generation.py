@@ -375,14 +375,16 @@ class ContinuousGenerator:
     def _job(self) -> None:
         """Executor body: serve the inbox until it is empty (or a training call waits)."""
         t0 = time.perf_counter()
-        model = self._model_fn()
-        was_training = model.training
-        model.eval()
-        self.cache.validate((self._tag_fn(), id(model)))
-        if self._cache_key is None:
-            self._cache_key = _cache_kwarg(model)
+        model: Any = None
+        was_training = False
         batch: _Batch | None = None
         try:
+            model = self._model_fn()
+            was_training = model.training
+            model.eval()
+            self.cache.validate((self._tag_fn(), id(model)))
+            if self._cache_key is None:
+                self._cache_key = _cache_kwarg(model)
             with torch.no_grad():
                 while True:
                     batch = self._admit(model, batch)
@@ -400,7 +402,8 @@ class ContinuousGenerator:
             for row in waiting:
                 row.unit.fail(exc)
         finally:
-            model.train(was_training)
+            if model is not None:
+                model.train(was_training)
             self.stats.add_sample_seconds(time.perf_counter() - t0)
 
     def _end_job(self) -> bool:
