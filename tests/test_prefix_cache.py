@@ -335,3 +335,39 @@ def test_a_job_that_cannot_start_fails_its_requests_instead_of_hanging(
     with pytest.raises(RuntimeError, match="simulated"):
         uncached.sample(prompt, 2, SamplingParams(max_tokens=4, seed=1))
     assert len(uncached.sample(prompt, 2, SamplingParams(max_tokens=4, seed=1))) == 2
+
+
+def test_a_waiting_training_call_goes_before_new_requests(uncached: LocalTrainingClient) -> None:
+    """While a training call waits for the worker thread, the sampler admits nothing new: the sequence in
+    flight finishes, the call runs, then the later request (sampled from the weights after the call). A
+    call cancelled before it started does not leave the sampler waiting for it."""
+    prompt = _encode(uncached, "Count to one hundred.")
+    datum = Datum(prompt[:-1], prompt[1:], weights=[1.0] * (len(prompt) - 1))
+    order: list[str] = []
+    eos = uncached.eos_ids
+    uncached.eos_ids = set()
+
+    async def tagged(name: str, coro) -> None:  # type: ignore[no-untyped-def]
+        await coro
+        order.append(name)
+
+    async def run() -> None:
+        sampler = await uncached.sampling_client_async()
+        long_run = asyncio.ensure_future(
+            tagged("long", sampler.sample_async(prompt, 1, SamplingParams(max_tokens=150, seed=1)))
+        )
+        await asyncio.sleep(0.1)  # decoding now
+        cancelled = asyncio.ensure_future(uncached.forward_async([datum], "cross_entropy"))
+        await asyncio.sleep(0)
+        cancelled.cancel()
+        train = asyncio.ensure_future(tagged("train", uncached.forward_async([datum], "cross_entropy")))
+        await asyncio.sleep(0.01)
+        later = tagged("later", sampler.sample_async(prompt, 1, SamplingParams(max_tokens=3, seed=2)))
+        await asyncio.wait_for(asyncio.gather(long_run, train, later), timeout=120)
+
+    try:
+        asyncio.run(run())
+    finally:
+        uncached.eos_ids = eos
+    assert order == ["long", "train", "later"]
+    assert uncached._waiting_jobs == 0

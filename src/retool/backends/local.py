@@ -593,16 +593,25 @@ class LocalTrainingClient(TrainingClient):
         self.engine.cache.clear()
 
     async def _on_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
-        """Run ``fn(*args)`` on the worker thread; the sampler admits no new sequences while it waits."""
-        with self._waiting_lock:
-            self._waiting_jobs += 1
+        """Run ``fn(*args)`` on the worker thread; the sampler admits no new sequences while it waits
+        (until it starts, or until the call is cancelled before starting)."""
+        waiting = [True]
+
+        def release() -> None:
+            with self._waiting_lock:
+                if waiting[0]:
+                    waiting[0] = False
+                    self._waiting_jobs -= 1
 
         def run() -> Any:
-            with self._waiting_lock:
-                self._waiting_jobs -= 1
+            release()
             return fn(*args)
 
-        return await asyncio.get_running_loop().run_in_executor(self._executor, run)
+        with self._waiting_lock:
+            self._waiting_jobs += 1
+        future = asyncio.get_running_loop().run_in_executor(self._executor, run)
+        future.add_done_callback(lambda _: release())
+        return await future
 
     # -- helpers -------------------------------------------------------------------------------
     def _base_config(self) -> Any:
