@@ -16,12 +16,20 @@ meaningful even when the absolute numbers do not:
   ``pip install xllamacpp``) on the same prompts, fed the same trained adapter (exported to a LoRA GGUF), at
   the batch sizes given, interleaved with the torch rows; then the mean |difference| between llama.cpp's
   logprobs of its sampled tokens and the trainer's fp32 recomputation of them;
-- forward+backward (PPO loss, LoRA) tokens/s on RL-shaped datums.
+- forward+backward (PPO loss, LoRA) tokens/s on RL-shaped datums;
+- the multi-turn workload (``multiturn``), shaped like the demo's RL: ``--questions`` groups of 4
+  trajectories, each 3 tool turns (an interpreter observation appended after each) and an answer turn of
+  ``--turn-tokens`` tokens, all trajectories concurrent; sampled tokens/s and prefilled tokens per
+  sampled token with the prefix cache on vs off (off: every turn prefills its whole conversation, the
+  common prefix of sequences admitted together still run once), at each of ``--mt-threads`` torch
+  threads; variants interleaved round by round, each round starting from an empty cache.
 
-``--samplers`` picks rows (wrapper, merged, shared, llamacpp; default all, llamacpp when installed).
+``--samplers`` picks rows (wrapper, merged, shared, llamacpp, multiturn; default all, llamacpp when
+installed). Every single-turn row starts from an empty prefix cache (distinct prompts: no hits).
 
 Usage: nice -n 10 python bench/real_model.py [--model smollm2|PATH] [--batches 8,32,64] [--tokens 64]
-       [--rounds 3] [--threads 1] [--samplers shared,llamacpp] [--llamacpp-threads 2]
+       [--rounds 3] [--threads 1] [--samplers shared,llamacpp,multiturn] [--llamacpp-threads 2]
+       [--questions 4] [--turn-tokens 32] [--mt-threads 1,2]
 """
 
 from __future__ import annotations
@@ -50,14 +58,18 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy CPU)")
     ap.add_argument("--train-datums", type=int, default=8, help="datums per forward_backward")
-    ap.add_argument("--samplers", default="wrapper,merged,shared,llamacpp", help="rows to measure")
+    ap.add_argument("--samplers", default="wrapper,merged,shared,llamacpp,multiturn", help="rows to measure")
     ap.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp threads")
+    ap.add_argument("--questions", type=int, default=4, help="multiturn: groups of 4 trajectories")
+    ap.add_argument("--turn-tokens", type=int, default=32, help="multiturn: tokens per assistant turn")
+    ap.add_argument("--mt-threads", default="1,2", help="multiturn: torch thread counts to compare")
+    ap.add_argument("--skip-train", action="store_true", help="no forward+backward row")
     args = ap.parse_args()
 
     import torch
 
     from retool.backends.local import LocalTrainingClient
-    from retool.backends.types import Datum, SamplingParams
+    from retool.backends.types import SamplingParams
     from retool.data.synthetic import generate_tasks
     from retool.tasks.model import protocol_for
     from retool.tasks.real_model import resolve_model_path
@@ -82,7 +94,7 @@ def main() -> None:
         for name, p in client.model.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 1e-3)
-    client._weights_version += 1
+    client.mark_weights_changed()
     client.eos_ids = set()  # every sequence runs to --tokens: a fair tokens/s comparison
     protocol = protocol_for(client.tokenizer, True, "compact")
     batches = [int(b) for b in args.batches.split(",")]
@@ -102,6 +114,7 @@ def main() -> None:
     def sample(batch: int, merged: bool, shared: bool, engine: str = "torch") -> tuple[float, float]:
         """One batched generation of ``batch`` distinct prompts; (sampled tok/s, prefill share of time)."""
         client.merge_lora_for_sampling, client.share_prompt_prefix = merged, shared
+        client.prefix_cache.clear()  # distinct prompts: each row measures its own prefill
         before_s, before_p = client.stats.sample_seconds, client.stats.prefill_seconds
 
         if engine == "llamacpp" and llama is not None:
@@ -138,6 +151,11 @@ def main() -> None:
             # The same prompts again on the same server: each slot has its prompt in its KV cache (as a
             # multi-turn trajectory's next turn would), so this row is decode-bound.
             variants.append(("llama.cpp, prompts cached", b, True, True, "llamacpp-warm"))
+    if "multiturn" in wanted:
+        _multi_turn_table(client, protocol, tasks, args)
+    if not variants:
+        client.close()
+        return
     for v in {(v[2], v[3], v[4]) for v in variants}:
         sample(2, *v)  # warm-up (builds the merged view, loads llama.cpp with the adapter)
     rates: dict[tuple[str, int, bool, bool, str], list[tuple[float, float]]] = {v: [] for v in variants}
@@ -154,6 +172,15 @@ def main() -> None:
         print(f"{v[0]:<28} {v[1]:>5} {med:>8.1f} {med / reference:>6.2f} {100 * prefill:>7.0f}%   [{runs}]")
     if llama is not None:
         _logprob_agreement(client, llama, prompts[:8], args.tokens)
+
+    if not args.skip_train:
+        _training_row(client, protocol, task, prompt, args)
+    print(f"load average at end: {_load_avg()}")
+    client.close()
+
+
+def _training_row(client: Any, protocol: Any, task: Any, prompt: list[int], args: Any) -> None:
+    from retool.backends.types import Datum
 
     # Training: RL-shaped datums (prompt + code call + observation + answer), PPO loss through LoRA.
     seq = [*prompt, *protocol.encode_completion(protocol.fmt.render_call(task.code))]
@@ -175,8 +202,84 @@ def main() -> None:
         f"\ntraining: forward+backward (ppo, LoRA r16) of {args.train_datums} x {n} tokens: "
         f"{tokens / statistics.median(times):.1f} tokens/s (median of {args.rounds})"
     )
-    print(f"load average at end: {_load_avg()}")
-    client.close()
+
+
+def _multi_turn_once(
+    client: Any, protocol: Any, tasks: list[Any], args: Any, cache: Any
+) -> tuple[float, float]:
+    """One run of the multi-turn workload with ``cache`` as the sampler's prefix cache; (sampled
+    tokens/s, prefilled tokens per sampled token)."""
+    from retool.backends.types import SamplingParams
+
+    client.engine.cache = cache
+    cache.clear()
+    observation = protocol.encode("\n<interpreter>\n12345\n</interpreter>\n")
+    turns = 4  # 3 tool turns, each followed by an observation, then the answer turn
+
+    async def trajectory(prompt: list[int], first: Any, seed: int) -> int:
+        sampler = await client.sampling_client_async()
+        count = len(first.tokens)
+        for turn in range(1, turns):
+            prompt = prompt + first.tokens + observation
+            params = SamplingParams(max_tokens=args.turn_tokens, temperature=1.0, seed=seed * 10 + turn)
+            (first,) = await sampler.sample_async(prompt, 1, params)
+            count += len(first.tokens)
+        return count
+
+    async def question(k: int) -> int:
+        sampler = await client.sampling_client_async()
+        prompt = protocol.build_prompt(protocol.initial_messages(tasks[k].question))
+        group = await sampler.sample_async(prompt, 4, SamplingParams(max_tokens=args.turn_tokens, seed=k))
+        counts = await asyncio.gather(*[trajectory(prompt, s, k * 4 + i) for i, s in enumerate(group)])
+        return sum(counts)
+
+    async def run() -> int:
+        return sum(await asyncio.gather(*[question(k) for k in range(args.questions)]))
+
+    before = client.stats.prefill_tokens
+    t = time.perf_counter()
+    sampled = asyncio.run(run())
+    wall = time.perf_counter() - t
+    return sampled / wall, (client.stats.prefill_tokens - before) / max(sampled, 1)
+
+
+def _multi_turn_table(client: Any, protocol: Any, tasks: list[Any], args: Any) -> None:
+    import torch
+
+    from retool.backends.prefix_cache import PrefixCache
+
+    on, off = client.prefix_cache, PrefixCache(0)
+    threads = [int(t) for t in args.mt_threads.split(",")]
+    variants = [(cache_on, n) for n in threads for cache_on in (True, False)]
+    results: dict[tuple[bool, int], list[tuple[float, float]]] = {v: [] for v in variants}
+    n_traj = 4 * args.questions
+    print(
+        f"\nmulti-turn workload: {args.questions} groups of 4 = {n_traj} concurrent trajectories, "
+        f"3 tool turns + answer of {args.turn_tokens} tokens each; load average {_load_avg()}"
+    )
+    for _ in range(args.rounds):
+        for cache_on, n in variants:
+            torch.set_num_threads(n)
+            results[(cache_on, n)].append(
+                _multi_turn_once(client, protocol, tasks, args, on if cache_on else off)
+            )
+    torch.set_num_threads(args.threads)
+    client.engine.cache = on
+    reference = {n: statistics.median(r for r, _ in results[(False, n)]) for n in threads}
+    base = reference[threads[0]]
+    print(
+        f"{'prefix cache':<13} {'threads':>7} {'tok/s':>7} {'x off':>6} {'x first':>7} {'prefill/sampled':>16}   rounds"
+    )
+    for cache_on, n in variants:
+        rows = results[(cache_on, n)]
+        med = statistics.median(r for r, _ in rows)
+        ratio = statistics.median(p for _, p in rows)
+        runs = ", ".join(f"{r:.1f}" for r, _ in rows)
+        print(
+            f"{'on' if cache_on else 'off':<13} {n:>7} {med:>7.1f} {med / reference[n]:>6.2f} "
+            f"{med / base:>7.2f} {ratio:>16.2f}   [{runs}]"
+        )
+    print(f"load average after the multi-turn rows: {_load_avg()}")
 
 
 def _llamacpp_sampler(client: Any, threads: int) -> Any:

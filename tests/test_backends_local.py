@@ -168,13 +168,14 @@ def test_concurrent_requests_are_batched(
     client: LocalTrainingClient, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     calls: list[int] = []
-    original = client._generate
+    original = client.engine.submit
 
     def spy(requests):  # type: ignore[no-untyped-def]
         calls.append(len(requests))
         return original(requests)
 
-    monkeypatch.setattr(client, "_generate", spy)
+    monkeypatch.setattr(client.engine, "submit", spy)
+    client.engine.peak_rows = 0
     prompt = _prompt(client, "42")
 
     async def run() -> list[list[Sample]]:
@@ -185,7 +186,8 @@ def test_concurrent_requests_are_batched(
 
     out = asyncio.run(run())
     assert [len(x) for x in out] == [2] * 6
-    assert calls == [12]  # six requests, one batched generation (sample_batch_size=16)
+    assert calls == [12]  # six requests gathered into one submission (sample_batch_size=16)
+    assert client.engine.peak_rows == 12  # and decoded together
 
 
 def test_max_tokens_gives_length(client: LocalTrainingClient) -> None:

@@ -285,17 +285,17 @@ def test_local_sampler_batch_dies_mid_run(tiny_model_dir: Path, tmp_path: Path) 
     cfg = tiny_config(tiny_model_dir)
     client = make_training_client(cfg)
     sampler = client._sampler
-    real_run_batch = sampler._run_batch
+    real_start_batch = sampler._start_batch
     batches = {"n": 0}
 
-    def dying_batch(requests: Any) -> list[Sample]:
+    def dying_batch(requests: Any) -> Any:
         if len(requests) == GROUP:  # a group request (later turns ask for one sample each)
             batches["n"] += 1
             if batches["n"] == 3:  # the first group request of step 2
                 raise RuntimeError("CUDA error: an illegal memory access was encountered (simulated)")
-        return real_run_batch(requests)
+        return real_start_batch(requests)
 
-    sampler._run_batch = dying_batch
+    sampler._start_batch = dying_batch  # type: ignore[method-assign]
     worker_pool = client._executor
     try:
         with (

@@ -52,6 +52,9 @@ class BackendConfig(_Section):
     sample_batch_size: int = 32  # sequences generated together by the local sampler
     # torch CPU threads of the local backend (0: torch's default; 1 is fastest on a busy CPU)
     cpu_threads: int = 0
+    # Memory cap (MiB) of the local sampler's prefix cache: KV of sequences already run, reused by any
+    # request that extends them (a trajectory's next turn, a group's prompt); LRU; 0 turns it off.
+    prefix_cache_mb: float = Field(default=1024.0, ge=0.0)
 
 
 class LoraConfig(_Section):

@@ -164,6 +164,7 @@ def _local_client(config: Config) -> TrainingClient:
             checkpoint_dir=Path(config.train.run_dir) / "checkpoints",
             max_context=config.model.max_context,
             num_threads=config.backend.cpu_threads or None,
+            prefix_cache_mb=config.backend.prefix_cache_mb,
         )
     except OSError as exc:
         if Path(name).expanduser().exists():  # a local model that fails to load: not a "where is it" error

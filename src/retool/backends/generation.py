@@ -1,4 +1,4 @@
-"""The local sampler's own decoding loop: batched, KV-cached, left-padded generation with per-sequence RNG.
+"""The local sampler's decoding engine: continuous batching over a KV cache, prefix caching, per-row RNG.
 
 Why not ``model.generate``: we need (a) the model's *raw* logprob of every chosen token (temperature,
 top-k and top-p only shape the choice), (b) one ``torch.Generator`` per sequence so that a seeded request
@@ -7,30 +7,54 @@ completion, with the stop tokens kept in the output, and (d) per-row temperature
 
 Each step draws exactly one uniform number per sequence from its generator and picks a token by
 inverse-CDF over the filtered distribution, so the random stream never depends on the batch shape.
-Rows that finish are dropped from the KV cache once they are the majority, so long tails stay cheap.
 
-Shared prompt prefix: the prompts of one batch usually start alike (system prompt, tool schema, chat
-header; a group's branches share the whole question). The longest common prefix is run once, its KV
-cache repeated for every row, and only the rest of each prompt is prefilled, laid out as ``[shared
-prefix][left padding][own suffix]`` (the attention mask hides the padding, positions continue from the
-prefix). With a ~100-token system prompt and short questions this removes most of the prefill work, which
-dominates multi-turn sampling on CPU (measured in ``bench/real_model.py``).
+Continuous batching (``ContinuousGenerator``): requests go into an inbox; one job on the owner's worker
+thread decodes every sequence in flight one token per step, admits waiting requests at step boundaries
+(up to ``batch_limit`` sequences) and lets a finished sequence leave at once, so no sequence waits for
+its batch's longest. The KV cache is one left-padded tensor per layer, ``[rows, heads, columns, dim]``;
+rows of different lengths are aligned on the right and the attention mask hides the holes, position ids
+are explicit per row. When a training call is queued on the same worker, the job stops admitting, lets
+the sequences in flight finish and queues itself behind the training call.
+
+Prefill: a new sequence prefills only what no cache holds. Sources, longest first: the prefix cache
+(``retool.backends.prefix_cache``; the previous turn of the same trajectory, a group sibling finished
+earlier, a system prompt seen before), then the common prefix of the sequences admitted together (run
+once, and stored). Identical prompts admitted together (a group) are prefilled once and their KV
+repeated. When a sequence finishes, the KV of its prompt and completion goes into the prefix cache.
+
+Numerics: a token's logits depend on how its KV was computed (one long prefill, prefix + suffix, batch
+composition) only through float rounding, so cache on and off give the same tokens (barring a uniform
+draw within ~1e-6 of a CDF boundary) and logprobs equal to ~1e-5; not bitwise, because matmuls of
+different shapes sum in different orders.
 """
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import inspect
 import logging
+import threading
 import time
-from collections.abc import Sequence
-from dataclasses import dataclass
-from typing import Any
+from collections.abc import Callable, Hashable, Sequence
+from concurrent.futures import Executor
+from dataclasses import dataclass, field
+from typing import Any, Protocol
 
 import torch
+from transformers import DynamicCache
+from transformers.cache_utils import DynamicLayer
 
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.prefix_cache import KV, PrefixCache
+from retool.backends.types import Sample, SamplingParams, StopReason
 
 logger = logging.getLogger(__name__)
+
+# Below this many shared tokens, prefilling the prefix once does not pay for the extra forward pass.
+MIN_SHARED_PREFIX = 16
+# Padded area of one prefill forward relative to its real tokens before it is split by suffix length.
+PREFILL_PADDING_SLACK = 1.25
+MAX_PREFILL_TOKENS = 16384  # padded tokens of one prefill forward (bounds its activation memory)
 
 
 @dataclass
@@ -40,6 +64,16 @@ class GenRequest:
     prompt: list[int]
     params: SamplingParams
     seed: int
+
+
+class SamplingStats(Protocol):
+    """Where the engine reports its work (``retool.backends.local.BackendStats``)."""
+
+    def add_prefill(self, computed: int, seconds: float) -> None: ...
+
+    def add_sequence(self, prompt_tokens: int, sampled_tokens: int) -> None: ...
+
+    def add_sample_seconds(self, seconds: float) -> None: ...
 
 
 def _stop_sets(params: SamplingParams, eos_ids: set[int]) -> tuple[set[int], list[str]]:
@@ -71,10 +105,6 @@ def _output_cache(out: Any) -> Any:
         if value is not None:
             return value
     raise RuntimeError("model returned no KV cache")
-
-
-# Below this many shared tokens, one batched prefill is as cheap as a prefix pass plus a suffix pass.
-MIN_SHARED_PREFIX = 16
 
 
 def shared_prefix_length(prompts: Sequence[Sequence[int]]) -> int:
@@ -126,140 +156,439 @@ def choose_tokens(
     return torch.where(greedy, argmax, picked)
 
 
-@torch.no_grad()
-def generate_batch(
-    model: Any,
-    tokenizer: Any,
-    requests: Sequence[GenRequest],
-    *,
-    pad_id: int,
-    eos_ids: set[int],
-    max_context: int,
-    device: torch.device,
-    timings: dict[str, float] | None = None,
-    share_prefix: bool = True,
-) -> list[Sample]:
-    """Generate every request in one left-padded batch; return one ``Sample`` per request, in order.
+class _Unit:
+    """One submitted list of requests; its result is complete when every row has finished."""
 
-    ``share_prefix``: run the batch's common prompt prefix once (see the module docstring).
-    ``timings["prefill_seconds"]`` (when given) accumulates the time of the prompt forward passes.
+    def __init__(self, size: int, future: concurrent.futures.Future[list[Sample]]) -> None:
+        self.future = future
+        self.results: list[Sample | None] = [None] * size
+        self.left = size
 
-    Long because the decode loop is one piece of state (KV cache, attention mask, per-row budgets,
-    stop windows, generators, finished rows) advanced together; split up, every helper would take and
-    return most of it, and this is the sampler's hot path.
+    def finish(self, index: int, sample: Sample) -> None:
+        self.results[index] = sample
+        self.left -= 1
+        if self.left == 0 and not self.future.done():
+            self.future.set_result([s for s in self.results if s is not None])
+
+    def fail(self, exc: BaseException) -> None:
+        if not self.future.done():
+            self.future.set_exception(exc)
+
+
+@dataclass
+class _Row:
+    """One sequence: its request, its private generator and what it has produced so far."""
+
+    unit: _Unit
+    index: int
+    prompt: list[int]
+    params: SamplingParams
+    generator: torch.Generator
+    budget: int
+    stop_ids: set[int]
+    stop_strings: list[str]
+    window: int  # tokens decoded to look for a stop string
+    tokens: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+    @classmethod
+    def start(cls, unit: _Unit, index: int, req: GenRequest, eos_ids: set[int], max_context: int) -> _Row:
+        stop_ids, stop_strings = _stop_sets(req.params, eos_ids)
+        return cls(
+            unit=unit,
+            index=index,
+            prompt=req.prompt,
+            params=req.params,
+            generator=torch.Generator().manual_seed(req.seed % (2**63)),
+            budget=max(0, min(req.params.max_tokens, max_context - len(req.prompt))),
+            stop_ids=stop_ids,
+            stop_strings=stop_strings,
+            window=max((len(s) for s in stop_strings), default=0) + 4,
+        )
+
+    def record(self, token: int, logprob: float, tokenizer: Any) -> StopReason | None:
+        """Append a sampled token; the reason the sequence ends with it, if it does."""
+        self.tokens.append(token)
+        self.logprobs.append(logprob)
+        if token in self.stop_ids:
+            return "stop"
+        if self.stop_strings:
+            tail = tokenizer.decode(self.tokens[-self.window :], skip_special_tokens=False)
+            if any(s in tail for s in self.stop_strings):
+                return "stop"
+        return "length" if len(self.tokens) >= self.budget else None
+
+    def cached_tokens(self) -> list[int]:
+        """The tokens whose KV the cache holds for this row (the last sampled one was never fed back)."""
+        return self.prompt + self.tokens[:-1]
+
+
+def _layers(cache: Any) -> list[Any]:
+    layers = list(cache.layers)
+    if any(type(layer) is not DynamicLayer for layer in layers):  # sliding windows drop old columns
+        kinds = sorted({type(layer).__name__ for layer in layers})
+        raise NotImplementedError(f"the local sampler needs full KV caches; this model's are {kinds}")
+    return layers
+
+
+def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
+    extra = width - t.shape[-2]
+    return t if extra == 0 else torch.nn.functional.pad(t, (0, 0, extra, 0))
+
+
+class _Batch:
+    """The sequences in flight and their decoding state, row-aligned: KV cache (a ``DynamicCache`` whose
+    layers are ``[rows, heads, columns, dim]``), attention mask ``[rows, columns]``, the position of each
+    row's last token and the logits of its next one."""
+
+    def __init__(
+        self, rows: list[_Row], cache: Any, mask: torch.Tensor, last_pos: torch.Tensor, logits: torch.Tensor
+    ) -> None:
+        self.rows, self.cache, self.mask, self.last_pos, self.logits = rows, cache, mask, last_pos, logits
+
+    def select(self, keep: list[int]) -> _Batch:
+        """The rows ``keep`` (repeats allowed: a group's copies of one prefilled prompt)."""
+        index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
+        for layer in _layers(self.cache):
+            layer.keys, layer.values = layer.keys[index], layer.values[index]
+        rows = [self.rows[i] for i in keep] if self.rows else []
+        batch = _Batch(rows, self.cache, self.mask[index], self.last_pos[index], self.logits[index])
+        batch.trim()
+        return batch
+
+    def extend(self, other: _Batch) -> _Batch:
+        """Both batches' rows in one, the shorter KV padded on the left."""
+        width = max(self.mask.shape[1], other.mask.shape[1])
+        for mine, theirs in zip(_layers(self.cache), _layers(other.cache), strict=True):
+            mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
+            mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
+        pad = torch.nn.functional.pad
+        mask = torch.cat([pad(m, (width - m.shape[1], 0)) for m in (self.mask, other.mask)])
+        return _Batch(
+            self.rows + other.rows,
+            self.cache,
+            mask,
+            torch.cat([self.last_pos, other.last_pos]),
+            torch.cat([self.logits, other.logits]),
+        )
+
+    def trim(self) -> None:
+        """Drop the leading columns no row attends to (left after long rows leave)."""
+        used = self.mask.any(0).nonzero()
+        first = int(used[0]) if len(used) else 0
+        if first > 0:
+            for layer in _layers(self.cache):
+                layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
+            self.mask = self.mask[:, first:]
+
+    def row_kv(self, row: int) -> KV:
+        """Row ``row``'s keys and values over its real columns, ``[heads, length, dim]`` per layer."""
+        cols = self.mask[row].nonzero().squeeze(-1)
+        return [
+            (layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols))
+            for layer in _layers(self.cache)
+        ]
+
+
+def _padding_groups(lengths: list[int]) -> list[list[int]]:
+    """Indices into ``lengths`` grouped (shortest first) so each group's padded area stays within
+    ``PREFILL_PADDING_SLACK`` of its real tokens and under ``MAX_PREFILL_TOKENS``."""
+    groups: list[list[int]] = []
+    current: list[int] = []
+    real = 0
+    for i in sorted(range(len(lengths)), key=lambda i: lengths[i]):
+        area = (len(current) + 1) * lengths[i]  # sorted: the new one is the longest
+        if current and (area > PREFILL_PADDING_SLACK * (real + lengths[i]) or area > MAX_PREFILL_TOKENS):
+            groups.append(current)
+            current, real = [], 0
+        current.append(i)
+        real += lengths[i]
+    if current:
+        groups.append(current)
+    return groups
+
+
+@dataclass
+class _Prefill:
+    """One prompt to prefill: its tokens and the longest cached prefix found for it."""
+
+    tokens: list[int]
+    cached: int = 0
+    kv: KV | None = None
+
+
+class ContinuousGenerator:
+    """Continuous-batching generation with a prefix cache on one executor (see the module docstring).
+
+    ``model_fn`` returns the module to run, brought up to date (called once per job, on the executor);
+    ``tag_fn`` the identity of its weights (a change empties the prefix cache); ``should_yield`` is true
+    while another job (a training call) waits for the executor.
     """
-    n = len(requests)
-    results: list[Sample | None] = [None] * n
-    tokens: list[list[int]] = [[] for _ in range(n)]
-    logprobs: list[list[float]] = [[] for _ in range(n)]
-    stops = [_stop_sets(r.params, eos_ids) for r in requests]
-    budgets = [max(0, min(r.params.max_tokens, max_context - len(r.prompt))) for r in requests]
-    windows = [max((len(s) for s in strs), default=0) + 4 for _, strs in stops]
-    gens = [torch.Generator().manual_seed(r.seed % (2**63)) for r in requests]
 
-    active = [i for i in range(n) if budgets[i] > 0]
-    for i in range(n):
-        if budgets[i] == 0:
-            results[i] = Sample([], [], "length")
-    if not active:
-        return [r for r in results if r is not None]
+    def __init__(
+        self,
+        *,
+        model_fn: Callable[[], Any],
+        tag_fn: Callable[[], Hashable],
+        tokenizer: Any,
+        pad_id: int,
+        eos_ids: set[int],
+        max_context: int,
+        device: torch.device,
+        batch_limit: int,
+        cache: PrefixCache,
+        executor: Executor,
+        stats: SamplingStats,
+        should_yield: Callable[[], bool] = lambda: False,
+    ) -> None:
+        self._model_fn, self._tag_fn, self._should_yield = model_fn, tag_fn, should_yield
+        self.tokenizer, self.pad_id, self.eos_ids = tokenizer, pad_id, eos_ids
+        self.max_context, self.device, self.batch_limit = max_context, device, batch_limit
+        self.cache, self.stats, self._executor = cache, stats, executor
+        self.share_prefix = True  # run the common prefix of sequences admitted together once
+        self.peak_rows = 0  # most sequences decoded together (observability)
+        self._inbox: collections.deque[_Row] = collections.deque()
+        self._lock = threading.Lock()
+        self._running = False
+        self._cache_key: str | None = None
 
-    prompts = [requests[i].prompt for i in active]
-    shared = shared_prefix_length(prompts) if share_prefix else 0
-    if shared < MIN_SHARED_PREFIX:
-        shared = 0
-    longest = max(len(p) for p in prompts) - shared
-    ids = torch.full((len(active), longest), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(active), shared + longest), dtype=torch.long)
-    mask[:, :shared] = 1
-    for row, p in enumerate(prompts):
-        own = p[shared:]
-        ids[row, longest - len(own) :] = torch.tensor(own, dtype=torch.long)
-        mask[row, shared + longest - len(own) :] = 1
-    ids, mask = ids.to(device), mask.to(device)
-    positions = (mask.cumsum(-1) - 1).clamp_(min=0)
+    def submit(self, requests: Sequence[GenRequest]) -> concurrent.futures.Future[list[Sample]]:
+        """Queue ``requests``; the future holds one ``Sample`` per request, in order."""
+        future: concurrent.futures.Future[list[Sample]] = concurrent.futures.Future()
+        if not requests:
+            future.set_result([])
+            return future
+        unit = _Unit(len(requests), future)
+        rows = [_Row.start(unit, i, r, self.eos_ids, self.max_context) for i, r in enumerate(requests)]
+        with self._lock:
+            self._inbox.extend(rows)
+            if not self._running:
+                try:
+                    self._executor.submit(self._job)
+                except RuntimeError as exc:  # the executor was shut down
+                    self._inbox.clear()
+                    unit.fail(exc)
+                    return future
+                self._running = True
+        return future
 
-    def per_row(values: list[float], dtype: torch.dtype) -> torch.Tensor:
-        return torch.tensor(values, dtype=dtype, device=device)
+    def _job(self) -> None:
+        """Executor body: serve the inbox until it is empty (or a training call waits)."""
+        t0 = time.perf_counter()
+        model: Any = None
+        was_training = False
+        batch: _Batch | None = None
+        try:
+            model = self._model_fn()
+            was_training = model.training
+            model.eval()
+            self.cache.validate((self._tag_fn(), id(model)))
+            if self._cache_key is None:
+                self._cache_key = _cache_kwarg(model)
+            with torch.no_grad():
+                while True:
+                    batch = self._admit(model, batch)
+                    if batch is None:
+                        if self._end_job():
+                            break
+                        continue
+                    batch = self._step(model, batch)
+        except Exception as exc:  # a fault of the engine itself: fail every waiter rather than hang it
+            logger.exception("local sampler: generation job failed")
+            with self._lock:
+                waiting = list(self._inbox) + (batch.rows if batch else [])
+                self._inbox.clear()
+                self._running = False
+            for row in waiting:
+                row.unit.fail(exc)
+        finally:
+            if model is not None:
+                model.train(was_training)
+            self.stats.add_sample_seconds(time.perf_counter() - t0)
 
-    temperature = per_row([requests[i].params.temperature for i in active], torch.float32)
-    top_p = per_row([requests[i].params.top_p for i in active], torch.float32)
-    top_k = per_row([requests[i].params.top_k for i in active], torch.long)
+    def _end_job(self) -> bool:
+        """Whether the job may end: nothing waits, or a training call does (the job queues behind it)."""
+        with self._lock:
+            if not self._inbox:
+                self._running = False
+                return True
+            if self._should_yield():
+                self._executor.submit(self._job)
+                return True
+        return False
 
-    cache_key = _cache_kwarg(model)
-    t_prefill = time.perf_counter()
-    if shared:
-        head = torch.tensor([prompts[0][:shared]], dtype=torch.long, device=device)
-        first = model(input_ids=head, use_cache=True, logits_to_keep=1)
-        prefix_cache = _output_cache(first)
-        prefix_cache.batch_repeat_interleave(len(active))
+    def _take(self, room: int) -> list[_Row]:
+        if room <= 0 or self._should_yield():
+            return []
+        taken: list[_Row] = []
+        with self._lock:
+            while self._inbox and len(taken) < room:
+                row = self._inbox.popleft()
+                if row.unit.future.done():  # cancelled or failed meanwhile
+                    continue
+                if row.budget == 0:
+                    row.unit.finish(row.index, Sample([], [], "length"))
+                    continue
+                taken.append(row)
+        return taken
+
+    def _admit(self, model: Any, batch: _Batch | None) -> _Batch | None:
+        """Prefill waiting rows and add them to ``batch`` (a failure ends those rows and the batch's)."""
+        rows = self._take(self.batch_limit - (len(batch.rows) if batch else 0))
+        if not rows:
+            return batch
+        try:
+            new = self._prefill_rows(model, rows)
+        except Exception as exc:
+            logger.exception("local sampler: prefill failed")
+            for row in rows + (batch.rows if batch else []):
+                row.unit.fail(exc)
+            return None
+        merged = new if batch is None else batch.extend(new)
+        self.peak_rows = max(self.peak_rows, len(merged.rows))
+        return merged
+
+    def _prefill_rows(self, model: Any, rows: list[_Row]) -> _Batch:
+        """One batch of ``rows`` with their prompts prefilled; identical prompts are run once."""
+        unique: dict[tuple[int, ...], int] = {}
+        order = [unique.setdefault(tuple(r.prompt), len(unique)) for r in rows]
+        items = [_Prefill(list(p)) for p in unique]
+        self._find_prefixes(model, items)
+        parts: list[tuple[list[int], _Batch]] = []
+        for group in _padding_groups([len(it.tokens) - it.cached for it in items]):
+            parts.append((group, self._forward_prefill(model, [items[i] for i in group])))
+        position = {u: (p, k) for p, (group, _) in enumerate(parts) for k, u in enumerate(group)}
+        whole = parts[0][1]
+        offsets = [0]
+        for _, part in parts[1:]:
+            offsets.append(len(whole.logits))
+            whole = whole.extend(part)
+        keep = [offsets[position[u][0]] + position[u][1] for u in order]
+        batch = whole.select(keep)
+        batch.rows = rows
+        return batch
+
+    def _find_prefixes(self, model: Any, items: list[_Prefill]) -> None:
+        """Fill each item's cached prefix: from the prefix cache, or the items' common prefix run now."""
+        for it in items:
+            if self.cache.enabled:
+                it.cached, it.kv = self.cache.lookup(it.tokens, len(it.tokens) - 1)
+        shared = shared_prefix_length([it.tokens for it in items]) if self.share_prefix else 0
+        if shared < MIN_SHARED_PREFIX or all(it.cached >= shared for it in items):
+            return
+        head = _Prefill(items[0].tokens[:shared])
+        if self.cache.enabled:
+            head.cached, head.kv = self.cache.lookup(head.tokens, shared - 1)
+        else:  # the longest prefix an item already holds is still worth reusing
+            best = max(items, key=lambda it: it.cached)
+            if best.cached:
+                head.cached, head.kv = best.cached, best.kv
+        kv = self._forward_prefill(model, [head]).row_kv(0)
+        self.cache.store(head.tokens, kv)
+        for it in items:
+            if it.cached < shared:
+                it.cached, it.kv = shared, kv
+
+    def _forward_prefill(self, model: Any, items: list[_Prefill]) -> _Batch:
+        """Run each item's uncached suffix after its cached KV, right-aligned (``[pad][prefix]`` in the
+        cache, ``[pad][suffix]`` in the input); a batch of the items (without rows) and their logits."""
+        t0 = time.perf_counter()
+        width = max(it.cached for it in items)
+        longest = max(len(it.tokens) - it.cached for it in items)
+        ids = torch.full((len(items), longest), self.pad_id, dtype=torch.long)
+        mask = torch.zeros((len(items), width + longest), dtype=torch.long)
+        pos = torch.zeros((len(items), longest), dtype=torch.long)
+        for u, it in enumerate(items):
+            own = it.tokens[it.cached :]
+            ids[u, longest - len(own) :] = torch.tensor(own, dtype=torch.long)
+            mask[u, width - it.cached : width] = 1
+            mask[u, width + longest - len(own) :] = 1
+            pos[u, longest - len(own) :] = torch.arange(it.cached, len(it.tokens))
+        kwargs: dict[str, Any] = {}
+        if width:
+            kwargs[self._cache_key or "past_key_values"] = self._padded_cache(items, width)
+        mask, pos = mask.to(self.device), pos.to(self.device)
         out = model(
-            input_ids=ids,
+            input_ids=ids.to(self.device),
             attention_mask=mask,
-            position_ids=positions[:, shared:],
+            position_ids=pos,
             use_cache=True,
             logits_to_keep=1,
-            **{cache_key: prefix_cache},
+            **kwargs,
         )
-    else:
-        out = model(
-            input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True, logits_to_keep=1
-        )
-    if timings is not None:
-        timings["prefill_seconds"] = timings.get("prefill_seconds", 0.0) + time.perf_counter() - t_prefill
-    cache = _output_cache(out)
-    logits = out.logits[:, -1, :].float()
-    last_pos = positions[:, -1:]
+        computed = sum(len(it.tokens) - it.cached for it in items)
+        self.stats.add_prefill(computed, time.perf_counter() - t0)
+        cache = _output_cache(out)
+        _layers(cache)  # refuse a cache layout the batch cannot merge, before any row depends on it
+        return _Batch([], cache, mask, pos[:, -1:], out.logits[:, -1, :].float())
 
-    rows = list(active)  # request index of each row of the KV cache
-    done = [False] * n
-    while True:
-        lp_all = torch.log_softmax(logits, dim=-1)
+    def _padded_cache(self, items: list[_Prefill], width: int) -> Any:
+        """A ``DynamicCache`` holding each item's cached KV right-aligned in ``width`` columns."""
+        ref = next(it.kv for it in items if it.kv is not None)
+        layers: list[tuple[torch.Tensor, torch.Tensor]] = []
+        for layer, (k0, _) in enumerate(ref):
+            shape = (len(items), k0.shape[0], width, k0.shape[2])
+            keys, values = k0.new_zeros(shape), k0.new_zeros(shape)
+            for u, it in enumerate(items):
+                if it.kv is not None and it.cached:
+                    keys[u, :, width - it.cached :] = it.kv[layer][0]
+                    values[u, :, width - it.cached :] = it.kv[layer][1]
+            layers.append((keys, values))
+        return DynamicCache(ddp_cache_data=layers)
+
+    def _step(self, model: Any, batch: _Batch) -> _Batch | None:
+        """Sample one token for every row, let finished rows leave, decode the rest one position."""
+        rows = batch.rows
+        params = [r.params for r in rows]
+        lp_all = torch.log_softmax(batch.logits, dim=-1)
         # One draw per live sequence per step from its own generator: the stream ignores batch composition.
-        uniforms = torch.stack(
-            [torch.rand((), generator=gens[i]) if not done[i] else torch.zeros(()) for i in rows]
-        ).to(device)
-        chosen = choose_tokens(logits, temperature, top_p, top_k, uniforms)
-        chosen_list = chosen.tolist()
-        lp_list = lp_all.gather(-1, chosen[:, None]).squeeze(-1).tolist()
-        for row, i in enumerate(rows):
-            if done[i]:
-                continue
-            tok = chosen_list[row]
-            tokens[i].append(tok)
-            logprobs[i].append(lp_list[row])
-            stop_ids, stop_strs = stops[i]
-            reason: str | None = None
-            if tok in stop_ids:
-                reason = "stop"
-            elif stop_strs:
-                tail = tokenizer.decode(tokens[i][-windows[i] :], skip_special_tokens=False)
-                if any(s in tail for s in stop_strs):
-                    reason = "stop"
-            if reason is None and len(tokens[i]) >= budgets[i]:
-                reason = "length"
-            if reason is not None:
-                done[i] = True
-                results[i] = Sample(tokens[i], logprobs[i], reason)  # type: ignore[arg-type]
-        live = [row for row, i in enumerate(rows) if not done[i]]
-        if not live:
-            break
-        if len(live) <= len(rows) // 2 and hasattr(cache, "batch_select_indices"):
-            # Most rows finished: drop them from the cache so the tail of long generations stays cheap.
-            keep = torch.tensor(live, device=device)
-            cache.batch_select_indices(keep)
-            mask, last_pos, chosen = mask[keep], last_pos[keep], chosen[keep]
-            temperature, top_p, top_k = temperature[keep], top_p[keep], top_k[keep]
-            rows = [rows[r] for r in live]
-        mask = torch.cat([mask, torch.ones((mask.shape[0], 1), dtype=mask.dtype, device=device)], dim=1)
-        last_pos = last_pos + 1
+        uniforms = torch.stack([torch.rand((), generator=r.generator) for r in rows]).to(self.device)
+        chosen = choose_tokens(
+            batch.logits,
+            torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
+            torch.tensor([p.top_p for p in params], dtype=torch.float32, device=self.device),
+            torch.tensor([p.top_k for p in params], dtype=torch.long, device=self.device),
+            uniforms,
+        )
+        lps = lp_all.gather(-1, chosen[:, None]).squeeze(-1).tolist()
+        live: list[int] = []
+        for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
+            reason = row.record(token, lps[i], self.tokenizer)
+            if reason is None and not row.unit.future.done():
+                live.append(i)
+            elif reason is not None:
+                self._finish(batch, i, reason)
+        if len(live) < len(rows):
+            if not live:
+                return None
+            batch = batch.select(live)
+            chosen = chosen[torch.tensor(live, device=self.device)]
+        try:
+            return self._decode(model, batch, chosen)
+        except Exception as exc:
+            logger.exception("local sampler: decoding step failed")
+            for row in batch.rows:
+                row.unit.fail(exc)
+            return None
+
+    def _finish(self, batch: _Batch, i: int, reason: StopReason) -> None:
+        row = batch.rows[i]
+        if self.cache.enabled:
+            self.cache.store(row.cached_tokens(), batch.row_kv(i))
+        self.stats.add_sequence(len(row.prompt), len(row.tokens))
+        row.unit.finish(row.index, Sample(row.tokens, row.logprobs, reason))
+
+    def _decode(self, model: Any, batch: _Batch, chosen: torch.Tensor) -> _Batch:
+        ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
+        batch.mask = torch.cat([batch.mask, ones], dim=1)
+        batch.last_pos = batch.last_pos + 1
         out = model(
             input_ids=chosen[:, None],
-            attention_mask=mask,
-            position_ids=last_pos,
+            attention_mask=batch.mask,
+            position_ids=batch.last_pos,
             use_cache=True,
-            **{cache_key: cache},
+            **{self._cache_key or "past_key_values": batch.cache},
         )
-        cache = _output_cache(out)
-        logits = out.logits[:, -1, :].float()
-    return [r if r is not None else Sample(tokens[i], logprobs[i], "length") for i, r in enumerate(results)]
+        batch.cache = _output_cache(out)
+        batch.logits = out.logits[:, -1, :].float()
+        return batch

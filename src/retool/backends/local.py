@@ -10,8 +10,17 @@ returned by ``sampling_client_async()`` always samples from whatever the weights
 and does not optimise while sampling, so this is on-policy; with LoRA dropout 0 the trainer's recomputed
 logprobs match the sampler's to float precision (ratio 1).
 
-Concurrent ``sample_async`` calls are gathered for a few milliseconds and run as one batched generation of
-up to ``sample_batch_size`` sequences (see ``retool.backends.generation``).
+Concurrent ``sample_async`` calls are gathered for a few milliseconds and handed together to the
+continuous-batching engine of ``retool.backends.generation``: up to ``sample_batch_size`` sequences
+decode together, new ones join at step boundaries and finished ones leave at once. Its prefix cache
+(``retool.backends.prefix_cache``, ``prefix_cache_mb``, LRU) lets a request that extends a sequence
+already run (a trajectory's next turn, a group's shared prompt) prefill only its new tokens. The cache is
+emptied whenever the weights change (``optim_step``, ``load_state``, ``mark_weights_changed``) or the
+sampling module does (the merged LoRA view switched on or off): KV computed with old weights never
+serves a request.
+
+Off-policy pipelining (``train.max_steps_off_policy``) samples from a ``FrozenSamplingClient``: a copy of
+the weights of one version that generates on a thread of its own while the worker thread trains.
 
 Sampling with LoRA (``merge_lora_for_sampling``, default on): generation runs on a plain copy of the base
 model whose adapted linears hold ``W + scale * B @ A`` (every other tensor is shared with the trainer, so
@@ -19,8 +28,9 @@ the copy costs only the adapted weights), rebuilt lazily after each ``optim_step
 Through the PEFT wrapper every adapted linear costs three extra small matmuls and Python dispatch per
 decoded token. Merged and unmerged forwards agree to float rounding (ratio 1 within ~1e-5, not bitwise).
 
-``stats`` counts what the worker thread did: sampled sequences and tokens, prompt tokens prefilled, and
-seconds spent generating; trained tokens (padded and real) and seconds spent in forward/backward.
+``stats`` counts what the worker thread did: sampled sequences and tokens, prompt tokens (all of them, and
+those actually prefilled, i.e. not served by a cache) and seconds spent generating; trained tokens (padded
+and real) and seconds spent in forward/backward.
 
 Seeds: sample ``i`` of a request with ``seed=s`` uses its own generator seeded from ``(s, i)``, so the
 result does not depend on what else shares the batch; unseeded requests draw seeds from the client's RNG
@@ -43,11 +53,14 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import copy
 import json
 import logging
 import random
+import threading
+import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -55,11 +68,14 @@ from typing import Any
 
 import numpy as np
 import torch
+from safetensors.torch import load_file, load_model, save_model
+from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.generation import GenRequest, generate_batch
+from retool.backends.base import SamplingClient, TrainingClient, run_sync
+from retool.backends.generation import ContinuousGenerator, GenRequest
 from retool.backends.losses import LOSS_NAMES, LossTally, token_loss
 from retool.backends.packing import pack_micro_batches, padding_efficiency
+from retool.backends.prefix_cache import PrefixCache
 from retool.backends.types import (
     AdamParams,
     Datum,
@@ -71,6 +87,10 @@ from retool.backends.types import (
 )
 
 logger = logging.getLogger(__name__)
+
+# Default memory cap of the sampler's prefix cache (``backend.prefix_cache_mb``). SmolLM2-135M holds
+# ~46 KB of KV per token in fp32, so 1 GiB keeps ~23,000 tokens: a demo step's trajectories.
+DEFAULT_PREFIX_CACHE_MB = 1024.0
 
 # The metadata of a saved state. Its name (kept so states saved earlier still load) is also the trainer
 # checkpoint's; ``retool.train.checkpoint`` tells the two apart by their contents.
@@ -131,6 +151,12 @@ def _forget_gguf_quantization(model: Any) -> None:
         model.quantization_method = None
 
 
+def _prefix_cache_bytes(megabytes: float) -> int:
+    if megabytes < 0:
+        raise ValueError(f"prefix_cache_mb must be >= 0 (0 turns the cache off), got {megabytes}")
+    return int(megabytes * 2**20)
+
+
 def _lora_spec(lora: Any) -> LocalLoraSpec | None:
     """Accept a ``LocalLoraSpec``, a ``retool.config.LoraConfig``, a dict, or ``None`` (full fine-tuning)."""
     if lora is None or isinstance(lora, LocalLoraSpec):
@@ -154,7 +180,8 @@ class BackendStats:
     prefill_seconds: float = 0.0  # part of sample_seconds: the prompts' forward passes
     sampled_sequences: int = 0
     sampled_tokens: int = 0
-    prefill_tokens: int = 0
+    prefill_tokens: int = 0  # prompt tokens run through the model (not served by a cache)
+    prompt_tokens: int = 0  # prompt tokens of the sampled sequences, cached or not
     train_seconds: float = 0.0
     trained_tokens: int = 0
     trained_padded_tokens: int = 0
@@ -163,11 +190,26 @@ class BackendStats:
     def add_sampling(
         self, requests: Sequence[GenRequest], samples: Sequence[Sample], seconds: float, prefill: float = 0.0
     ) -> None:
+        """A batch generated by an external engine (llama.cpp), which prefills every prompt in full."""
         self.sample_seconds += seconds
         self.prefill_seconds += prefill
         self.sampled_sequences += len(samples)
         self.sampled_tokens += sum(len(s.tokens) for s in samples)
         self.prefill_tokens += sum(len(r.prompt) for r in requests)
+        self.prompt_tokens += sum(len(r.prompt) for r in requests)
+
+    # The local engine's reports (``retool.backends.generation.SamplingStats``).
+    def add_prefill(self, computed: int, seconds: float) -> None:
+        self.prefill_tokens += computed
+        self.prefill_seconds += seconds
+
+    def add_sequence(self, prompt_tokens: int, sampled_tokens: int) -> None:
+        self.sampled_sequences += 1
+        self.sampled_tokens += sampled_tokens
+        self.prompt_tokens += prompt_tokens
+
+    def add_sample_seconds(self, seconds: float) -> None:
+        self.sample_seconds += seconds
 
     def add_training(self, tokens: int, padded: int, seconds: float, backward: bool) -> None:
         if not backward:
@@ -185,6 +227,9 @@ class BackendStats:
         out["train_tokens_per_s"] = (
             round(self.trained_tokens / self.train_seconds, 1) if self.train_seconds else 0.0
         )
+        out["prefill_per_sampled_token"] = (
+            round(self.prefill_tokens / self.sampled_tokens, 3) if self.sampled_tokens else 0.0
+        )
         return out
 
 
@@ -199,9 +244,7 @@ class _MergedSampler:
 
     @classmethod
     def build(cls, peft_model: Any) -> _MergedSampler | None:
-        import copy
-
-        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import Linear as LoraLinear  # deferred: peft is needed with LoRA only
 
         base = peft_model.get_base_model()
         live = {name: mod for name, mod in base.named_modules() if isinstance(mod, LoraLinear)}
@@ -254,16 +297,36 @@ class _Pending:
 class _LoopQueue:
     pending: collections.deque[_Pending] = field(default_factory=collections.deque)
     task: asyncio.Task[None] | None = None
+    deliveries: set[asyncio.Task[None]] = field(default_factory=set)  # strong references while running
+
+
+def frozen_copy(model: Any) -> Any:
+    """A copy of ``model`` in eval mode that owns a copy of every trainable tensor and shares the rest."""
+    memo: dict[int, Any] = {id(p): p for p in model.parameters() if not p.requires_grad}
+    memo.update({id(b): b for b in model.buffers()})
+    with torch.no_grad():
+        frozen = copy.deepcopy(model, memo)
+    frozen.eval()
+    frozen.requires_grad_(False)
+    return frozen
 
 
 class LocalSamplingClient(SamplingClient):
-    """Batched sampler over the owning trainer's current weights (a live view; see the module docstring)."""
+    """Batched sampler over the owning trainer's current weights (a live view; see the module docstring).
 
-    def __init__(self, owner: LocalTrainingClient, gather_ms: float = 5.0) -> None:
+    Concurrent requests are gathered for ``gather_ms`` and handed to ``engine`` (continuous batching,
+    ``retool.backends.generation``) together; samplers without an engine (external engines: vLLM,
+    llama.cpp) override ``_run_batch``, which runs each gathered batch on the worker thread.
+    """
+
+    def __init__(
+        self, owner: LocalTrainingClient, gather_ms: float = 5.0, engine: ContinuousGenerator | None = None
+    ) -> None:
         self._owner = owner
         self.batch_limit = owner.sample_batch_size
         self._gather_s = gather_ms / 1000.0
-        self._worker: Executor = owner._executor  # the thread its batches run on (a frozen sampler's own)
+        self._engine = engine
+        self._worker: Executor = owner._executor  # the thread external engines' batches run on
         self._queues: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, _LoopQueue] = (
             weakref.WeakKeyDictionary()
         )
@@ -289,7 +352,6 @@ class LocalSamplingClient(SamplingClient):
         return await fut
 
     async def _dispatch(self, queue: _LoopQueue) -> None:
-        loop = asyncio.get_running_loop()
         limit = self.batch_limit
         while queue.pending:
             await asyncio.sleep(self._gather_s)  # let concurrent callers join this batch
@@ -305,22 +367,66 @@ class LocalSamplingClient(SamplingClient):
                 continue
             flat = [GenRequest(p.prompt, p.params, s) for p in batch for s in p.seeds]
             try:
-                samples = await loop.run_in_executor(self._worker, self._run_batch, flat)
+                running = self._start_batch(flat)
             except Exception as exc:  # every waiter learns why; the queue keeps serving later requests
                 logger.exception("local sampling batch failed")
-                for p in batch:
-                    if not p.future.done():
-                        p.future.set_exception(exc)
+                _fail_all(batch, exc)
                 continue
-            start = 0
-            for p in batch:
-                if not p.future.done():
-                    p.future.set_result(samples[start : start + p.num_samples])
-                start += p.num_samples
+            task = asyncio.get_running_loop().create_task(_deliver(batch, running))
+            queue.deliveries.add(task)
+            task.add_done_callback(queue.deliveries.discard)
+
+    def _start_batch(self, requests: list[GenRequest]) -> Awaitable[list[Sample]]:
+        """Start generating one gathered batch; its samples, in order, when awaited."""
+        if self._engine is not None:
+            return asyncio.wrap_future(self._engine.submit(requests))
+        return asyncio.get_running_loop().run_in_executor(self._worker, self._run_batch, requests)
 
     def _run_batch(self, requests: list[GenRequest]) -> list[Sample]:
-        """Worker-thread body of one gathered batch (the vLLM sampler overrides it)."""
-        return self._owner._generate(requests)
+        """Worker-thread body of one gathered batch, for samplers without an engine (vLLM, llama.cpp)."""
+        raise NotImplementedError(f"{type(self).__name__} has neither an engine nor a _run_batch")
+
+
+def _fail_all(batch: list[_Pending], exc: BaseException) -> None:
+    for p in batch:
+        if not p.future.done():
+            p.future.set_exception(exc)
+
+
+async def _deliver(batch: list[_Pending], running: Awaitable[list[Sample]]) -> None:
+    """Hand each request of a gathered batch its samples (or the batch's error)."""
+    try:
+        samples = await running
+    except Exception as exc:
+        logger.exception("local sampling batch failed")
+        _fail_all(batch, exc)
+        return
+    start = 0
+    for p in batch:
+        if not p.future.done():
+            p.future.set_result(samples[start : start + p.num_samples])
+        start += p.num_samples
+
+
+class FrozenSamplingClient(LocalSamplingClient):
+    """Sampler of ``owner`` over one frozen copy of its weights (``frozen_copy``), for off-policy
+    pipelining: version v samples while version v+1 trains.
+
+    The copy is taken on the trainer's worker thread, queued behind every training call made before it,
+    so it holds exactly the weights after the last ``optim_step``. Its engine generates on ``worker`` (one
+    thread per training client, shared by its frozen samplers), so a batch generates while the worker
+    thread trains: on CPU the two run on two cores (torch releases the GIL inside its kernels). Its
+    prefix cache is its own (its weights never change). ``policy_step``: the owner's optimizer steps
+    when the copy was taken (which version it samples).
+    """
+
+    def __init__(self, owner: LocalTrainingClient, model: Any, worker: Executor, gather_ms: float) -> None:
+        step = owner.step
+        engine = owner.make_engine(lambda: model, lambda: ("frozen", step), worker)
+        super().__init__(owner, gather_ms=gather_ms, engine=engine)
+        self._worker = worker
+        self.model = model
+        self.policy_step = step
 
 
 class LocalTrainingClient(TrainingClient):
@@ -343,12 +449,12 @@ class LocalTrainingClient(TrainingClient):
         attn_implementation: str | None = None,
         num_threads: int | None = None,
         merge_lora_for_sampling: bool = True,
+        prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
-        from transformers import AutoTokenizer
-
         if num_threads:
             # Process-wide. On a busy CPU one thread is often several times faster for tiny models.
             torch.set_num_threads(int(num_threads))
+        self.prefix_cache_bytes = _prefix_cache_bytes(prefix_cache_mb)
 
         self.device = resolve_device(device)
         self.dtype = resolve_dtype(dtype, self.device)
@@ -364,9 +470,7 @@ class LocalTrainingClient(TrainingClient):
         looks_local = self.model_path.startswith(("/", ".", "~")) or bool(self.gguf_file)
         if looks_local and not Path(self.model_path).expanduser().exists():
             raise FileNotFoundError(f"model path {self.model_path} does not exist")
-        load_kwargs: dict[str, Any] = {}
-        if self.gguf_file:
-            load_kwargs["gguf_file"] = self.gguf_file
+        load_kwargs: dict[str, Any] = {"gguf_file": self.gguf_file} if self.gguf_file else {}
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
@@ -382,16 +486,19 @@ class LocalTrainingClient(TrainingClient):
         self.optimizer: torch.optim.Optimizer | None = None
         self._seed_rng = random.Random(seed)
         self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retool-local")
-        self._sampler = LocalSamplingClient(self, gather_ms=gather_ms)
+        self._waiting_lock = threading.Lock()
+        self._waiting_jobs = 0  # calls queued for the worker thread (the sampler yields to them)
         self._gather_ms = gather_ms
         self._frozen_thread: ThreadPoolExecutor | None = None  # generation of frozen samplers
         self._pending_grads = False
         self.merge_lora_for_sampling = bool(merge_lora_for_sampling)
-        # Run a batch's common prompt prefix once (``retool.backends.generation``); off only to compare.
-        self.share_prompt_prefix = True
         self._weights_version = 0  # bumped whenever the trainable weights change
         self._merged: _MergedSampler | None = None
         self.stats = BackendStats()
+        self.engine = self.make_engine(
+            self.sampling_model, lambda: self._weights_version, self._executor, lambda: self._waiting_jobs > 0
+        )
+        self._sampler = LocalSamplingClient(self, gather_ms=gather_ms, engine=self.engine)
         torch.manual_seed(seed)
         logger.info(
             "local backend: %s on %s/%s, %s, %d trainable parameters",
@@ -407,8 +514,6 @@ class LocalTrainingClient(TrainingClient):
 
         Returns ``Any``: transformers / PEFT model classes vary by architecture and wrapping.
         """
-        from transformers import AutoModelForCausalLM
-
         torch.manual_seed(seed)
         model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
         if self.gguf_file:
@@ -416,7 +521,7 @@ class LocalTrainingClient(TrainingClient):
         model.to(self.device)
         if self.lora is None:
             return model
-        from peft import LoraConfig, get_peft_model
+        from peft import LoraConfig, get_peft_model  # deferred: needed with LoRA only, slow to import
 
         torch.manual_seed(seed)  # LoRA A matrices are random: make them a function of the seed
         peft_cfg = LoraConfig(
@@ -427,6 +532,86 @@ class LocalTrainingClient(TrainingClient):
             task_type="CAUSAL_LM",
         )
         return get_peft_model(model, peft_cfg)
+
+    def make_engine(
+        self,
+        model_fn: Callable[[], Any],
+        tag_fn: Callable[[], Any],
+        executor: Executor,
+        should_yield: Callable[[], bool] = lambda: False,
+    ) -> ContinuousGenerator:
+        """A generation engine of this client's tokenizer and limits with a prefix cache of its own."""
+        return ContinuousGenerator(
+            model_fn=model_fn,
+            tag_fn=tag_fn,
+            tokenizer=self.tokenizer,
+            pad_id=self.pad_id,
+            eos_ids=self.eos_ids,
+            max_context=self.max_context,
+            device=self.device,
+            batch_limit=self.sample_batch_size,
+            cache=PrefixCache(self.prefix_cache_bytes),
+            executor=executor,
+            stats=self.stats,
+            should_yield=should_yield,
+        )
+
+    @property
+    def eos_ids(self) -> set[int]:
+        """Token ids that end a sequence (benches clear them to sample fixed lengths)."""
+        return self._eos_id_set
+
+    @eos_ids.setter
+    def eos_ids(self, value: set[int]) -> None:
+        self._eos_id_set = set(value)
+        if getattr(self, "engine", None) is not None:
+            self.engine.eos_ids = self._eos_id_set
+
+    @property
+    def prefix_cache(self) -> PrefixCache:
+        """The live sampler's prefix cache (``retool.backends.prefix_cache``)."""
+        return self.engine.cache
+
+    @property
+    def share_prompt_prefix(self) -> bool:
+        """Whether the common prefix of sequences admitted together is run once (off only to compare)."""
+        return self.engine.share_prefix
+
+    @share_prompt_prefix.setter
+    def share_prompt_prefix(self, value: bool) -> None:
+        self.engine.share_prefix = bool(value)
+
+    def mark_weights_changed(self) -> None:
+        """Declare that the weights were changed from outside the client's own calls (a test or a bench
+        writing parameters): the merged sampling view is rebuilt and the prefix cache emptied."""
+        self._weights_version += 1
+
+    def _on_new_weights(self) -> None:
+        """Worker thread, after an optimizer step or a state load: a new weights version, and the live
+        sampler's cache freed at once (its entries can never serve again; no job runs meanwhile)."""
+        self._weights_version += 1
+        self.engine.cache.clear()
+
+    async def _on_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+        """Run ``fn(*args)`` on the worker thread; the sampler admits no new sequences while it waits
+        (until it starts, or until the call is cancelled before starting)."""
+        waiting = [True]
+
+        def release() -> None:
+            with self._waiting_lock:
+                if waiting[0]:
+                    waiting[0] = False
+                    self._waiting_jobs -= 1
+
+        def run() -> Any:
+            release()
+            return fn(*args)
+
+        with self._waiting_lock:
+            self._waiting_jobs += 1
+        future = asyncio.get_running_loop().run_in_executor(self._executor, run)
+        future.add_done_callback(lambda _: release())
+        return await future
 
     # -- helpers -------------------------------------------------------------------------------
     def _base_config(self) -> Any:
@@ -503,60 +688,21 @@ class LocalTrainingClient(TrainingClient):
         self._merged.refresh(self._weights_version)
         return self._merged.model
 
-    def _generate(self, requests: list[GenRequest]) -> list[Sample]:
-        """Worker-thread body: generate on the current weights (``sampling_model``)."""
-        model = self.sampling_model()
-        was_training = model.training
-        model.eval()
-        try:
-            return self.generate_on(model, requests)
-        finally:
-            model.train(was_training)
-
-    def generate_on(self, model: Any, requests: list[GenRequest]) -> list[Sample]:
-        """Generate ``requests`` on ``model`` (in eval mode) in chunks of ``sample_batch_size`` sequences,
-        counted in ``stats``; every sampler of this client goes through here, frozen ones included."""
-        import time
-
-        t0 = time.perf_counter()
-        out: list[Sample] = []
-        timings: dict[str, float] = {}
-        for start in range(0, len(requests), self.sample_batch_size):
-            out.extend(
-                generate_batch(
-                    model,
-                    self.tokenizer,
-                    requests[start : start + self.sample_batch_size],
-                    pad_id=self.pad_id,
-                    eos_ids=self.eos_ids,
-                    max_context=self.max_context,
-                    device=self.device,
-                    timings=timings,
-                    share_prefix=self.share_prompt_prefix,
-                )
-            )
-        self.stats.add_sampling(requests, out, time.perf_counter() - t0, timings.get("prefill_seconds", 0.0))
-        return out
-
     async def sampling_client_async(self) -> SamplingClient:
         refresh = getattr(self._sampler, "refresh", None)
         if refresh is not None:  # an external engine (vLLM) needs the current weights handed over
-            loop = asyncio.get_running_loop()
-            await loop.run_in_executor(self._executor, refresh)
+            await self._on_worker(refresh)
         return self._sampler
 
     async def frozen_sampling_client_async(self) -> SamplingClient:
         """A sampler over a frozen copy of the current weights that generates on a thread of its own, so
-        training goes on meanwhile (off-policy pipelining; ``retool.backends.snapshot``)."""
+        training goes on meanwhile (off-policy pipelining; ``FrozenSamplingClient``)."""
         if getattr(self._sampler, "refresh", None) is not None:
             raise NotImplementedError(
                 "an external sampling engine (vLLM, llama.cpp) holds one set of weights and cannot sample from a frozen "
                 "version while training goes on; use backend.sampler = 'hf' or train.max_steps_off_policy = 0"
             )
-        from retool.backends.snapshot import FrozenSamplingClient, frozen_copy
-
-        loop = asyncio.get_running_loop()
-        model = await loop.run_in_executor(self._executor, frozen_copy, self.model)
+        model = await self._on_worker(frozen_copy, self.model)
         if self._frozen_thread is None:
             self._frozen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retool-frozen")
         return FrozenSamplingClient(self, model, self._frozen_thread, self._gather_ms)
@@ -621,8 +767,6 @@ class LocalTrainingClient(TrainingClient):
     def _forward_backward(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, backward: bool
     ) -> ForwardBackwardResult:
-        import time
-
         t0 = time.perf_counter()
         self._validate_datums(datums, loss_fn)
         lengths = [len(d) for d in datums]
@@ -660,25 +804,23 @@ class LocalTrainingClient(TrainingClient):
     async def forward_backward_async(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
     ) -> ForwardBackwardResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._forward_backward, list(datums), loss_fn, loss_config, True
+        result: ForwardBackwardResult = await self._on_worker(
+            self._forward_backward, list(datums), loss_fn, loss_config, True
         )
+        return result
 
     async def forward_async(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
     ) -> ForwardBackwardResult:
         """Loss and metrics without accumulating gradients (evaluation, resume checks)."""
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(
-            self._executor, self._forward_backward, list(datums), loss_fn, loss_config, False
+        result: ForwardBackwardResult = await self._on_worker(
+            self._forward_backward, list(datums), loss_fn, loss_config, False
         )
+        return result
 
     def forward(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
     ) -> ForwardBackwardResult:
-        from retool.backends.base import run_sync
-
         return run_sync(self.forward_async(datums, loss_fn, loss_config))
 
     def _ensure_optimizer(self, adam: AdamParams) -> torch.optim.Optimizer:
@@ -708,13 +850,13 @@ class LocalTrainingClient(TrainingClient):
         opt.step()
         opt.zero_grad(set_to_none=True)
         self._pending_grads = False
-        self._weights_version += 1
+        self._on_new_weights()
         self.step += 1
         return OptimStepResult(grad_norm=grad_norm, lr=adam.lr)
 
     async def optim_step_async(self, adam: AdamParams) -> OptimStepResult:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._optim_step, adam)
+        result: OptimStepResult = await self._on_worker(self._optim_step, adam)
+        return result
 
     def _zero_grad(self) -> None:
         for p in self.trainable_parameters():
@@ -725,8 +867,7 @@ class LocalTrainingClient(TrainingClient):
         """Discard the gradient accumulated since the last ``optim_step`` (the guard of
         ``retool.backends.guarded`` replays a step's ``forward_backward`` calls after it). Queued on the
         worker thread, so it runs after any call still in flight there."""
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._zero_grad)
+        await self._on_worker(self._zero_grad)
 
     # -- checkpoints ---------------------------------------------------------------------------
     def _state_path(self, name: str) -> Path:
@@ -736,8 +877,6 @@ class LocalTrainingClient(TrainingClient):
         return self.checkpoint_dir / name
 
     def _save_state(self, name: str) -> str:
-        from safetensors.torch import save_model
-
         folder = self._state_path(name)
         folder.mkdir(parents=True, exist_ok=True)
         if self.lora is not None:
@@ -770,8 +909,6 @@ class LocalTrainingClient(TrainingClient):
         return str(folder)
 
     def _load_state(self, path: str) -> None:
-        from safetensors.torch import load_file, load_model
-
         folder = Path(path)
         meta_path = folder / BACKEND_META_FILE
         if not meta_path.is_file():
@@ -787,7 +924,7 @@ class LocalTrainingClient(TrainingClient):
                 f"state {folder} was saved with lora={meta.get('lora')}, this client has lora={mine}"
             )
         if self.lora is not None:
-            from peft import set_peft_model_state_dict
+            from peft import set_peft_model_state_dict  # deferred: LoRA only
 
             weights = load_file(str(folder / ADAPTER_WEIGHTS_FILE), device=str(self.device))
             result = set_peft_model_state_dict(self.model, weights)
@@ -809,7 +946,7 @@ class LocalTrainingClient(TrainingClient):
         if "cuda" in rng and torch.cuda.is_available():
             torch.cuda.set_rng_state_all(rng["cuda"])
         self.step = int(meta["step"])
-        self._weights_version += 1
+        self._on_new_weights()
         if self.model.training is False:
             self.model.train()
         for p in self.trainable_parameters():
@@ -818,12 +955,11 @@ class LocalTrainingClient(TrainingClient):
         logger.info("loaded state (step %d) from %s", self.step, folder)
 
     async def save_state_async(self, name: str) -> str:
-        loop = asyncio.get_running_loop()
-        return await loop.run_in_executor(self._executor, self._save_state, name)
+        folder: str = await self._on_worker(self._save_state, name)
+        return folder
 
     async def load_state_async(self, path: str) -> None:
-        loop = asyncio.get_running_loop()
-        await loop.run_in_executor(self._executor, self._load_state, path)
+        await self._on_worker(self._load_state, path)
 
     async def close_async(self) -> None:
         self._executor.shutdown(wait=True)
