@@ -100,13 +100,6 @@ def test_the_rule_catches_upward_and_lazy_imports(tmp_path: Path) -> None:
 
 # -- import circles ------------------------------------------------------------------------------------
 
-# Circles in files other sessions are rewriting (issue 21), to be removed from here once their branches
-# land: the frozen sampler (backends/snapshot.py) is being folded into the local backend. A listed circle
-# that is gone fails the test too, so this list only shrinks.
-KNOWN_CIRCLES: set[frozenset[str]] = {
-    frozenset({"retool.backends.local", "retool.backends.snapshot"}),
-}
-
 
 def module_graph(root: Path) -> dict[str, dict[str, int]]:
     """module -> {imported module: line of its first import}, over the modules under ``root`` (a package
@@ -209,10 +202,7 @@ def import_circles(root: Path) -> dict[frozenset[str], str]:
 
 def test_no_import_circles() -> None:
     found = import_circles(SRC)
-    new = [how for group, how in found.items() if group not in KNOWN_CIRCLES]
-    gone = [sorted(group) for group in KNOWN_CIRCLES if group not in found]
-    assert new == [], "import circles (function-local imports count):\n" + "\n".join(new)
-    assert gone == [], f"no longer circles, remove them from KNOWN_CIRCLES: {gone}"
+    assert found == {}, "import circles (function-local imports count):\n" + "\n".join(found.values())
 
 
 def test_the_circle_rule_sees_lazy_imports_and_says_where(tmp_path: Path) -> None:
@@ -238,11 +228,6 @@ MAX_FUNCTION_LINES = 60
 MAX_EXCUSED_LINES = 80
 # The few functions allowed past 60 lines (to 80 at most), each with why splitting it would hurt reading.
 UP_TO_80: dict[str, str] = {}
-# Long functions in files other sessions are rewriting (issue 21), to shrink once their branches land. A
-# listed function that is no longer too long fails the test too, so this list only shrinks.
-KNOWN_LONG: set[str] = {
-    "retool/backends/generation.py:generate_batch",
-}
 
 
 def function_lengths(root: Path) -> dict[str, int]:
@@ -265,20 +250,15 @@ def function_lengths(root: Path) -> dict[str, int]:
     return out
 
 
-def length_violations(lengths: dict[str, int], excused: dict[str, str], known: set[str]) -> list[str]:
+def length_violations(lengths: dict[str, int], excused: dict[str, str]) -> list[str]:
     out = []
     for name, n in sorted(lengths.items()):
         limit = MAX_EXCUSED_LINES if name in excused else MAX_FUNCTION_LINES
-        if n > limit and name not in known:
+        if n > limit:
             out.append(f"{name}: {n} lines (at most {limit})")
     out += [
         f"{name}: not in the source, or short now: remove it from the list"
         for name in sorted(excused)
-        if lengths.get(name, 0) <= MAX_FUNCTION_LINES
-    ]
-    out += [
-        f"{name}: short now: remove it from KNOWN_LONG"
-        for name in sorted(known)
         if lengths.get(name, 0) <= MAX_FUNCTION_LINES
     ]
     return out
@@ -286,7 +266,7 @@ def length_violations(lengths: dict[str, int], excused: dict[str, str], known: s
 
 def test_functions_are_short() -> None:
     assert len(UP_TO_80) <= 5 and all(reason.strip() for reason in UP_TO_80.values())
-    assert length_violations(function_lengths(SRC), UP_TO_80, KNOWN_LONG) == []
+    assert length_violations(function_lengths(SRC), UP_TO_80) == []
 
 
 def test_the_length_rule_reads_bodies_and_allows_only_the_named(tmp_path: Path) -> None:
@@ -303,7 +283,7 @@ def test_the_length_rule_reads_bodies_and_allows_only_the_named(tmp_path: Path) 
     lengths = function_lengths(root)
     assert lengths["retool/m.py:short"] == 60 and lengths["retool/m.py:C.method"] == 61
     excused = {"retool/m.py:excused": "why", "retool/m.py:too_long": "why", "retool/m.py:short": "why"}
-    assert length_violations(lengths, excused, set()) == [
+    assert length_violations(lengths, excused) == [
         "retool/m.py:C.method: 61 lines (at most 60)",
         "retool/m.py:long: 61 lines (at most 60)",  # a docstring that explains is not a reason
         "retool/m.py:too_long: 81 lines (at most 80)",
@@ -312,12 +292,6 @@ def test_the_length_rule_reads_bodies_and_allows_only_the_named(tmp_path: Path) 
 
 
 # -- deferred imports ----------------------------------------------------------------------------------
-
-# Files other sessions are rewriting (issue 21) whose function-local imports do not say why yet; to shrink
-# once their branches land. A listed file with nothing left to explain fails the test too.
-KNOWN_UNEXPLAINED_DEFERRED: set[str] = {
-    "retool/backends/local.py",
-}
 
 
 def unexplained_deferred_imports(root: Path) -> dict[str, list[int]]:
@@ -347,8 +321,7 @@ def unexplained_deferred_imports(root: Path) -> dict[str, list[int]]:
 
 def test_deferred_imports_say_why() -> None:
     found = unexplained_deferred_imports(SRC)
-    assert {f: n for f, n in found.items() if f not in KNOWN_UNEXPLAINED_DEFERRED} == {}
-    assert sorted(KNOWN_UNEXPLAINED_DEFERRED - set(found)) == [], "explained now: remove from the list"
+    assert found == {}, "function-local imports without a reason comment (file -> lines)"
 
 
 def test_the_deferred_import_rule(tmp_path: Path) -> None:
