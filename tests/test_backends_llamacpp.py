@@ -14,8 +14,10 @@ from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
 from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
 # Q4_1 matmuls in llama.cpp quantise activations to 8 bits and keep an f16 KV cache; the trainer runs the
-# dequantised weights in fp32. Measured mean |difference| of per-token logprobs: ~0.01-0.02 nats.
-MEAN_TOLERANCE = 0.06
+# dequantised weights in fp32. Measured mean |difference| of per-token logprobs: ~0.01-0.02 nats on an
+# AVX2 CPU, up to 0.067 on an AVX-512 one (llama.cpp's kernels differ per instruction set), against 0.74+
+# without the adapter and 1.6+ against the previous step's weights: 0.1 keeps both 3x checks meaningful.
+MEAN_TOLERANCE = 0.1
 
 
 @pytest.fixture(scope="module")
