@@ -574,7 +574,7 @@ class RemoteTrainingClient(TrainingClient):
                 "Hugging Face cache (or a local folder named by model.name)."
             ) from exc
 
-    def share_tokenizer(self, tokenizer: Any) -> None:
+    def share_tokenizer(self, tokenizer: object) -> None:
         """Hook: give the SDK client our tokenizer where it would otherwise load its own."""
 
     def model_input(self, tokens: list[int]) -> Any:
