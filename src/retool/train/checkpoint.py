@@ -34,11 +34,15 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
 from retool.jsonl import JsonObject, jsonl_lines
+
+if TYPE_CHECKING:  # the name only: torch is imported where a state is taken or restored (see capture_rng)
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -112,8 +116,17 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def capture_rng() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate()}
+class RngState(TypedDict, total=False):
+    """``rng.pt``: the generators' states (torch's only where torch is installed, CUDA's where present)."""
+
+    python: tuple[object, ...]
+    numpy: dict[str, object] | tuple[str, npt.NDArray[np.uint32], int, int, float]
+    torch: torch.Tensor
+    cuda: list[torch.Tensor]
+
+
+def capture_rng() -> RngState:
+    state: RngState = {"python": random.getstate()}
     state["numpy"] = np.random.get_state()
     try:
         import torch  # deferred: torch (~2 s); `retool view` and `analyze` use this package without it
@@ -126,7 +139,7 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: RngState) -> None:
     if "python" in state:
         random.setstate(state["python"])
     if "numpy" in state:
@@ -285,7 +298,7 @@ class CheckpointManager:
         return payload
 
     @staticmethod
-    def load(path: Path) -> tuple[TrainerState, dict[str, Any], str]:
+    def load(path: Path) -> tuple[TrainerState, RngState, str]:
         """Trainer state, RNG state and the backend state path (absolute when local)."""
         import torch  # deferred: as in capture_rng
 
