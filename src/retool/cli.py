@@ -13,7 +13,6 @@ import importlib
 import logging
 import os
 import sys
-from typing import Any
 
 import typer
 from typer import _click as click  # typer vendors click; its Context is the base of typer.Context
@@ -33,7 +32,7 @@ def one_line(exc: BaseException) -> str:
 class RetoolGroup(TyperGroup):
     """Every command runs inside ``invoke``: a ``UserError`` ends it with one line and exit 2."""
 
-    def invoke(self, ctx: click.Context) -> Any:
+    def invoke(self, ctx: click.Context) -> object:
         try:
             return super().invoke(ctx)
         except UserError as exc:

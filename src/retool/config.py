@@ -11,10 +11,10 @@ become overrides only when given (``flag_overrides``), so a flag never silently 
 from __future__ import annotations
 
 import tomllib
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from importlib import resources
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -305,7 +305,7 @@ def preset_names() -> list[str]:
     return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
 
 
-def _read_toml(source: str | Path) -> dict[str, Any]:
+def _read_toml(source: str | Path) -> dict[str, object]:
     path = Path(source)
     if path.is_file():
         text = path.read_text(encoding="utf-8")
@@ -321,14 +321,14 @@ def _read_toml(source: str | Path) -> dict[str, Any]:
         raise ConfigError(f"{source}: not valid TOML: {exc}") from exc
 
 
-def _parse_value(raw: str) -> Any:
+def _parse_value(raw: str) -> object:
     try:
         return tomllib.loads(f"v = {raw}")["v"]
     except tomllib.TOMLDecodeError:
         return raw
 
 
-def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+def apply_overrides(data: dict[str, object], overrides: list[str]) -> dict[str, object]:
     for item in overrides:
         key, sep, raw = item.partition("=")
         if not sep or not key.strip():
@@ -336,15 +336,16 @@ def apply_overrides(data: dict[str, Any], overrides: list[str]) -> dict[str, Any
         parts = key.strip().split(".")
         node = data
         for part in parts[:-1]:
-            node = node.setdefault(part, {})
-            if not isinstance(node, dict):
+            child = node.setdefault(part, {})
+            if not isinstance(child, dict):
                 raise ConfigError(f"override {item!r}: {part!r} is not a section")
+            node = child
         node[parts[-1]] = _parse_value(raw.strip())
     return data
 
 
 def load_config(source: str | Path | None = None, overrides: Sequence[str] | None = None) -> Config:
-    data = _read_toml(source) if source is not None else {}
+    data: dict[str, object] = _read_toml(source) if source is not None else {}
     apply_overrides(data, list(overrides or []))
     return _validate(data)
 
@@ -356,7 +357,7 @@ def override_config(config: Config, overrides: Sequence[str]) -> Config:
     return _validate(apply_overrides(config.model_dump(), list(overrides)))
 
 
-def flag_overrides(flags: dict[str, Any]) -> list[str]:
+def flag_overrides(flags: Mapping[str, object]) -> list[str]:
     """``section.key=value`` overrides for the command-line flags that were given (value not None).
 
     Every command's defaults live in the config; a flag is an override that applies only when passed.
@@ -364,7 +365,7 @@ def flag_overrides(flags: dict[str, Any]) -> list[str]:
     return [f"{key}={_toml_literal(value)}" for key, value in flags.items() if value is not None]
 
 
-def _validate(data: dict[str, Any]) -> Config:
+def _validate(data: Mapping[str, object]) -> Config:
     try:
         return Config.model_validate(data)
     except ValidationError as exc:
@@ -389,7 +390,7 @@ def dump_config(config: Config) -> str:
     return "\n".join(lines)
 
 
-def _toml_literal(value: Any) -> str:
+def _toml_literal(value: object) -> str:
     if isinstance(value, bool):
         return "true" if value else "false"
     if isinstance(value, int | float):

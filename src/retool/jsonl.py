@@ -15,11 +15,15 @@ import logging
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypeAlias
 
 logger = logging.getLogger(__name__)
 
 OnError = Literal["raise", "warn", "skip"]
+
+# What ``json.loads`` can return; a reader narrows it with ``isinstance`` before use.
+JsonValue: TypeAlias = str | int | float | bool | list["JsonValue"] | dict[str, "JsonValue"] | None
+JsonObject: TypeAlias = dict[str, JsonValue]
 
 
 class JsonlError(ValueError):
@@ -49,7 +53,7 @@ def jsonl_lines(path: str | Path) -> Iterator[JsonlLine]:
                 yield JsonlLine(number, body, complete)
 
 
-def iter_jsonl(path: str | Path, errors: OnError = "raise") -> Iterator[Any]:
+def iter_jsonl(path: str | Path, errors: OnError = "raise") -> Iterator[JsonValue]:
     """The parsed lines of ``path``, in order; an unparsable line handled as ``errors`` says."""
     for line in jsonl_lines(path):
         try:
@@ -61,12 +65,43 @@ def iter_jsonl(path: str | Path, errors: OnError = "raise") -> Iterator[Any]:
                 logger.warning("%s:%d: skipping an unreadable line", path, line.number)
 
 
-def read_jsonl(path: str | Path, errors: OnError = "raise") -> list[Any]:
+def read_jsonl(path: str | Path, errors: OnError = "raise") -> list[JsonValue]:
     """Every parsed line of ``path`` (see ``iter_jsonl``)."""
     return list(iter_jsonl(path, errors))
 
 
-def first_jsonl_object(path: str | Path) -> dict[str, Any] | None:
+def read_jsonl_objects(path: str | Path, errors: OnError = "raise") -> list[JsonObject]:
+    """Every line of ``path``, each a JSON object: a line holding another JSON value is a ``JsonlError``."""
+    out: list[JsonObject] = []
+    for number, obj in enumerate(iter_jsonl(path, errors), start=1):
+        if not isinstance(obj, dict):
+            raise JsonlError(f"{path}: record {number} is a JSON {type(obj).__name__}, not an object")
+        out.append(obj)
+    return out
+
+
+def as_number(value: JsonValue) -> int | float:
+    """``value`` itself when it is a JSON number; a ``TypeError`` naming what it is otherwise."""
+    if isinstance(value, int | float):
+        return value
+    raise TypeError(f"expected a JSON number, got {type(value).__name__}")
+
+
+def as_list(value: JsonValue) -> list[JsonValue]:
+    """``value`` itself when it is a JSON array; a ``TypeError`` naming what it is otherwise."""
+    if isinstance(value, list):
+        return value
+    raise TypeError(f"expected a JSON array, got {type(value).__name__}")
+
+
+def as_object(value: JsonValue) -> JsonObject:
+    """``value`` itself when it is a JSON object; a ``TypeError`` naming what it is otherwise."""
+    if isinstance(value, dict):
+        return value
+    raise TypeError(f"expected a JSON object, got {type(value).__name__}")
+
+
+def first_jsonl_object(path: str | Path) -> JsonObject | None:
     """The first line of ``path`` if it is a JSON object; ``None`` if it is not, or the file cannot be read."""
     try:
         for line in jsonl_lines(path):

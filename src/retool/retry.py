@@ -42,11 +42,12 @@ import threading
 import time
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TypeVar, TypeVarTuple
 
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
 
 class Failure(enum.Enum):
@@ -333,46 +334,50 @@ def run_with_timeout(fn: Callable[[], T], timeout: float, what: str) -> T:
     On a timeout the thread is left to finish (or hang) on its own: Python cannot interrupt it.
     """
     done = threading.Event()
-    box: dict[str, Any] = {}
+    values: list[T] = []
+    errors: list[BaseException] = []
 
     def target() -> None:
         try:
-            box["value"] = fn()
+            values.append(fn())
         except BaseException as exc:
-            box["error"] = exc
+            errors.append(exc)
         finally:
             done.set()
 
     threading.Thread(target=target, name=f"retool-call:{what}", daemon=True).start()
     if not done.wait(timeout):
         raise CallTimeoutError(what, timeout)
-    if "error" in box:
-        raise box["error"]
-    return box["value"]
+    if errors:
+        raise errors[0]
+    return values[0]
 
 
-async def to_thread_with_timeout(fn: Callable[..., T], *args: Any, timeout: float | None, what: str) -> T:
+async def to_thread_with_timeout(
+    fn: Callable[[*Args], T], *args: *Args, timeout: float | None, what: str
+) -> T:
     """``asyncio.to_thread`` for calls that may hang: its own daemon thread, a deadline, no shared pool."""
     loop = asyncio.get_running_loop()
     future: asyncio.Future[T] = loop.create_future()
 
-    def settle(value: Any = None, error: BaseException | None = None) -> None:
-        if future.done():
-            return  # the waiter gave up (timeout, cancellation): the late answer is dropped
-        if error is not None:
-            future.set_exception(error)
-        else:
+    # If the waiter gave up (timeout, cancellation), the late answer is dropped.
+    def settle_value(value: T) -> None:
+        if not future.done():
             future.set_result(value)
+
+    def settle_error(error: BaseException) -> None:
+        if not future.done():
+            future.set_exception(error)
 
     def target() -> None:
         try:
             value = fn(*args)
         except BaseException as exc:
             with contextlib.suppress(RuntimeError):  # the loop closed meanwhile
-                loop.call_soon_threadsafe(settle, None, exc)
+                loop.call_soon_threadsafe(settle_error, exc)
             return
         with contextlib.suppress(RuntimeError):
-            loop.call_soon_threadsafe(settle, value, None)
+            loop.call_soon_threadsafe(settle_value, value)
 
     threading.Thread(target=target, name=f"retool-call:{what}", daemon=True).start()
     return await _bounded(future, timeout, what)

@@ -14,9 +14,15 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from types import ModuleType
+from typing import TYPE_CHECKING
 
 from retool.analyze.report import EvalResult, TrainingLog, ordered_checkpoints, ordered_modes
+from retool.jsonl import as_list, as_number, as_object
+
+if TYPE_CHECKING:  # matplotlib is imported only when plots are drawn (see _pyplot)
+    from matplotlib.axes import Axes
+    from matplotlib.figure import Figure
 
 logger = logging.getLogger(__name__)
 
@@ -29,7 +35,7 @@ CURVE_PANELS: tuple[tuple[str, Callable[[str], bool]], ...] = (
 )
 
 
-def _pyplot() -> Any:
+def _pyplot() -> ModuleType:
     import matplotlib  # deferred: matplotlib (~1 s) only when plots are drawn
 
     matplotlib.use("Agg", force=True)
@@ -41,7 +47,7 @@ def _pyplot() -> Any:
 def _grouped_bars(
     evals: list[EvalResult],
     key: str,
-    ax: Any,
+    ax: Axes,
     *,
     percent: bool,
     with_ci: bool = False,
@@ -58,13 +64,13 @@ def _grouped_bars(
             e = by_key.get((ckpt, mode))
             if e is None or e.metrics.get(key) is None:
                 continue
-            y = float(e.metrics[key]) * scale
+            y = float(as_number(e.metrics[key])) * scale
             xs.append(i - 0.4 + width * (j + 0.5))
             ys.append(y)
-            lo, hi = e.metrics.get("average_at_n_ci95", [None, None]) if with_ci else (None, None)
-            lo_err.append(max(0.0, y - float(lo) * scale) if lo is not None else 0.0)
-            hi_err.append(max(0.0, float(hi) * scale - y) if hi is not None else 0.0)
-            passes.append(float(e.metrics.get("pass_at_n", 0.0)) * scale)
+            lo, hi = as_list(e.metrics.get("average_at_n_ci95", [None, None])) if with_ci else (None, None)
+            lo_err.append(max(0.0, y - float(as_number(lo)) * scale) if lo is not None else 0.0)
+            hi_err.append(max(0.0, float(as_number(hi)) * scale - y) if hi is not None else 0.0)
+            passes.append(float(as_number(e.metrics.get("pass_at_n", 0.0))) * scale)
         if not xs:
             continue
         ax.bar(xs, ys, width=width * 0.95, label=mode)
@@ -119,7 +125,7 @@ def plot_evals(evals: list[EvalResult], out_dir: Path) -> list[Path]:
 
     fig, ax = plt.subplots(figsize=(6.5, 4.5))
     for e in evals:
-        curve = {int(k): float(v) for k, v in (e.metrics.get("pass_at_k") or {}).items()}
+        curve = {int(k): float(as_number(v)) for k, v in as_object(e.metrics.get("pass_at_k") or {}).items()}
         if curve:
             ks = sorted(curve)
             ax.plot(ks, [100 * curve[k] for k in ks], marker="o", label=f"{e.label} ({e.mode})")
@@ -178,7 +184,7 @@ def plot_training(logs: list[TrainingLog], out_dir: Path) -> list[Path]:
     return [_save(fig, out_dir / "training_curves.png", plt)]
 
 
-def _save(fig: Any, path: Path, plt: Any) -> Path:
+def _save(fig: Figure, path: Path, plt: ModuleType) -> Path:
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

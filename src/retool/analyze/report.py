@@ -13,13 +13,13 @@ import json
 import logging
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import cast
 
 from retool.errors import UserError
 from retool.evaluate.metrics import summarize
 from retool.evaluate.settings import setting_value
-from retool.evaluate.store import summary_path_for
-from retool.jsonl import first_jsonl_object, iter_jsonl
+from retool.evaluate.store import EvalSummary, ProblemRecord, summary_path_for
+from retool.jsonl import JsonObject, JsonValue, as_list, as_number, first_jsonl_object, iter_jsonl
 
 logger = logging.getLogger(__name__)
 
@@ -40,6 +40,9 @@ COMPARED_TOOL_SETTINGS: tuple[str, ...] = ("tool_format", "sandbox")
 MODE_ORDER: tuple[str, ...] = ("text-only", "retool")
 
 
+CsvRow = dict[str, JsonValue]  # one row of a comparison table, by column
+
+
 class AnalyzeError(UserError, ValueError):
     """An input that cannot be analysed; the message names the file and the reason."""
 
@@ -47,8 +50,8 @@ class AnalyzeError(UserError, ValueError):
 @dataclass
 class EvalResult:
     path: Path
-    settings: dict[str, Any]
-    metrics: dict[str, Any]
+    settings: JsonObject
+    metrics: JsonObject
     status: str
     label: str = ""
 
@@ -64,7 +67,7 @@ class TrainingLog:
     label: str = ""
 
 
-def _flatten(d: dict[str, Any], prefix: str = "") -> dict[str, float]:
+def _flatten(d: JsonObject, prefix: str = "") -> dict[str, float]:
     out: dict[str, float] = {}
     for key, value in d.items():
         name = f"{prefix}{key}"
@@ -88,17 +91,18 @@ def load_training_log(path: Path) -> TrainingLog:
     return TrainingLog(path=path, rows=rows, label=label)
 
 
-def _read_records(path: Path) -> list[dict[str, Any]]:
+def _read_records(path: Path) -> list[ProblemRecord]:
     """Eval records, read-only (analysis never repairs a file; a damaged line is skipped with a warning)."""
-    records: dict[str, dict[str, Any]] = {}
+    records: dict[str, ProblemRecord] = {}
     for obj in iter_jsonl(path, "warn"):
         if isinstance(obj, dict) and "candidates" in obj:
-            records.setdefault(str(obj.get("id")), obj)
+            records.setdefault(str(obj.get("id")), cast(ProblemRecord, obj))
     return list(records.values())
 
 
 def load_eval(path: Path) -> EvalResult:
     """An eval from its JSONL or its summary; metrics are recomputed from records when no summary has them."""
+    summary: EvalSummary
     if path.name.endswith(".summary.json"):
         summary = json.loads(path.read_text(encoding="utf-8"))
         jsonl = Path(
@@ -199,9 +203,9 @@ def _dedupe_training_labels(logs: list[TrainingLog]) -> None:
             log.label = str(log.path)
 
 
-def _leaves(d: Any, prefix: str) -> dict[str, Any]:
+def _leaves(d: JsonValue, prefix: str) -> dict[str, JsonValue]:
     if isinstance(d, dict):
-        out: dict[str, Any] = {}
+        out: dict[str, JsonValue] = {}
         for k, v in d.items():
             out.update(_leaves(v, f"{prefix}.{k}"))
         return out
@@ -259,11 +263,11 @@ LONG_COLUMNS: tuple[str, ...] = (
 )
 
 
-def long_rows(evals: list[EvalResult]) -> list[dict[str, Any]]:
-    rows = []
+def long_rows(evals: list[EvalResult]) -> list[CsvRow]:
+    rows: list[CsvRow] = []
     for e in evals:
         m = e.metrics
-        lo, hi = m.get("average_at_n_ci95", [None, None])
+        lo, hi = as_list(m.get("average_at_n_ci95", [None, None]))
         rows.append(
             {
                 "checkpoint": e.label,
@@ -305,12 +309,12 @@ def ordered_checkpoints(evals: list[EvalResult]) -> list[str]:
     return out
 
 
-def _pct(x: float | None) -> str:
-    return "" if x is None else f"{100 * float(x):.2f}%"
+def _pct(x: JsonValue) -> str:
+    return "" if x is None else f"{100 * float(as_number(x)):.2f}%"
 
 
-def _num(x: float | None, digits: int = 2) -> str:
-    return "" if x is None else f"{float(x):.{digits}f}"
+def _num(x: JsonValue, digits: int = 2) -> str:
+    return "" if x is None else f"{float(as_number(x)):.{digits}f}"
 
 
 PIVOT_METRICS: tuple[tuple[str, str], ...] = (
@@ -322,7 +326,7 @@ PIVOT_METRICS: tuple[tuple[str, str], ...] = (
 )
 
 
-def pivot(evals: list[EvalResult]) -> tuple[list[str], list[list[str]], list[dict[str, Any]]]:
+def pivot(evals: list[EvalResult]) -> tuple[list[str], list[list[str]], list[CsvRow]]:
     """Checkpoints x modes: (markdown header, markdown rows, CSV rows)."""
     modes = ordered_modes(evals)
     by_key = {(e.label, e.mode): e for e in evals}
@@ -333,18 +337,18 @@ def pivot(evals: list[EvalResult]) -> tuple[list[str], list[list[str]], list[dic
     if both:
         header.append("retool - text-only (Average@N)")
     md_rows: list[list[str]] = []
-    csv_rows: list[dict[str, Any]] = []
+    csv_rows: list[CsvRow] = []
     for ckpt in ordered_checkpoints(evals):
         md = [ckpt]
-        row: dict[str, Any] = {"checkpoint": ckpt}
+        row: CsvRow = {"checkpoint": ckpt}
         for mode in modes:
             e = by_key.get((ckpt, mode))
-            m = e.metrics if e else {}
+            m: JsonObject = e.metrics if e else {}
             for key, _ in PIVOT_METRICS:
                 value = m.get(key)
                 row[f"{mode}:{key}"] = value
                 if key == "average_at_n" and value is not None:
-                    lo, hi = m.get("average_at_n_ci95", [None, None])
+                    lo, hi = as_list(m.get("average_at_n_ci95", [None, None]))
                     row[f"{mode}:ci95_low"], row[f"{mode}:ci95_high"] = lo, hi
                     md.append(f"{_pct(value)} [{_pct(lo)}, {_pct(hi)}]" if lo is not None else _pct(value))
                 elif key == "mean_code_calls":
@@ -354,7 +358,7 @@ def pivot(evals: list[EvalResult]) -> tuple[list[str], list[list[str]], list[dic
         if both:
             a = row.get("retool:average_at_n")
             b = row.get("text-only:average_at_n")
-            delta = None if a is None or b is None else a - b
+            delta = None if a is None or b is None else as_number(a) - as_number(b)
             row["delta_average_at_n"] = delta
             md.append("" if delta is None else f"{100 * delta:+.2f} pts")
         md_rows.append(md)
@@ -423,7 +427,7 @@ def markdown_report(evals: list[EvalResult], logs: list[TrainingLog], warnings: 
     return "\n".join(parts)
 
 
-def write_csv(path: Path, rows: list[dict[str, Any]], columns: list[str] | None = None) -> None:
+def write_csv(path: Path, rows: list[CsvRow], columns: list[str] | None = None) -> None:
     cols = columns or list(dict.fromkeys(k for r in rows for k in r))
     with path.open("w", newline="", encoding="utf-8") as fh:
         writer = csv.DictWriter(fh, fieldnames=cols, extrasaction="ignore")

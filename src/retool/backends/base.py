@@ -25,7 +25,7 @@ from retool.backends.types import (
 T = TypeVar("T")
 
 
-def run_sync(coro: Coroutine[Any, Any, T]) -> T:
+def run_sync(coro: Coroutine[object, object, T]) -> T:
     """Run a coroutine from synchronous code (refuses inside a running loop, where it would deadlock)."""
     try:
         asyncio.get_running_loop()

@@ -43,13 +43,17 @@ import time
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from retool.backends.generation import GenRequest
 from retool.backends.local import LocalSamplingClient
 from retool.backends.types import Sample
+from retool.jsonl import JsonValue
 
 if TYPE_CHECKING:
+    import numpy as np
+    import numpy.typing as npt
+
     from retool.backends.local import LocalTrainingClient
 
 logger = logging.getLogger(__name__)
@@ -59,7 +63,7 @@ INSTALL_HINT = "backend.sampler=llamacpp needs the xllamacpp wheel: pip install 
 # HF module name -> llama.cpp tensor name, as gguf-py maps Llama-family checkpoints.
 _PERMUTED = ("q_proj", "k_proj")  # rows permuted in llama-architecture GGUF files
 _PERMUTING_ARCHS = ("llama",)
-_NEUTRAL_SAMPLERS: dict[str, Any] = {
+_NEUTRAL_SAMPLERS: dict[str, float] = {
     "min_p": 0.0,
     "typical_p": 1.0,
     "repeat_penalty": 1.0,
@@ -89,7 +93,9 @@ def gguf_architecture(path: str | Path) -> str:
     return str(field.contents())
 
 
-def permute_rows(weight: Any, n_head: int, n_head_kv: int | None = None) -> Any:
+def permute_rows(
+    weight: npt.NDArray[np.float32], n_head: int, n_head_kv: int | None = None
+) -> npt.NDArray[np.float32]:
     """llama.cpp's q/k row permutation (``LlamaModel.permute`` of ``convert_hf_to_gguf.py``), on rows."""
     if n_head_kv is not None and n_head != n_head_kv:
         n_head = n_head_kv
@@ -97,7 +103,7 @@ def permute_rows(weight: Any, n_head: int, n_head_kv: int | None = None) -> Any:
     return weight.reshape(n_head, 2, shape[0] // n_head // 2, *shape[1:]).swapaxes(1, 2).reshape(shape)
 
 
-def lora_tensors(peft_model: Any, arch: str) -> dict[str, Any]:
+def lora_tensors(peft_model: Any, arch: str) -> dict[str, npt.NDArray[np.float32]]:
     """``{gguf tensor name: float32 numpy array}`` of the active LoRA adapter of a PEFT causal LM."""
     import gguf  # deferred: gguf is optional (the llamacpp extra)
     import torch  # deferred: torch (~2 s), once an adapter is exported
@@ -108,7 +114,7 @@ def lora_tensors(peft_model: Any, arch: str) -> dict[str, Any]:
     n_kv = int(getattr(config, "num_key_value_heads", n_head))
     arch_id = next(k for k, v in gguf.MODEL_ARCH_NAMES.items() if v == arch)
     name_map = gguf.get_tensor_name_map(arch_id, n_layers)
-    out: dict[str, Any] = {}
+    out: dict[str, npt.NDArray[np.float32]] = {}
     for name, module in peft_model.get_base_model().named_modules():
         lora_a = getattr(module, "lora_A", None)
         if not isinstance(lora_a, torch.nn.ModuleDict) or not lora_a:
@@ -168,7 +174,7 @@ class _Stream:
         self._window = max((len(s) for s in self._strings), default=0) + 4
         self._decode = decode
 
-    def __call__(self, chunk: dict[str, Any]) -> bool:
+    def __call__(self, chunk: CompletionChunk) -> bool:
         """One server chunk; True stops reading (only on errors: llama.cpp ends the stream itself)."""
         if "choices" not in chunk:
             self.error = str(chunk.get("error", chunk))
@@ -202,6 +208,41 @@ class _Stream:
             return False
         tail = self._decode(self.tokens[-self._window :])
         return any(s in tail for s in self._strings)
+
+
+class TokenLogprob(TypedDict):
+    id: int
+    logprob: float
+
+
+class ChoiceLogprobs(TypedDict, total=False):
+    content: list[TokenLogprob] | None
+
+
+class Choice(TypedDict, total=False):
+    logprobs: ChoiceLogprobs | None
+    finish_reason: str | None
+
+
+class CompletionUsage(TypedDict, total=False):
+    completion_tokens: int
+
+
+class CompletionChunk(TypedDict, total=False):
+    """One answer (or streamed chunk) of llama.cpp's completions handler: the fields read here."""
+
+    choices: list[Choice]
+    usage: CompletionUsage | None
+    error: JsonValue
+
+
+class LlamaCppOptions(TypedDict, total=False):
+    """``LlamaCppSamplingClient``'s keyword options (``attach_llamacpp_sampler`` passes them on)."""
+
+    threads: int
+    parallel: int | None
+    gather_ms: float
+    keep_adapters: int
 
 
 class LlamaCppSamplingClient(LocalSamplingClient):
@@ -278,7 +319,7 @@ class LlamaCppSamplingClient(LocalSamplingClient):
         self.reload_seconds += time.perf_counter() - t0
         logger.debug("llama.cpp sampler at adapter v%d (weights version %d)", self._exports, version)
 
-    def _request(self, req: GenRequest, budget: int) -> dict[str, Any]:
+    def _request(self, req: GenRequest, budget: int) -> dict[str, object]:
         p = req.params
         return {
             "prompt": list(req.prompt),
@@ -336,7 +377,9 @@ class LlamaCppSamplingClient(LocalSamplingClient):
         self._server = None
 
 
-def attach_llamacpp_sampler(client: LocalTrainingClient, **kwargs: Any) -> LlamaCppSamplingClient:
+def attach_llamacpp_sampler(
+    client: LocalTrainingClient, **kwargs: Unpack[LlamaCppOptions]
+) -> LlamaCppSamplingClient:
     """Make ``client.sampling_client()`` return a llama.cpp sampler refreshed from the trainer's weights."""
     sampler = LlamaCppSamplingClient(client, **kwargs)
     client.set_sampler(sampler)

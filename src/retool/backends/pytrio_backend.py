@@ -66,7 +66,7 @@ import os
 import re
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from retool.backends.reduction import ReductionMode
 from retool.backends.remote import (
@@ -155,7 +155,7 @@ class PytrioTrainingClient(RemoteTrainingClient):
             max_context=config.model.max_context,
         )
 
-    def share_tokenizer(self, tokenizer: Any) -> None:
+    def share_tokenizer(self, tokenizer: object) -> None:
         # The SDK sizes the vocabulary it validates token ids against with self.get_tokenizer(); on the
         # instance, ours shadows the method that would load (and maybe download) another copy.
         if hasattr(self._client, "get_tokenizer"):

@@ -72,7 +72,7 @@ import threading
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
 
 import torch
 
@@ -107,6 +107,7 @@ if TYPE_CHECKING:
 logger = logging.getLogger(__name__)
 
 T = TypeVar("T")
+Args = TypeVarTuple("Args")
 
 __all__ = [
     "IGNORE_INDEX",
@@ -462,7 +463,9 @@ class RemoteTrainingClient(TrainingClient):
             self.tokenizer = tokenizer
 
     # -- running SDK calls ---------------------------------------------------------------------
-    async def call_sdk(self, what: str, fn: Callable[..., T], *args: Any, idempotent: bool = True) -> T:
+    async def call_sdk(
+        self, what: str, fn: Callable[[PendingCall, *Args], T], *args: *Args, idempotent: bool = True
+    ) -> T:
         """Run the blocking SDK call ``fn(pending, *args)`` on its own daemon thread.
 
         No timeout here: the guard's per-call timeout cancels this await, and then the SDK's future that
@@ -574,7 +577,7 @@ class RemoteTrainingClient(TrainingClient):
                 "Hugging Face cache (or a local folder named by model.name)."
             ) from exc
 
-    def share_tokenizer(self, tokenizer: Any) -> None:
+    def share_tokenizer(self, tokenizer: object) -> None:
         """Hook: give the SDK client our tokenizer where it would otherwise load its own."""
 
     def model_input(self, tokens: list[int]) -> Any:
@@ -658,14 +661,14 @@ class RemoteTrainingClient(TrainingClient):
                     f"datum {k}: loss {loss_fn!r} needs logprobs and advantages for every position"
                 )
 
-    def _server_metrics(self, output: Any) -> dict[str, float]:
+    def _server_metrics(self, output: object) -> dict[str, float]:
         return {
             f"server/{k}": float(v)
             for k, v in dict(getattr(output, "metrics", None) or {}).items()
             if isinstance(v, int | float)
         }
 
-    def _learner_logprobs(self, output: Any, n: int) -> list[list[float]] | None:
+    def _learner_logprobs(self, output: object, n: int) -> list[list[float]] | None:
         outs = list(getattr(output, "loss_fn_outputs", None) or [])
         if len(outs) != n:
             return None

@@ -22,7 +22,8 @@ import inspect
 import logging
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from retool.backends.generation import GenRequest
 from retool.backends.local import LocalSamplingClient
@@ -33,6 +34,14 @@ if TYPE_CHECKING:
     from retool.backends.local import LocalTrainingClient
 
 logger = logging.getLogger(__name__)
+
+
+class VllmOptions(TypedDict, total=False):
+    """``VllmSamplingClient``'s keyword options (``attach_vllm_sampler`` passes them on)."""
+
+    gpu_memory_utilization: float
+    gather_ms: float
+    keep_adapters: int
 
 
 class VllmSamplingClient(LocalSamplingClient):
@@ -57,7 +66,7 @@ class VllmSamplingClient(LocalSamplingClient):
         super().__init__(owner, gather_ms=gather_ms)
         self.batch_limit = max(owner.sample_batch_size, 256)  # vLLM schedules large batches itself
         self._vllm = vllm
-        kwargs: dict[str, Any] = {
+        kwargs: dict[str, object] = {
             "model": owner.model_path,
             "enable_lora": True,
             "max_lora_rank": max(8, owner.lora.rank),
@@ -141,7 +150,7 @@ class VllmSamplingClient(LocalSamplingClient):
         return samples
 
 
-def _unsupported(vllm: object, kwargs: dict[str, Any], names: list[str]) -> SdkOptionError:
+def _unsupported(vllm: object, kwargs: dict[str, object], names: list[str]) -> SdkOptionError:
     settings = ", ".join(f"{k}={kwargs[k]!r}" for k in names)
     return SdkOptionError(
         f"{sdk_label(vllm)}: the engine takes no {settings}; this vLLM cannot apply that setting. Upgrade it "
@@ -149,7 +158,7 @@ def _unsupported(vllm: object, kwargs: dict[str, Any], names: list[str]) -> SdkO
     )
 
 
-def _accepted_engine_args(vllm: Any) -> set[str] | None:
+def _accepted_engine_args(vllm: ModuleType) -> set[str] | None:
     try:
         from vllm.engine.arg_utils import EngineArgs  # deferred: vllm is optional (the vllm extra)
 
@@ -159,7 +168,7 @@ def _accepted_engine_args(vllm: Any) -> set[str] | None:
         return None
 
 
-def attach_vllm_sampler(client: LocalTrainingClient, **kwargs: Any) -> VllmSamplingClient:
+def attach_vllm_sampler(client: LocalTrainingClient, **kwargs: Unpack[VllmOptions]) -> VllmSamplingClient:
     """Make ``client.sampling_client()`` return a vLLM sampler refreshed from the trainer each call."""
     sampler = VllmSamplingClient(client, **kwargs)
     client.set_sampler(sampler)

@@ -16,7 +16,6 @@ import random
 import re
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any
 
 from retool.data.problem import Problem
 from retool.data.readers import (
@@ -54,7 +53,7 @@ def strip_dapo_template(text: str) -> str:
     return text.strip()
 
 
-def _answer_to_str(value: Any) -> str | None:
+def _answer_to_str(value: object) -> str | None:
     """Reference answers as strings; numbers are converted (``128.0`` -> ``"128"``); other types: None."""
     if isinstance(value, bool):  # bool is an int subclass; True is not an answer
         return None
@@ -69,7 +68,7 @@ def _answer_to_str(value: Any) -> str | None:
     return None
 
 
-def _question_from_prompt(prompt: Any) -> tuple[str | None, str]:
+def _question_from_prompt(prompt: object) -> tuple[str | None, str]:
     """(raw question text, drop reason if None)."""
     if isinstance(prompt, str):
         return prompt, ""
@@ -88,7 +87,7 @@ def _question_from_prompt(prompt: Any) -> tuple[str | None, str]:
     return content, ""
 
 
-def normalize_dapo_row(number: int, row: dict[str, Any]) -> tuple[Problem | None, str]:
+def normalize_dapo_row(number: int, row: dict[str, object]) -> tuple[Problem | None, str]:
     """``(Problem, "")`` or ``(None, reason)`` for one DAPO row (``number`` is its 1-based line/row)."""
     raw, reason = _question_from_prompt(row.get("prompt", row.get("question")))
     if raw is None:

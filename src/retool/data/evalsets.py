@@ -12,7 +12,6 @@ import logging
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from retool.data.dapo import _answer_to_str, resolve_rows
 from retool.data.problem import Problem
@@ -46,7 +45,7 @@ _FALLBACKS = {
 }
 
 
-def _field(row: dict[str, Any], name: str, default: str) -> Any:
+def _field(row: dict[str, object], name: str, default: str) -> object:
     if name in row:
         return row[name]
     if name == default:
@@ -62,7 +61,7 @@ class _Drop:
     detail: str
 
 
-def _checked_row(row: dict[str, Any], question_field: str, answer_field: str) -> tuple[str, str] | _Drop:
+def _checked_row(row: dict[str, object], question_field: str, answer_field: str) -> tuple[str, str] | _Drop:
     """The row's (question, answer), or why it is dropped."""
     question = _field(row, question_field, "question")
     if question is None or (isinstance(question, str) and not question.strip()):

@@ -13,7 +13,7 @@ from pathlib import Path
 
 from retool.data.problem import Problem
 from retool.data.readers import DataError
-from retool.jsonl import read_jsonl
+from retool.jsonl import read_jsonl_objects
 
 GSM8K_FILE = "gsm8k_test.jsonl"
 GSM8K_SOURCE = "gsm8k"
@@ -49,7 +49,7 @@ def gsm8k_problems(n: int, data_dir: str | Path | None, seed: int = 0) -> list[P
             f"the GSM8K slice needs {GSM8K_FILE} (looked in {path or '$RETOOL_DATA_DIR, ../shared/data, data'}); "
             "pass --data-dir DIR or --gsm8k 0"
         )
-    rows = read_jsonl(path)
+    rows = read_jsonl_objects(path)
     if n > len(rows):
         raise DataError(f"--gsm8k {n}: {path} has only {len(rows)} problems")
     picked = sorted(random.Random(f"retool-gsm8k/{seed}").sample(range(len(rows)), n))

@@ -10,10 +10,9 @@ from __future__ import annotations
 
 import json
 import logging
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 from retool.errors import UserError
 from retool.jsonl import jsonl_lines
@@ -36,7 +35,7 @@ class BadRow:
     detail: str = ""
 
 
-RowItem = tuple[int, dict[str, Any] | BadRow]
+RowItem = tuple[int, dict[str, object] | BadRow]  # a row's values: whatever its file format holds
 
 
 def looks_like_hub_id(source: str) -> bool:
@@ -139,7 +138,7 @@ def iter_hub(hub_id: str, split: str, config_name: str | None = None) -> Iterato
     return _enumerate_rows(dataset)
 
 
-def _enumerate_rows(rows: Any) -> Iterator[RowItem]:
+def _enumerate_rows(rows: Iterable[object]) -> Iterator[RowItem]:
     for number, row in enumerate(rows, start=1):
         if isinstance(row, dict):
             yield number, row

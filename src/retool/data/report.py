@@ -6,7 +6,8 @@ import logging
 from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+
+from retool.jsonl import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
 
@@ -55,7 +56,7 @@ class LoadReport:
             shown = ", ".join(map(str, numbers[:50])) + (" ..." if len(numbers) > 50 else "")
             logger.warning("%s: dropped %d (%s) at rows %s", self.source, len(numbers), reason, shown)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {
             "source": self.source,
             "read": self.read,
@@ -64,7 +65,7 @@ class LoadReport:
             "duplicate_answer_conflicts": self.duplicate_answer_conflicts,
             "renamed_ids": self.renamed_ids,
             "dropped": dict(sorted(self.dropped.items())),
-            "dropped_lines": {k: v for k, v in sorted(self.dropped_lines.items())},
+            "dropped_lines": {k: list[JsonValue](v) for k, v in sorted(self.dropped_lines.items())},
         }
 
 
@@ -95,7 +96,7 @@ class PrepareReport:
     def dropped(self) -> dict[str, int]:
         return dict(self.load.dropped)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {
             **self.load.as_dict(),
             "train": self.train,

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn
 
 import typer
 
@@ -11,7 +11,8 @@ from retool.config import ConfigError, flag_overrides, load_config
 from retool.data import DataError
 from retool.evaluate.runner import MODES, evaluate
 from retool.evaluate.settings import EvalError
-from retool.evaluate.store import EvalStoreError
+from retool.evaluate.store import EvalStoreError, EvalSummary
+from retool.jsonl import as_list, as_number
 from retool.sandbox import SandboxPreimportError
 
 
@@ -20,23 +21,23 @@ def _fail(message: str) -> NoReturn:
     raise typer.Exit(2)
 
 
-def format_summary(summary: dict[str, Any]) -> str:
+def format_summary(summary: EvalSummary) -> str:
     """A few human lines for the end of an eval."""
     s = summary["settings"]
     m = summary["metrics"]
     n = s["val_n"]
-    lo, hi = m["average_at_n_ci95"]
-    lat = m["mean_exec_latency"]
+    lo, hi = (as_number(x) for x in as_list(m["average_at_n_ci95"]))
+    lat = as_number(m["mean_exec_latency"])
     sc = m["self_correction_given_error"]
     lines = [
         f"{s['mode']} | {s['model']}{' @ ' + str(s['checkpoint']) if s['checkpoint'] else ''} | {s['dataset']} "
         f"| {summary['completed']}/{summary['total']} problems ({summary['status']})",
-        f"  Average@{n}: {100 * m['average_at_n']:.2f}%  (95% CI {100 * lo:.2f}-{100 * hi:.2f})",
-        f"  Pass@{n}:    {100 * m['pass_at_n']:.2f}%   maj@{n}: {100 * m['maj_at_n']:.2f}%",
-        f"  format: {100 * m['format_rate']:.2f}%  tool-call rate: {100 * m['tool_call_rate']:.2f}%  "
+        f"  Average@{n}: {100 * as_number(m['average_at_n']):.2f}%  (95% CI {100 * lo:.2f}-{100 * hi:.2f})",
+        f"  Pass@{n}:    {100 * as_number(m['pass_at_n']):.2f}%   maj@{n}: {100 * as_number(m['maj_at_n']):.2f}%",
+        f"  format: {100 * as_number(m['format_rate']):.2f}%  tool-call rate: {100 * as_number(m['tool_call_rate']):.2f}%  "
         f"code calls: {m['mean_code_calls']:.2f}  turns: {m['mean_turns']:.2f}",
         f"  executions: {m['executions']}  mean latency: {lat:.3f}s  "
-        f"self-correction after error: {'n/a' if sc is None else f'{100 * sc:.1f}%'}  tokens: {m['tokens_generated']}",
+        f"self-correction after error: {'n/a' if sc is None else f'{100 * as_number(sc):.1f}%'}  tokens: {m['tokens_generated']}",
     ]
     if summary.get("failed_problems"):
         lines.append(f"  {len(summary['failed_problems'])} problems hit sampler errors; rerun to retry them")

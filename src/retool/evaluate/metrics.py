@@ -30,13 +30,20 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Mapping, Sequence
-from typing import Any
+from collections.abc import Sequence
+from typing import TypedDict
 
 import numpy as np
 
-Record = Mapping[str, Any]
-Candidate = Mapping[str, Any]
+from retool.evaluate.store import CandidateRecord as Candidate
+from retool.evaluate.store import ProblemRecord as Record
+from retool.jsonl import JsonObject, JsonValue
+
+
+class PairedGain(TypedDict):
+    gain: float
+    ci95: list[float]  # [lo, hi]
+    problems: int
 
 
 def _candidates(records: Sequence[Record]) -> list[Candidate]:
@@ -156,7 +163,7 @@ def paired_gain(
     resamples: int = 2000,
     confidence: float = 0.95,
     seed: int = 0,
-) -> dict[str, Any]:
+) -> PairedGain:
     """Average@N of ``after`` minus ``before`` on the same problems, with its paired bootstrap interval.
 
     Problems are matched by ``id``; both evals must cover the same set (a mismatch is an error, since a
@@ -179,7 +186,7 @@ def _had_exec_error(c: Candidate) -> bool:
 
 def summarize(
     records: Sequence[Record], *, bootstrap_resamples: int = 2000, bootstrap_seed: int = 0
-) -> dict[str, Any]:
+) -> JsonObject:
     """Every metric of an eval, as a JSON-ready dict. Deterministic for given records."""
     cands = _candidates(records)
     n_values = sorted({len(r["candidates"]) for r in records})
@@ -192,10 +199,11 @@ def summarize(
     n_exec = len(latencies)
     exec_errors = sum(int(c.get("exec_errors", 0)) for c in cands)
     exec_timeouts = sum(int(c.get("exec_timeouts", 0)) for c in cands)
+    val_n: JsonValue = n_values[0] if len(n_values) == 1 else list[JsonValue](n_values)
     return {
         "problems": len(records),
         "candidates": len(cands),
-        "val_n": n_values[0] if len(n_values) == 1 else n_values,
+        "val_n": val_n,
         "average_at_n": average_at_n(records),
         "average_at_n_ci95": [lo, hi],
         "pass_at_n": pass_at_n(records),

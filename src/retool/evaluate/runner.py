@@ -21,7 +21,7 @@ import time
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from retool.backends import resolve_model_name
 from retool.backends.base import SamplingClient
@@ -40,11 +40,13 @@ from retool.evaluate.settings import (
 )
 from retool.evaluate.store import (
     EvalStoreError,
+    EvalSummary,
     ResultStore,
     attach_eval_transcripts,
     candidate_record,
     problem_record,
 )
+from retool.jsonl import JsonObject
 from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
 
 logger = logging.getLogger(__name__)
@@ -67,6 +69,17 @@ def _check_request(problems: Sequence[Problem], mode: str, val_n: int) -> None:
         raise EvalError(f"problem ids are not unique (e.g. {dup[:3]}); resuming needs unique ids")
 
 
+class EvalIdentity(TypedDict, total=False):
+    """The run's descriptive settings, recorded in the summary (``run_eval``'s ``identity``)."""
+
+    model: str | None
+    checkpoint: str | None
+    dataset: str
+    dataset_source: str
+    dataset_fingerprint: str
+    limit: int | None
+
+
 class _Session:
     """One ``run_eval`` call: the records done so far, the failures, the timing, and the summary."""
 
@@ -74,12 +87,13 @@ class _Session:
         self,
         problems: Sequence[Problem],
         store: ResultStore,
-        settings: dict[str, Any],
-        previous: dict[str, Any] | None,
+        settings: JsonObject,
+        previous: EvalSummary | None,
         bootstrap: tuple[int, int],
         decode: Callable[[list[int]], str] | None = None,
     ) -> None:
         self.problems, self.store, self.settings = list(problems), store, settings
+        self.mode = str(settings["mode"])
         self.decode = decode  # the protocol's, for the viewer's token spans (saved transcripts)
         try:
             self.done = store.load()
@@ -96,7 +110,7 @@ class _Session:
     def todo(self) -> list[Problem]:
         return [p for p in self.problems if p.id not in self.done]
 
-    def summary(self, status: str | None = None) -> dict[str, Any]:
+    def summary(self, status: str | None = None) -> EvalSummary:
         if status is None:
             status = "complete" if not self.todo() else "incomplete"
         selected = [self.done[p.id] for p in self.problems if p.id in self.done]
@@ -124,14 +138,14 @@ class _Session:
         trajs = sorted(trajectories, key=lambda t: t.group_index)
         candidates = [candidate_record(t, keep) for t in trajs]
         if keep:  # the viewer's record shape, shared with training (retool.rollout.records)
-            attach_eval_transcripts(candidates, trajs, mode=self.settings["mode"], decode=self.decode)
+            attach_eval_transcripts(candidates, trajs, mode=self.mode, decode=self.decode)
         broken = sorted({c["stop_reason"] for c in candidates} & INFRA_STOP_REASONS)
         if broken:
             # A sampler or executor failure says nothing about the model; leave the problem for the next run.
             logger.warning("problem %s: %s; not recorded (rerun to retry it)", problem.id, ", ".join(broken))
             self.failed.append(problem.id)
             return
-        record = problem_record(problem, self.index_of[problem.id], self.settings["mode"], seed, candidates)
+        record = problem_record(problem, self.index_of[problem.id], self.mode, seed, candidates)
         self.store.append(record)
         self.done[problem.id] = record
         logger.info(
@@ -185,14 +199,14 @@ async def run_eval(
     output: str | Path,
     val_n: int | None = None,
     seed: int | None = None,
-    identity: dict[str, Any] | None = None,
+    identity: EvalIdentity | None = None,
     concurrency: int | None = None,
     save_transcripts: bool | None = None,
     rollout_fn: RolloutFn = run_rollout,
     env: ProblemEnv | None = None,
     bootstrap_resamples: int = 2000,
     on_progress: Callable[[int, int], None] | None = None,
-) -> dict[str, Any]:
+) -> EvalSummary:
     """Roll out ``val_n`` candidates per unfinished problem, append records, return the summary.
 
     ``on_progress(done, total)`` is called once at the start and after each finished problem (progress
@@ -213,7 +227,7 @@ async def run_eval(
         raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
     env = env if env is not None else ProblemListEnv(problems, shuffle=False)
     plan = _Plan(components, components.sampler, config, mode, val_n, seed, rollout_fn, env)
-    settings = _settings(problems, components, config, mode, val_n, seed, dict(identity or {}))
+    settings = _settings(problems, components, config, mode, val_n, seed, identity or EvalIdentity())
     store = ResultStore(output)
     previous = check_resumable(store, settings)
     decode = getattr(components.protocol, "decode", None)
@@ -249,8 +263,8 @@ def _settings(
     mode: str,
     val_n: int,
     seed: int,
-    ident: dict[str, Any],
-) -> dict[str, Any]:
+    ident: EvalIdentity,
+) -> JsonObject:
     fmt = getattr(components.protocol, "fmt", None)
     return build_settings(
         config,
@@ -334,7 +348,7 @@ async def evaluate_async(
     env: ProblemEnv | None = None,
     checkpoint: str | None = None,
     dataset_fields: Mapping[str, str] | None = None,
-) -> dict[str, Any]:
+) -> EvalSummary:
     """Evaluate ``config.model`` (optionally at ``checkpoint``) on the test split of ``env`` (default: the
     environment ``config.eval.dataset`` names, with ``dataset_fields`` as explicit column names).
 
@@ -350,7 +364,7 @@ async def evaluate_async(
     all_problems = env.problems("test")
     fingerprint = dataset_fingerprint(all_problems)
     checkpoint = _resolve_checkpoint(checkpoint)
-    identity = {
+    identity: EvalIdentity = {
         "model": config.model.name,
         "checkpoint": checkpoint,
         "dataset": env.name,
@@ -382,6 +396,18 @@ async def evaluate_async(
         await parts.aclose()
 
 
-def evaluate(config: Config, **kwargs: Any) -> dict[str, Any]:
+def evaluate(
+    config: Config,
+    *,
+    mode: str,
+    output: str | Path,
+    env: ProblemEnv | None = None,
+    checkpoint: str | None = None,
+    dataset_fields: Mapping[str, str] | None = None,
+) -> EvalSummary:
     """Synchronous ``evaluate_async`` (for scripts and the CLI)."""
-    return asyncio.run(evaluate_async(config, **kwargs))
+    return asyncio.run(
+        evaluate_async(
+            config, mode=mode, output=output, env=env, checkpoint=checkpoint, dataset_fields=dataset_fields
+        )
+    )

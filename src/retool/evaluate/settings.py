@@ -10,12 +10,12 @@ from __future__ import annotations
 import hashlib
 import json
 from collections.abc import Sequence
-from typing import Any
 
 from retool.config import Config
 from retool.data.problem import Problem
 from retool.errors import UserError
-from retool.evaluate.store import ResultStore
+from retool.evaluate.store import EvalSummary, ResultStore
+from retool.jsonl import JsonObject, JsonValue
 
 # Settings that may change between a run and its resumption (they select problems, not how they are solved).
 RESUME_IGNORED: frozenset[str] = frozenset({"limit", "problems", "dataset_source"})
@@ -52,7 +52,7 @@ def build_settings(
     fingerprint: str = "",
     problems: int = 0,
     limit: int | None = None,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Everything that decides an eval's numbers, recorded in its summary and checked on resume."""
     r = config.rollout
     s = config.sandbox
@@ -95,13 +95,11 @@ def build_settings(
     }
 
 
-def settings_differences(
-    a: dict[str, Any], b: dict[str, Any], ignore: frozenset[str] = frozenset()
-) -> list[str]:
+def settings_differences(a: JsonValue, b: JsonValue, ignore: frozenset[str] = frozenset()) -> list[str]:
     """Dotted names of settings whose values differ (nested dicts compared key by key)."""
     out: list[str] = []
 
-    def walk(x: Any, y: Any, prefix: str) -> None:
+    def walk(x: JsonValue, y: JsonValue, prefix: str) -> None:
         if isinstance(x, dict) and isinstance(y, dict):
             for key in sorted(set(x) | set(y)):
                 name = f"{prefix}{key}"
@@ -115,9 +113,9 @@ def settings_differences(
     return out
 
 
-def setting_value(settings: dict[str, Any], dotted: str) -> Any:
+def setting_value(settings: JsonValue, dotted: str) -> JsonValue:
     """The value of one dotted setting name (as ``settings_differences`` reports it); None when absent."""
-    node: Any = settings
+    node = settings
     for part in dotted.split("."):
         if not isinstance(node, dict):
             return None
@@ -126,8 +124,8 @@ def setting_value(settings: dict[str, Any], dotted: str) -> Any:
 
 
 def check_resumable(
-    store: ResultStore, settings: dict[str, Any], ignore: frozenset[str] = RESUME_IGNORED
-) -> dict[str, Any] | None:
+    store: ResultStore, settings: JsonObject, ignore: frozenset[str] = RESUME_IGNORED
+) -> EvalSummary | None:
     """The existing summary (None for a fresh output); ``EvalError`` if it was made with other settings."""
     previous = store.read_summary()
     if previous is None and store.path.exists() and store.path.stat().st_size > 0:

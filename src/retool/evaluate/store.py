@@ -14,14 +14,71 @@ import logging
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 from retool.data.problem import Problem
 from retool.errors import UserError
-from retool.rollout.records import Decode, trajectory_record
+from retool.jsonl import JsonObject, read_jsonl_objects
+from retool.protocol.chat import Message
+from retool.rollout.records import Decode, TrajectoryRecord, trajectory_record
 from retool.rollout.types import Trajectory
 
 logger = logging.getLogger(__name__)
+
+
+class CandidateRecord(TypedDict, total=False):
+    """One sampled trajectory of an eval problem (``candidate_record``; see ``retool.evaluate.metrics``).
+
+    Not total: records read back from older files, or summarised by the viewer, may miss keys.
+    """
+
+    index: int
+    answer: str | None
+    correct: bool
+    valid_format: bool
+    reward: float
+    code_calls: int
+    turns: int
+    stop_reason: str
+    exec_latencies: list[float]
+    exec_errors: int
+    exec_timeouts: int
+    self_corrected: bool
+    completion_tokens: int
+    total_tokens: int
+    sample_seconds: float
+    exec_seconds: float
+    final_text_tail: str
+    messages: Sequence[Message]  # with --save-transcripts
+    trajectory: TrajectoryRecord  # with --save-transcripts
+
+
+class ProblemRecord(TypedDict, total=False):
+    """One line of the eval's records file: a problem and its candidates (``problem_record``)."""
+
+    id: str
+    index: int
+    reference: str
+    data_source: str | None
+    mode: str
+    seed: int
+    n: int
+    n_correct: int
+    candidates: list[CandidateRecord]
+
+
+class EvalSummary(TypedDict, total=False):
+    """The summary JSON beside the records (written by the runner's session; read back on resume)."""
+
+    version: int
+    status: str  # complete | incomplete
+    output: str
+    settings: JsonObject  # ``retool.evaluate.settings.build_settings``
+    completed: int
+    total: int
+    failed_problems: list[str]
+    metrics: JsonObject  # ``retool.evaluate.metrics.summarize``
+    timing: dict[str, int | float]
 
 
 class EvalStoreError(UserError, RuntimeError):
@@ -41,12 +98,12 @@ class ResultStore:
         self.path = Path(output)
         self.summary_path = summary_path_for(self.path)
 
-    def load(self) -> dict[str, dict[str, Any]]:
+    def load(self) -> dict[str, ProblemRecord]:
         """Finished records by problem id; drops (and truncates away) a partial last line."""
         if not self.path.exists():
             return {}
         data = self.path.read_bytes()
-        records: dict[str, dict[str, Any]] = {}
+        records: dict[str, ProblemRecord] = {}
         good_end = 0
         pos = 0
         line_no = 0
@@ -76,7 +133,7 @@ class ResultStore:
                         "%s:%d: duplicate record for %r; keeping the first", self.path, line_no, record["id"]
                     )
                 else:
-                    records[str(record["id"])] = record
+                    records[str(record["id"])] = cast(ProblemRecord, record)
             if nl < 0:
                 break
             pos = nl + 1
@@ -90,7 +147,7 @@ class ResultStore:
                 os.fsync(fh.fileno())
         return records
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: ProblemRecord) -> None:
         line = (json.dumps(record, ensure_ascii=False, sort_keys=False) + "\n").encode("utf-8")
         self.path.parent.mkdir(parents=True, exist_ok=True)
         with self.path.open("ab") as fh:
@@ -98,25 +155,26 @@ class ResultStore:
             fh.flush()
             os.fsync(fh.fileno())
 
-    def read_summary(self) -> dict[str, Any] | None:
+    def read_summary(self) -> EvalSummary | None:
         if not self.summary_path.exists():
             return None
         try:
-            return json.loads(self.summary_path.read_text(encoding="utf-8"))
+            summary: EvalSummary = json.loads(self.summary_path.read_text(encoding="utf-8"))
+            return summary
         except (OSError, ValueError) as exc:
             raise EvalStoreError(f"{self.summary_path}: unreadable summary ({exc})") from None
 
-    def write_summary(self, summary: dict[str, Any]) -> None:
+    def write_summary(self, summary: EvalSummary) -> None:
         self.summary_path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.summary_path.with_name(self.summary_path.name + ".tmp")
         tmp.write_text(json.dumps(summary, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
         os.replace(tmp, self.summary_path)
 
 
-def candidate_record(traj: Trajectory, save_transcript: bool = False) -> dict[str, Any]:
+def candidate_record(traj: Trajectory, save_transcript: bool = False) -> CandidateRecord:
     """One trajectory as a JSON-ready candidate (see ``retool.evaluate.metrics`` for the keys)."""
     results = list(traj.exec_results or [])
-    record: dict[str, Any] = {
+    record: CandidateRecord = {
         "index": int(traj.group_index),
         "answer": traj.answer,
         "correct": bool(traj.correct),
@@ -141,8 +199,8 @@ def candidate_record(traj: Trajectory, save_transcript: bool = False) -> dict[st
 
 
 def problem_record(
-    problem: Problem, index: int, mode: str, seed: int, candidates: Sequence[dict[str, Any]]
-) -> dict[str, Any]:
+    problem: Problem, index: int, mode: str, seed: int, candidates: Sequence[CandidateRecord]
+) -> ProblemRecord:
     """One line of the records file: a problem and its candidates (in branch order)."""
     return {
         "id": problem.id,
@@ -157,6 +215,11 @@ def problem_record(
     }
 
 
+def read_problem_records(path: str | Path) -> list[ProblemRecord]:
+    """Every record of a finished eval's records file, in file order (``ResultStore.load`` resumes one)."""
+    return [cast(ProblemRecord, obj) for obj in read_jsonl_objects(path)]
+
+
 def _count(value: int | Sequence[object] | None) -> int:
     if isinstance(value, int):
         return value
@@ -164,7 +227,7 @@ def _count(value: int | Sequence[object] | None) -> int:
 
 
 def attach_eval_transcripts(
-    candidates: Sequence[dict[str, Any]],
+    candidates: Sequence[CandidateRecord],
     trajectories: Sequence[Trajectory],
     *,
     mode: str,

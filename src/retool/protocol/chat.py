@@ -139,7 +139,7 @@ class ChatProtocol:
         )
 
     @staticmethod
-    def _model_name(tokenizer: Any) -> str:
+    def _model_name(tokenizer: object) -> str:
         return repr(getattr(tokenizer, "name_or_path", "") or type(tokenizer).__name__)
 
     # -- messages ----------------------------------------------------------------------------------
@@ -408,7 +408,7 @@ class ChatProtocol:
 class _TemplateView:
     """Lets ``detect_format`` read an overriding template as if it were the tokenizer's."""
 
-    def __init__(self, chat_template: Any) -> None:
+    def __init__(self, chat_template: str) -> None:
         self.chat_template = chat_template
 
 

@@ -16,8 +16,9 @@ import json
 import logging
 import re
 from dataclasses import dataclass
-from typing import Any, ClassVar, Literal
+from typing import ClassVar, Literal
 
+from retool.jsonl import JsonValue
 from retool.protocol.prompts import TOOL_NAME
 
 logger = logging.getLogger(__name__)
@@ -152,7 +153,7 @@ class HermesJsonFormat(_TaggedFormat):
 
     def _parse_body(self, body: str) -> tuple[str | None, str]:
         try:
-            obj: Any = json.loads(body)
+            obj: JsonValue = json.loads(body)
         except json.JSONDecodeError as exc:
             return None, f"tool call is not valid JSON: {exc.msg} at char {exc.pos}"
         if not isinstance(obj, dict):
@@ -266,14 +267,14 @@ FORMATS: dict[str, type[ToolFormat]] = {
 }
 
 
-def _template_text(tokenizer: Any) -> str | None:
+def _template_text(tokenizer: object) -> str | None:
     template = getattr(tokenizer, "chat_template", None)
     if isinstance(template, dict):  # named templates: prefer the tool-use one
         template = template.get("tool_use") or template.get("default") or next(iter(template.values()), None)
     return template if isinstance(template, str) else None
 
 
-def detect_format(tokenizer: Any) -> ToolFormat:
+def detect_format(tokenizer: object) -> ToolFormat:
     """Pick the call syntax the tokenizer's chat template teaches its model.
 
     XML ``<function=...><parameter=...>`` inside ``<tool_call>`` -> ``qwen_xml``; ``<tool_call>`` with JSON
@@ -292,7 +293,7 @@ def detect_format(tokenizer: Any) -> ToolFormat:
     return fmt
 
 
-def get_format(name: str | ToolFormat, tokenizer: Any = None) -> ToolFormat:
+def get_format(name: str | ToolFormat, tokenizer: object = None) -> ToolFormat:
     """``"qwen_xml" | "hermes" | "markdown"``, or ``"auto"`` (needs ``tokenizer``); instances pass through."""
     if isinstance(name, ToolFormat):
         return name

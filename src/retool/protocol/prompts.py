@@ -7,11 +7,11 @@ has no native tools, appends ``MARKDOWN_TOOL_INSTRUCTIONS``.
 
 from __future__ import annotations
 
-from typing import Any
+from retool.jsonl import JsonObject
 
 TOOL_NAME = "code_interpreter"
 
-CODE_TOOL: dict[str, Any] = {
+CODE_TOOL: JsonObject = {
     "type": "function",
     "function": {
         "name": TOOL_NAME,

@@ -13,13 +13,12 @@ from __future__ import annotations
 import re
 import weakref
 from collections.abc import Iterable
-from typing import Any
 
 ZWSP = "\u200b"
 _MAX_PASSES = 8
 
 
-def special_token_strings(tokenizer: Any) -> list[str]:
+def special_token_strings(tokenizer: object) -> list[str]:
     """Every special or added token string of ``tokenizer`` (longest first)."""
     found: set[str] = set()
     for tok in getattr(tokenizer, "all_special_tokens", None) or []:
@@ -33,17 +32,17 @@ def special_token_strings(tokenizer: Any) -> list[str]:
     return sorted(found, key=lambda s: (-len(s), s))
 
 
-_PATTERNS: weakref.WeakKeyDictionary[Any, dict[tuple[str, ...], re.Pattern[str] | None]] = (
+_PATTERNS: weakref.WeakKeyDictionary[object, dict[tuple[str, ...], re.Pattern[str] | None]] = (
     weakref.WeakKeyDictionary()
 )
 
 
-def _compile(tokenizer: Any, extra: tuple[str, ...]) -> re.Pattern[str] | None:
+def _compile(tokenizer: object, extra: tuple[str, ...]) -> re.Pattern[str] | None:
     strings = sorted(set(special_token_strings(tokenizer)) | {s for s in extra if s}, key=lambda s: -len(s))
     return re.compile("|".join(re.escape(s) for s in strings)) if strings else None
 
 
-def _pattern(tokenizer: Any, extra: tuple[str, ...]) -> re.Pattern[str] | None:
+def _pattern(tokenizer: object, extra: tuple[str, ...]) -> re.Pattern[str] | None:
     # Cached per tokenizer object (weakly, so a freed tokenizer never lends its table to a new one).
     try:
         per_tok = _PATTERNS.setdefault(tokenizer, {})
@@ -61,7 +60,7 @@ def _break(match: re.Match[str]) -> str:
     return s[0] + ZWSP + s[1:]
 
 
-def sanitize_tool_content(text: str, tokenizer: Any, extra: Iterable[str] = ()) -> str:
+def sanitize_tool_content(text: str, tokenizer: object, extra: Iterable[str] = ()) -> str:
     """Return ``text`` with every special/added token string of ``tokenizer`` (and ``extra``) broken.
 
     Idempotent: sanitising sanitised text changes nothing. Repeats until no match is left, because

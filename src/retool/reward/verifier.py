@@ -40,7 +40,7 @@ from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 from pathlib import Path
 from types import FrameType, TracebackType
-from typing import Any, Literal
+from typing import Literal
 
 from retool.config import Config, RewardConfig
 from retool.reward.equivalence import check_equivalence
@@ -93,7 +93,7 @@ class VerifierStats:
     total_seconds: float = 0.0
     max_seconds: float = 0.0
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> dict[str, int | float]:
         return {k: getattr(self, k) for k in self.__dataclass_fields__}
 
 

@@ -29,9 +29,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal, TypedDict
 
 from retool.backends.types import Datum
+from retool.protocol.chat import Message
 from retool.rollout.types import Trajectory, trajectory_tokens
 from retool.sandbox.base import ExecResult
 
@@ -39,6 +40,87 @@ RECORD_VERSION = 1
 
 MaskSource = Literal["datum", "untrained", "turn_structure"]
 Decode = Callable[[list[int]], str]
+
+
+class SpanRecord(TypedDict):
+    start: int
+    end: int
+    role: str
+    turn: int
+    trained: bool
+    text: str | None
+
+
+class ExecRecord(TypedDict):
+    ok: bool
+    stdout: str
+    stderr: str
+    returncode: int | None
+    timed_out: bool
+    latency: float
+    truncated: bool
+    memory_killed: bool
+
+
+class TurnRecord(TypedDict):
+    index: int
+    text: str
+    kind: str
+    sampler_stop: str
+    completion_tokens: int
+    code: str | None
+    exec: ExecRecord | None
+    observation: str | None
+    observation_trimmed: bool
+
+
+class TokenCounts(TypedDict, total=False):
+    prompt: int
+    completion: int
+    observation: int
+    total: int
+    trained: int
+
+
+class TrajectoryRecord(TypedDict, total=False):
+    """One line of ``trajectories.jsonl`` (or an eval candidate's ``"trajectory"``).
+
+    Not total: the viewer also shows eval candidates saved without a transcript, which carry only the
+    summary keys (``transcript: False``), and records read back from disk are whatever the file holds.
+    """
+
+    version: int
+    source: str
+    step: int | None
+    policy_version: int | None
+    mode: str
+    problem_id: str
+    problem_index: int
+    group_index: int
+    group: int  # training: the group's index among the step's groups
+    question: str
+    reference: str
+    data_source: str
+    answer: str | None
+    correct: bool
+    valid_format: bool
+    reward: float
+    reward_status: str
+    advantage: float | None
+    stop_reason: str
+    error: str | None
+    code_calls: int
+    exec_errors: int
+    sample_seconds: float
+    exec_seconds: float
+    mask_source: str
+    datum_weight: float | None
+    tokens: TokenCounts
+    messages: Sequence[Message]
+    turns: list[TurnRecord]
+    spans: list[SpanRecord]
+    final_text_tail: str
+    transcript: bool
 
 
 @dataclass(frozen=True)
@@ -51,7 +133,7 @@ class Span:
     turn: int  # the assistant turn it belongs to (an observation: the turn whose call it answers)
     trained: bool
 
-    def to_json(self, tokens: Sequence[int], decode: Decode | None) -> dict[str, Any]:
+    def to_json(self, tokens: Sequence[int], decode: Decode | None) -> SpanRecord:
         return {
             "start": self.start,
             "end": self.end,
@@ -102,7 +184,7 @@ def build_spans(traj: Trajectory, trained: Sequence[bool]) -> list[Span]:
     return spans
 
 
-def _exec_json(result: ExecResult) -> dict[str, Any]:
+def _exec_json(result: ExecResult) -> ExecRecord:
     return {
         "ok": result.ok,
         "stdout": result.stdout,
@@ -115,14 +197,14 @@ def _exec_json(result: ExecResult) -> dict[str, Any]:
     }
 
 
-def _turn_records(traj: Trajectory) -> list[dict[str, Any]]:
+def _turn_records(traj: Trajectory) -> list[TurnRecord]:
     """Each assistant turn with the call it made, what the executor answered and what the model saw."""
     codes, results = traj.codes, traj.exec_results
     observations, trimmed = traj.observations, traj.observations_trimmed
-    out: list[dict[str, Any]] = []
+    out: list[TurnRecord] = []
     call = 0  # executed calls happen in turn order, one per tool turn (only the last may go unexecuted)
     for index, turn in enumerate(traj.turns):
-        entry: dict[str, Any] = {
+        entry: TurnRecord = {
             "index": index,
             "text": turn.text,
             "kind": turn.kind,
@@ -170,7 +252,7 @@ def trajectory_record(
     step: int | None = None,
     mode: str = "retool",
     decode: Decode | None = None,
-) -> dict[str, Any]:
+) -> TrajectoryRecord:
     """One finished trajectory as a JSON-ready record (see the module docstring for the span rules).
 
     ``datum``: the datum trained on this trajectory (weights as the trainer received them), or None.
@@ -216,9 +298,7 @@ def trajectory_record(
     }
 
 
-def _token_counts(
-    traj: Trajectory, tokens: list[int], sampled: list[bool], spans: list[Span]
-) -> dict[str, int]:
+def _token_counts(traj: Trajectory, tokens: list[int], sampled: list[bool], spans: list[Span]) -> TokenCounts:
     n_prompt = len(traj.turns[0].prompt_tokens) if tokens else 0
     n_completion = sum(sampled)
     return {

@@ -13,7 +13,7 @@ import asyncio
 import re
 import threading
 from dataclasses import asdict, dataclass, field
-from typing import Any, Literal
+from typing import Literal
 
 ExecStatus = Literal["ok", "error", "timeout", "memory_limit"]
 
@@ -65,7 +65,7 @@ class ExecResult:
             return "memory_limit"
         return "ok" if self.ok else "error"
 
-    def to_json_dict(self) -> dict[str, Any]:
+    def to_json_dict(self) -> dict[str, object]:
         d = asdict(self)
         d.pop("memory_killed")
         d.pop("truncated")

@@ -4,13 +4,12 @@ from __future__ import annotations
 
 import json
 import sys
-from typing import Any
 
 import typer
 from pydantic import ValidationError
 
 from retool.config import SandboxConfig
-from retool.sandbox import SandboxPreimportError, SandboxWorkerError, make_executor
+from retool.sandbox import Executor, SandboxPreimportError, SandboxWorkerError, make_executor
 from retool.sandbox.forkserver import find_bwrap, strict_support
 from retool.sandbox.probe import PROBE_CODE, import_probe_code, import_rows, probe_rows
 
@@ -19,11 +18,11 @@ sandbox_app = typer.Typer(
 )
 
 
-def _make(**options: Any) -> Any:
+def _make(**options: object) -> Executor:
     """The executor of a ``SandboxConfig`` with ``options`` given (None: the config's default)."""
     kwargs = {key: value for key, value in options.items() if value is not None}
     try:
-        cfg = SandboxConfig(**kwargs)
+        cfg = SandboxConfig.model_validate(kwargs)
     except ValidationError as exc:  # one clear line per problem, all on the command's last line
         problems = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
         typer.echo(f"error: invalid sandbox options: {problems}", err=True)
@@ -86,8 +85,11 @@ def check_cmd(
     typer.echo(f"strict profile available: {'yes' if ok else 'no'} ({reason})")
     # No pre-imports here: the import probe must read every module's files from inside the child.
     with _make(backend="forkserver", isolation=isolation, workers=1, preimport=[]) as executor:
-        mode = f" ({executor.strict_mode} mode)" if getattr(executor, "strict_mode", None) else ""
-        typer.echo(f"active profile: {executor.isolation}{mode}")
+        strict_mode = getattr(
+            executor, "strict_mode", None
+        )  # the forkserver's; any executor may run the probe
+        mode = f" ({strict_mode} mode)" if strict_mode else ""
+        typer.echo(f"active profile: {getattr(executor, 'isolation', '?')}{mode}")
         result = executor.run(PROBE_CODE)
         imports = executor.run(import_probe_code(modules)) if modules else None
     if not result.ok:

@@ -70,7 +70,7 @@ import time
 import warnings
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 from retool.errors import UserError
 from retool.sandbox.base import ExecResult, Executor, SandboxWorkerError, is_memory_failure
@@ -283,6 +283,33 @@ def _read_exact(fd: int, n: int, deadline: float) -> bytes:
     return b"".join(chunks)
 
 
+class ServerRequest(TypedDict, total=False):
+    """One call to a server (``_server.py``'s request): the code, its timeout, whether to echo the last
+    expression."""
+
+    code: str
+    timeout: float
+    auto_print: bool
+
+
+class ServerMessage(TypedDict, total=False):
+    """What a server sends (``_server.py``): first its ready message (``ready``, ``pid``, ``uid``,
+    ``preimport_failed``), then one reply per request (the rest)."""
+
+    ready: bool
+    pid: int
+    uid: int
+    preimport_failed: list[dict[str, str]]
+    stdout: str
+    stderr: str
+    returncode: int | None
+    timed_out: bool
+    truncated: bool
+    oom_killed: bool
+    exec_time: float
+    server_error: bool
+
+
 class _Server:
     """One fork-server process and its pipes. Used by one thread at a time (the pool guarantees it)."""
 
@@ -297,9 +324,9 @@ class _Server:
             close_fds=True,
             start_new_session=True,
         )
-        self.ready_info: dict[str, Any] | None = None
+        self.ready_info: ServerMessage | None = None
 
-    def wait_ready(self, timeout: float) -> dict[str, Any]:
+    def wait_ready(self, timeout: float) -> ServerMessage:
         if self.ready_info is None:
             try:
                 self.ready_info = self._recv(time.monotonic() + timeout)
@@ -318,13 +345,13 @@ class _Server:
         except (OSError, ValueError):
             return "(server log unavailable)"
 
-    def _recv(self, deadline: float) -> dict[str, Any]:
+    def _recv(self, deadline: float) -> ServerMessage:
         assert self.proc.stdout is not None
         fd = self.proc.stdout.fileno()
         (n,) = struct.unpack(">I", _read_exact(fd, 4, deadline))
-        return json.loads(_read_exact(fd, n, deadline))
+        return cast(ServerMessage, json.loads(_read_exact(fd, n, deadline)))  # the server's own shape
 
-    def request(self, msg: dict[str, Any], timeout: float) -> dict[str, Any]:
+    def request(self, msg: ServerRequest, timeout: float) -> ServerMessage:
         assert self.proc.stdin is not None
         data = json.dumps(msg).encode()
         self.proc.stdin.write(struct.pack(">I", len(data)) + data)
@@ -667,7 +694,7 @@ class ForkServerExecutor(Executor):
             for name, delta in deltas.items():
                 setattr(self.stats, name, getattr(self.stats, name) + delta)
 
-    def _exchange(self, slot: int, code: str) -> dict[str, Any]:
+    def _exchange(self, slot: int, code: str) -> ServerMessage:
         server = self._servers[slot]
         if server is None or not server.alive():
             if server is not None:  # died while idle (killed from outside): nothing was lost

@@ -23,7 +23,7 @@ import logging
 import threading
 import time
 from dataclasses import replace
-from typing import Any
+from typing import TypedDict, cast
 
 import httpx
 
@@ -45,6 +45,23 @@ _RETRY_STATUS = {429, 500, 502, 503, 504}
 
 class SandboxFusionError(RuntimeError):
     """The service refused the request (a client error that a retry would not fix)."""
+
+
+class RunResult(TypedDict, total=False):
+    """``run_result`` of SandboxFusion's ``/run_code`` answer (the fields read here)."""
+
+    status: str  # Finished | TimeLimitExceeded | ...
+    stdout: str | None
+    stderr: str | None
+    return_code: int | None
+
+
+class RunCodeAnswer(TypedDict, total=False):
+    """SandboxFusion's ``/run_code`` answer (the fields read here)."""
+
+    status: str  # Success | Failed | SandboxError
+    message: str
+    run_result: RunResult | None
 
 
 def _tail(text: str | None, cap: int) -> tuple[str, bool]:
@@ -100,7 +117,7 @@ class SandboxFusionExecutor(Executor):
         self._sync_sem = threading.BoundedSemaphore(self.max_concurrency)
         self._async: dict[int, tuple[asyncio.AbstractEventLoop, httpx.AsyncClient, asyncio.Semaphore]] = {}
 
-    def _payload(self, code: str) -> dict[str, Any]:
+    def _payload(self, code: str) -> dict[str, str | float | int]:
         return {
             "code": code,
             "language": "python",
@@ -109,8 +126,8 @@ class SandboxFusionExecutor(Executor):
             "memory_limit_MB": self.memory_mb,
         }
 
-    def _to_result(self, body: dict[str, Any], started: float) -> ExecResult:
-        run = body.get("run_result") or {}
+    def _to_result(self, body: RunCodeAnswer, started: float) -> ExecResult:
+        run: RunResult = body.get("run_result") or {}
         status = body.get("status")
         stdout, t1 = _tail(run.get("stdout"), self.output_cap)
         stderr, t2 = _tail(run.get("stderr"), self.output_cap)
@@ -131,12 +148,12 @@ class SandboxFusionExecutor(Executor):
         )
 
     @staticmethod
-    def _parse(response: httpx.Response) -> dict[str, Any] | None:
+    def _parse(response: httpx.Response) -> RunCodeAnswer | None:
         try:
             body = response.json()
         except ValueError:
             return None
-        return body if isinstance(body, dict) else None
+        return cast(RunCodeAnswer, body) if isinstance(body, dict) else None
 
     def _judge(self, response: httpx.Response, started: float) -> ExecResult:
         """One HTTP answer as a result, or the error that says whether a retry could help."""

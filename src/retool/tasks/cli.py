@@ -6,14 +6,16 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, NoReturn
+from typing import NoReturn, Unpack
 
 import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
-from retool.tasks.demo import DemoSettings, run_demo, run_sft, seed_overrides
-from retool.tasks.real_model import REAL_MODELS
+from retool.jsonl import JsonValue, as_number
+from retool.tasks.demo import DemoEvent, DemoSettings, run_demo, run_sft, seed_overrides
+from retool.tasks.real_model import REAL_MODELS, DemoFields
 from retool.tasks.report import gain_line, markdown_table
 
 # The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
@@ -83,11 +85,11 @@ class _Printer:
             self._bar_last = frac
             print(text, file=sys.stderr, flush=True)
 
-    def __call__(self, kind: str, data: dict[str, Any]) -> None:
+    def __call__(self, kind: str, data: DemoEvent) -> None:
         self._render(kind, data)
         self._last_event = time.perf_counter()
 
-    def _render(self, kind: str, data: dict[str, Any]) -> None:
+    def _render(self, kind: str, data: DemoEvent) -> None:
         if kind == "phase":
             self._line(f"== {data['phase']}: {data.get('detail', '')}")
         elif kind == "phase_done":
@@ -124,12 +126,16 @@ def _duration(seconds: float) -> str:
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
 
 
-def _pct(v: float | None) -> str:
-    return "  -  " if v is None else f"{100 * float(v):5.1f}%"
+def _pct(v: JsonValue) -> str:
+    return "  -  " if v is None else f"{100 * float(as_number(v)):5.1f}%"
 
 
 def _settings(
-    config: str, overrides: list[str], seed: int | None, flags: dict[str, Any], **fields: Any
+    config: str,
+    overrides: list[str],
+    seed: int | None,
+    flags: Mapping[str, object],
+    **fields: Unpack[DemoFields],
 ) -> DemoSettings:
     """The demo's settings: ``config`` + ``--set`` + the flags that were given (+ demo-only fields)."""
     sets = [*overrides, *(seed_overrides(seed) if seed is not None else []), *flag_overrides(flags)]
@@ -212,7 +218,7 @@ def demo_command(
         "backend.cpu_threads": threads,
         "filters.dynamic_sampling": dynamic_sampling,
     }
-    own: dict[str, Any] = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
+    own: DemoFields = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
     if model != "tiny":
         if model not in REAL_MODELS:
             _fail(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")

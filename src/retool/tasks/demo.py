@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from retool.backends.tinymodel import ModelSize
 from retool.components import Components, build_components
@@ -37,13 +37,15 @@ from retool.data.synthetic import Task, generate_tasks
 from retool.env import ProblemEnv, TaskFamilyEnv, env_from_config
 from retool.evaluate.runner import run_eval
 from retool.evaluate.settings import setting_value, settings_differences
-from retool.evaluate.store import summary_path_for
+from retool.evaluate.store import EvalSummary, summary_path_for
+from retool.jsonl import JsonObject, JsonValue
 from retool.sandbox import Executor, strict_support
 from retool.tasks.model import build_demo_model
-from retool.tasks.real_model import real_model, resolve_model_path
+from retool.tasks.real_model import DemoFields, real_model, resolve_model_path
 from retool.tasks.report import (
     DemoResult,
     Evals,
+    FlatSummary,
     demo_gain,
     flat_summary,
     machine_facts,
@@ -54,6 +56,7 @@ from retool.tasks.report import (
 from retool.tasks.sft import SFTExample, SFTMix, SFTReport, build_sft_examples, train_sft
 from retool.train.checkpoint import write_text_atomic
 from retool.train.loop import Trainer
+from retool.train.metrics import MetricsRecord
 from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
 
 if TYPE_CHECKING:
@@ -61,7 +64,27 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Event = Callable[[str, dict[str, Any]], None]
+
+class DemoEvent(TypedDict, total=False):
+    """What an ``Event`` carries; which keys depends on its kind (``phase``, ``phase_done``, ``sft_step``,
+    ``eval_progress``, ``rl_step``, ``eval``)."""
+
+    phase: str
+    detail: str
+    seconds: float
+    resumed: bool
+    step: int
+    steps: int
+    loss: float
+    model: str
+    mode: str
+    done: int
+    total: int
+    metrics: MetricsRecord
+    summaries: dict[str, FlatSummary]
+
+
+Event = Callable[[str, DemoEvent], None]
 DEMO_PRESET = "demo"
 
 
@@ -101,7 +124,7 @@ class DemoSettings:
 
     @classmethod
     def load(
-        cls, overrides: Sequence[str] = (), *, config: str | Path = DEMO_PRESET, **fields: Any
+        cls, overrides: Sequence[str] = (), *, config: str | Path = DEMO_PRESET, **fields: Unpack[DemoFields]
     ) -> DemoSettings:
         """Settings from ``config`` (a preset or TOML file) and ``overrides``: ``section.key=value`` for the
         config, ``field=value`` (no dot) for a demo-only field; ``fields`` set demo-only fields directly."""
@@ -119,7 +142,7 @@ class DemoSettings:
     def seed(self) -> int:
         return self.config.train.seed
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         """What ``settings.json`` / ``report.json`` record: the demo-only fields, the seed, the config."""
         own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
         return {
@@ -130,14 +153,17 @@ class DemoSettings:
         }
 
 
-def real_model_settings(name: str, overrides: Sequence[str] = (), **fields: Any) -> DemoSettings:
+def real_model_settings(
+    name: str, overrides: Sequence[str] = (), **fields: Unpack[DemoFields]
+) -> DemoSettings:
     """``DemoSettings`` of the named real model (``retool.tasks.real_model``): its preset and demo-only
     fields, then ``overrides`` (``section.key=value`` or ``field=value``) and ``fields``."""
     spec = real_model(name)
-    return DemoSettings.load(overrides, config=spec.preset, **{**spec.fields, **fields})
+    merged: DemoFields = {**spec.fields, **fields}
+    return DemoSettings.load(overrides, config=spec.preset, **merged)
 
 
-def _demo_field(override: str) -> tuple[str, Any]:
+def _demo_field(override: str) -> tuple[str, Any]:  # a field chosen by name: its type is the value's
     name = override.partition("=")[0].strip()
     known = [f.name for f in dataclasses.fields(DemoSettings) if f.name != "config"]
     if name not in known:
@@ -259,12 +285,12 @@ def evaluate_modes(
     label: str,
     modes: Sequence[str] | None = None,
     emit: Event | None = None,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, FlatSummary]:
     """``retool.evaluate.run_eval`` for each of ``modes`` (default ``settings.eval_modes``): {mode: flat
     summary + difficulty}. An eval whose JSONL exists continues where it stopped; ``emit`` receives
     ``eval_progress`` events (progress bars)."""
     out_dir.mkdir(parents=True, exist_ok=True)
-    results: dict[str, dict[str, Any]] = {}
+    results: dict[str, FlatSummary] = {}
     for mode in modes or settings.eval_modes:
         output = out_dir / f"{label}_{mode}.jsonl"
         view = parts.for_mode(mode == "retool")
@@ -286,7 +312,7 @@ async def _evaluate_mode(
     output: Path,
     label: str,
     progress: Callable[[int, int], None] | None = None,
-) -> dict[str, Any]:
+) -> EvalSummary:
     await view.refresh_sampler()
     return await run_eval(
         list(problems),
@@ -338,20 +364,27 @@ _RESUME_FREE = frozenset({"out", "resume", "plots", "data_dir"})
 PHASES_FILE = "phases.json"
 
 
+class PhaseEntry(TypedDict, total=False):
+    """A finished phase in ``phases.json``: its wall seconds and (when measured) its work counters."""
+
+    seconds: float
+    work: dict[str, float]
+
+
 class _Phases:
     """The finished phases of a run folder (``phases.json``) with their seconds and throughput: a resumed
     run skips them and still reports the whole time split."""
 
     def __init__(self, out: Path) -> None:
         self.path = out / PHASES_FILE
-        self.data: dict[str, dict[str, Any]] = (
+        self.data: dict[str, PhaseEntry] = (
             json.loads(self.path.read_text(encoding="utf-8")) if self.path.is_file() else {}
         )
 
     def done(self, name: str) -> bool:
         return name in self.data
 
-    def record(self, name: str, entry: dict[str, Any]) -> None:
+    def record(self, name: str, entry: PhaseEntry) -> None:
         self.data[name] = entry
         write_text_atomic(self.path, json.dumps(self.data, indent=2) + "\n")
 
@@ -365,25 +398,27 @@ class _Clock:
         self.result, self.emit = result, emit
         self.phases = phases
         self.t0 = time.perf_counter()
-        self._marks: dict[str, Any] = {}
+        self._marks: tuple[Components, dict[str, float]] | None = None
 
     def measure(self, parts: Components | None) -> None:
         """Count the work of ``parts`` (backend, sandbox) from now until the phase ends."""
-        self._marks = {"parts": parts, "before": _work(parts)}
+        before = _work(parts)
+        self._marks = (parts, before) if parts is not None else None
 
     def done(self, name: str) -> None:
         seconds = round(time.perf_counter() - self.t0, 1)
         self.result.timings[name] = seconds
-        entry: dict[str, Any] = {"seconds": seconds}
-        if self._marks.get("parts") is not None:
-            after = _work(self._marks["parts"])
-            entry["work"] = {k: round(after[k] - self._marks["before"].get(k, 0.0), 3) for k in after}
+        entry: PhaseEntry = {"seconds": seconds}
+        if self._marks is not None:
+            parts, before = self._marks
+            after = _work(parts)
+            entry["work"] = {k: round(after[k] - before.get(k, 0.0), 3) for k in after}
             self.result.throughput[name] = entry["work"]
         if self.phases is not None:
             self.phases.record(name, entry)
         self.emit("phase_done", {"phase": name, "seconds": seconds})
         self.t0 = time.perf_counter()
-        self._marks = {}
+        self._marks = None
 
     def skip(self, name: str) -> bool:
         """True (and the recorded timing restored) when a resumed run finished ``name`` already."""
@@ -523,7 +558,7 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     return result
 
 
-def _load_evals(out: Path, label: str, modes: Sequence[str]) -> dict[str, dict[str, Any]]:
+def _load_evals(out: Path, label: str, modes: Sequence[str]) -> dict[str, FlatSummary]:
     evals = {}
     for mode in modes:
         records = out / "eval" / f"{label}_{mode}.jsonl"
@@ -605,7 +640,7 @@ def _eval_phase(
     problems: Sequence[Problem],
     clock: _Clock,
     label: str,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, FlatSummary]:
     emit = clock.emit
     detail = f"{len(problems)} held-out problems x {config.eval.val_n}"
     emit("phase", {"phase": f"eval_{label}", "detail": detail})
@@ -637,7 +672,7 @@ def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[P
     # A run written by an older version lacks the settings added since: it ran with their defaults.
     defaults = DemoSettings().as_dict()
 
-    def before(key: str) -> Any:
+    def before(key: str) -> JsonValue:
         value = setting_value(earlier, key)
         return setting_value(defaults, key) if value is None else value
 
@@ -674,7 +709,7 @@ def _rl_phase(
     model_sft: Path,
     problems: Sequence[Problem],
     clock: _Clock,
-) -> dict[str, dict[str, Any]]:
+) -> dict[str, FlatSummary]:
     """RL from the SFT model with the real sandbox and verifier (resuming from its checkpoints), then its
     evaluation."""
     emit, out = clock.emit, Path(settings.out)
@@ -712,7 +747,7 @@ def run_sft(
     model: str | Path | None = None,
     on_event: Event | None = None,
     evaluate: bool = True,
-) -> dict[str, Any]:
+) -> JsonObject:
     """Cold-start SFT of ``model`` (default: a freshly built tiny model) on the task family.
 
     Writes ``<out>/model_sft`` (HF folder), ``sft_report.json`` and, if ``evaluate``, the retool-mode
@@ -738,7 +773,7 @@ def run_sft(
 
         report = cold_start_sft(parts, train, sft_config, emit, on_examples=announce)
         save_hf(local_backend(parts), out / "model_sft")
-        result: dict[str, Any] = {"sft": report.as_dict(), "model": str(out / "model_sft")}
+        result: JsonObject = {"sft": report.as_dict(), "model": str(out / "model_sft")}
         if evaluate:
             only = dataclasses.replace(settings, eval_modes=("retool",))
             test = env.problems("test")

@@ -22,9 +22,27 @@ import importlib.metadata
 import importlib.util
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict
 
 from retool.errors import ModelLoadError, UserError
+
+if TYPE_CHECKING:  # only the name of a type: the tiny model's module imports torch
+    from retool.backends.tinymodel import ModelSize
+
+
+class DemoFields(TypedDict, total=False):
+    """The demo-only fields of ``retool.tasks.demo.DemoSettings`` (what a real model's run sets)."""
+
+    out: str
+    size: ModelSize
+    eval_modes: tuple[str, ...]
+    plots: bool
+    reuse_sft: str | None
+    test_hard_fraction: float | None
+    gsm8k_problems: int
+    data_dir: str | None
+    base_eval_problems: int
+    resume: bool
 
 
 class ModelNotInstalledError(UserError, FileNotFoundError):
@@ -42,7 +60,7 @@ class RealModel:
     description: str
     preset: str = ""  # the Config preset of its demo run
     # Demo-only fields (``DemoSettings``) that differ from the tiny demo's for this model.
-    fields: dict[str, Any] = field(default_factory=dict)
+    fields: DemoFields = field(default_factory=lambda: DemoFields())
 
     @property
     def install_command(self) -> str:
@@ -52,7 +70,7 @@ class RealModel:
 # The demo-only fields of SmolLM2's run; its Config is the ``demo-smollm2`` preset (presets/demo-smollm2.toml,
 # which says why each value). Held out: hard problems only, plus a GSM8K slice; the zero-shot eval of the
 # base model on a subset (it rambles to the token budget: the costliest samples).
-SMOLLM2_FIELDS: dict[str, Any] = {
+SMOLLM2_FIELDS: DemoFields = {
     "out": "runs/demo-smollm2",
     "test_hard_fraction": 1.0,
     "gsm8k_problems": 30,

@@ -11,31 +11,43 @@ import resource
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 from retool.analyze import analyze
 from retool.data.gsm8k import GSM8K_SOURCE
 from retool.data.synthetic import parse_source
-from retool.evaluate.metrics import paired_gain
-from retool.jsonl import iter_jsonl, read_jsonl
+from retool.evaluate.metrics import PairedGain, paired_gain
+from retool.evaluate.store import CandidateRecord, EvalSummary, ProblemRecord, read_problem_records
+from retool.jsonl import JsonObject, JsonValue
 
 logger = logging.getLogger(__name__)
 
-Evals = dict[str, dict[str, dict[str, Any]]]  # {"sft" | "rl": {mode: flat summary}}
+FlatSummary = dict[str, JsonValue]  # an eval's metrics and its per-difficulty numbers (``flat_summary``)
+Evals = dict[str, dict[str, FlatSummary]]  # {"sft" | "rl": {mode: flat summary}}
+TableRow = dict[str, JsonValue]  # model, mode, problems and the table's columns
 
 
-def difficulty_breakdown(records_path: Path) -> dict[str, Any]:
+class DemoGain(TypedDict, total=False):
+    """RL over SFT on the same held-out problems (``demo_gain``)."""
+
+    mode: str
+    average_at_n: PairedGain
+    easy_accuracy: PairedGain
+    hard_accuracy: PairedGain
+
+
+def difficulty_breakdown(records_path: Path) -> dict[str, float]:
     """Accuracy / tool-call rate / format rate on easy vs hard synthetic problems and on GSM8K, from an
     eval's JSONL."""
-    buckets: dict[str, list[dict[str, Any]]] = {"easy": [], "hard": [], "gsm8k": []}
-    for rec in iter_jsonl(records_path):
+    buckets: dict[str, list[CandidateRecord]] = {"easy": [], "hard": [], "gsm8k": []}
+    for rec in read_problem_records(records_path):
         source = str(rec.get("data_source", ""))
         parsed = parse_source(source)
         if parsed is not None:
             buckets["hard" if parsed[1] else "easy"].extend(rec.get("candidates", []))
         elif source == GSM8K_SOURCE:
             buckets["gsm8k"].extend(rec.get("candidates", []))
-    out: dict[str, Any] = {}
+    out: dict[str, float] = {}
     for name, cands in buckets.items():
         n = len(cands)
         out[f"{name}_candidates"] = n
@@ -64,7 +76,7 @@ GSM8K_COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
-def _columns(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]:
+def _columns(rows: Sequence[TableRow]) -> tuple[tuple[str, str, str], ...]:
     with_gsm8k = any(row.get("gsm8k_candidates") for row in rows)
     base = TABLE_COLUMNS
     if with_gsm8k and not any(row.get("easy_candidates") for row in rows):
@@ -72,18 +84,18 @@ def _columns(rows: Sequence[dict[str, Any]]) -> tuple[tuple[str, str, str], ...]
     return base + GSM8K_COLUMNS if with_gsm8k else base
 
 
-def table_rows(evals: Evals) -> list[dict[str, Any]]:
-    rows = []
+def table_rows(evals: Evals) -> list[TableRow]:
+    rows: list[TableRow] = []
     keys = [key for key, _, _ in TABLE_COLUMNS + GSM8K_COLUMNS] + ["easy_candidates", "gsm8k_candidates"]
     for stage, by_mode in evals.items():
         for mode, summary in by_mode.items():
-            row = {"model": stage, "mode": mode, "problems": summary.get("problems")}
+            row: TableRow = {"model": stage, "mode": mode, "problems": summary.get("problems")}
             row.update({key: summary.get(key) for key in keys})
             rows.append(row)
     return rows
 
 
-def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
+def markdown_table(rows: Sequence[TableRow]) -> str:
     columns = _columns(rows)
     header = ["model", "mode"] + [title for _, title, _ in columns]
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
@@ -91,52 +103,59 @@ def markdown_table(rows: Sequence[dict[str, Any]]) -> str:
         cells = [str(row["model"]), str(row["mode"])]
         for key, _, kind in columns:
             v = row.get(key)
-            cells.append("-" if v is None else (f"{100 * v:.1f}%" if kind == "pct" else f"{v:.2f}"))
+            cells.append("-" if v is None else _cell(v, kind))
         lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
-def flat_summary(summary: dict[str, Any], records_path: Path) -> dict[str, Any]:
+def _cell(value: JsonValue, kind: str) -> str:
+    if not isinstance(value, int | float):
+        raise TypeError(f"a table cell must be a number, not {type(value).__name__}")
+    return f"{100 * value:.1f}%" if kind == "pct" else f"{value:.2f}"
+
+
+def flat_summary(summary: EvalSummary, records_path: Path) -> FlatSummary:
     """An eval's metrics, flat, next to its per-difficulty numbers (what the table and report show)."""
-    flat = dict(summary.get("metrics", summary))
+    # A summary without "metrics" is taken as flat already.
+    flat = dict(summary["metrics"] if "metrics" in summary else cast(FlatSummary, summary))
     flat.update(difficulty_breakdown(records_path))
     return flat
 
 
-def demo_gain(eval_dir: Path, mode: str = "retool") -> dict[str, Any]:
+def demo_gain(eval_dir: Path, mode: str = "retool") -> DemoGain:
     """RL minus SFT on the same held-out problems: Average@N with its paired 95% bootstrap interval, and
     the accuracy change on easy and hard problems."""
 
-    def records(label: str) -> list[dict[str, Any]]:
+    def records(label: str) -> list[ProblemRecord]:
         path = eval_dir / f"{label}_{mode}.jsonl"
-        return read_jsonl(path)
+        return read_problem_records(path)
 
     sft, rl = records("sft"), records("rl")
-    out: dict[str, Any] = {"mode": mode, "average_at_n": paired_gain(sft, rl, seed=0)}
-    for name, hard in (("easy", False), ("hard", True)):
+    out: DemoGain = {"mode": mode, "average_at_n": paired_gain(sft, rl, seed=0)}
+    for hard in (False, True):
 
-        def subset(rows: list[dict[str, Any]], hard: bool = hard) -> list[dict[str, Any]]:
+        def subset(rows: list[ProblemRecord], hard: bool = hard) -> list[ProblemRecord]:
             return [r for r in rows if (parse_source(str(r.get("data_source", ""))) or ("", None))[1] is hard]
 
         if subset(sft):
-            out[f"{name}_accuracy"] = paired_gain(subset(sft), subset(rl), seed=0)
+            out["hard_accuracy" if hard else "easy_accuracy"] = paired_gain(subset(sft), subset(rl), seed=0)
     return out
 
 
 @dataclass
 class DemoResult:
     out: Path
-    table: list[dict[str, Any]] = field(default_factory=list)
+    table: list[TableRow] = field(default_factory=list)
     timings: dict[str, float] = field(default_factory=dict)
-    sft: dict[str, Any] = field(default_factory=dict)
+    sft: JsonObject = field(default_factory=dict)  # the SFT report (``SFTReport.as_dict``)
     plots: list[str] = field(default_factory=list)
-    gain: dict[str, Any] = field(default_factory=dict)  # RL over SFT, retool mode (see ``demo_gain``)
+    gain: DemoGain = field(default_factory=lambda: DemoGain())  # RL over SFT, retool mode (see ``demo_gain``)
     # Per phase: sampled / trained tokens and seconds of the backend, sandbox execution seconds.
     throughput: dict[str, dict[str, float]] = field(default_factory=dict)
-    machine: dict[str, Any] = field(default_factory=dict)  # see ``machine_facts``
+    machine: JsonObject = field(default_factory=dict)  # see ``machine_facts``
 
 
-def write_report(out: Path, settings: dict[str, Any], result: DemoResult, evals: Evals) -> None:
+def write_report(out: Path, settings: JsonObject, result: DemoResult, evals: Evals) -> None:
     """``report.json`` (settings, table, gain, timings, SFT report, every eval) and ``report.md``."""
     report_json = {
         "settings": settings,
@@ -188,12 +207,12 @@ def _split_row(name: str, seconds: float, w: dict[str, float]) -> str:
     )
 
 
-def machine_facts() -> dict[str, Any]:
+def machine_facts() -> JsonObject:
     """What the run's numbers depend on: CPUs, memory, torch, peak memory of this process and its
     children (sandbox, verifier), and the load average when the report was written."""
     import torch  # deferred: torch (~2 s); the CLI imports this module for every command
 
-    facts: dict[str, Any] = {
+    facts: JsonObject = {
         "cpus": os.cpu_count(),
         "cpu": platform.processor() or platform.machine(),
         "torch": torch.__version__,
@@ -215,7 +234,7 @@ def machine_facts() -> dict[str, Any]:
     return facts
 
 
-def gain_line(gain: dict[str, Any]) -> str:
+def gain_line(gain: DemoGain) -> str:
     """One sentence: the RL gain with its interval (the demo's claim, as the report and CLI state it)."""
     if not gain:
         return ""

@@ -19,11 +19,11 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
 
 from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, Datum
 from retool.data.synthetic import Task
+from retool.jsonl import JsonObject
 from retool.protocol import ChatProtocol
 
 logger = logging.getLogger(__name__)
@@ -168,14 +168,14 @@ class SFTReport:
     seconds: float = 0.0
     styles: dict[str, int] = field(default_factory=dict)
 
-    def as_dict(self) -> dict[str, Any]:
+    def as_dict(self) -> JsonObject:
         return {
             "steps": self.steps,
             "examples": self.examples,
             "first_loss": self.losses[0] if self.losses else None,
             "final_loss": sum(self.losses[-5:]) / max(1, len(self.losses[-5:])) if self.losses else None,
             "seconds": self.seconds,
-            "styles": self.styles,
+            "styles": dict(self.styles),
         }
 
 

@@ -34,13 +34,19 @@ import random
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, TypedDict, TypeVar
 
 import numpy as np
+import numpy.typing as npt
 
-from retool.jsonl import jsonl_lines
+from retool.jsonl import JsonObject, jsonl_lines
+
+if TYPE_CHECKING:  # the name only: torch is imported where a state is taken or restored (see capture_rng)
+    import torch
 
 logger = logging.getLogger(__name__)
+
+T = TypeVar("T")
 
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
@@ -67,11 +73,11 @@ class TrainerState:
 
     step: int  # training steps completed
     data_position: dict[str, int]
-    metrics_line: dict[str, Any] | None = None  # the metrics of `step`, re-appended on resume
+    metrics_line: JsonObject | None = None  # the metrics of `step`, re-appended on resume
     metrics_offset: int = 0  # bytes of metrics.jsonl holding steps < `step`
     backend_state: str = ""  # path (relative to the checkpoint folder when local) or remote URI
     backend_state_is_local: bool = True
-    extra: dict[str, Any] = field(default_factory=dict)
+    extra: JsonObject = field(default_factory=dict)
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -110,8 +116,17 @@ def write_text_atomic(path: Path, text: str) -> None:
     _fsync_dir(path.parent)
 
 
-def capture_rng() -> dict[str, Any]:
-    state: dict[str, Any] = {"python": random.getstate()}
+class RngState(TypedDict, total=False):
+    """``rng.pt``: the generators' states (torch's only where torch is installed, CUDA's where present)."""
+
+    python: tuple[object, ...]
+    numpy: dict[str, object] | tuple[str, npt.NDArray[np.uint32], int, int, float]
+    torch: torch.Tensor
+    cuda: list[torch.Tensor]
+
+
+def capture_rng() -> RngState:
+    state: RngState = {"python": random.getstate()}
     state["numpy"] = np.random.get_state()
     try:
         import torch  # deferred: torch (~2 s); `retool view` and `analyze` use this package without it
@@ -124,7 +139,7 @@ def capture_rng() -> dict[str, Any]:
     return state
 
 
-def restore_rng(state: dict[str, Any]) -> None:
+def restore_rng(state: RngState) -> None:
     if "python" in state:
         random.setstate(state["python"])
     if "numpy" in state:
@@ -256,7 +271,7 @@ class CheckpointManager:
         complete = self.complete_checkpoints()
         return complete[-1] if complete else None
 
-    def write_pipeline(self, tmp: Path, step: int, payload: Any) -> None:
+    def write_pipeline(self, tmp: Path, step: int, payload: object) -> None:
         """Store the pipeline's queued batches (``retool.train.pipeline.PipelineState``) in the checkpoint
         being built in ``tmp``. Pickled: trajectories are plain dataclasses of this package, and a
         checkpoint is read back by the code that wrote it (as ``rng.pt`` is)."""
@@ -270,16 +285,20 @@ class CheckpointManager:
             raise self.write_error(step, "writing the queued batches", where, exc) from exc
 
     @staticmethod
-    def load_pipeline(path: Path) -> Any | None:
-        """The pipeline state stored in checkpoint ``path``; None when it stores none (synchronous runs)."""
+    def load_pipeline(path: Path, kind: type[T]) -> T | None:
+        """The pipeline state stored in checkpoint ``path``, a ``kind``; None when it stores none
+        (synchronous runs). A ``CheckpointError`` when the file holds something else."""
         where = path / PIPELINE_FILE
         if not where.is_file():
             return None
         with open(where, "rb") as fh:
-            return pickle.load(fh)
+            payload = pickle.load(fh)
+        if not isinstance(payload, kind):
+            raise CheckpointError(f"{where}: holds a {type(payload).__name__}, not a {kind.__name__}")
+        return payload
 
     @staticmethod
-    def load(path: Path) -> tuple[TrainerState, dict[str, Any], str]:
+    def load(path: Path) -> tuple[TrainerState, RngState, str]:
         """Trainer state, RNG state and the backend state path (absolute when local)."""
         import torch  # deferred: as in capture_rng
 
@@ -328,7 +347,7 @@ def repair_metrics(metrics_path: Path, state: TrainerState) -> int:
     return max(dropped, 0)
 
 
-def _trainer_state(folder: Path) -> dict[str, Any] | None:
+def _trainer_state(folder: Path) -> JsonObject | None:
     """The raw trainer state of a checkpoint folder; None when ``folder`` is not one. (The local backend
     writes a file of the same name into its own state folder, without ``backend_state``.)"""
     state_file = folder / STATE_FILE

@@ -9,9 +9,8 @@ from the same seed and skips ``index`` problems, so no problem is repeated or sk
 from __future__ import annotations
 
 import itertools
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
 
 from retool.data.problem import Problem
 from retool.errors import UserError
@@ -33,7 +32,7 @@ class DataPosition:
         return asdict(self)
 
     @classmethod
-    def from_dict(cls, d: dict[str, Any]) -> DataPosition:
+    def from_dict(cls, d: Mapping[str, int]) -> DataPosition:
         return cls(epoch=int(d["epoch"]), index=int(d["index"]), seed=int(d["seed"]))
 
 

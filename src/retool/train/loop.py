@@ -40,7 +40,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
-from typing import Any
+from typing import TypedDict, Unpack
 
 from retool.backends import adam_params_from_config
 from retool.backends.base import SamplingClient, TrainingClient
@@ -49,6 +49,7 @@ from retool.components import Components, build_components
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.data.problem import Problem
 from retool.env import ProblemEnv, ToolSetup, env_from_config
+from retool.jsonl import as_number
 from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
 from retool.train.checkpoint import (
     CheckpointManager,
@@ -61,6 +62,7 @@ from retool.train.collect import Collected, collect_groups, round_seed
 from retool.train.datasource import DataPosition, ProblemStream
 from retool.train.metrics import (
     MetricsLog,
+    MetricsRecord,
     fault_counters,
     raise_if_step_lost,
     rollout_metrics,
@@ -84,7 +86,7 @@ logger = logging.getLogger(__name__)
 CONFIG_FILE = "config.toml"
 METRICS_FILE = "metrics.jsonl"
 
-StepHook = Callable[[int, dict[str, Any]], None]
+StepHook = Callable[[int, MetricsRecord], None]
 
 
 class RunDirError(RuntimeError):
@@ -97,7 +99,7 @@ class TrainSummary:
     start_step: int
     last_step: int
     interrupted: bool
-    last_metrics: dict[str, Any] = field(default_factory=dict)
+    last_metrics: MetricsRecord = field(default_factory=dict)
 
 
 def text_only_count(n_questions: int, share: float) -> int:
@@ -204,7 +206,7 @@ class Trainer:
             repair_metrics(self.metrics.path, TrainerState(step=0, data_position={}))
             return 0, DataPosition(seed=seed), None
         state, rng, backend_path = CheckpointManager.load(ckpt)
-        queued = CheckpointManager.load_pipeline(ckpt)
+        queued = CheckpointManager.load_pipeline(ckpt, PipelineState)
         await self._backend.load_state_async(backend_path)
         restore_rng(rng)
         dropped = repair_metrics(self.metrics.path, state)
@@ -287,7 +289,7 @@ class Trainer:
         progress = Progress(cfg.train.steps, start_step, enabled=cfg.logging.progress)
         installed = _install_signals(self._on_signal)
         step = start_step
-        last: dict[str, Any] = {}
+        last: MetricsRecord = {}
         pipeline: RolloutPipeline | None = None
         try:
             pipeline = self._pipeline(start_step, position, queued)
@@ -317,7 +319,7 @@ class Trainer:
                 return await frozen()
         return await backend.sampling_client_async()
 
-    async def _one_step(self, step: int, pipeline: RolloutPipeline, tracker: Tracker) -> dict[str, Any]:
+    async def _one_step(self, step: int, pipeline: RolloutPipeline, tracker: Tracker) -> MetricsRecord:
         """Publish the current weights, take this step's batch, train, record, and checkpoint when due;
         returns the step's metrics."""
         cfg = self.config
@@ -359,14 +361,16 @@ class Trainer:
         tracker.log(scalars_of(record), step)
         return record
 
-    def _check_sampler(self, step: int, record: dict[str, Any]) -> None:
+    def _check_sampler(self, step: int, record: MetricsRecord) -> None:
         """A step trained on-policy (lag 0) measures how far the sampler's logprobs are from the trainer's
         on the same weights: float rounding, or an engine's numerics (bf16). Far more means the sampler
         did not sample from the weights it was said to (the weight sync failed, or a frozen copy was taken
         at the wrong moment). Reported as ``offpolicy/sampler_check_failed`` with an error in the log."""
         tol = self.config.train.sampler_check_tol
         diff = record.get("offpolicy/logprob_diff_mean")
-        failed = tol > 0 and diff is not None and record.get("offpolicy/lag_max") == 0.0 and diff > tol
+        failed = (
+            tol > 0 and diff is not None and record.get("offpolicy/lag_max") == 0.0 and as_number(diff) > tol
+        )
         record["offpolicy/sampler_check_failed"] = float(failed)
         if failed:
             logger.error(
@@ -416,7 +420,7 @@ class Trainer:
         )
 
     async def _checkpoint(
-        self, step: int, pipeline: RolloutPipeline, record: dict[str, Any], t_step: float
+        self, step: int, pipeline: RolloutPipeline, record: MetricsRecord, t_step: float
     ) -> None:
         """Save weights, optimizer, RNG, data position and the batches sampled for later steps (after
         waiting for those the schedule has started: see ``retool.train.pipeline``), atomically."""
@@ -427,7 +431,7 @@ class Trainer:
         except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
             raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
         queued, position = await pipeline.drain(step + pipeline.k)
-        extra: dict[str, Any] = checkpoint_entry(self._open_tracker)  # a resume reopens the tracker run
+        extra = checkpoint_entry(self._open_tracker)  # a resume reopens the tracker run
         if queued.batches or queued.replay:  # a synchronous run's checkpoint stays as it always was
             self.checkpoints.write_pipeline(tmp, step, queued)
             extra["pipeline"] = {"batches": [b.step for b in queued.batches], "replay": len(queued.replay)}
@@ -466,11 +470,11 @@ def _step_record(
     result: TrainStepResult,
     times: dict[str, float],
     faults: dict[str, float],
-) -> dict[str, Any]:
+) -> MetricsRecord:
     """The step's metrics line (``time/step`` and ``time/checkpoint`` are filled in by the caller)."""
     collected = batch.collected
     sampled = collected.sampled
-    record: dict[str, Any] = {"step": step}
+    record: MetricsRecord = {"step": step}
     record.update(rollout_metrics(sampled))
     record.update(result.metrics())
     record.update(collected.metrics())
@@ -494,24 +498,38 @@ def _step_record(
     return record
 
 
+class TrainerParts(TypedDict, total=False):
+    """What ``run_training`` may inject into its ``Trainer`` (the keyword-only parameters)."""
+
+    env: ProblemEnv | None
+    components: Components | None
+    rollout_fn: RolloutFn
+    tracker: Tracker | None
+    on_step: StepHook | None
+
+
 SignalHandler = Callable[[int, FrameType | None], None]
+# What ``signal.signal`` hands back: a handler, SIG_DFL / SIG_IGN, or None (not installed from Python).
+PreviousHandler = Callable[[int, FrameType | None], object] | int | None
 
 
-def _install_signals(handler: SignalHandler) -> dict[int, Any]:
+def _install_signals(handler: SignalHandler) -> dict[int, PreviousHandler]:
     if threading.current_thread() is not threading.main_thread():
         return {}
-    previous: dict[int, Any] = {}
+    previous: dict[int, PreviousHandler] = {}
     for sig in (signal.SIGINT, signal.SIGTERM):
         previous[sig] = signal.signal(sig, handler)
     return previous
 
 
-def _restore_signals(previous: dict[int, Any]) -> None:
+def _restore_signals(previous: dict[int, PreviousHandler]) -> None:
     for sig, handler in previous.items():
         signal.signal(sig, handler)
 
 
-def run_training(config: Config, run_dir: str | Path, resume: bool = False, **parts: Any) -> TrainSummary:
+def run_training(
+    config: Config, run_dir: str | Path, resume: bool = False, **parts: Unpack[TrainerParts]
+) -> TrainSummary:
     """Train (or resume) one run; see ``Trainer`` for what ``parts`` may inject."""
     return Trainer(config, run_dir, resume=resume, **parts).run()
 

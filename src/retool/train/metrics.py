@@ -35,9 +35,9 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Protocol
 
-from retool.jsonl import read_jsonl
+from retool.jsonl import JsonValue, read_jsonl_objects
 from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
 from retool.train.checkpoint import RunWriteError
 from retool.train.step import trajectory_tokens
@@ -54,10 +54,21 @@ def _rate(num: float, den: float) -> float:
     return num / den if den else 0.0
 
 
+# One line of ``metrics.jsonl``: numbers, and a few lists and strings (problem ids, reward lists).
+MetricsRecord = dict[str, JsonValue]
+
+
+class ExecOutcome(Protocol):
+    """What ``_status`` reads of an execution result (``ExecResult``, or a result-like object)."""
+
+    ok: bool
+    timed_out: bool
+
+
 _INFRA_STOPS = frozenset({"sampler_error", "executor_error"})
 
 
-def _status(result: Any) -> str:
+def _status(result: ExecOutcome) -> str:
     """An execution's outcome (``ExecResult.status``; derived for result-like objects without it)."""
     status = getattr(result, "status", None)
     if isinstance(status, str):
@@ -89,7 +100,7 @@ def raise_if_step_lost(groups: Sequence[Sequence[Trajectory]], step: int) -> Non
     )
 
 
-def fault_counters(client: Any, executor: Any, verifier: Any) -> dict[str, float]:
+def fault_counters(client: object, executor: object, verifier: object) -> dict[str, float]:
     """Fault counters of the trainer's components since they started (absent where a component has none).
 
     Cumulative, so a chart shows when faults happened; a resumed run starts them again from 0.
@@ -181,7 +192,7 @@ class MetricsLog:
     def offset(self) -> int:
         return self.path.stat().st_size if self.path.exists() else 0
 
-    def append(self, record: dict[str, Any]) -> None:
+    def append(self, record: MetricsRecord) -> None:
         """Append one line, all of it or nothing: a failed write (ENOSPC...) is cut back off the file, so no
         torn line is left behind, and raises ``RunWriteError`` naming the file and the step."""
         line = json.dumps(_finite(record), sort_keys=True)
@@ -200,13 +211,13 @@ class MetricsLog:
                 f"restores the line from the latest checkpoint (retool train --resume {self.path.parent})"
             ) from exc
 
-    def read(self) -> list[dict[str, Any]]:
+    def read(self) -> list[MetricsRecord]:
         if not self.path.exists():
             return []
-        return read_jsonl(self.path)
+        return read_jsonl_objects(self.path)
 
 
-def _finite(obj: Any) -> Any:
+def _finite(obj: JsonValue) -> JsonValue:
     """JSON has no NaN/inf: write them as null."""
     if isinstance(obj, float) and not math.isfinite(obj):
         return None
@@ -217,7 +228,7 @@ def _finite(obj: Any) -> Any:
     return obj
 
 
-def scalars_of(record: dict[str, Any]) -> dict[str, float]:
+def scalars_of(record: MetricsRecord) -> dict[str, float]:
     """The numeric, finite entries of a metrics record (trackers take scalars only)."""
     out: dict[str, float] = {}
     for key, value in record.items():

@@ -46,7 +46,6 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any
 
 from retool.backends.base import SamplingClient
 from retool.data.problem import Problem
@@ -267,7 +266,7 @@ class RolloutPipeline:
         self._samplers.clear()
 
 
-def pipeline_metrics(batch: Batch, trainer_version: int, queued: int, requeued: int) -> dict[str, Any]:
+def pipeline_metrics(batch: Batch, trainer_version: int, queued: int, requeued: int) -> dict[str, float]:
     """``offpolicy/*`` bookkeeping of one step: the lag of its trajectories (trainer version minus the
     version that sampled each), batches already waiting when it started, groups requeued since the run
     started."""

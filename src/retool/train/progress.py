@@ -8,17 +8,19 @@ from __future__ import annotations
 import logging
 import sys
 import time
-from typing import Any
 
 from rich.console import Console
 from rich.progress import (
     BarColumn,
     MofNCompleteColumn,
+    TaskID,
     TextColumn,
     TimeElapsedColumn,
     TimeRemainingColumn,
 )
 from rich.progress import Progress as RichProgress
+
+from retool.train.metrics import MetricsRecord
 
 logger = logging.getLogger(__name__)
 
@@ -28,8 +30,8 @@ class Progress:
         self.total = total_steps
         self.start_step = start_step
         self._t0 = time.monotonic()
-        self._bar: Any = None
-        self._task: Any = None
+        self._bar: RichProgress | None = None
+        self._task: TaskID | None = None
         if enabled and sys.stderr.isatty():
             self._bar = RichProgress(
                 TextColumn("[bold]train"),
@@ -51,13 +53,13 @@ class Progress:
             return float("nan")
         return (time.monotonic() - self._t0) / done * (self.total - step)
 
-    def update(self, step: int, metrics: dict[str, Any]) -> None:
+    def update(self, step: int, metrics: MetricsRecord) -> None:
         info = (
             f"reward {metrics.get('task/reward_mean', 0.0):+.3f}  "
             f"correct {metrics.get('task/correct_rate', 0.0):.1%}  "
             f"calls {metrics.get('tool/mean_code_calls', 0.0):.2f}"
         )
-        if self._bar is not None:
+        if self._bar is not None and self._task is not None:
             self._bar.update(self._task, completed=step, info=info)
         else:
             eta = self.eta_seconds(step)

@@ -11,10 +11,11 @@ import os
 import random
 from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Literal
+from typing import Literal, cast
 
 from retool.backends.types import Datum
-from retool.rollout.records import RECORD_VERSION, Decode, datum_tokens, trajectory_record
+from retool.jsonl import JsonObject
+from retool.rollout.records import RECORD_VERSION, Decode, TrajectoryRecord, datum_tokens, trajectory_record
 from retool.rollout.types import Trajectory, trajectory_tokens
 from retool.train.step import group_advantages
 
@@ -27,6 +28,7 @@ __all__ = [
     "cut_from_step",
     "datum_advantage",
     "match_datums",
+    "read_json_objects",
     "read_records",
     "select_groups",
     "trajectory_record",
@@ -178,8 +180,8 @@ def cut_from_step(path: Path, step: int) -> int:
     return size - cut
 
 
-def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
-    """The records of a ``trajectories.jsonl``, read-only; an unreadable line (a run being written) is skipped."""
+def read_json_objects(path: str | Path) -> Iterator[JsonObject]:
+    """The JSON objects of a JSONL file, read-only; an unreadable line (a file being written) is skipped."""
     with Path(path).open(encoding="utf-8") as fh:
         for line in fh:
             if not line.strip():
@@ -190,3 +192,12 @@ def read_records(path: str | Path) -> Iterator[dict[str, Any]]:
                 continue
             if isinstance(obj, Mapping):
                 yield dict(obj)
+
+
+def read_records(path: str | Path) -> Iterator[TrajectoryRecord]:
+    """The records of a ``trajectories.jsonl``, read-only; an unreadable line (a run being written) is skipped.
+
+    The keys are those ``trajectory_record`` wrote (the record is not total: readers use ``.get``).
+    """
+    for obj in read_json_objects(path):
+        yield cast(TrajectoryRecord, obj)

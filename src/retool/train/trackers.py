@@ -28,9 +28,9 @@ import logging
 import netrc
 import os
 from pathlib import Path
-from typing import Any
 
 from retool.config import TRACKER_MODES, Config, LoggingConfig
+from retool.jsonl import JsonObject
 from retool.train.checkpoint import STATE_FILE, CheckpointManager, TrainerState
 
 logger = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class TrackerSpec:
     """What a SwanLab / W&B tracker opens with: its mode (and why), folder, project, run name, config."""
 
     def __init__(
-        self, name: str, mode: str, reason: str, run_dir: Path, project: str, config: dict[str, Any]
+        self, name: str, mode: str, reason: str, run_dir: Path, project: str, config: dict[str, object]
     ) -> None:
         self.name = name
         self.mode = mode
@@ -185,7 +185,7 @@ def open_tracker(config: Config, run_dir: Path, resume: bool) -> Tracker:
 def _open(
     settings: LoggingConfig,
     run_dir: Path,
-    config: dict[str, Any],
+    config: dict[str, object],
     state: TrainerState | None,
     resume: bool,
 ) -> Tracker:
@@ -344,7 +344,7 @@ def _checkpointed_run_id(state: TrainerState | None, name: str) -> str | None:
     return None
 
 
-def checkpoint_entry(tracker: Tracker) -> dict[str, Any]:
+def checkpoint_entry(tracker: Tracker) -> JsonObject:
     """What to add to a checkpoint's ``TrainerState.extra`` for ``tracker`` (empty: nothing)."""
     entry = tracker.checkpoint_entry()
-    return {CHECKPOINT_KEY: entry} if entry else {}
+    return {CHECKPOINT_KEY: dict(entry)} if entry else {}

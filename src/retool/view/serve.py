@@ -15,7 +15,6 @@ import threading
 from collections.abc import Callable, Sequence
 from http.server import SimpleHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
 
 from retool.view.site import SiteResult, build_site, discover
 
@@ -80,7 +79,7 @@ class _Handler(SimpleHTTPRequestHandler):
         self.send_header("Cache-Control", "no-store")
         super().end_headers()
 
-    def log_message(self, format: str, *args: Any) -> None:
+    def log_message(self, format: str, *args: object) -> None:
         logger.debug("%s " + format, self.address_string(), *args)
 
 

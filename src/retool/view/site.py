@@ -25,19 +25,20 @@ import os
 import re
 import secrets
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from html import escape
 from importlib import resources
 from pathlib import Path
-from typing import Any
+from typing import TypedDict, cast
 
 from retool.analyze.report import AnalyzeError, load_training_log, short_label
 from retool.errors import UserError
 from retool.evaluate.metrics import bootstrap_ci, summarize
-from retool.evaluate.store import summary_path_for
-from retool.jsonl import first_jsonl_object
-from retool.train.records import TRAJECTORIES_FILE, read_records
+from retool.evaluate.store import CandidateRecord, EvalSummary, ProblemRecord, summary_path_for
+from retool.jsonl import JsonObject, JsonValue, first_jsonl_object
+from retool.rollout.records import TrajectoryRecord
+from retool.train.records import TRAJECTORIES_FILE, read_json_objects, read_records
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +58,51 @@ _SKIP_DIRS = frozenset(
 
 class ViewError(UserError, ValueError):
     """An input the viewer cannot use; the message names it and says why."""
+
+
+class Interval(TypedDict):
+    value: float
+    lo: float
+    hi: float
+
+
+class Curves(TypedDict):
+    step: list[int]
+    series: dict[str, list[float | None]]
+
+
+class SourceRow(TypedDict):
+    """One input of the site (a run or an eval): what the page's source filter lists."""
+
+    kind: str
+    label: str
+    mode: str
+    path: str
+    n: int
+
+
+class RunRow(TypedDict):
+    source: int
+    label: str
+    path: str
+    steps_done: int
+    sampled_steps: int
+    curves: Curves
+
+
+class EvalRow(TypedDict):
+    source: int
+    label: str
+    mode: str
+    path: str
+    status: str
+    completed: JsonValue
+    total: JsonValue
+    transcripts: int
+    val_n: JsonValue
+    dataset: JsonValue
+    metrics: JsonObject
+    intervals: dict[str, Interval]
 
 
 @dataclass
@@ -162,7 +208,7 @@ def _label_runs(runs: list[RunInput]) -> None:
 # -- reading the inputs ------------------------------------------------------------------------------
 
 
-def _metrics_rows(path: Path) -> list[dict[str, Any]]:
+def _metrics_rows(path: Path) -> list[dict[str, float]]:
     """Numeric columns of a metrics.jsonl, one dict per step (read-only; a partial last line is skipped)."""
     if not path.is_file():
         return []
@@ -172,7 +218,7 @@ def _metrics_rows(path: Path) -> list[dict[str, Any]]:
         return []
 
 
-def _curves(rows: Sequence[dict[str, Any]]) -> dict[str, Any]:
+def _curves(rows: Sequence[dict[str, float]]) -> Curves:
     """Column-wise series: ``{"step": [...], "task/reward_mean": [...], ...}`` (None where missing)."""
     keys = sorted({k for r in rows for k, v in r.items() if isinstance(v, int | float)})
     steps = [int(r.get("step", i + 1)) for i, r in enumerate(rows)]
@@ -190,7 +236,7 @@ def _finite(value: object) -> float | None:
     return float(value)
 
 
-def _eval_summary(path: Path) -> dict[str, Any]:
+def _eval_summary(path: Path) -> EvalSummary:
     spath = _summary_path(path)
     if not spath.is_file():
         return {}
@@ -199,22 +245,33 @@ def _eval_summary(path: Path) -> dict[str, Any]:
     except (OSError, ValueError):
         logger.warning("%s: unreadable summary; metrics recomputed from the records", spath)
         return {}
-    return data if isinstance(data, dict) else {}
+    return cast(EvalSummary, data) if isinstance(data, dict) else {}
 
 
-def _eval_records(path: Path) -> list[dict[str, Any]]:
+def _eval_records(path: Path) -> list[ProblemRecord]:
     """Per-problem records (first one per id, as the eval keeps them); unreadable lines skipped."""
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, ProblemRecord] = {}
     if not path.is_file():
         return []
-    for obj in read_records(path):
+    for obj in read_json_objects(path):
         if "candidates" in obj:
-            out.setdefault(str(obj.get("id")), obj)
+            out.setdefault(str(obj.get("id")), cast(ProblemRecord, obj))
     return list(out.values())
 
 
-def _eval_label(summary: dict[str, Any], path: Path) -> str:
-    settings = summary.get("settings") or {}
+def _object(value: JsonValue) -> JsonObject:
+    """A JSON object read from a summary; anything else (absent, null) reads as empty."""
+    return value if isinstance(value, dict) else {}
+
+
+def _int(value: JsonValue) -> int:
+    if isinstance(value, str | int | float):
+        return int(value)
+    raise TypeError(f"expected a number, not {type(value).__name__}")
+
+
+def _eval_label(summary: EvalSummary, path: Path) -> str:
+    settings = _object(summary.get("settings"))
     ckpt = settings.get("checkpoint")
     if ckpt:
         return short_label(str(ckpt))  # the label `retool analyze` uses for the same eval
@@ -224,7 +281,7 @@ def _eval_label(summary: dict[str, Any], path: Path) -> str:
     return path.stem
 
 
-def eval_intervals(records: Sequence[dict[str, Any]], seed: int = 0) -> dict[str, Any]:
+def eval_intervals(records: Sequence[ProblemRecord], seed: int = 0) -> dict[str, Interval]:
     """Point estimates and 95% bootstrap intervals over problems of the headline eval metrics."""
     per_problem: dict[str, list[float]] = {
         "average_at_n": [],
@@ -239,7 +296,7 @@ def eval_intervals(records: Sequence[dict[str, Any]], seed: int = 0) -> dict[str
         per_problem["pass_at_n"].append(1.0 if any(c.get("correct") for c in cands) else 0.0)
         per_problem["format_rate"].append(sum(bool(c.get("valid_format")) for c in cands) / n)
         per_problem["tool_call_rate"].append(sum(int(c.get("code_calls", 0)) > 0 for c in cands) / n)
-    out: dict[str, Any] = {}
+    out: dict[str, Interval] = {}
     for key, values in per_problem.items():
         mean = sum(values) / len(values) if values else 0.0
         lo, hi = bootstrap_ci(values, resamples=1000, seed=seed)
@@ -247,7 +304,7 @@ def eval_intervals(records: Sequence[dict[str, Any]], seed: int = 0) -> dict[str
     return out
 
 
-def candidate_as_record(record: dict[str, Any], cand: dict[str, Any], mode: str) -> dict[str, Any]:
+def candidate_as_record(record: ProblemRecord, cand: CandidateRecord, mode: str) -> TrajectoryRecord:
     """A candidate's trajectory record; without a saved transcript, the summary fields it does have."""
     saved = cand.get("trajectory")
     if isinstance(saved, dict):
@@ -291,13 +348,13 @@ class _Index:
     """The small per-trajectory rows, the problem table and the vocabularies the rows point into."""
 
     def __init__(self) -> None:
-        self.rows: list[dict[str, Any]] = []
-        self.problems: list[dict[str, Any]] = []
+        self.rows: list[dict[str, JsonValue]] = []
+        self.problems: list[dict[str, str]] = []
         self._problem_of: dict[str, int] = {}
         self.stops: list[str] = []
         self._stop_of: dict[str, int] = {}
 
-    def problem(self, rec: dict[str, Any]) -> int:
+    def problem(self, rec: TrajectoryRecord) -> int:
         pid = str(rec.get("problem_id", ""))
         if pid not in self._problem_of:
             self._problem_of[pid] = len(self.problems)
@@ -317,7 +374,7 @@ class _Index:
             self.stops.append(reason)
         return self._stop_of[reason]
 
-    def add(self, rec: dict[str, Any], source: int, chunk: int, offset: int) -> None:
+    def add(self, rec: TrajectoryRecord, source: int, chunk: int, offset: int) -> None:
         answer = rec.get("answer")
         tokens = rec.get("tokens") or {}
         self.rows.append(
@@ -360,7 +417,7 @@ class _ChunkWriter:
     def offset(self) -> int:
         return len(self._parts)
 
-    def add(self, record: dict[str, Any]) -> None:
+    def add(self, record: TrajectoryRecord) -> None:
         text = json.dumps(record, ensure_ascii=False, separators=(",", ":"))
         self._parts.append(text)
         self._bytes += len(text)
@@ -389,7 +446,7 @@ def _write_atomic(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def _run_records(run: RunInput) -> Iterator[dict[str, Any]]:
+def _run_records(run: RunInput) -> Iterator[TrajectoryRecord]:
     if run.trajectories.is_file():
         yield from read_records(run.trajectories)
 
@@ -456,11 +513,11 @@ class _SiteParts:
 
     index: _Index
     chunks: _ChunkWriter
-    sources: list[dict[str, Any]] = field(default_factory=list)
-    runs: list[dict[str, Any]] = field(default_factory=list)
-    evals: list[dict[str, Any]] = field(default_factory=list)
+    sources: list[SourceRow] = field(default_factory=list)
+    runs: list[RunRow] = field(default_factory=list)
+    evals: list[EvalRow] = field(default_factory=list)
 
-    def add(self, rec: dict[str, Any], source: int) -> None:
+    def add(self, rec: TrajectoryRecord, source: int) -> None:
         self.index.add(rec, source, self.chunks.index, self.chunks.offset)
         self.chunks.add(rec)
 
@@ -473,8 +530,9 @@ def _add_run(site: _SiteParts, run: RunInput) -> None:
     for rec in _run_records(run):
         site.add(rec, source)
         count += 1
-        if rec.get("step") is not None:
-            steps.add(int(rec["step"]))
+        step = rec.get("step")
+        if step is not None:
+            steps.add(int(step))
     rows = _metrics_rows(run.metrics)
     site.sources.append(
         {"kind": "train", "label": run.label, "mode": "retool", "path": str(run.folder), "n": count}
@@ -495,7 +553,7 @@ def _add_eval(site: _SiteParts, path: Path) -> None:
     """An evaluation: every candidate as a trajectory, and its metrics with their intervals."""
     summary = _eval_summary(path)
     records = _eval_records(path)
-    settings = summary.get("settings") or {}
+    settings = _object(summary.get("settings"))
     mode = str(settings.get("mode") or (records[0].get("mode") if records else "") or "?")
     source = len(site.sources)
     label = _eval_label(summary, path)
@@ -507,7 +565,7 @@ def _add_eval(site: _SiteParts, path: Path) -> None:
             count += 1
             transcripts += 1 if rec.get("spans") else 0
     site.sources.append({"kind": "eval", "label": label, "mode": mode, "path": str(path), "n": count})
-    metrics = summary.get("metrics") or {}
+    metrics = _object(summary.get("metrics"))
     if not metrics and records:
         metrics = summarize(records, bootstrap_resamples=200)
     site.evals.append(
@@ -523,12 +581,12 @@ def _add_eval(site: _SiteParts, path: Path) -> None:
             "val_n": settings.get("val_n", metrics.get("val_n")),
             "dataset": settings.get("dataset", ""),
             "metrics": _eval_metric_subset(metrics),
-            "intervals": eval_intervals(records, seed=int(settings.get("seed", 0) or 0)),
+            "intervals": eval_intervals(records, seed=_int(settings.get("seed", 0) or 0)),
         }
     )
 
 
-def _dedupe_eval_labels(evals: list[dict[str, Any]], sources: list[dict[str, Any]]) -> None:
+def _dedupe_eval_labels(evals: list[EvalRow], sources: list[SourceRow]) -> None:
     """Two evals of one checkpoint and mode (other datasets, other seeds) get their file name added."""
     seen: dict[tuple[str, str], int] = {}
     for ev in evals:
@@ -569,7 +627,7 @@ _EVAL_KEYS = (
 )
 
 
-def _eval_metric_subset(metrics: dict[str, Any]) -> dict[str, Any]:
+def _eval_metric_subset(metrics: JsonObject) -> JsonObject:
     return {k: metrics[k] for k in _EVAL_KEYS if k in metrics}
 
 
@@ -598,7 +656,7 @@ def script_json(data: object) -> str:
     return text.replace("&", "\\u0026").replace("<", "\\u003c").replace(">", "\\u003e")
 
 
-def render_html(data: dict[str, Any]) -> str:
+def render_html(data: Mapping[str, object]) -> str:
     """The page: the template with the CSS, the JS and the index data inline.
 
     One pass over the template: substituted text is never searched again, so a placeholder that turns
