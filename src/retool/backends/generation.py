@@ -76,6 +76,12 @@ class SamplingStats(Protocol):
     def add_sample_seconds(self, seconds: float) -> None: ...
 
 
+class TokenDecoder(Protocol):
+    """The tokenizer surface the engine uses: decoding a sequence's tail to match stop strings."""
+
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
+
+
 def _stop_sets(params: SamplingParams, eos_ids: set[int]) -> tuple[set[int], list[str]]:
     ids = set(eos_ids)
     strings: list[str] = []
@@ -88,7 +94,7 @@ def _stop_sets(params: SamplingParams, eos_ids: set[int]) -> tuple[set[int], lis
     return ids, strings
 
 
-def _cache_kwarg(model: Any) -> str:
+def _cache_kwarg(model: torch.nn.Module) -> str:
     """transformers >= 5.2x names the cache argument ``cache``; older versions ``past_key_values``."""
     params = inspect.signature(model.forward).parameters
     if "cache" in params:
@@ -99,7 +105,7 @@ def _cache_kwarg(model: Any) -> str:
     return "past_key_values"
 
 
-def _output_cache(out: Any) -> Any:
+def _output_cache(out: object) -> DynamicCache:
     for key in ("cache", "past_key_values"):
         value = out.get(key) if hasattr(out, "get") else getattr(out, key, None)
         if value is not None:
@@ -206,7 +212,7 @@ class _Row:
             window=max((len(s) for s in stop_strings), default=0) + 4,
         )
 
-    def record(self, token: int, logprob: float, tokenizer: Any) -> StopReason | None:
+    def record(self, token: int, logprob: float, tokenizer: TokenDecoder) -> StopReason | None:
         """Append a sampled token; the reason the sequence ends with it, if it does."""
         self.tokens.append(token)
         self.logprobs.append(logprob)
@@ -223,7 +229,9 @@ class _Row:
         return self.prompt + self.tokens[:-1]
 
 
-def _layers(cache: Any) -> list[Any]:
+def _layers(cache: DynamicCache) -> list[Any]:
+    """The cache's layers, all ``DynamicLayer`` (typed ``Any``: their ``keys`` / ``values`` are declared
+    optional until the first forward fills them, which every cache here has had)."""
     layers = list(cache.layers)
     if any(type(layer) is not DynamicLayer for layer in layers):  # sliding windows drop old columns
         kinds = sorted({type(layer).__name__ for layer in layers})
@@ -242,7 +250,12 @@ class _Batch:
     row's last token and the logits of its next one."""
 
     def __init__(
-        self, rows: list[_Row], cache: Any, mask: torch.Tensor, last_pos: torch.Tensor, logits: torch.Tensor
+        self,
+        rows: list[_Row],
+        cache: DynamicCache,
+        mask: torch.Tensor,
+        last_pos: torch.Tensor,
+        logits: torch.Tensor,
     ) -> None:
         self.rows, self.cache, self.mask, self.last_pos, self.logits = rows, cache, mask, last_pos, logits
 
@@ -328,9 +341,9 @@ class ContinuousGenerator:
     def __init__(
         self,
         *,
-        model_fn: Callable[[], Any],
+        model_fn: Callable[[], torch.nn.Module],
         tag_fn: Callable[[], Hashable],
-        tokenizer: Any,
+        tokenizer: TokenDecoder,
         pad_id: int,
         eos_ids: set[int],
         max_context: int,
@@ -375,7 +388,7 @@ class ContinuousGenerator:
     def _job(self) -> None:
         """Executor body: serve the inbox until it is empty (or a training call waits)."""
         t0 = time.perf_counter()
-        model: Any = None
+        model: torch.nn.Module | None = None
         was_training = False
         batch: _Batch | None = None
         try:
@@ -432,7 +445,7 @@ class ContinuousGenerator:
                 taken.append(row)
         return taken
 
-    def _admit(self, model: Any, batch: _Batch | None) -> _Batch | None:
+    def _admit(self, model: torch.nn.Module, batch: _Batch | None) -> _Batch | None:
         """Prefill waiting rows and add them to ``batch`` (a failure ends those rows and the batch's)."""
         rows = self._take(self.batch_limit - (len(batch.rows) if batch else 0))
         if not rows:
@@ -448,7 +461,7 @@ class ContinuousGenerator:
         self.peak_rows = max(self.peak_rows, len(merged.rows))
         return merged
 
-    def _prefill_rows(self, model: Any, rows: list[_Row]) -> _Batch:
+    def _prefill_rows(self, model: torch.nn.Module, rows: list[_Row]) -> _Batch:
         """One batch of ``rows`` with their prompts prefilled; identical prompts are run once."""
         unique: dict[tuple[int, ...], int] = {}
         order = [unique.setdefault(tuple(r.prompt), len(unique)) for r in rows]
@@ -468,7 +481,7 @@ class ContinuousGenerator:
         batch.rows = rows
         return batch
 
-    def _find_prefixes(self, model: Any, items: list[_Prefill]) -> None:
+    def _find_prefixes(self, model: torch.nn.Module, items: list[_Prefill]) -> None:
         """Fill each item's cached prefix: from the prefix cache, or the items' common prefix run now."""
         for it in items:
             if self.cache.enabled:
@@ -489,7 +502,7 @@ class ContinuousGenerator:
             if it.cached < shared:
                 it.cached, it.kv = shared, kv
 
-    def _forward_prefill(self, model: Any, items: list[_Prefill]) -> _Batch:
+    def _forward_prefill(self, model: torch.nn.Module, items: list[_Prefill]) -> _Batch:
         """Run each item's uncached suffix after its cached KV, right-aligned (``[pad][prefix]`` in the
         cache, ``[pad][suffix]`` in the input); a batch of the items (without rows) and their logits."""
         t0 = time.perf_counter()
@@ -504,7 +517,7 @@ class ContinuousGenerator:
             mask[u, width - it.cached : width] = 1
             mask[u, width + longest - len(own) :] = 1
             pos[u, longest - len(own) :] = torch.arange(it.cached, len(it.tokens))
-        kwargs: dict[str, Any] = {}
+        kwargs: dict[str, DynamicCache] = {}
         if width:
             kwargs[self._cache_key or "past_key_values"] = self._padded_cache(items, width)
         mask, pos = mask.to(self.device), pos.to(self.device)
@@ -522,7 +535,7 @@ class ContinuousGenerator:
         _layers(cache)  # refuse a cache layout the batch cannot merge, before any row depends on it
         return _Batch([], cache, mask, pos[:, -1:], out.logits[:, -1, :].float())
 
-    def _padded_cache(self, items: list[_Prefill], width: int) -> Any:
+    def _padded_cache(self, items: list[_Prefill], width: int) -> DynamicCache:
         """A ``DynamicCache`` holding each item's cached KV right-aligned in ``width`` columns."""
         ref = next(it.kv for it in items if it.kv is not None)
         layers: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -536,7 +549,7 @@ class ContinuousGenerator:
             layers.append((keys, values))
         return DynamicCache(ddp_cache_data=layers)
 
-    def _step(self, model: Any, batch: _Batch) -> _Batch | None:
+    def _step(self, model: torch.nn.Module, batch: _Batch) -> _Batch | None:
         """Sample one token for every row, let finished rows leave, decode the rest one position."""
         rows = batch.rows
         params = [r.params for r in rows]
@@ -578,7 +591,7 @@ class ContinuousGenerator:
         self.stats.add_sequence(len(row.prompt), len(row.tokens))
         row.unit.finish(row.index, Sample(row.tokens, row.logprobs, reason))
 
-    def _decode(self, model: Any, batch: _Batch, chosen: torch.Tensor) -> _Batch:
+    def _decode(self, model: torch.nn.Module, batch: _Batch, chosen: torch.Tensor) -> _Batch:
         ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
         batch.mask = torch.cat([batch.mask, ones], dim=1)
         batch.last_pos = batch.last_pos + 1

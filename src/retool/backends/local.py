@@ -60,11 +60,11 @@ import random
 import threading
 import time
 import weakref
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Hashable, Sequence
 from concurrent.futures import Executor, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar, TypeVarTuple
 
 import numpy as np
 import torch
@@ -99,6 +99,9 @@ OPTIMIZER_FILE = "optimizer.pt"
 RNG_FILE = "rng.pt"
 FULL_WEIGHTS_FILE = "model.safetensors"
 ADAPTER_WEIGHTS_FILE = "adapter_model.safetensors"
+
+T = TypeVar("T")
+Ts = TypeVarTuple("Ts")
 
 
 @dataclass(frozen=True)
@@ -157,7 +160,7 @@ def _prefix_cache_bytes(megabytes: float) -> int:
     return int(megabytes * 2**20)
 
 
-def _lora_spec(lora: Any) -> LocalLoraSpec | None:
+def _lora_spec(lora: object) -> LocalLoraSpec | None:
     """Accept a ``LocalLoraSpec``, a ``retool.config.LoraConfig``, a dict, or ``None`` (full fine-tuning)."""
     if lora is None or isinstance(lora, LocalLoraSpec):
         return lora
@@ -237,7 +240,7 @@ class _MergedSampler:
     """A LoRA-free copy of a PEFT model for generation: adapted linears hold merged weights, every other
     parameter and buffer is the trainer's own tensor (shared, not copied)."""
 
-    def __init__(self, model: Any, pairs: list[tuple[Any, torch.nn.Linear]]) -> None:
+    def __init__(self, model: torch.nn.Module, pairs: list[tuple[Any, torch.nn.Linear]]) -> None:
         self.model = model
         self._pairs = pairs  # (live LoRA layer, its merged plain linear in the copy)
         self._version = -1
@@ -251,7 +254,7 @@ class _MergedSampler:
         if not live or any(len(m.active_adapters) != 1 for m in live.values()):
             return None
         # Deep-copy the module tree but let the copy reference the trainer's parameters and buffers.
-        memo: dict[int, Any] = {id(t): t for t in base.parameters()}
+        memo: dict[int, torch.Tensor] = {id(t): t for t in base.parameters()}
         memo.update({id(t): t for t in base.buffers()})
         plain = copy.deepcopy(base, memo)
         pairs: list[tuple[Any, torch.nn.Linear]] = []
@@ -300,9 +303,9 @@ class _LoopQueue:
     deliveries: set[asyncio.Task[None]] = field(default_factory=set)  # strong references while running
 
 
-def frozen_copy(model: Any) -> Any:
+def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` in eval mode that owns a copy of every trainable tensor and shares the rest."""
-    memo: dict[int, Any] = {id(p): p for p in model.parameters() if not p.requires_grad}
+    memo: dict[int, torch.Tensor] = {id(p): p for p in model.parameters() if not p.requires_grad}
     memo.update({id(b): b for b in model.buffers()})
     with torch.no_grad():
         frozen = copy.deepcopy(model, memo)
@@ -420,7 +423,9 @@ class FrozenSamplingClient(LocalSamplingClient):
     when the copy was taken (which version it samples).
     """
 
-    def __init__(self, owner: LocalTrainingClient, model: Any, worker: Executor, gather_ms: float) -> None:
+    def __init__(
+        self, owner: LocalTrainingClient, model: torch.nn.Module, worker: Executor, gather_ms: float
+    ) -> None:
         step = owner.step
         engine = owner.make_engine(lambda: model, lambda: ("frozen", step), worker)
         super().__init__(owner, gather_ms=gather_ms, engine=engine)
@@ -436,7 +441,7 @@ class LocalTrainingClient(TrainingClient):
         self,
         model_path: str | Path,
         *,
-        lora: Any = LocalLoraSpec(),
+        lora: object = LocalLoraSpec(),  # a LocalLoraSpec, a retool.config.LoraConfig, a dict or None
         device: str = "auto",
         dtype: str = "auto",
         seed: int = 0,
@@ -470,7 +475,7 @@ class LocalTrainingClient(TrainingClient):
         looks_local = self.model_path.startswith(("/", ".", "~")) or bool(self.gguf_file)
         if looks_local and not Path(self.model_path).expanduser().exists():
             raise FileNotFoundError(f"model path {self.model_path} does not exist")
-        load_kwargs: dict[str, Any] = {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        load_kwargs: dict[str, str] = {"gguf_file": self.gguf_file} if self.gguf_file else {}
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
@@ -509,7 +514,7 @@ class LocalTrainingClient(TrainingClient):
             self.num_trainable_parameters(),
         )
 
-    def _load_model(self, load_kwargs: dict[str, Any], seed: int) -> Any:
+    def _load_model(self, load_kwargs: dict[str, str], seed: int) -> Any:
         """The weights on ``self.device``, wrapped in a LoRA adapter when one is configured.
 
         Returns ``Any``: transformers / PEFT model classes vary by architecture and wrapping.
@@ -535,8 +540,8 @@ class LocalTrainingClient(TrainingClient):
 
     def make_engine(
         self,
-        model_fn: Callable[[], Any],
-        tag_fn: Callable[[], Any],
+        model_fn: Callable[[], torch.nn.Module],
+        tag_fn: Callable[[], Hashable],
         executor: Executor,
         should_yield: Callable[[], bool] = lambda: False,
     ) -> ContinuousGenerator:
@@ -592,7 +597,7 @@ class LocalTrainingClient(TrainingClient):
         self._weights_version += 1
         self.engine.cache.clear()
 
-    async def _on_worker(self, fn: Callable[..., Any], *args: Any) -> Any:
+    async def _on_worker(self, fn: Callable[[*Ts], T], *args: *Ts) -> T:
         """Run ``fn(*args)`` on the worker thread; the sampler admits no new sequences while it waits
         (until it starts, or until the call is cancelled before starting)."""
         waiting = [True]
@@ -603,7 +608,7 @@ class LocalTrainingClient(TrainingClient):
                     waiting[0] = False
                     self._waiting_jobs -= 1
 
-        def run() -> Any:
+        def run() -> T:
             release()
             return fn(*args)
 
@@ -674,7 +679,7 @@ class LocalTrainingClient(TrainingClient):
             )
 
     # -- sampling ------------------------------------------------------------------------------
-    def sampling_model(self) -> Any:
+    def sampling_model(self) -> Any:  # a transformers / PEFT model (class varies; callers save it too)
         """The module generation runs on: the trainer's model, or its merged LoRA-free view (see the
         module docstring), brought up to date with the current weights."""
         if self.lora is None or not self.merge_lora_for_sampling:
@@ -886,7 +891,7 @@ class LocalTrainingClient(TrainingClient):
             save_model(self.model, str(folder / FULL_WEIGHTS_FILE))
         if self.optimizer is not None:
             torch.save(self.optimizer.state_dict(), folder / OPTIMIZER_FILE)
-        rng: dict[str, Any] = {
+        rng: dict[str, object] = {
             "torch": torch.get_rng_state(),
             "python": random.getstate(),
             "sampler_seeds": self._seed_rng.getstate(),

@@ -9,7 +9,7 @@ on every weight (``scale``: 1 for Tinker's sum, ``1 / total_active_tokens`` for 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from retool.backends.types import Datum, SamplingParams
@@ -18,7 +18,7 @@ from retool.serve.state import ServeError
 IGNORE = -100
 
 
-def _floats(values: Sequence[Any] | None, n: int, name: str, k: int) -> list[float] | None:
+def _floats(values: Sequence[float] | None, n: int, name: str, k: int) -> list[float] | None:
     if values is None:
         return None
     out = [float(v) for v in values]
@@ -35,7 +35,7 @@ def build_datum(
     k: int,
     tokens: list[int],
     targets: list[int],
-    arrays: dict[str, Sequence[Any] | None],
+    arrays: Mapping[str, Sequence[float] | None],
     loss_fn: str,
     scale: float,
 ) -> Datum:
@@ -84,5 +84,5 @@ def sampling_params(raw: dict[str, Any]) -> SamplingParams:
         raise ServeError(400, "invalid_request", f"bad sampling_params: {exc}") from None
 
 
-def _is_int(value: Any) -> bool:
+def _is_int(value: object) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)

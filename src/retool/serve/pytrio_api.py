@@ -25,20 +25,26 @@ import hmac
 import json
 import re
 import struct
+from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
-from typing import Any
+from typing import TypeAlias, TypeVar
 
 import msgpack
 from fastapi import APIRouter, Request, Response
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from retool.backends.types import AdamParams
+from retool.jsonl import JsonObject
 from retool.serve.common import build_datum, sampling_params
 from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config, ppo_defaults
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
 
 SCHEME = "trio"
 _EVENT_CACHE = 10_000
+
+ModelT = TypeVar("ModelT", bound=BaseModel)
+# A validated event, applied when run; its result is packed with msgpack (bytes included).
+_EventCall: TypeAlias = Callable[[], Awaitable[dict[str, object]]]
 
 
 def _now(delta_days: float = 0.0) -> str:
@@ -56,11 +62,11 @@ def error_json(status: int, code: str, message: str) -> Response:
     return Response(body, status_code=status, media_type="application/json")
 
 
-def as_json(data: Any) -> Response:
+def as_json(data: object) -> Response:
     return Response(json.dumps(data).encode(), media_type="application/json")
 
 
-def _validated(model: Any, data: Any) -> Any:
+def _validated(model: type[ModelT], data: object) -> ModelT:
     try:
         return model.model_validate(data)
     except ValidationError as exc:
@@ -76,12 +82,14 @@ class PytrioApi:
         self.state = state
         self.api_key = api_key
         self.sampling_runs: dict[str, tuple[str | None, str | None]] = {}  # id -> (model path, base model)
-        self.events: collections.OrderedDict[str, tuple[str, asyncio.Future[Any]]] = collections.OrderedDict()
+        self.events: collections.OrderedDict[str, tuple[str, asyncio.Future[dict[str, object]]]] = (
+            collections.OrderedDict()
+        )
         self.router = APIRouter()
         self._routes()
 
     # -- shared pieces of control answers -------------------------------------------------------
-    def _actor(self, request: Request) -> dict[str, Any]:
+    def _actor(self, request: Request) -> JsonObject:
         endpoint = str(request.base_url).rstrip("/")
         return {
             "actor": {
@@ -93,7 +101,7 @@ class PytrioApi:
             "actor_jwt": {"token": actor_token(self.api_key), "expires_at": _now(365)},
         }
 
-    def _capacity(self, model_name: str) -> dict[str, Any]:
+    def _capacity(self, model_name: str) -> JsonObject:
         served = self.state.model(model_name)
         context = min(served.max_context, self.state.config.model.max_context)
         return {
@@ -175,7 +183,7 @@ class PytrioApi:
             {"service_session_cuid": sid, "workspace_cuid": "local", "status": "ACTIVE", "created_at": _now()}
         )
 
-    async def _json(self, request: Request) -> dict[str, Any]:
+    async def _json(self, request: Request) -> JsonObject:
         try:
             data = json.loads(await request.body() or b"{}")
         except ValueError:
@@ -327,7 +335,7 @@ class PytrioApi:
         wait = min(float(match.group(1)) if match else 0.0, self.state.limits.max_wait_seconds)
         if not future.done() and wait > 0:
             await asyncio.wait([future], timeout=wait)
-        reply: dict[str, Any] = {"version": 1, "event_id": event_id, "type": kind}
+        reply: dict[str, object] = {"version": 1, "event_id": event_id, "type": kind}
         usage = {"input_tokens": 0, "output_tokens": 0}
         if not future.done():
             reply["status"] = "running"
@@ -340,7 +348,7 @@ class PytrioApi:
             reply.update(status="succeeded", result=future.result(), usage=usage)
         return Response(msgpack.packb(reply, use_bin_type=True), media_type="application/msgpack")
 
-    def _event_call(self, run: TrainingRun, kind: str, payload: dict[str, Any]) -> Any:
+    def _event_call(self, run: TrainingRun, kind: str, payload: JsonObject) -> _EventCall:
         """Validate an event now (a bad one is a 4xx at submission) and return the call that applies it."""
         if kind == "trainer.init_run":
             return self._init_run(run, payload)
@@ -352,7 +360,7 @@ class PytrioApi:
             return self._save(run, payload, "state" if kind == "trainer.save_state" else "sampler_weights")
         raise ServeError(400, "unsupported_event", f"event type {kind!r} is not supported by retool serve")
 
-    def _init_run(self, run: TrainingRun, payload: dict[str, Any]) -> Any:
+    def _init_run(self, run: TrainingRun, payload: JsonObject) -> _EventCall:
         # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.trainer.init_run import TrainerInitRunPayload
 
@@ -361,13 +369,13 @@ class PytrioApi:
             self.state.read_checkpoint(body.checkpoint_uri)
             run.restore = (body.checkpoint_uri, body.load_optimizer)
 
-        async def call() -> dict[str, Any]:
+        async def call() -> dict[str, object]:
             await self.state.client(run)
             return {}
 
         return call
 
-    def _forward(self, run: TrainingRun, payload: dict[str, Any], backward: bool) -> Any:
+    def _forward(self, run: TrainingRun, payload: JsonObject, backward: bool) -> _EventCall:
         # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.trainer.forward import TrainerForwardBackwardPayload
 
@@ -380,7 +388,7 @@ class PytrioApi:
         for k, d in enumerate(body.data):
             tokens = [t for chunk in d.model_input.chunks for t in getattr(chunk, "tokens", [])]
             targets = list(d.target_ids)
-            arrays: dict[str, Any] = {
+            arrays: dict[str, Sequence[float] | None] = {
                 "weights": d.weights,
                 "logprobs": d.logprobs,
                 "advantages": d.advantages,
@@ -393,7 +401,7 @@ class PytrioApi:
             datums.append(build_datum(k, tokens, targets, arrays, loss_fn, scale))
         self.state.check_datums(run.model, datums)
 
-        async def call() -> dict[str, Any]:
+        async def call() -> dict[str, object]:
             result = await self.state.forward(run, datums, loss_fn, cfg, backward)
             outputs = [
                 {
@@ -416,7 +424,7 @@ class PytrioApi:
 
         return call
 
-    def _optim_step(self, run: TrainingRun, payload: dict[str, Any]) -> Any:
+    def _optim_step(self, run: TrainingRun, payload: JsonObject) -> _EventCall:
         # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.trainer.optimize_step import TrainerOptimizeStepPayload
 
@@ -425,13 +433,13 @@ class PytrioApi:
             raise ServeError(400, "invalid_request", "adam_params: lr >= 0, beta1/beta2 in [0, 1), eps > 0")
         adam = AdamParams(p.learning_rate, p.beta1, p.beta2, p.eps, p.weight_decay, p.grad_clip_norm)
 
-        async def call() -> dict[str, Any]:
+        async def call() -> dict[str, object]:
             result = await self.state.optim_step(run, adam)
             return {"metrics": {"grad_norm": result.grad_norm, "learning_rate": result.lr}}
 
         return call
 
-    def _save(self, run: TrainingRun, payload: dict[str, Any], kind: str) -> Any:
+    def _save(self, run: TrainingRun, payload: JsonObject, kind: str) -> _EventCall:
         # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.events.trainer.save import TrainerSavePayload
 
@@ -443,7 +451,7 @@ class PytrioApi:
 
         temporary = kind == "sampler_weights" and body.visibility == "TEMPORARY"
 
-        async def call() -> dict[str, Any]:
+        async def call() -> dict[str, object]:
             if temporary:  # save_weights_and_get_sampling_client: a sampler in memory, nothing on disk
                 uri = await self.state.snapshot(run, name, SCHEME)
             else:

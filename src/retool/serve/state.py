@@ -23,16 +23,17 @@ import asyncio
 import collections
 import logging
 import threading
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 from retool.backends.base import SamplingClient
 from retool.backends.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
+    LossName,
     OptimStepResult,
     Sample,
     SamplingParams,
@@ -40,10 +41,13 @@ from retool.backends.types import (
 from retool.config import Config
 from retool.serve.storage import CheckpointMeta, LoraRequest, Storage, StorageError, new_id
 
+if TYPE_CHECKING:  # deferred: backends.local imports torch; only its types are named here
+    from retool.backends.local import LocalLoraSpec, LocalTrainingClient
+
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SUPPORTED_LOSSES = ("cross_entropy", "importance_sampling", "ppo")
+SUPPORTED_LOSSES: tuple[LossName, ...] = ("cross_entropy", "importance_sampling", "ppo")
 
 
 class ServeError(Exception):
@@ -86,10 +90,8 @@ class TrainingRun:
     run_id: str
     model: ServedModel
     lora: LoraRequest
-    client: Any = None  # LocalTrainingClient, built on first use (loading a model takes seconds)
-    queue: asyncio.Queue[tuple[Callable[[], Awaitable[Any]], asyncio.Future[Any]]] = field(
-        default_factory=asyncio.Queue
-    )
+    client: LocalTrainingClient | None = None  # built on first use (loading a model takes seconds)
+    queue: asyncio.Queue[Callable[[], Awaitable[None]]] = field(default_factory=asyncio.Queue)
     worker: asyncio.Task[None] | None = None
     restore: tuple[str, bool] | None = None  # (checkpoint URI, with optimizer) applied when built
     session: str | None = None  # the session that created it: ending the session frees the run
@@ -97,14 +99,8 @@ class TrainingRun:
     def submit(self, call: Callable[[], Awaitable[T]]) -> asyncio.Future[T]:
         """Queue ``call`` behind every call submitted before it; the future resolves with its result."""
         future: asyncio.Future[T] = asyncio.get_running_loop().create_future()
-        self.queue.put_nowait((call, future))
-        if self.worker is None or self.worker.done():
-            self.worker = asyncio.create_task(self._work(), name=f"run-{self.run_id}")
-        return future
 
-    async def _work(self) -> None:
-        while not self.queue.empty():
-            call, future = self.queue.get_nowait()
+        async def job() -> None:
             try:
                 result = await call()
             except Exception as exc:  # delivered to the caller's future; the run goes on serving
@@ -113,6 +109,15 @@ class TrainingRun:
             else:
                 if not future.done():
                     future.set_result(result)
+
+        self.queue.put_nowait(job)
+        if self.worker is None or self.worker.done():
+            self.worker = asyncio.create_task(self._work(), name=f"run-{self.run_id}")
+        return future
+
+    async def _work(self) -> None:
+        while not self.queue.empty():
+            await self.queue.get_nowait()()
 
 
 class ServeState:
@@ -133,7 +138,7 @@ class ServeState:
         self._samplers: collections.OrderedDict[str, tuple[SamplingClient, ServedModel]] = (
             collections.OrderedDict()
         )
-        self._sampler_owners: dict[str, Any] = {}
+        self._sampler_owners: dict[str, LocalTrainingClient] = {}
         self._sampler_locks: dict[str, asyncio.Lock] = {}
         # Temporary sampler weights (PyTRIO's save_weights_and_get_sampling_client): kept in memory only.
         self._ephemeral: collections.OrderedDict[str, tuple[CheckpointMeta, SamplingClient, ServedModel]] = (
@@ -206,7 +211,7 @@ class ServeState:
             raise ServeError(404, "unknown_run", f"no training run {run_id!r} on this server")
         return run
 
-    def _new_client(self, model: ServedModel, lora: LoraRequest | None) -> Any:
+    def _new_client(self, model: ServedModel, lora: LoraRequest | None) -> LocalTrainingClient:
         """A ``LocalTrainingClient`` on ``model`` (LoRA as asked; ``None``: plain weights, for sampling)."""
         from retool.backends.local import LocalLoraSpec  # deferred: imports torch
 
@@ -222,7 +227,9 @@ class ServeState:
         with self._build_lock:  # transformers' loading patches torch globally: one model load at a time
             return self._build(model, spec, lora)
 
-    def _build(self, model: ServedModel, spec: Any, lora: LoraRequest | None) -> Any:
+    def _build(
+        self, model: ServedModel, spec: LocalLoraSpec | None, lora: LoraRequest | None
+    ) -> LocalTrainingClient:
         from retool.backends.local import LocalTrainingClient  # deferred: imports torch
 
         cfg = self.config
@@ -240,7 +247,7 @@ class ServeState:
             gather_ms=self.limits.gather_ms,
         )
 
-    async def client(self, run: TrainingRun) -> Any:
+    async def client(self, run: TrainingRun) -> LocalTrainingClient:
         """The run's local client, built (and restored from its checkpoint, if asked) on first use."""
         if run.client is None:
             run.client = await asyncio.to_thread(self._new_client, run.model, run.lora)
@@ -298,7 +305,7 @@ class ServeState:
 
     # -- training calls (run them through ``run.submit`` to keep the client's order) ------------------
     async def forward(
-        self, run: TrainingRun, datums: list[Datum], loss_fn: str, cfg: dict[str, float], backward: bool
+        self, run: TrainingRun, datums: list[Datum], loss_fn: LossName, cfg: dict[str, float], backward: bool
     ) -> ForwardBackwardResult:
         client = await self.client(run)
         if backward:
@@ -337,7 +344,7 @@ class ServeState:
         return "/".join(parts)
 
     def _remember_sampler(
-        self, key: str, sampler: tuple[SamplingClient, ServedModel], owner: Any = None
+        self, key: str, sampler: tuple[SamplingClient, ServedModel], owner: LocalTrainingClient | None = None
     ) -> None:
         self._samplers[key] = sampler
         self._samplers.move_to_end(key)
@@ -373,7 +380,7 @@ class ServeState:
 
     async def _load_sampler(
         self, model_path: str | None, base_model: str | None
-    ) -> tuple[SamplingClient, ServedModel, Any]:
+    ) -> tuple[SamplingClient, ServedModel, LocalTrainingClient]:
         if model_path:
             meta, folder = self.read_checkpoint(model_path)
             served, lora = self.model(meta.base_model), meta.lora
@@ -444,7 +451,7 @@ class ServeState:
                 await run.client.close_async()
 
 
-def _closer(client: Any) -> Callable[[], Awaitable[None]]:
+def _closer(client: LocalTrainingClient) -> Callable[[], Awaitable[None]]:
     async def close() -> None:
         await asyncio.to_thread(client.close)
 
@@ -459,17 +466,18 @@ def check_token_ids(tokens: list[int], vocab_size: int, what: str) -> None:
         )
 
 
-def check_loss(loss_fn: str) -> str:
-    if loss_fn not in SUPPORTED_LOSSES:
-        raise ServeError(
-            400,
-            "unsupported_loss",
-            f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(SUPPORTED_LOSSES)}",
-        )
-    return loss_fn
+def check_loss(loss_fn: str) -> LossName:
+    for known in SUPPORTED_LOSSES:
+        if loss_fn == known:
+            return known
+    raise ServeError(
+        400,
+        "unsupported_loss",
+        f"loss_fn {loss_fn!r} is not supported; supported: {', '.join(SUPPORTED_LOSSES)}",
+    )
 
 
-def loss_config(loss_fn: str, given: dict[str, Any] | None) -> dict[str, float]:
+def loss_config(loss_fn: str, given: Mapping[str, object] | None) -> dict[str, float]:
     """The SDKs' loss config (``clip_low_threshold`` / ``clip_high_threshold``) in the local backend's names."""
     names = {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"}
     out: dict[str, float] = {}

@@ -22,13 +22,16 @@ from __future__ import annotations
 import asyncio
 import collections
 import json
-from collections.abc import Awaitable, Callable
-from typing import Any
+from collections.abc import Awaitable, Callable, Iterable, Mapping
+from types import ModuleType
+from typing import Any, Protocol
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
+from retool.backends.base import SamplingClient
 from retool.backends.types import AdamParams, Sample
+from retool.jsonl import JsonObject, JsonValue
 from retool.serve.common import build_datum, sampling_params
 from retool.serve.pytrio_api import as_json
 from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config, ppo_defaults
@@ -39,7 +42,28 @@ _FUTURE_CACHE = 10_000
 PROTO = "application/x-protobuf"
 
 
-def _tensor(pb: Any, t: Any) -> list[Any]:
+class _WireTensor(Protocol):
+    """The fields of a ``TensorData`` protobuf read here."""
+
+    dtype: int
+    dense: bytes
+
+    def WhichOneof(self, group: str) -> str | None: ...
+
+
+class _EncodedText(Protocol):
+    tokens: bytes
+
+
+class _WireChunk(Protocol):
+    """The fields of a ``ModelInputChunk`` protobuf read here."""
+
+    encoded_text: _EncodedText
+
+    def WhichOneof(self, group: str) -> str | None: ...
+
+
+def _tensor(pb: ModuleType, t: _WireTensor) -> list[float]:
     if t.WhichOneof("encoding") != "dense":
         raise ServeError(400, "invalid_request", "only dense loss_fn_inputs tensors are supported")
     kinds = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
@@ -51,7 +75,14 @@ def _tensor(pb: Any, t: Any) -> list[Any]:
         raise ServeError(400, "invalid_request", f"bad tensor bytes: {exc}") from None
 
 
-def _chunk_tokens(chunks: Any) -> list[int]:
+def _number(value: JsonValue) -> float:
+    """``float(value)`` for a JSON number (or numeric string); anything else: ``TypeError``."""
+    if isinstance(value, int | float | str):
+        return float(value)
+    raise TypeError(f"not a number: {value!r}")
+
+
+def _chunk_tokens(chunks: Iterable[_WireChunk]) -> list[int]:
     tokens: list[int] = []
     for c in chunks:
         if c.WhichOneof("chunk") != "encoded_text":
@@ -62,7 +93,7 @@ def _chunk_tokens(chunks: Any) -> list[int]:
     return tokens
 
 
-def _json_tokens(prompt: Any) -> list[int]:
+def _json_tokens(prompt: object) -> list[int]:
     if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
         raise ServeError(400, "invalid_request", "prompt must be {'chunks': [...]}")
     tokens: list[int] = []
@@ -83,11 +114,12 @@ class TinkerApi:
 
     def __init__(self, state: ServeState) -> None:
         self.state = state
-        self.futures: collections.OrderedDict[str, tuple[str, asyncio.Future[Any]]] = (
+        self.futures: collections.OrderedDict[str, tuple[str, asyncio.Future[object]]] = (
             collections.OrderedDict()
         )
         self.by_seq: dict[str, str] = {}  # "<model_id>:<seq_id>" -> future id
-        self.sampling_sessions: dict[str, tuple[str | None, str, Any]] = {}  # id -> (path, base, sampler)
+        # sampling session id -> (checkpoint path, base model, sampler when held in memory)
+        self.sampling_sessions: dict[str, tuple[str | None, str, SamplingClient | None]] = {}
         self.router = APIRouter(prefix="/api/v1")
         self._routes()
 
@@ -118,7 +150,7 @@ class TinkerApi:
             r.add_api_route(path, handler, methods=["GET", "POST"])
 
     # -- plumbing --------------------------------------------------------------------------------
-    async def _json(self, request: Request) -> dict[str, Any]:
+    async def _json(self, request: Request) -> JsonObject:
         try:
             data = json.loads(await request.body() or b"{}")
         except ValueError:
@@ -128,7 +160,7 @@ class TinkerApi:
         return data
 
     def _future(
-        self, kind: str, call: Awaitable[Any] | asyncio.Future[Any], model_id: str | None = None, **extra: Any
+        self, kind: str, call: Awaitable[object], model_id: str | None = None, **extra: object
     ) -> Response:
         future = asyncio.ensure_future(call)
         rid = new_id("req")
@@ -138,7 +170,7 @@ class TinkerApi:
         return as_json({"request_id": rid, "model_id": model_id, **extra})
 
     def _ordered(
-        self, run: TrainingRun, seq_id: Any, kind: str, call: Callable[[], Awaitable[Any]]
+        self, run: TrainingRun, seq_id: object, kind: str, call: Callable[[], Awaitable[object]]
     ) -> Response:
         """Queue a training call on its run, once per ``(model_id, seq_id)``."""
         key = f"{run.run_id}:{seq_id}"
@@ -150,7 +182,9 @@ class TinkerApi:
         return answer
 
     @staticmethod
-    def _field(data: dict[str, Any], name: str, kind: type | tuple[type, ...], default: Any = ...) -> Any:
+    def _field(
+        data: Mapping[str, object], name: str, kind: type | tuple[type, ...], default: object = ...
+    ) -> Any:
         value = data.get(name, default)
         if value is ...:
             raise ServeError(400, "invalid_request", f"field {name!r} is required")
@@ -217,7 +251,7 @@ class TinkerApi:
         run = self.state.create_run(self._field(data, "base_model", str), lora, session=sid)
         model_id = self.state.alias(f"{sid}:train:{self._field(data, 'model_seq_id', int)}", run)
 
-        async def build() -> dict[str, Any]:
+        async def build() -> JsonObject:
             await self.state.client(run)
             return {"model_id": model_id, "type": "create_model"}
 
@@ -280,7 +314,7 @@ class TinkerApi:
         cfg = ppo_defaults(cfg) if loss_fn == "ppo" else cfg
         datums = []
         for k, d in enumerate(msg.data):
-            inputs: dict[str, Any] = {name: _tensor(pb, t) for name, t in d.loss_fn_inputs.items()}
+            inputs: dict[str, list[float]] = {name: _tensor(pb, t) for name, t in d.loss_fn_inputs.items()}
             unknown = set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"}
             if unknown or "target_tokens" not in inputs:
                 raise ServeError(
@@ -291,7 +325,7 @@ class TinkerApi:
         self.state.check_datums(run.model, datums)
         backward = not msg.forward_only
 
-        async def call() -> Any:
+        async def call() -> bytes:
             result = await self.state.forward(run, datums, loss_fn, cfg, backward)
             return _forward_output(pb, result.loss, result.token_logprobs or [])
 
@@ -305,25 +339,25 @@ class TinkerApi:
             raise ServeError(400, "invalid_request", "only Adam optimizer params are supported")
         try:
             adam = AdamParams(
-                float(p.get("learning_rate", 1e-4)),
-                float(p.get("beta1", 0.9)),
-                float(p.get("beta2", 0.95)),
-                float(p.get("eps", 1e-12)),
-                float(p.get("weight_decay", 0.0)),
-                float(p.get("grad_clip_norm", 0.0)),
+                _number(p.get("learning_rate", 1e-4)),
+                _number(p.get("beta1", 0.9)),
+                _number(p.get("beta2", 0.95)),
+                _number(p.get("eps", 1e-12)),
+                _number(p.get("weight_decay", 0.0)),
+                _number(p.get("grad_clip_norm", 0.0)),
             )
         except (TypeError, ValueError):
             raise ServeError(400, "invalid_request", "adam_params must be numbers") from None
         if adam.lr < 0 or not 0 <= adam.beta1 < 1 or not 0 <= adam.beta2 < 1 or adam.eps <= 0:
             raise ServeError(400, "invalid_request", "adam_params: lr >= 0, beta1/beta2 in [0, 1), eps > 0")
 
-        async def call() -> dict[str, Any]:
+        async def call() -> JsonObject:
             result = await self.state.optim_step(run, adam)
             return {"metrics": {"grad_norm:mean": result.grad_norm, "learning_rate:mean": result.lr}}
 
         return self._ordered(run, data.get("seq_id"), "optim_step", call)
 
-    def _name(self, name: Any) -> str:
+    def _name(self, name: str) -> str:
         try:
             return check_name(name, "checkpoint name")
         except StorageError as exc:
@@ -335,7 +369,7 @@ class TinkerApi:
         name = self._name(self._field(data, "path", str, None) or new_id("ckpt"))
         overwrite = bool(self._field(data, "overwrite", bool, False))
 
-        async def call() -> dict[str, Any]:
+        async def call() -> JsonObject:
             path = await self.state.save(run, "state", name, SCHEME, overwrite=overwrite)
             return {"path": path, "type": "save_weights"}
 
@@ -348,13 +382,13 @@ class TinkerApi:
         if name is not None:
             name = self._name(name)
 
-            async def save() -> dict[str, Any]:
+            async def save() -> JsonObject:
                 path = await self.state.save(run, "sampler_weights", name, SCHEME)
                 return {"path": path, "type": "save_weights_for_sampler"}
 
             return self._ordered(run, data.get("seq_id"), "save_weights_for_sampler", save)
 
-        async def snapshot() -> dict[str, Any]:  # save_weights_and_get_sampling_client: in memory only
+        async def snapshot() -> JsonObject:  # save_weights_and_get_sampling_client: in memory only
             client = await self.state.client(run)
             sid = new_id("samp")
             self.sampling_sessions[sid] = (None, run.model.name, await client.frozen_sampling_client_async())
@@ -377,7 +411,7 @@ class TinkerApi:
             run = self.state.create_run(meta.base_model, meta.lora, session=sid)
             model_id = self.state.alias(f"{sid}:train:{self._field(data, 'model_seq_id', int)}", run)
 
-        async def call() -> dict[str, Any]:
+        async def call() -> JsonObject:
             await self.state.load_into(run, path, with_optimizer)
             return {"type": "load_weights", "path": path, "model_id": model_id}
 
@@ -457,14 +491,14 @@ class TinkerApi:
             message = exc.message if isinstance(exc, ServeError) else f"{type(exc).__name__}: {exc}"
             return as_json({"error": message, "category": "user" if user else "server"})
         result = future.result()
-        if kind == "sample":
+        if kind == "sample" and isinstance(result, list):
             return _sample_response(result, PROTO in request.headers.get("accept", ""))
         if isinstance(result, bytes):
             return Response(result, media_type=PROTO)
         return as_json(result)
 
 
-def _forward_output(pb: Any, loss: float, logprobs: list[list[float]]) -> bytes:
+def _forward_output(pb: ModuleType, loss: float, logprobs: list[list[float]]) -> bytes:
     out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
     out.metrics["loss:sum"] = loss
     record = out.loss_fn_outputs.add()
