@@ -10,6 +10,7 @@ become overrides only when given (``flag_overrides``), so a flag never silently 
 
 from __future__ import annotations
 
+import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from importlib import resources
@@ -112,6 +113,13 @@ class FiltersConfig(_Section):
     void_turn: bool = False
     # A trajectory cut by a token budget (turn or trajectory) gets no gradient.
     overlong: bool = False
+    # rStar2-Agent's Resample-on-Correct: sample ceil(roc_oversample x group_size) trajectories per
+    # question, then keep group_size of them: failures uniformly at random, successes with the fewest tool
+    # errors, then answer-format problems (``retool.train.roc``), and at least
+    # min(failures sampled, roc_min_failures) failures.
+    roc: bool = False
+    roc_oversample: float = Field(default=2.0, ge=1.0, le=16.0)
+    roc_min_failures: int = Field(default=1, ge=0)
 
 
 class SamplingConfig(_Section):
@@ -286,6 +294,7 @@ class Config(_Section):
                 f"loss.tis_cap needs the loss computed locally; backend.kind = {self.backend.kind!r} "
                 "computes it on the service (set loss.tis_cap = 0)"
             )
+        _check_roc(self.filters, self.rollout.group_size)
         engine = self.backend.sampler if self.backend.kind == "local" else "hf"
         if self.train.max_steps_off_policy > 0 and engine != "hf":
             raise ValueError(
@@ -294,6 +303,24 @@ class Config(_Section):
                 "max_steps_off_policy = 0)"
             )
         return self
+
+
+def _check_roc(filters: FiltersConfig, group_size: int) -> None:
+    """Resample-on-Correct needs room to choose: more trajectories sampled than kept, and a failure floor
+    that fits in a group."""
+    if not filters.roc:
+        return
+    if math.ceil(group_size * filters.roc_oversample - 1e-9) <= group_size:
+        raise ValueError(
+            f"filters.roc needs filters.roc_oversample x rollout.group_size > rollout.group_size to have "
+            f"trajectories to drop; got {filters.roc_oversample} x {group_size} (set roc_oversample >= "
+            f"{(group_size + 1) / group_size:.3g}, e.g. 2.0, or roc = false)"
+        )
+    if filters.roc_min_failures > group_size:
+        raise ValueError(
+            f"filters.roc_min_failures = {filters.roc_min_failures} exceeds rollout.group_size = "
+            f"{group_size}: a group cannot keep more failures than it has trajectories"
+        )
 
 
 class ConfigError(UserError, ValueError):

@@ -9,6 +9,10 @@ informative groups of the last round are dropped (in sampling order), so every s
 Every sampled group still counts in the step's task / tool / environment metrics: they describe the
 policy, and the kept groups alone would be a biased sample of it.
 
+With ``filters.roc`` (Resample-on-Correct, ``retool.train.roc``) every sampled group is oversampled and
+down-sampled to the group size before the informative check; ``sampled`` keeps the whole oversampled
+groups (the policy's picture), ``groups`` the down-sampled ones.
+
 Rounds draw their problems from the run's ``ProblemStream`` (so a resumed run draws the same ones) and
 their sampling seed from ``(step seed, round)``.
 """
@@ -22,6 +26,7 @@ from dataclasses import dataclass, field, replace
 from retool.config import FiltersConfig
 from retool.data.problem import Problem
 from retool.rollout.types import Trajectory
+from retool.train.roc import resample_on_correct, tool_error_metrics
 from retool.train.step import is_degenerate
 
 # (problems, round index) -> one group of trajectories per problem, rewards final.
@@ -39,6 +44,7 @@ class Collected:
     problems: list[Problem] = field(default_factory=list)  # the problem of each sampled group
     rounds: int = 1
     informative: int = 0  # sampled groups with differing rewards (before the cut to ``target``)
+    roc_dropped: int = 0  # trajectories Resample-on-Correct left out (0 when it is off)
 
     def with_policy_version(self, version: int) -> Collected:
         """The same groups, every trajectory tagged with the policy version that sampled it (a trained
@@ -61,6 +67,16 @@ class Collected:
             "sampling/groups_kept": float(len(self.groups)),
         }
 
+    def roc_metrics(self) -> dict[str, float]:
+        """What Resample-on-Correct left out, and the tool-error rates of the trajectories kept to train."""
+        kept = [t for g in self.groups for t in g]
+        trained = tool_error_metrics(kept)
+        return {
+            "sampling/roc_dropped": float(self.roc_dropped),
+            "roc/error_rate_correct_kept": trained["tool/error_rate_correct"],
+            "roc/error_rate_wrong_kept": trained["tool/error_rate_wrong"],
+        }
+
 
 def round_seed(step_seed: int, round_index: int) -> int:
     """Round 0 keeps the step's seed (dynamic sampling off samples exactly as before); later rounds differ."""
@@ -75,19 +91,44 @@ def _rewards(group: Sequence[Trajectory]) -> list[float]:
     return [float(t.reward) for t in group]
 
 
+def _down_sample(
+    out: Collected,
+    groups: list[list[Trajectory]],
+    filters: FiltersConfig,
+    size: int,
+    seed: int,
+    round_index: int,
+) -> list[list[Trajectory]]:
+    """A round's groups as trained (down-sampled under RoC); counts what RoC left out in ``out``."""
+    kept = resample_on_correct(groups, filters, size, seed, round_index)
+    out.roc_dropped += sum(len(g) for g in groups) - sum(len(g) for g in kept)
+    return kept
+
+
 async def collect_groups(
-    sample_round: SampleRound, next_problems: NextProblems, target: int, filters: FiltersConfig
+    sample_round: SampleRound,
+    next_problems: NextProblems,
+    target: int,
+    filters: FiltersConfig,
+    *,
+    group_size: int = 0,
+    seed: int = 0,
 ) -> Collected:
-    """Sample this step's groups; with ``filters.dynamic_sampling`` keep only informative ones."""
+    """Sample this step's groups; with ``filters.dynamic_sampling`` keep only informative ones; with
+    ``filters.roc`` down-sample each group to ``group_size`` (draws seeded by ``seed`` and the round)."""
     if target < 1:
         raise ValueError(f"questions per step must be >= 1, got {target}")
+    if filters.roc and group_size < 1:
+        raise ValueError(f"filters.roc needs the group size to keep, got {group_size}")
+    out = Collected(groups=[])
     if not filters.dynamic_sampling:
         problems = next_problems(target)
         groups = await sample_round(problems, 0)
-        informative = sum(not is_degenerate(_rewards(g)) for g in groups)
-        return Collected(groups, list(groups), list(problems), rounds=1, informative=informative)
+        out.groups = _down_sample(out, groups, filters, group_size, seed, 0)
+        out.sampled, out.problems = list(groups), list(problems)
+        out.informative = sum(not is_degenerate(_rewards(g)) for g in out.groups)
+        return out
 
-    out = Collected(groups=[])
     kept: list[list[Trajectory]] = []
     for round_index in range(1 + filters.max_extra_rounds):
         missing = target - len(kept)
@@ -98,7 +139,8 @@ async def collect_groups(
         out.rounds = round_index + 1
         out.sampled.extend(groups)
         out.problems.extend(problems)
-        good = [g for g in groups if not is_degenerate(_rewards(g))]
+        trained = _down_sample(out, groups, filters, group_size, seed, round_index)
+        good = [g for g in trained if not is_degenerate(_rewards(g))]
         out.informative += len(good)
         kept.extend(good)
     out.groups = kept[:target]

@@ -78,6 +78,7 @@ from retool.train.pipeline import (
 )
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
+from retool.train.roc import sampled_group_size
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
 from retool.train.trackers import Tracker, checkpoint_entry, open_tracker
 
@@ -388,13 +389,14 @@ class Trainer:
         cfg = self.config
         parts, env = self.components, self.env
         assert parts is not None and env is not None
+        per_question = sampled_group_size(cfg.rollout.group_size, cfg.filters)  # oversampled under RoC
 
         async def rollout(problems: list[Problem], seed: int, mode: Components) -> list[list[Trajectory]]:
             if not problems:
                 return []
             setup = ToolSetup(mode.protocol, mode.executor, mode.verifier, cfg.rollout)
             request = RolloutRequest(
-                [env.group_builder(p, setup, cfg.rollout.group_size, i) for i, p in enumerate(problems)],
+                [env.group_builder(p, setup, per_question, i) for i, p in enumerate(problems)],
                 sampler,
                 cfg.sampling,
                 seed=seed,
@@ -416,7 +418,12 @@ class Trainer:
             return groups
 
         return await collect_groups(
-            sample_round, feed.next_batch, cfg.rollout.questions_per_step, cfg.filters
+            sample_round,
+            feed.next_batch,
+            cfg.rollout.questions_per_step,
+            cfg.filters,
+            group_size=cfg.rollout.group_size,
+            seed=rollout_seed(cfg.train.seed, step),
         )
 
     async def _checkpoint(
@@ -478,6 +485,7 @@ def _step_record(
     record.update(rollout_metrics(sampled))
     record.update(result.metrics())
     record.update(collected.metrics())
+    record.update(collected.roc_metrics())
     n_sampled = len(sampled)
     n_degenerate = n_sampled - collected.informative
     record["task/degenerate_group_rate"] = n_degenerate / n_sampled if n_sampled else 0.0

@@ -7,7 +7,12 @@ Definitions (all over the step's trajectories unless said otherwise):
 - tool: ``code_share`` (trajectories with >= 1 code call), ``mean_code_calls``,
   ``correct_without_code_rate`` (correct and no call / trajectories), ``correct_with_code_rate``,
   ``self_correction_rate`` (a call failed, a later one was retried and the trajectory ended correct /
-  trajectories), ``self_correction_given_error`` (the same over trajectories that hit an error).
+  trajectories), ``self_correction_given_error`` (the same over trajectories that hit an error),
+  ``error_rate_correct`` / ``error_rate_wrong`` (correct / wrong trajectories with >= 1 tool error: a
+  failed or timed-out execution, a dead executor, an unparsable turn; ``retool.train.roc.tool_errors``),
+  ``errors_per_trajectory``.
+- roc (Resample-on-Correct, 0 when off): ``error_rate_correct_kept`` / ``error_rate_wrong_kept`` (the same
+  over the trajectories kept to train); ``sampling/roc_dropped`` (trajectories it left out).
 - env: over this step's executions: ``exec_calls``, ``exec_success_rate``, ``exec_error_rate`` (failures
   other than timeouts and memory-limit kills), ``exec_timeout_rate``, ``exec_memory_limit_rate``,
   ``exec_mean_latency``, ``exec_max_latency`` (seconds).
@@ -40,6 +45,7 @@ from typing import Protocol
 from retool.jsonl import JsonValue, read_jsonl_objects
 from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
 from retool.train.checkpoint import RunWriteError
+from retool.train.roc import tool_error_metrics
 from retool.train.step import trajectory_tokens
 
 logger = logging.getLogger(__name__)
@@ -144,6 +150,7 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
     hit_error = sum(any(not r.ok for r in getattr(t, "exec_results", []) or []) for t in trajs)
     m["tool/self_correction_rate"] = _rate(self_corrected, n)
     m["tool/self_correction_given_error"] = _rate(self_corrected, hit_error)
+    m.update(tool_error_metrics(trajs))
 
     results = [r for t in trajs for r in (getattr(t, "exec_results", []) or [])]
     k = len(results)
