@@ -9,7 +9,8 @@ With ``filters.roc`` each question is rolled out ``ceil(roc_oversample x group_s
   the same seeded random order, so a correct answer reached through tracebacks is the first one dropped;
 - the kept share of failures follows the sampled one (rounded), so the group's baseline still estimates
   the policy's success rate, but never below ``min(failures sampled, roc_min_failures)`` (a group keeps
-  a negative signal), and failures fill in when there are not enough successes (or the reverse).
+  a negative signal) and never so many that no success is left when one was sampled; failures fill in
+  when there are not enough successes (or the reverse).
 
 Every choice draws from ``random.Random`` seeded by (step seed, round, group), so a rerun or a resumed
 run keeps the same trajectories. Kept trajectories stay in sampling order.
@@ -51,8 +52,9 @@ def format_problems(traj: Trajectory) -> int:
 def kept_failures(n_failures: int, n_successes: int, size: int, min_failures: int) -> int:
     """How many failures a down-sampled group of ``size`` keeps (see the module docstring)."""
     total = n_failures + n_successes
-    share = round(size * n_failures / total) if total else 0
+    share = math.floor(size * n_failures / total + 0.5) if total else 0  # half up, not to even
     keep = max(share, min(n_failures, min_failures))
+    keep = min(keep, size - min(n_successes, 1))  # a sampled success keeps the group informative too
     keep = max(keep, size - n_successes)  # too few successes: failures fill the group
     return min(keep, n_failures, size)
 
