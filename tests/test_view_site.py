@@ -7,6 +7,7 @@ import json
 import re
 import threading
 import urllib.request
+from importlib import resources
 from pathlib import Path
 
 import pytest
@@ -174,3 +175,22 @@ def test_live_server_rebuilds_on_refresh_when_inputs_change(tmp_path: Path) -> N
     finally:
         server.shutdown()
         server.server_close()
+
+
+def test_overview_charts_the_tool_error_rates_calls_and_response_length(demo: Path, tmp_path: Path) -> None:
+    """The RoC metrics (``tool/error_rate_correct`` / ``_wrong``), calls per trajectory and response length
+    reach the index as curves, and the overview names them among its charts."""
+    data = page_data(build_site([demo], tmp_path / "site").index)
+    series = data["runs"][0]["curves"]["series"]
+    keys = (
+        "tool/error_rate_correct",
+        "tool/error_rate_wrong",
+        "tool/mean_code_calls",
+        "policy/response_length",
+    )
+    for key in keys:
+        assert key in series and len(series[key]) == 4 and all(v is not None for v in series[key])
+    app_js = (resources.files("retool.view") / "assets" / "app.js").read_text(encoding="utf-8")
+    charts = app_js[app_js.index("const CHARTS") : app_js.index("function renderOverview")]
+    for key in keys:
+        assert f'"{key}"' in charts

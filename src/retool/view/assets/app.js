@@ -111,6 +111,12 @@
     { title: "Code share (trajectories with a call)", keys: ["tool/code_share"], pct: true },
     { title: "Degenerate groups (all rewards equal)", keys: ["task/degenerate_group_rate"], pct: true },
     { title: "Response length (sampled tokens)", keys: ["policy/response_length"] },
+    { title: "Calls per trajectory", keys: ["tool/mean_code_calls"] },
+    {
+      title: "Tool-error rate: correct vs wrong trajectories",
+      keys: ["tool/error_rate_correct", "tool/error_rate_wrong"],
+      pct: true,
+    },
     { title: "Ratio: mean with min–max", keys: ["policy/ratio_mean"], band: ["policy/ratio_min", "policy/ratio_max"] },
     { title: "Clip fraction", keys: ["policy/clip_fraction"], pct: true },
     { title: "Executor error rate", keys: ["env/exec_error_rate"], pct: true },
