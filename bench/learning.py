@@ -9,11 +9,14 @@ Everything is evaluated on the same held-out problems with the same sampling set
     python bench/learning.py --seeds 0,1 --no-ablation
     python bench/learning.py --set train.steps=80  # any config key of the demo preset, or a demo field
     python bench/learning.py --ablation rollout.text_only_share=0.25 --ablation filters.dynamic_sampling=false
+    python bench/learning.py --ablation filters.roc=true   # Resample-on-Correct (GRPO-RoC)
 
 Prints the default arm's table (seed, SFT and RL Average@N, the paired gain with its 95% bootstrap
 interval, hard-problem accuracy, tool use, text-only accuracy, degenerate-group rate, time split), the
 targets it meets, and one comparison table per ablation (``--ablation KEY=VALUE[,KEY=VALUE]``, repeatable:
-RL redone from the same SFT model with those overrides; default: dynamic sampling flipped). Finished seeds
+RL redone from the same SFT model with those overrides; default: dynamic sampling flipped; each shows the
+tool-error rate among correct answers of the RL evaluation and its response length, the quantities
+Resample-on-Correct aims at). Finished seeds
 are read back from their ``report.json``: rerun the same command to resume an interrupted bench.
 Results also go to ``OUT/learning.json`` and ``OUT/learning.md``.
 """
@@ -32,6 +35,7 @@ from typing import Any
 
 from _machine import machine  # bench/, on sys.path when run as a script
 from retool.config import ConfigError
+from retool.evaluate.store import read_problem_records
 from retool.tasks.demo import DemoSettings, run_demo
 
 # The issue's targets for the demo, checked per seed.
@@ -63,6 +67,26 @@ def run_arm(settings: DemoSettings, out: Path, log: logging.Logger) -> dict[str,
     return row_of(report, out)
 
 
+def answer_quality(eval_path: Path) -> dict[str, float | None]:
+    """Of an evaluation's candidates: the share of correct ones that hit a tool error on the way (a failed
+    or timed-out execution, or a dead executor) and the mean response length (sampled tokens)."""
+    if not eval_path.is_file():
+        return {"tool_error_correct": None, "response_length": None}
+    cands = [c for r in read_problem_records(eval_path) for c in r["candidates"]]
+    correct = [c for c in cands if c.get("correct")]
+    erred = [
+        c
+        for c in correct
+        if int(c.get("exec_errors", 0)) + int(c.get("exec_timeouts", 0)) > 0
+        or c.get("stop_reason") == "executor_error"
+    ]
+    tokens = [int(c.get("completion_tokens", 0)) for c in cands]
+    return {
+        "tool_error_correct": len(erred) / len(correct) if correct else None,
+        "response_length": statistics.fmean(tokens) if tokens else None,
+    }
+
+
 def row_of(report: dict[str, Any], out: Path) -> dict[str, Any]:
     evals, gain, t = report["evals"], report["gain"], report["timings"]
     metrics = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines() if x.strip()]
@@ -87,6 +111,7 @@ def row_of(report: dict[str, Any], out: Path) -> dict[str, Any]:
         "degenerate_rate": degenerate,
         "groups_sampled": sampled,
         "timings": t,
+        **{f"rl_{k}": v for k, v in answer_quality(out / "eval" / "rl_retool.jsonl").items()},
     }
 
 
@@ -96,6 +121,10 @@ def pct(x: float | None) -> str:
 
 def pts(x: float) -> str:
     return f"{100 * x:+.1f}"
+
+
+def num(x: float | None) -> str:
+    return "-" if x is None else f"{x:.0f}"
 
 
 def arm_table(rows: list[dict[str, Any]]) -> str:
@@ -156,15 +185,18 @@ def ablation_table(name: str, base_rows: list[dict[str, Any]], rows: list[dict[s
         f"## ablation: {name} (RL and its evaluation redone from the same SFT model per seed)",
         "",
         "| seed | gain default | gain ablation | hard default | hard ablation | text-only after RL default "
-        "| ablation | tool on easy default | ablation | groups sampled default | ablation | RL s default "
+        "| ablation | tool on easy default | ablation | tool errors in correct after RL default | ablation "
+        "| response length after RL default | ablation | groups sampled default | ablation | RL s default "
         "| ablation |",
-        "|" + "---|" * 13,
+        "|" + "---|" * 17,
     ]
     for a, b in zip(base_rows, rows, strict=True):
         lines.append(
             f"| {a['seed']} | {pts(a['gain'])} | {pts(b['gain'])} | {pts(a['hard_gain'])} | {pts(b['hard_gain'])} "
             f"| {pct(a['rl_text_only'])} | {pct(b['rl_text_only'])} | {pct(a['rl_easy_tool'])} "
-            f"| {pct(b['rl_easy_tool'])} | {a['groups_sampled']:.0f} | {b['groups_sampled']:.0f} "
+            f"| {pct(b['rl_easy_tool'])} | {pct(a.get('rl_tool_error_correct'))} "
+            f"| {pct(b.get('rl_tool_error_correct'))} | {num(a.get('rl_response_length'))} "
+            f"| {num(b.get('rl_response_length'))} | {a['groups_sampled']:.0f} | {b['groups_sampled']:.0f} "
             f"| {a['timings']['rl']:.0f} | {b['timings']['rl']:.0f} |"
         )
     mean_a = statistics.fmean(r["gain"] for r in base_rows)
