@@ -699,7 +699,9 @@ def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[P
 def _rl_detail(config: Config) -> str:
     r = config.rollout
     detail = f"{config.train.steps} steps x {r.questions_per_step} questions x {r.group_size} samples"
-    return detail + (", dynamic sampling" if config.filters.dynamic_sampling else "")
+    f = config.filters
+    detail += ", dynamic sampling" if f.dynamic_sampling else ""
+    return detail + (f", Resample-on-Correct from x{f.roc_oversample:g}" if f.roc else "")
 
 
 def _rl_phase(
