@@ -61,8 +61,26 @@ def pytrio_service(url: str, key: str = "local") -> pytrio.ServiceClient:
     return pytrio.ServiceClient(api_key=key)
 
 
+_TINKER_CLIENTS: list[tinker.ServiceClient] = []
+
+
 def tinker_service(url: str, key: str = "tml-local") -> tinker.ServiceClient:
-    return tinker.ServiceClient(base_url=url, api_key=key)
+    client = tinker.ServiceClient(base_url=url, api_key=key)
+    _TINKER_CLIENTS.append(client)
+    return client
+
+
+@pytest.fixture(autouse=True)
+def close_tinker_sessions() -> Iterator[None]:
+    """Finish every Tinker session a test opened: the SDK heartbeats each one from a background thread until
+    the process exits, and warns from there once its server is gone."""
+    yield
+    while _TINKER_CLIENTS:
+        client = _TINKER_CLIENTS.pop()
+        try:
+            client.close("success").result(timeout=5)
+        except Exception:  # the server may be gone (the kill and auth tests); the heartbeat still stops
+            pass
 
 
 def run_example(name: str, url: str, home: Path, *args: str) -> None:

@@ -59,6 +59,7 @@ self-check confirms it on the live service. Masked positions get advantage 0 (an
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import os
 from pathlib import Path
@@ -82,6 +83,9 @@ if TYPE_CHECKING:
     from retool.config import Config
 
 logger = logging.getLogger(__name__)
+
+# How long closing waits for the service to finish the session (the SDK retries a gone service for long).
+CLOSE_TIMEOUT_S = 10.0
 
 
 def credential_problem() -> str | None:
@@ -131,6 +135,18 @@ class TinkerTrainingClient(RemoteTrainingClient):
             tokenizer=local_tokenizer(config.model.name),
             max_context=config.model.max_context,
         )
+
+    async def close_async(self) -> None:
+        """Finish the Tinker session: the SDK otherwise heartbeats it from a background thread until the
+        process exits. Bounded, since a service that is gone would be retried for a long time."""
+        service, self._service = self._service, None
+        if service is None or not hasattr(service, "close"):
+            return
+        future = service.close("success")
+        try:
+            await asyncio.wait_for(future, timeout=CLOSE_TIMEOUT_S)
+        except Exception as exc:  # closing is best effort: the run's results are already saved
+            logger.warning("tinker: finishing the session failed: %s", exc)
 
     def sdk_outcome(self, exc: BaseException) -> tuple[Failure, str] | None:
         """See the module docstring (Faults); names, not imports, since the SDK is optional."""
