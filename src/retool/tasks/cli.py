@@ -16,7 +16,7 @@ from retool.config import ConfigError, flag_overrides, load_config
 from retool.jsonl import JsonValue, as_number
 from retool.tasks.demo import DemoEvent, DemoSettings, run_demo, run_sft, seed_overrides
 from retool.tasks.real_model import REAL_MODELS, DemoFields
-from retool.tasks.report import gain_line, markdown_table
+from retool.tasks.report import DemoResult, gain_line, markdown_table
 
 # The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
 _DEMO = load_config("demo")
@@ -219,12 +219,35 @@ def demo_command(
         "filters.dynamic_sampling": dynamic_sampling,
     }
     own: DemoFields = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
-    if model != "tiny":
-        if model not in REAL_MODELS:
-            _fail(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")
-        spec = REAL_MODELS[model]
-        own.update(spec.fields)
-        config = config or spec.preset
+    own.update(_model_demo_fields(model))
+    own.update(_given_demo_fields(out, gsm8k, data_dir, no_plots))
+    settings = _settings(config or _model_preset(model), overrides, seed, flags, **own)
+    try:
+        result = run_demo(settings, on_event=_Printer())
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
+        _fail(str(exc))
+    _print_demo_result(result)
+
+
+def _model_demo_fields(model: str) -> DemoFields:
+    """The demo-only fields a packaged real model brings (none for the tiny model)."""
+    if model == "tiny":
+        return {}
+    if model not in REAL_MODELS:
+        _fail(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")
+    return REAL_MODELS[model].fields.copy()
+
+
+def _model_preset(model: str) -> str:
+    """The preset a model's demo starts from when --config is not given."""
+    return "demo" if model == "tiny" else REAL_MODELS[model].preset
+
+
+def _given_demo_fields(
+    out: Path | None, gsm8k: int | None, data_dir: Path | None, no_plots: bool
+) -> DemoFields:
+    """The demo-only fields whose flags were given (the others keep the preset's or the model's value)."""
+    own: DemoFields = {}
     if out is not None:
         own["out"] = str(out)
     if gsm8k is not None:
@@ -233,11 +256,10 @@ def demo_command(
         own["data_dir"] = str(data_dir)
     if no_plots:
         own["plots"] = False
-    settings = _settings(config or "demo", overrides, seed, flags, **own)
-    try:
-        result = run_demo(settings, on_event=_Printer())
-    except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
-        _fail(str(exc))
+    return own
+
+
+def _print_demo_result(result: DemoResult) -> None:
     typer.echo(markdown_table(result.table))
     typer.echo("\n" + gain_line(result.gain))
     typer.echo(f"\ntimings (s): {json.dumps(result.timings)}")
