@@ -117,6 +117,18 @@ def bench_local(model: Path, args: argparse.Namespace) -> Callable[[], dict[str,
 # -- through the server -------------------------------------------------------------------------------
 
 
+def sampling_rows(sample: Callable[[int, int], int], args: argparse.Namespace) -> dict[str, float]:
+    """Sampled tokens/s with 1 and 8 client threads (after a warm-up round) and the mean latency of a
+    1-token sample, for a ``sample(i, max_tokens) -> tokens`` that goes through the server."""
+    timed_threads(8, 1, lambda i: sample(i, args.tokens))  # warm-up
+    out = {f"sample_{c}": timed_threads(c, args.requests, lambda i: sample(i, args.tokens)) for c in (1, 8)}
+    t0 = time.perf_counter()
+    for i in range(20):
+        sample(i, 1)
+    out["latency_1tok"] = (time.perf_counter() - t0) / 20
+    return out
+
+
 def bench_sdk(sdk: str, url: str, model: Path, args: argparse.Namespace) -> Callable[[], dict[str, float]]:
     """One round of the same work through one real SDK (``tinker`` or ``pytrio``); clients stay open."""
     if sdk == "tinker":
@@ -169,14 +181,7 @@ def bench_sdk(sdk: str, url: str, model: Path, args: argparse.Namespace) -> Call
     cfg = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.28}
 
     def measure() -> dict[str, float]:
-        timed_threads(8, 1, lambda i: sample(i, args.tokens))  # warm-up
-        out = {
-            f"sample_{c}": timed_threads(c, args.requests, lambda i: sample(i, args.tokens)) for c in (1, 8)
-        }
-        t0 = time.perf_counter()
-        for i in range(20):
-            sample(i, 1)
-        out["latency_1tok"] = (time.perf_counter() - t0) / 20
+        out = sampling_rows(sample, args)
         t0 = time.perf_counter()
         for _ in range(args.steps):
             fb = trainer.forward_backward(rows, loss_fn="ppo", loss_fn_config=cfg)
@@ -209,14 +214,7 @@ def bench_http(url: str, model: Path, args: argparse.Namespace) -> Callable[[], 
         return len(local.client.post(route, json=body).json()["sequences"][0]["tokens"])
 
     def measure() -> dict[str, float]:
-        timed_threads(8, 1, lambda i: sample(i, args.tokens))  # warm-up
-        out = {
-            f"sample_{c}": timed_threads(c, args.requests, lambda i: sample(i, args.tokens)) for c in (1, 8)
-        }
-        t0 = time.perf_counter()
-        for i in range(20):
-            sample(i, 1)
-        out["latency_1tok"] = (time.perf_counter() - t0) / 20
+        out = sampling_rows(sample, args)
         out["train"] = float("nan")
         return out
 
