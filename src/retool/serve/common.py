@@ -8,14 +8,29 @@ on every weight (``scale``: 1 for Tinker's sum, ``1 / total_active_tokens`` for 
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+from fastapi import Request
+
 from retool.backends.types import Datum, SamplingParams
+from retool.jsonl import JsonObject
 from retool.serve.state import ServeError
 
 IGNORE = -100
+
+
+async def read_json_object(request: Request) -> JsonObject:
+    """The request's body as a JSON object (an empty body is ``{}``); anything else is a 400."""
+    try:
+        data = json.loads(await request.body() or b"{}")
+    except ValueError:
+        raise ServeError(400, "invalid_request", "the body is not JSON") from None
+    if not isinstance(data, dict):
+        raise ServeError(400, "invalid_request", "the body must be a JSON object")
+    return data
 
 
 def _floats(values: Sequence[float] | None, n: int, name: str, k: int) -> list[float] | None:

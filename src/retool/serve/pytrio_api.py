@@ -35,7 +35,7 @@ from pydantic import BaseModel, ValidationError
 
 from retool.backends.types import AdamParams
 from retool.jsonl import JsonObject
-from retool.serve.common import build_datum, sampling_params
+from retool.serve.common import build_datum, read_json_object, sampling_params
 from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config, ppo_defaults
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
 
@@ -183,15 +183,6 @@ class PytrioApi:
             {"service_session_cuid": sid, "workspace_cuid": "local", "status": "ACTIVE", "created_at": _now()}
         )
 
-    async def _json(self, request: Request) -> JsonObject:
-        try:
-            data = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise ServeError(400, "invalid_request", "the body is not JSON") from None
-        if not isinstance(data, dict):
-            raise ServeError(400, "invalid_request", "the body must be a JSON object")
-        return data
-
     def _check_session(self, sid: str) -> None:
         if sid not in self.state.sessions:
             raise ServeError(404, "unknown_session", f"no service session {sid!r} on this server")
@@ -201,7 +192,7 @@ class PytrioApi:
         from pytrio.protocol.control.training_run.create import TrainingRunCreateRequest
 
         self._check_session(sid)
-        body = _validated(TrainingRunCreateRequest, await self._json(request))
+        body = _validated(TrainingRunCreateRequest, await read_json_object(request))
         lora = LoraRequest(body.lora_rank, body.seed, body.train_mlp, body.train_attn, body.train_unembed)
         base_model = body.base_model
         if body.source_checkpoint_uri:  # from a saved state: the SDK may leave the base model to us
@@ -231,7 +222,7 @@ class PytrioApi:
 
         self._check_session(sid)
         run = self.state.run(rid)
-        body = _validated(TrainingRunUpdateRequest, await self._json(request))
+        body = _validated(TrainingRunUpdateRequest, await read_json_object(request))
         if run.client is not None:
             raise ServeError(409, "run_started", "a checkpoint can be bound only before the run's first call")
         self.state.read_checkpoint(body.source_checkpoint_uri)
@@ -250,7 +241,7 @@ class PytrioApi:
         from pytrio.protocol.control.sampling_run.create import SamplingRunCreateRequest
 
         self._check_session(sid)
-        body = _validated(SamplingRunCreateRequest, await self._json(request))
+        body = _validated(SamplingRunCreateRequest, await read_json_object(request))
         if body.source_checkpoint_uri:
             served = self.state.model(self.state.checkpoint_meta(body.source_checkpoint_uri).base_model)
         else:
@@ -467,7 +458,7 @@ class PytrioApi:
 
         if srid not in self.sampling_runs:
             raise ServeError(404, "unknown_sampling_run", f"no sampling run {srid!r} on this server")
-        body = _validated(SampleRequest, await self._json(request))
+        body = _validated(SampleRequest, await read_json_object(request))
         model_path, base_model = self.sampling_runs[srid]
         prompt = [t for chunk in body.prompt.chunks for t in getattr(chunk, "tokens", [])]
         params = sampling_params(body.sampling_params)

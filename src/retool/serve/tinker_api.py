@@ -32,7 +32,7 @@ from fastapi import APIRouter, Request, Response
 from retool.backends.base import SamplingClient
 from retool.backends.types import AdamParams, Sample
 from retool.jsonl import JsonObject, JsonValue
-from retool.serve.common import build_datum, sampling_params
+from retool.serve.common import build_datum, read_json_object, sampling_params
 from retool.serve.pytrio_api import as_json
 from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config, ppo_defaults
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
@@ -150,15 +150,6 @@ class TinkerApi:
             r.add_api_route(path, handler, methods=["GET", "POST"])
 
     # -- plumbing --------------------------------------------------------------------------------
-    async def _json(self, request: Request) -> JsonObject:
-        try:
-            data = json.loads(await request.body() or b"{}")
-        except ValueError:
-            raise ServeError(400, "invalid_request", "the body is not JSON") from None
-        if not isinstance(data, dict):
-            raise ServeError(400, "invalid_request", "the body must be a JSON object")
-        return data
-
     def _future(
         self, kind: str, call: Awaitable[object], model_id: str | None = None, **extra: object
     ) -> Response:
@@ -216,7 +207,7 @@ class TinkerApi:
         return as_json({"type": "create_session", "session_id": sid})
 
     async def heartbeat(self, request: Request) -> Response:
-        sid = self._field(await self._json(request), "session_id", str)
+        sid = self._field(await read_json_object(request), "session_id", str)
         if sid not in self.state.sessions:
             raise ServeError(404, "unknown_session", f"no session {sid!r} on this server")
         return as_json({"type": "session_heartbeat"})
@@ -234,7 +225,7 @@ class TinkerApi:
         return as_json({"supported_models": models})
 
     async def create_model(self, request: Request) -> Response:
-        data = await self._json(request)
+        data = await read_json_object(request)
         sid = self._field(data, "session_id", str)
         if sid not in self.state.sessions:
             raise ServeError(404, "unknown_session", f"no session {sid!r} on this server")
@@ -258,7 +249,7 @@ class TinkerApi:
         return self._future("create_model", run.submit(build), model_id)
 
     async def get_info(self, request: Request) -> Response:
-        model_id = self._field(await self._json(request), "model_id", str)
+        model_id = self._field(await read_json_object(request), "model_id", str)
         run = self.state.run(model_id)
         return as_json(
             {
@@ -276,7 +267,7 @@ class TinkerApi:
         )
 
     async def weights_info(self, request: Request) -> Response:
-        data = await self._json(request)
+        data = await read_json_object(request)
         meta = self.state.checkpoint_meta(
             self._field(data, "tinker_path", str, None) or self._field(data, "path", str)
         )
@@ -332,7 +323,7 @@ class TinkerApi:
         return self._ordered(run, msg.seq_id, "forward", call)
 
     async def optim_step(self, request: Request) -> Response:
-        data = await self._json(request)
+        data = await read_json_object(request)
         run = self.state.run(self._field(data, "model_id", str))
         p = data.get("adam_params") or data.get("optim_params") or {}
         if not isinstance(p, dict) or p.get("type", "adam") not in ("adam", "adamw"):
@@ -364,7 +355,7 @@ class TinkerApi:
             raise ServeError(400, "invalid_name", str(exc)) from None
 
     async def save_weights(self, request: Request) -> Response:
-        data = await self._json(request)
+        data = await read_json_object(request)
         run = self.state.run(self._field(data, "model_id", str))
         name = self._name(self._field(data, "path", str, None) or new_id("ckpt"))
         overwrite = bool(self._field(data, "overwrite", bool, False))
@@ -376,7 +367,7 @@ class TinkerApi:
         return self._ordered(run, data.get("seq_id"), "save_weights", call)
 
     async def save_weights_for_sampler(self, request: Request) -> Response:
-        data = await self._json(request)
+        data = await read_json_object(request)
         run = self.state.run(self._field(data, "model_id", str))
         name = self._field(data, "path", str, None)
         if name is not None:
@@ -397,7 +388,7 @@ class TinkerApi:
         return self._ordered(run, data.get("seq_id"), "save_weights_for_sampler", snapshot)
 
     async def load_weights(self, request: Request) -> Response:
-        data = await self._json(request)
+        data = await read_json_object(request)
         path = self._field(data, "path", str)
         with_optimizer = bool(self._field(data, "optimizer", bool, False))
         meta, _ = self.state.read_checkpoint(path)
@@ -419,7 +410,7 @@ class TinkerApi:
 
     # -- sampling --------------------------------------------------------------------------------
     async def create_sampling_session(self, request: Request) -> Response:
-        data = await self._json(request)
+        data = await read_json_object(request)
         path = self._field(data, "model_path", str, None)
         if path:
             base = self.state.checkpoint_meta(path).base_model
@@ -438,7 +429,7 @@ class TinkerApi:
         )
 
     async def asample(self, request: Request) -> Response:
-        data = await self._json(request)
+        data = await read_json_object(request)
         if (
             data.get("prompt_logprobs")
             or data.get("topk_prompt_logprobs")
@@ -475,7 +466,7 @@ class TinkerApi:
         return self._future("sample", call(), None, sample_sequence_ids=ids)
 
     async def retrieve_future(self, request: Request) -> Response:
-        rid = self._field(await self._json(request), "request_id", str)
+        rid = self._field(await read_json_object(request), "request_id", str)
         known = self.futures.get(rid)
         if known is None:
             raise ServeError(404, "unknown_future", f"no future {rid!r} on this server")
