@@ -11,7 +11,7 @@ import pytest
 
 from retool.jsonl import read_jsonl
 from retool.tasks.demo import DemoSettings, run_demo
-from retool.tasks.report import gain_line
+from retool.tasks.report import gain_line, time_split_markdown
 
 
 def small(out: Path) -> DemoSettings:
@@ -135,3 +135,20 @@ def test_gain_line_states_interval() -> None:
     line = gain_line({"mode": "retool", "average_at_n": {"gain": 0.2, "ci95": [0.1, 0.3], "problems": 200}})
     assert "+20.0 points" in line and "+10.0 to +30.0" in line and "200 held-out" in line
     assert gain_line({}) == ""
+
+
+def test_time_split_shows_the_prompts_share_of_sampling() -> None:
+    work = {
+        "sample_seconds": 30.0,
+        "prefill_seconds": 6.0,
+        "sampled_tokens": 3000.0,
+        "prefill_tokens": 1500.0,
+    }
+    train = {"train_seconds": 50.0, "trained_tokens": 5000.0}
+    table = time_split_markdown(
+        {"rl": 90.0, "eval_rl": 40.0, "total": 130.0}, {"rl": {**work, **train}, "eval_rl": work}
+    )
+    rows = {line.split(" | ")[0].lstrip("| "): line.split(" | ") for line in table.splitlines()[2:]}
+    assert rows["rl"][1:8] == ["90", "30", "6", "3000", "100.0", "0.50", "50"]
+    assert rows["**total**"][2:7] == ["60", "12", "6000", "100.0", "0.50"]  # phases summed
+    assert "prefilled / sampled" in table.splitlines()[0]

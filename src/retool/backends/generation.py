@@ -55,6 +55,9 @@ MIN_SHARED_PREFIX = 16
 # Padded area of one prefill forward relative to its real tokens before it is split by suffix length.
 PREFILL_PADDING_SLACK = 1.25
 MAX_PREFILL_TOKENS = 16384  # padded tokens of one prefill forward (bounds its activation memory)
+# Columns a decode batch's KV buffers hold beyond its current length: one copy of the cache per this many
+# decode steps instead of one per step (memory: ~15% over a 400-token context).
+KV_SPARE_COLUMNS = 64
 
 
 @dataclass
@@ -229,14 +232,87 @@ class _Row:
         return self.prompt + self.tokens[:-1]
 
 
+class _GrowingLayer(DynamicLayer):
+    """A full KV layer that appends a decode step's keys and values into spare columns of a buffer it
+    owns, where ``DynamicLayer`` concatenates: copying the whole cache once per token per layer cost a
+    third of a decode step on CPU (SmolLM2-135M, 16 rows x 300 columns: 89 of 218 ms).
+
+    ``keys`` / ``values`` stay views ``[:, :, :length]`` of the buffers. Whoever replaces them (the
+    batch's ``select`` / ``extend`` / ``trim``) simply hands the layer new tensors: the next ``update``
+    sees that they are no longer its buffer's view and copies them into a fresh buffer, once. Columns are
+    only ever written past the current length, so a view taken earlier never changes under its holder.
+    """
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._key_buffer: torch.Tensor | None = None
+        self._value_buffer: torch.Tensor | None = None
+
+    @classmethod
+    def adopt(cls, layer: DynamicLayer) -> _GrowingLayer:
+        grown = cls()
+        grown.keys, grown.values, grown.is_initialized = layer.keys, layer.values, layer.is_initialized
+        if layer.is_initialized:
+            grown.device = layer.device
+        return grown
+
+    def _owns_views(self) -> bool:
+        buf, keys = self._key_buffer, self.keys
+        return (
+            buf is not None
+            and keys is not None
+            and keys.data_ptr() == buf.data_ptr()
+            and keys.shape[:2] == buf.shape[:2]
+            and keys.stride() == buf.stride()
+        )
+
+    def _rebuffer(self, new: torch.Tensor, needed: int) -> None:
+        """Fresh buffers for ``needed`` columns plus spare ones, holding the current keys and values."""
+        rows, heads, _, dim = new.shape
+        shape = (rows, heads, needed + KV_SPARE_COLUMNS, dim)
+        keys, values = new.new_empty(shape), new.new_empty(shape)
+        old_keys, old_values = self.keys, self.values
+        if old_keys is not None and old_values is not None and old_keys.dim() == 4:
+            length = old_keys.shape[-2]
+            keys[:, :, :length] = old_keys
+            values[:, :, :length] = old_values
+        else:  # nothing cached yet (``lazy_initialization`` leaves empty 1-d tensors)
+            length = 0
+        self._key_buffer, self._value_buffer = keys, values
+        self.keys, self.values = keys[:, :, :length], values[:, :, :length]
+
+    def update(
+        self, key_states: torch.Tensor, value_states: torch.Tensor, *args: object, **kwargs: object
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        length = 0 if self.keys is None or self.keys.dim() < 4 else self.keys.shape[-2]
+        end = length + key_states.shape[-2]
+        if not self._owns_views() or self._key_buffer is None or end > self._key_buffer.shape[-2]:
+            self._rebuffer(key_states, end)
+        assert self._key_buffer is not None and self._value_buffer is not None
+        self._key_buffer[:, :, length:end] = key_states
+        self._value_buffer[:, :, length:end] = value_states
+        self.keys, self.values = self._key_buffer[:, :, :end], self._value_buffer[:, :, :end]
+        return self.keys, self.values
+
+
 def _layers(cache: DynamicCache) -> list[Any]:
-    """The cache's layers, all ``DynamicLayer`` (typed ``Any``: their ``keys`` / ``values`` are declared
+    """The cache's layers, all full KV layers (typed ``Any``: their ``keys`` / ``values`` are declared
     optional until the first forward fills them, which every cache here has had)."""
     layers = list(cache.layers)
-    if any(type(layer) is not DynamicLayer for layer in layers):  # sliding windows drop old columns
+    if any(type(layer) not in (DynamicLayer, _GrowingLayer) for layer in layers):  # sliding windows drop
         kinds = sorted({type(layer).__name__ for layer in layers})
         raise NotImplementedError(f"the local sampler needs full KV caches; this model's are {kinds}")
     return layers
+
+
+def _growing(cache: DynamicCache) -> DynamicCache:
+    """``cache`` with every layer appending in place (``_GrowingLayer``), ready for decode steps."""
+    for i, layer in enumerate(_layers(cache)):
+        if type(layer) is not _GrowingLayer:
+            cache.layers[i] = _GrowingLayer.adopt(layer)
+    return cache
 
 
 def _pad_left(t: torch.Tensor, width: int) -> torch.Tensor:
@@ -600,7 +676,7 @@ class ContinuousGenerator:
             attention_mask=batch.mask,
             position_ids=batch.last_pos,
             use_cache=True,
-            **{self._cache_key or "past_key_values": batch.cache},
+            **{self._cache_key or "past_key_values": _growing(batch.cache)},
         )
         batch.cache = _output_cache(out)
         batch.logits = out.logits[:, -1, :].float()

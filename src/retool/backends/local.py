@@ -236,6 +236,56 @@ class BackendStats:
         return out
 
 
+class _PackedLinear(torch.nn.Linear):
+    """A linear layer that runs on a copy of its weight laid out ahead of time for oneDNN's kernel
+    ("prepacked"), as torch's own compiler does for frozen CPU inference: at decode batch sizes the
+    plain kernel re-lays the weight out on every call (measured with SmolLM2-135M on 2 cores: 1.3-2.7x
+    faster, the 49k-row output layer 2x, results within 1e-6 relative: another summation order). Same
+    parameters and state dict as ``nn.Linear``; ``pack`` must follow every change of the weight."""
+
+    _packed: torch.Tensor | None = None
+
+    @classmethod
+    def sharing(cls, linear: torch.nn.Linear) -> _PackedLinear:
+        packed = cls(linear.in_features, linear.out_features, bias=linear.bias is not None, device="meta")
+        packed.weight, packed.bias = linear.weight, linear.bias  # the same tensors, not copies
+        return packed
+
+    @torch.no_grad()
+    def pack(self) -> None:
+        self._packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self._packed is None or torch.is_grad_enabled():
+            return super().forward(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self._packed, self.bias, "none", [], "")
+
+
+def _can_pack(model: torch.nn.Module) -> bool:
+    """Whether prepacked oneDNN linears (``_PackedLinear``) can run this model: fp32 on CPU, torch with
+    oneDNN."""
+    weight = next(model.parameters())
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+        and hasattr(torch.ops.mkldnn, "_reorder_linear_weight")
+    )
+
+
+def _pack_linears(model: torch.nn.Module) -> list[_PackedLinear]:
+    """Replace every plain ``nn.Linear`` of ``model`` by a ``_PackedLinear`` over the same tensors."""
+    packed: list[_PackedLinear] = []
+    for name, module in list(model.named_modules()):
+        if type(module) is torch.nn.Linear:
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            replacement = _PackedLinear.sharing(module)
+            setattr(parent, child, replacement)
+            packed.append(replacement)
+    return packed
+
+
 class _MergedSampler:
     """A LoRA-free copy of a PEFT model for generation: adapted linears hold merged weights, every other
     parameter and buffer is the trainer's own tensor (shared, not copied)."""
@@ -244,6 +294,8 @@ class _MergedSampler:
         self.model = model
         self._pairs = pairs  # (live LoRA layer, its merged plain linear in the copy)
         self._version = -1
+        # Every linear of the copy prepacked (merged and shared ones: a weight load may change either).
+        self._packed = _pack_linears(model) if _can_pack(model) else []
 
     @classmethod
     def build(cls, peft_model: Any) -> _MergedSampler | None:
@@ -284,6 +336,8 @@ class _MergedSampler:
             merged.weight.copy_(layer.base_layer.weight)
             if delta is not None:
                 merged.weight.add_(delta.to(merged.weight.dtype))
+        for linear in self._packed:
+            linear.pack()
         self._version = version
 
 
@@ -457,8 +511,11 @@ class LocalTrainingClient(TrainingClient):
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
     ) -> None:
         if num_threads:
-            # Process-wide. On a busy CPU one thread is often several times faster for tiny models.
+            # On a busy CPU one thread is often several times faster for tiny models.
             torch.set_num_threads(int(num_threads))
+        # The worker threads below run every forward; each keeps the count it starts with (torch applies
+        # set_num_threads to the calling thread and to threads created later, not to running ones).
+        self.num_threads = torch.get_num_threads()
         self.prefix_cache_bytes = _prefix_cache_bytes(prefix_cache_mb)
 
         self.device = resolve_device(device)
@@ -490,7 +547,7 @@ class LocalTrainingClient(TrainingClient):
         self.step = 0
         self.optimizer: torch.optim.Optimizer | None = None
         self._seed_rng = random.Random(seed)
-        self._executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retool-local")
+        self._executor = self._worker_thread("retool-local")
         self._waiting_lock = threading.Lock()
         self._waiting_jobs = 0  # calls queued for the worker thread (the sampler yields to them)
         self._gather_ms = gather_ms
@@ -537,6 +594,22 @@ class LocalTrainingClient(TrainingClient):
             task_type="CAUSAL_LM",
         )
         return get_peft_model(model, peft_cfg)
+
+    def _worker_thread(self, name: str) -> ThreadPoolExecutor:
+        return ThreadPoolExecutor(
+            max_workers=1,
+            thread_name_prefix=name,
+            initializer=torch.set_num_threads,
+            initargs=(self.num_threads,),
+        )
+
+    def set_num_threads(self, threads: int) -> None:
+        """Run this client's forwards (sampling and training) on ``threads`` torch threads from now on."""
+        self.num_threads = int(threads)
+        torch.set_num_threads(self.num_threads)
+        workers = [w for w in (self._executor, self._frozen_thread) if w is not None]
+        for worker in workers:
+            worker.submit(torch.set_num_threads, self.num_threads).result()
 
     def make_engine(
         self,
@@ -709,7 +782,7 @@ class LocalTrainingClient(TrainingClient):
             )
         model = await self._on_worker(frozen_copy, self.model)
         if self._frozen_thread is None:
-            self._frozen_thread = ThreadPoolExecutor(max_workers=1, thread_name_prefix="retool-frozen")
+            self._frozen_thread = self._worker_thread("retool-frozen")
         return FrozenSamplingClient(self, model, self._frozen_thread, self._gather_ms)
 
     def set_sampler(self, sampler: LocalSamplingClient) -> None:

@@ -486,7 +486,8 @@ def _start(settings: DemoSettings, out: Path) -> Config:
     else:
         out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(settings.as_dict(), indent=2, default=str) + "\n")
-    torch.set_num_threads(max(1, settings.config.backend.cpu_threads))
+    if settings.config.backend.cpu_threads:  # 0: torch's default, every core
+        torch.set_num_threads(settings.config.backend.cpu_threads)
     torch.manual_seed(settings.seed)
     return with_available_isolation(settings.config)
 
@@ -760,7 +761,8 @@ def run_sft(
     emit = on_event or (lambda kind, data: None)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    torch.set_num_threads(max(1, settings.config.backend.cpu_threads))
+    if settings.config.backend.cpu_threads:  # 0: torch's default, every core
+        torch.set_num_threads(settings.config.backend.cpu_threads)
     config = with_available_isolation(settings.config)
     env = task_env(config)
     train = env.tasks("train")

@@ -175,11 +175,14 @@ def write_report(out: Path, settings: JsonObject, result: DemoResult, evals: Eva
 
 
 def time_split_markdown(timings: dict[str, float], throughput: dict[str, dict[str, float]]) -> str:
-    """Per phase: wall seconds, and the backend's sampling / training seconds, tokens and tokens/s, and
-    the sandbox's execution seconds (the sandbox runs beside sampling, so the parts may overlap)."""
+    """Per phase: wall seconds, and the backend's sampling / training seconds, tokens and tokens/s (with
+    the prompts' share of sampling: prefill seconds, and prompt tokens run per sampled token, which the
+    prefix cache lowers), and the sandbox's execution seconds (the sandbox runs beside sampling, so the
+    parts may overlap)."""
     lines = [
-        "| phase | wall s | sampling s | sampled tok | tok/s | training s | trained tok | tok/s | exec s |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "| phase | wall s | sampling s | prefill s | sampled tok | tok/s | prefilled / sampled | training s "
+        "| trained tok | tok/s | exec s |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     total: dict[str, float] = {}
     for phase, seconds in timings.items():
@@ -200,10 +203,11 @@ def _split_row(name: str, seconds: float, w: dict[str, float]) -> str:
     def num(key: str, fmt: str = "{:.0f}") -> str:
         return fmt.format(w[key]) if w.get(key) else "-"
 
+    prefilled = f"{w['prefill_tokens'] / w['sampled_tokens']:.2f}" if w.get("sampled_tokens") else "-"
     return (
-        f"| {name} | {seconds:.0f} | {num('sample_seconds')} | {num('sampled_tokens')} | "
-        f"{rate('sampled_tokens', 'sample_seconds')} | {num('train_seconds')} | {num('trained_tokens')} | "
-        f"{rate('trained_tokens', 'train_seconds')} | {num('exec_seconds', '{:.1f}')} |"
+        f"| {name} | {seconds:.0f} | {num('sample_seconds')} | {num('prefill_seconds')} | {num('sampled_tokens')} | "
+        f"{rate('sampled_tokens', 'sample_seconds')} | {prefilled} | {num('train_seconds')} | "
+        f"{num('trained_tokens')} | {rate('trained_tokens', 'train_seconds')} | {num('exec_seconds', '{:.1f}')} |"
     )
 
 
