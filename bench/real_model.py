@@ -8,7 +8,7 @@ meaningful even when the absolute numbers do not:
 - sampling through the PEFT LoRA wrapper with one full prefill per row (what the local sampler did
   before) vs the merged LoRA-free sampling view (``merge_lora_for_sampling``), vs the merged view with the
   batch's shared prompt prefix run once (``share_prompt_prefix``), at the batch sizes given; the column
-  "prefill" is the share of sampling time spent on prompts;
+  "prefill" is the share of the generation's wall time spent on prompts;
 - prompts are the demo's real retool-mode prompts (compact system prompt + distinct held-out hard
   problems), one request each, gathered into one batch as in evaluation; every sequence runs to
   ``--tokens`` (end-of-turn ignored) so the comparison is fair;

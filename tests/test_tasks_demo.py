@@ -152,3 +152,5 @@ def test_time_split_shows_the_prompts_share_of_sampling() -> None:
     assert rows["rl"][1:8] == ["90", "30", "6", "3000", "100.0", "0.50", "50"]
     assert rows["**total**"][2:7] == ["60", "12", "6000", "100.0", "0.50"]  # phases summed
     assert "prefilled / sampled" in table.splitlines()[0]
+    older = time_split_markdown({"rl": 9.0}, {"rl": {"sample_seconds": 3.0, "sampled_tokens": 30.0}})
+    assert older.splitlines()[2].split(" | ")[6] == "-"  # a phase recorded before prefill was counted

@@ -203,7 +203,12 @@ def _split_row(name: str, seconds: float, w: dict[str, float]) -> str:
     def num(key: str, fmt: str = "{:.0f}") -> str:
         return fmt.format(w[key]) if w.get(key) else "-"
 
-    prefilled = f"{w['prefill_tokens'] / w['sampled_tokens']:.2f}" if w.get("sampled_tokens") else "-"
+    # "-" too for a phase recorded before prefill was counted (a run resumed across versions).
+    prefilled = (
+        f"{w['prefill_tokens'] / w['sampled_tokens']:.2f}"
+        if w.get("sampled_tokens") and "prefill_tokens" in w
+        else "-"
+    )
     return (
         f"| {name} | {seconds:.0f} | {num('sample_seconds')} | {num('prefill_seconds')} | {num('sampled_tokens')} | "
         f"{rate('sampled_tokens', 'sample_seconds')} | {prefilled} | {num('train_seconds')} | "
