@@ -266,18 +266,14 @@ class _GrowingLayer(DynamicLayer):
             and keys.stride() == buf.stride()
         )
 
-    def _rebuffer(self, new: torch.Tensor, needed: int) -> None:
-        """Fresh buffers for ``needed`` columns plus spare ones, holding the current keys and values."""
+    def _rebuffer(self, new: torch.Tensor, length: int, needed: int) -> None:
+        """Fresh buffers for ``needed`` columns plus spare ones, holding the current ``length`` columns."""
         rows, heads, _, dim = new.shape
         shape = (rows, heads, needed + KV_SPARE_COLUMNS, dim)
         keys, values = new.new_empty(shape), new.new_empty(shape)
-        old_keys, old_values = self.keys, self.values
-        if old_keys is not None and old_values is not None and old_keys.dim() == 4:
-            length = old_keys.shape[-2]
-            keys[:, :, :length] = old_keys
-            values[:, :, :length] = old_values
-        else:  # nothing cached yet (``lazy_initialization`` leaves empty 1-d tensors)
-            length = 0
+        if length and self.keys is not None and self.values is not None:
+            keys[:, :, :length] = self.keys
+            values[:, :, :length] = self.values
         self._key_buffer, self._value_buffer = keys, values
         self.keys, self.values = keys[:, :, :length], values[:, :, :length]
 
@@ -286,10 +282,11 @@ class _GrowingLayer(DynamicLayer):
     ) -> tuple[torch.Tensor, torch.Tensor]:
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
+        # Nothing cached yet: ``lazy_initialization`` leaves empty 1-d tensors.
         length = 0 if self.keys is None or self.keys.dim() < 4 else self.keys.shape[-2]
         end = length + key_states.shape[-2]
         if not self._owns_views() or self._key_buffer is None or end > self._key_buffer.shape[-2]:
-            self._rebuffer(key_states, end)
+            self._rebuffer(key_states, length, end)
         assert self._key_buffer is not None and self._value_buffer is not None
         self._key_buffer[:, :, length:end] = key_states
         self._value_buffer[:, :, length:end] = value_states

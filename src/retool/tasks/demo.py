@@ -486,10 +486,18 @@ def _start(settings: DemoSettings, out: Path) -> Config:
     else:
         out.mkdir(parents=True, exist_ok=True)
         saved.write_text(json.dumps(settings.as_dict(), indent=2, default=str) + "\n")
-    if settings.config.backend.cpu_threads:  # 0: torch's default, every core
-        torch.set_num_threads(settings.config.backend.cpu_threads)
+    set_torch_threads(settings.config)
     torch.manual_seed(settings.seed)
     return with_available_isolation(settings.config)
+
+
+def set_torch_threads(config: Config) -> None:
+    """torch's threads for this process's phases: ``backend.cpu_threads``, or torch's default (every core)
+    when it is 0."""
+    import torch  # deferred: as in _start
+
+    if config.backend.cpu_threads:
+        torch.set_num_threads(config.backend.cpu_threads)
 
 
 def held_out(settings: DemoSettings, env: TaskFamilyEnv) -> tuple[list[Task], list[Task], list[Problem]]:
@@ -756,13 +764,10 @@ def run_sft(
     Writes ``<out>/model_sft`` (HF folder), ``sft_report.json`` and, if ``evaluate``, the retool-mode
     evaluation of the result on the held-out split: protocol-validity (format) rate and accuracy.
     """
-    import torch  # deferred: as in _start
-
     emit = on_event or (lambda kind, data: None)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
-    if settings.config.backend.cpu_threads:  # 0: torch's default, every core
-        torch.set_num_threads(settings.config.backend.cpu_threads)
+    set_torch_threads(settings.config)
     config = with_available_isolation(settings.config)
     env = task_env(config)
     train = env.tasks("train")
