@@ -1,5 +1,7 @@
-"""Plumbing of the optional vLLM sampler against a fake ``vllm`` module (no GPU, no vLLM here): adapter
-hand-over on every refresh, batched requests with per-sequence seeds, stop handling, result mapping."""
+"""Plumbing of the vLLM sampler against a fake ``vllm`` module, in the project's own environment: adapter
+hand-over when the weights changed, batched requests with per-sequence seeds, stop handling, result
+mapping, the dtype and memory rules. The real engine (vLLM's CPU build) is exercised by tests/vllm_engine/,
+run through tests/test_vllm_engine.py."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ from typing import Any
 import pytest
 
 from retool.backends.local import LocalTrainingClient
-from retool.backends.types import SamplingParams
+from retool.backends.types import AdamParams, Datum, SamplingParams
 
 
 @pytest.fixture()
@@ -74,6 +76,10 @@ def test_vllm_sampler_hands_over_adapters_and_batches(
     [llm_kwargs] = fake_vllm["LLM"]
     assert llm_kwargs["enable_lora"] and llm_kwargs["model"] == str(tiny_model_dir)
     assert llm_kwargs["logprobs_mode"] == "raw_logprobs"
+    assert llm_kwargs["dtype"] == "float32"  # the trainer's, never vLLM's "auto" (which downcasts to bf16)
+    assert llm_kwargs["kv_cache_memory_bytes"] == 2**30  # CPU: bytes, not a share of host RAM
+    assert "gpu_memory_utilization" not in llm_kwargs
+    assert llm_kwargs["enable_prefix_caching"] and llm_kwargs["max_loras"] == 2
 
     sampler = client.sampling_client()
     assert isinstance(sampler, VllmSamplingClient)
@@ -97,9 +103,18 @@ def test_vllm_sampler_hands_over_adapters_and_batches(
     assert a[0].tokens == [7, 8, 9] and a[0].logprobs == [-0.5, -1.0, -1.5] and a[0].stop_reason == "stop"
     assert b[0].tokens == [8, 9] and b[0].stop_reason == "length"
 
+    client.sampling_client()  # the weights did not change: the same adapter keeps serving
+    assert [r.lora_id for r in fake_vllm["LoRARequest"]] == [1]
+    datum = Datum([5, 6], [6, 7], weights=[1.0, 1.0])
+    client.forward_backward([datum], "cross_entropy")
+    client.optim_step(AdamParams(lr=1e-2))
     client.sampling_client()  # the next RL step: a new adapter version
     assert [r.lora_id for r in fake_vllm["LoRARequest"]] == [1, 2]
     assert fake_vllm["LoRARequest"][1].path != req1.path
+    assert sampler.pinned(1).lora_request is req1  # the previous version, served by request
+    assert sampler.pinned(None).lora_request is None  # the base model
+    with pytest.raises(ValueError, match="not kept"):
+        sampler.pinned(7)
 
 
 def test_vllm_sampler_refuses_full_finetuning(fake_vllm: dict[str, list[Any]], tiny_model_dir: Path) -> None:
@@ -132,6 +147,8 @@ def test_an_engine_setting_this_vllm_cannot_take_is_an_error(
             max_loras: int,
             dtype: str,
             gpu_memory_utilization: float,
+            kv_cache_memory_bytes: int,
+            enable_prefix_caching: bool,
             max_model_len: int,
             seed: int,
         ) -> None: ...
@@ -152,3 +169,50 @@ def test_an_engine_setting_this_vllm_cannot_take_is_an_error(
     monkeypatch.setattr(sys.modules["vllm"], "LLM", older_llm)
     with pytest.raises(SdkOptionError, match=message):
         attach_vllm_sampler(client)
+
+
+def test_engine_dtype_is_the_trainers_unless_set(caplog: pytest.LogCaptureFixture) -> None:
+    import torch
+
+    from retool.backends.vllm_sampler import engine_dtype
+
+    assert engine_dtype(torch.float32) == "float32"
+    assert engine_dtype(torch.bfloat16) == "bfloat16"
+    assert engine_dtype(torch.float32, "float32") == "float32" and not caplog.records
+    with caplog.at_level("WARNING"):
+        assert engine_dtype(torch.float32, "bfloat16") == "bfloat16"  # bf16 serving of an fp32 master copy
+    assert "offpolicy/kl_k3" in caplog.text  # the warning names where the mismatch shows
+    with pytest.raises(ValueError, match="use 'trainer'"):
+        engine_dtype(torch.float32, "auto")
+
+
+def test_memory_is_bytes_on_cpu_and_a_share_on_a_gpu() -> None:
+    from retool.backends.vllm_sampler import memory_settings
+
+    assert memory_settings("cpu", 0.5, 0.9) == {"kv_cache_memory_bytes": 2**29}
+    assert memory_settings("cuda", 0.5, 0.9) == {"gpu_memory_utilization": 0.9}
+    with pytest.raises(ValueError, match="KV cache budget"):
+        memory_settings("cpu", 0.0, 0.9)
+    with pytest.raises(ValueError, match="gpu_memory_utilization"):
+        memory_settings("cuda", 1.0, 1.5)
+
+
+def test_config_settings_reach_the_engine(
+    fake_vllm: dict[str, list[Any]], tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    from retool.backends import make_training_client
+    from retool.config import load_config
+
+    config = load_config(
+        "tiny",
+        overrides=[
+            f"model.name={tiny_model_dir}",
+            f"train.run_dir={tmp_path}",
+            "backend.sampler=vllm",
+            "backend.vllm_dtype=bfloat16",
+            "backend.vllm_kv_cache_gib=0.25",
+        ],
+    )
+    make_training_client(config)
+    [llm_kwargs] = fake_vllm["LLM"]
+    assert llm_kwargs["dtype"] == "bfloat16" and llm_kwargs["kv_cache_memory_bytes"] == 2**28

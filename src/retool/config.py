@@ -44,10 +44,19 @@ class BackendConfig(_Section):
     kind: Literal["local", "pytrio", "tinker"] = "local"
     device: str = "auto"  # auto | cpu | cuda
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # hf: the built-in torch sampler; vllm: a GPU vLLM engine; llamacpp: llama.cpp on CPU (xllamacpp) from the
+    # hf: the built-in torch sampler; vllm: a vLLM engine (GPU, or vLLM's CPU build); llamacpp: llama.cpp on CPU (xllamacpp) from the
     # GGUF file plus the trainer's LoRA as an adapter GGUF (GGUF models with LoRA; retool.backends.llamacpp)
     sampler: Literal["hf", "vllm", "llamacpp"] = "hf"
     llamacpp_threads: int = 2  # llama.cpp's CPU threads (sampler = "llamacpp")
+    # The vLLM sampler (sampler = "vllm", retool.backends.vllm_sampler). Its dtype: "trainer" computes in the
+    # trainer's own dtype, so sampled logprobs are the trainer's (vLLM's own "auto" would downcast an fp32
+    # model to bf16); another dtype (bf16 serving beside an fp32 master copy) is allowed, with a warning,
+    # and its mismatch shows in every step's offpolicy/kl_k3, offpolicy/ratio_outside and TIS metrics.
+    vllm_dtype: Literal["trainer", "float32", "bfloat16", "float16"] = "trainer"
+    # Its memory: on CPU the KV cache in GiB (vLLM's share-of-memory setting is a share of host RAM there);
+    # on a GPU the share of device memory the engine may take (weights, activations and KV cache).
+    vllm_kv_cache_gib: float = Field(default=1.0, gt=0.0)
+    vllm_gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0)
     base_url: str | None = None  # remote services; credentials come from their usual env variables
     micro_batch_tokens: int = 8192  # padded area (rows x longest row) of one micro-batch
     sample_batch_size: int = 32  # sequences generated together by the local sampler

@@ -177,7 +177,12 @@ def _local_client(config: Config) -> TrainingClient:
     if config.backend.sampler == "vllm":
         from retool.backends.vllm_sampler import attach_vllm_sampler  # deferred: vllm is optional
 
-        attach_vllm_sampler(client)
+        attach_vllm_sampler(
+            client,
+            dtype=config.backend.vllm_dtype,
+            kv_cache_gib=config.backend.vllm_kv_cache_gib,
+            gpu_memory_utilization=config.backend.vllm_gpu_memory_utilization,
+        )
     elif config.backend.sampler == "llamacpp":
         from retool.backends.llamacpp import attach_llamacpp_sampler  # deferred: xllamacpp is optional
 

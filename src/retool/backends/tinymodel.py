@@ -2,7 +2,8 @@
 template with Hermes-style tool calls (written here), and a randomly initialised Qwen2 causal LM.
 
 The result is an ordinary Hugging Face folder that every command accepts as ``--model``. Nothing is
-downloaded. Tests use ``size="test"`` (well under a second to build); the demo uses ``size="demo"``.
+downloaded. Tests use ``size="test"`` (well under a second to build); the demo uses ``size="demo"``; tests of external
+engines use ``size="engine"`` (head size 32, the smallest vLLM's CPU build runs).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ SPECIAL_TOKENS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 # Added (non-special) tokens, as in Qwen: the model emits them as single tokens.
 ADDED_TOKENS = ["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"]
 
-ModelSize = Literal["test", "demo"]
+ModelSize = Literal["test", "demo", "engine"]
 _SIZES: dict[str, dict[str, int]] = {
     "test": {
         "hidden_size": 32,
@@ -71,6 +72,16 @@ _SIZES: dict[str, dict[str, int]] = {
         "num_attention_heads": 8,
         "num_key_value_heads": 8,
         "intermediate_size": 384,
+        "vocab_size": 512,
+    },
+    # The smallest model external engines run: vLLM's CPU attention takes head sizes 32-512 only (the demo's
+    # 16 is refused), so tests of the vLLM sampler use four heads of 32.
+    "engine": {
+        "hidden_size": 128,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "intermediate_size": 256,
         "vocab_size": 512,
     },
 }
