@@ -85,7 +85,16 @@ def _datums(prompts: list[list[int]], groups: list[list[Any]]) -> list[Any]:
 
 
 def _alive(pids: list[int]) -> list[int]:
-    return [pid for pid in pids if Path(f"/proc/{pid}").exists()]
+    """The processes among ``pids`` still running (a zombie, killed but not yet reaped, is not)."""
+    alive = []
+    for pid in pids:
+        try:
+            stat = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        if stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X"):
+            alive.append(pid)
+    return alive
 
 
 def run(device: str, quick: bool, report: dict[str, Any], check: Checks) -> None:

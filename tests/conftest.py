@@ -2,12 +2,16 @@
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from pathlib import Path
 
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
+# tests/vllm_engine/ needs vLLM, which lives in an environment of its own (scripts/setup_vllm.sh);
+# tests/test_vllm_engine.py runs it there. Collected directly only where vLLM is importable.
+collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_engine"]
 SHARED_DATA = Path(os.environ.get("RETOOL_SHARED_DATA", REPO.parent / "shared" / "data"))
 TOKENIZER_NAMES = ("Qwen2.5-Instruct", "Qwen3", "Qwen3.5")
 

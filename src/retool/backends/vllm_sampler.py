@@ -149,6 +149,7 @@ class VllmSamplingClient(LocalSamplingClient):
             "seed": owner.seed,
             "logprobs_mode": "raw_logprobs",
             "enable_prefix_caching": enable_prefix_caching,
+            "disable_log_stats": False,  # the engine's counters (prefix cache hits) for prefix_cache_stats()
             **memory_settings(owner.device.type, kv_cache_gib, gpu_memory_utilization),
         }
         # Every setting reaches the engine or the run stops: without raw_logprobs, for one, the sampled
@@ -267,6 +268,15 @@ class VllmSamplingClient(LocalSamplingClient):
             reason = "length" if comp.finish_reason == "length" else "stop"
             samples.append(Sample(tokens, lps, reason))  # type: ignore[arg-type]
         return samples
+
+    def prefix_cache_stats(self) -> dict[str, float]:
+        """The engine's prefix cache counters so far: ``queries`` and ``hits`` (prompt tokens)."""
+        out = {"queries": 0.0, "hits": 0.0}
+        for metric in self.llm.get_metrics():
+            for key in out:
+                if metric.name == f"vllm:prefix_cache_{key}":
+                    out[key] += float(getattr(metric, "value", 0.0))
+        return out
 
     # -- lifetime ------------------------------------------------------------------------------
     def close(self) -> None:
