@@ -149,6 +149,7 @@ def test_an_engine_setting_this_vllm_cannot_take_is_an_error(
             gpu_memory_utilization: float,
             kv_cache_memory_bytes: int,
             enable_prefix_caching: bool,
+            disable_log_stats: bool,
             max_model_len: int,
             seed: int,
         ) -> None: ...

@@ -157,6 +157,19 @@ class VllmSamplingClient(LocalSamplingClient):
             "disable_log_stats": False,  # the engine's counters (prefix cache hits) for prefix_cache_stats()
             **memory_settings(owner.device.type, kv_cache_gib, gpu_memory_utilization),
         }
+        self._start_engine(vllm)
+        self._adapter_dir = Path(owner.checkpoint_dir) / "vllm_adapters"
+        self.version = 0  # the adapter version requests go to (0: none written yet)
+        self._served_weights: int | None = None  # the trainer's weights version the adapter holds
+        self._lora_request: Any = None
+        self._requests: dict[int, Any] = {}  # adapter version -> its LoRARequest, while on disk
+        self._pinned: set[int] = set()
+        self._keep = keep_adapters
+        self._closed = False
+        self.ignore_eos = False  # benches: every sequence runs to max_tokens, as with an empty owner.eos_ids
+
+    def _start_engine(self, vllm: ModuleType) -> None:
+        """Build the engine from ``engine_args``; note its processes, shared memory, start-up time and memory."""
         # Every setting reaches the engine or the run stops: without raw_logprobs, for one, the sampled
         # logprobs would be post-processing ones and every importance ratio off.
         accepted = _accepted_engine_args(vllm)
@@ -186,15 +199,6 @@ class VllmSamplingClient(LocalSamplingClient):
             len(self.engine_pids),
             self.engine_rss_bytes / 2**30,
         )
-        self._adapter_dir = Path(owner.checkpoint_dir) / "vllm_adapters"
-        self.version = 0  # the adapter version requests go to (0: none written yet)
-        self._served_weights: int | None = None  # the trainer's weights version the adapter holds
-        self._lora_request: Any = None
-        self._requests: dict[int, Any] = {}  # adapter version -> its LoRARequest, while on disk
-        self._pinned: set[int] = set()
-        self._keep = keep_adapters
-        self._closed = False
-        self.ignore_eos = False  # benches: every sequence runs to max_tokens, as with an empty owner.eos_ids
 
     # -- adapters ------------------------------------------------------------------------------
     def refresh(self) -> None:
