@@ -330,14 +330,21 @@ def test_a_sigkilled_trainer_leaves_no_orphan_engine(engine_model: Path, tmp_pat
 
 
 # -- the whole path ---------------------------------------------------------------------------------------
-def _train(tmp_path: Path, model: Path, sampler: str) -> list[dict[str, Any]]:
-    run_dir = tmp_path / sampler
+def _train(tmp_path: Path, model: Path, sampler: str, *extra: str) -> list[dict[str, Any]]:
+    run_dir = tmp_path / "-".join([sampler, *extra]).replace("=", "_")
+    # tests/train_harness.py --parity is `retool` with rewards by the parity of the sampled tokens' sum, so the
+    # untrained model gets mixed groups and every step trains (a plain run of it would skip every group).
     cmd = [
-        sys.executable, "-m", "retool", "train", "-c", "tiny",
+        sys.executable, str(REPO / "tests" / "train_harness.py"), "--parity", "--", "train", "-c", "tiny",
         "--set", f"model.name={model}", "--set", f"train.run_dir={run_dir}", "--set", "train.steps=2",
         "--set", f"backend.sampler={sampler}", "--set", "backend.vllm_kv_cache_gib=0.25",
-        "--set", "model.max_context=1024", "--set", "logging.tracker=none",
+        "--set", "rollout.questions_per_step=2", "--set", "rollout.group_size=4",
+        "--set", "rollout.max_tokens_per_turn=16", "--set", "rollout.max_assistant_turns=2",
+        "--set", "rollout.max_trajectory_tokens=4000", "--set", "model.max_context=4096",
+        "--set", "model.system_prompt=compact", "--set", "logging.tracker=none",
     ]  # fmt: skip
+    for setting in extra:
+        cmd += ["--set", setting]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=600, cwd=REPO)
     assert done.returncode == 0, done.stderr[-3000:]
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if line.strip()]
@@ -350,10 +357,10 @@ def test_retool_train_with_the_vllm_sampler_writes_the_same_metrics_as_the_torch
     with_torch = _train(tmp_path, engine_model, "hf")
     assert [r["step"] for r in with_vllm] == [r["step"] for r in with_torch] == [1, 2]
     assert set(with_vllm[0]) == set(with_torch[0])
-    for record in with_vllm:
-        if "offpolicy/logprob_diff_mean" in record:  # a step that trained: the vLLM sampler was on-policy
-            assert record["offpolicy/logprob_diff_mean"] < 1e-3
-            assert record["offpolicy/sampler_check_failed"] == 0.0
+    for record in with_vllm:  # every step trained, on-policy: the vLLM sampler served the current adapter
+        assert record["train/datums"] > 0
+        assert record["offpolicy/logprob_diff_mean"] < 1e-3
+        assert record["offpolicy/sampler_check_failed"] == 0.0
 
 
 def test_gpu_smoke_runs_in_its_cpu_mode(tmp_path: Path) -> None:
@@ -380,3 +387,14 @@ def test_gpu_smoke_runs_in_its_cpu_mode(tmp_path: Path) -> None:
         abs(report["vllm_on_policy_ratio"][0] - 1) < 1e-3
         and abs(report["vllm_on_policy_ratio"][2] - 1) < 1e-3
     )
+
+
+def test_a_serving_dtype_other_than_the_trainers_shows_in_the_mismatch_metrics(
+    engine_model: Path, tmp_path: Path
+) -> None:
+    """bf16 serving against the fp32 trainer is a setting, not a silent default, and every trained step
+    shows its size."""
+    records = _train(tmp_path, engine_model, "vllm", "backend.vllm_dtype=bfloat16")
+    for record in records:
+        assert record["offpolicy/logprob_diff_mean"] > 1e-4  # bf16 rounding, visible (fp32: ~2e-7)
+        assert record["offpolicy/kl_k3"] > 0.0 and "offpolicy/ratio_outside" in record
