@@ -11,7 +11,7 @@
 # Usage: bench/interop_skyrl.sh [WORK_DIR]          (default runs/interop_skyrl, git-ignored)
 # Environment:
 #   SKYRL_VENV    the SkyRL venv (default runs/skyrl-0.4.0-venv; reused when it already has skyrl 0.4.0)
-#   SKYRL_PYTHON  a Python >= 3.12 for it (default python3.12, else pyenv's 3.12.1)
+#   SKYRL_PYTHON  a Python >= 3.12 for it (default: python3.12, 3.13, 3.14, else pyenv's 3.12-3.14)
 #   SKYRL_PORT    the server's port on 127.0.0.1 (default: a free one)
 #   PYTHON        this project's Python (default: python)
 #   SFT_STEPS     cold-start SFT steps for the model (default 300)
@@ -46,12 +46,12 @@ say() { echo "[interop $(date +%H:%M:%S)] $*"; }
 
 # -- 1. SkyRL's venv --------------------------------------------------------------------------------------
 if ! "$VENV/bin/python" -c "import importlib.metadata as m, sys; sys.exit(m.version('skyrl') != '$SKYRL_VERSION')" 2>/dev/null; then
-    PY312="${SKYRL_PYTHON:-}"
-    if [ -z "$PY312" ]; then
-        if command -v python3.12 >/dev/null; then PY312=python3.12; else PY312=/root/.pyenv/versions/3.12.1/bin/python; fi
-    fi
-    "$PY312" -c 'import sys; assert sys.version_info >= (3, 12), sys.version' \
-        || { echo "SkyRL $SKYRL_VERSION needs Python >= 3.12; set SKYRL_PYTHON" >&2; exit 2; }
+    PY312=""
+    # The first that runs and is >= 3.12 (a pyenv shim for a version not selected exists but fails).
+    for candidate in ${SKYRL_PYTHON:-} python3.12 python3.13 python3.14 "$HOME"/.pyenv/versions/3.1[234]*/bin/python; do
+        if "$candidate" -c 'import sys; sys.exit(sys.version_info < (3, 12))' 2>/dev/null; then PY312="$candidate"; break; fi
+    done
+    [ -n "$PY312" ] || { echo "SkyRL $SKYRL_VERSION needs Python >= 3.12 (none found); set SKYRL_PYTHON" >&2; exit 2; }
     say "building SkyRL $SKYRL_VERSION's venv in $VENV with $("$PY312" --version)"
     t0=$(date +%s)
     "$PY312" -m venv "$VENV"
