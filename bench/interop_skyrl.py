@@ -334,6 +334,15 @@ def evaluate(model: Path, url: str, run: Path, work: Path) -> tuple[bool, str]:
     )
 
 
+def jax_compiles(log_file: Path) -> tuple[int, float]:
+    """How many JIT compilations SkyRL's log reports, and their seconds (its console wraps lines)."""
+    import re
+
+    text = log_file.read_text(errors="replace") if log_file.is_file() else ""
+    times = [float(t) for t in re.findall(r"JIT compilation for \w+ seq_len=\d+\s+took ([\d.]+)s", text)]
+    return len(times), sum(times)
+
+
 def rate(rows: list[dict[str, Any]], tokens: str, seconds: str) -> float:
     t = sum(float(r.get(seconds, 0.0)) for r in rows)
     return sum(float(r.get(tokens, 0.0)) for r in rows) / t if t > 0 else math.nan
@@ -408,6 +417,7 @@ def run(work: Path, skyrl_url: str, model: Path, server_pid: int | None) -> int:
             ("sampled tokens/s (all steps)", [rate(runs[n]["rows"], "tokens/completion", "time/sample") for n in names]),
             ("wall s (whole run)", [runs[n]["wall_s"] for n in names]),
             ("steps recorded", [len(runs[n]["rows"]) for n in names]),
+            ("JAX compiles in all (count / s)", ["-", "-", "{} / {:.0f}".format(*jax_compiles(work / "skyrl.log"))]),
             ("SIGKILL + resume", ["-", "-", runs["SkyRL"].get("resume", "-")]),
         ],
     ))  # fmt: skip
