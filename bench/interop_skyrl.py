@@ -28,6 +28,7 @@ import asyncio
 import json
 import math
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -374,6 +375,8 @@ def table(title: str, cols: list[str], rows: list[tuple[str, list[Any]]]) -> str
 def run(work: Path, skyrl_url: str, model: Path, server_pid: int | None) -> int:
     t_start = time.monotonic()
     os.environ.update(TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0")  # the in-process clients' SDK too
+    for old in ("train", "eval", "serve", "fixed"):  # a rerun starts its runs afresh (the model is kept)
+        shutil.rmtree(work / old, ignore_errors=True)
     log(machine())
     wait_for(skyrl_url, 300, pid=server_pid)
     serve, serve_url = start_retool_serve(model, work)
