@@ -14,8 +14,15 @@ uses the same names) and then normalised the way the stub is told to (``reductio
 - ``samples`` / ``active_tokens`` / ``advantage_tokens``: divided by one of the three batch totals PyTRIO
   sends with every chunk (``pytrio/protocol/actor/events/trainer/forward.py``); the PyTRIO stub reads
   them from the request, the Tinker stub counts them itself;
-- ``per_sequence_mean``: each sequence's mean over its active tokens, averaged over sequences (SkyRL's
-  semantics): no single denominator, which the adapters' self-check must refuse.
+- ``per_sequence_mean``: SkyRL's (``skyrl/backends/jax.py``, 0.4.0): each sequence's weighted loss over
+  the sum of its weights (``per_token_losses.sum(-1) / jnp.maximum(loss_mask.sum(-1), 1e-9)``, the loss
+  mask being the datum's ``weights``, all ones when none are sent, and multiplying RL losses too),
+  averaged over sequences;
+- ``squared_tokens``: divided by the square of the active tokens, a normalisation no adapter knows (the
+  self-check must refuse it).
+
+``SkyrlStub`` is the Tinker stub as SkyRL 0.4.0's Tinker API server behaves (see its docstring): the
+per-sequence mean on a gradient it computes, no loss metric, and SkyRL's missing endpoints.
 
 The reported loss is the normalised objective the server would differentiate: PyTRIO's ``loss_sum`` metric,
 Tinker's ``loss:sum``. Every request is recorded (``requests``) so tests can read what the SDK really sent.
@@ -47,7 +54,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-REDUCTIONS = ("sum", "samples", "active_tokens", "advantage_tokens", "per_sequence_mean")
+REDUCTIONS = ("sum", "samples", "active_tokens", "advantage_tokens", "per_sequence_mean", "squared_tokens")
 FAULTS = ("503", "429", "drop", "hang")
 IGNORE = -100
 PYTRIO_KEY = "trio-test-key"
@@ -125,30 +132,33 @@ def server_loss(
     """The normalised objective and the per-datum learner logprobs (0 where the target is ignored)."""
     lo = float(config.get("clip_low_threshold", 0.8))
     hi = float(config.get("clip_high_threshold", 1.2))
-    per_seq: list[tuple[float, int]] = []
+    per_seq: list[tuple[float, float]] = []
     outputs: list[list[float]] = []
+    skyrl = reduction == "per_sequence_mean"
     for d in data:
         lps = [learner_lp(t) if t != IGNORE else 0.0 for t in d.targets]
         outputs.append(lps)
-        total, active = 0.0, 0
+        total, active = 0.0, 0.0
         for j, t in enumerate(d.targets):
             if t == IGNORE:
                 continue
+            w = d.weights[j] if d.weights is not None else 1.0
             if loss_fn == "cross_entropy":
-                w = d.weights[j] if d.weights is not None else 1.0
                 total += -w * lps[j]
-                active += w != 0.0
+                active += w if skyrl else float(w != 0.0)
                 continue
             assert d.logprobs is not None and d.advantages is not None
             a = d.advantages[j]
             r = math.exp(lps[j] - d.logprobs[j])
             if loss_fn == "ppo":
-                total += -min(r * a, min(max(r, lo), hi) * a)
+                token = -min(r * a, min(max(r, lo), hi) * a)
             elif loss_fn == "importance_sampling":
-                total += -r * a
+                token = -r * a
             else:
                 raise ValueError(f"stub: unsupported loss {loss_fn}")
-            active += 1
+            # SkyRL's loss mask multiplies RL losses too; the other reductions follow Tinker's docs.
+            total += w * token if skyrl else token
+            active += w if skyrl else 1.0
         per_seq.append((total, active))
     raw = sum(t for t, _ in per_seq)
     if reduction == "sum":
@@ -160,7 +170,9 @@ def server_loss(
     elif reduction == "advantage_tokens":
         loss = raw / max(totals.advantage_tokens, 1)
     elif reduction == "per_sequence_mean":
-        loss = sum(t / max(n, 1) for t, n in per_seq) / max(len(per_seq), 1)
+        loss = sum(t / max(n, 1e-9) for t, n in per_seq) / max(len(per_seq), 1)
+    elif reduction == "squared_tokens":
+        loss = raw / max(totals.active_tokens, 1) ** 2
     else:
         raise ValueError(f"stub: unknown reduction {reduction}")
     return loss, outputs
@@ -812,3 +824,194 @@ class TinkerStub(StubServer):
             if self.sample_logprobs:
                 seq.logprobs = np.asarray([learner_lp(t) for t in toks], dtype=np.float32).tobytes()
         return 200, "application/x-protobuf", out.SerializeToString()
+
+
+# -- SkyRL's Tinker API server ----------------------------------------------------------------------
+
+GRAD_DIM = 4
+
+
+def token_feature(token: int) -> list[float]:
+    """The SkyRL stub's gradient model: d learner_lp(t) / d theta for a target token ``t``."""
+    return [math.cos(token), math.sin(token), math.cos(2.0 * token + 1.0), (token % 5) / 5.0]
+
+
+def dloss_dlp(loss_fn: str, lp: float, old: float, adv: float, config: dict[str, float]) -> float:
+    """d(per-token loss)/d(learner logprob), unweighted: CE ``-lp``; IS ``-r A``; PPO the clipped min."""
+    if loss_fn == "cross_entropy":
+        return -1.0
+    r = math.exp(lp - old)
+    if loss_fn == "importance_sampling":
+        return -r * adv
+    if loss_fn == "ppo":
+        lo, hi = float(config.get("clip_low_threshold", 0.8)), float(config.get("clip_high_threshold", 1.2))
+        # -min(rA, clip(r)A): the unclipped branch (gradient -rA) when it is the smaller, else a constant.
+        return -r * adv if r * adv <= min(max(r, lo), hi) * adv else 0.0
+    raise ValueError(f"stub: unsupported loss {loss_fn}")
+
+
+class SkyrlStub(TinkerStub):
+    """SkyRL 0.4.0's Tinker API server (``skyrl/tinker/api.py``, ``skyrl/backends/jax.py``, read from the
+    wheel and checked against the real server on this machine), as far as the adapter meets it:
+
+    - Reduction: per sequence ``sum(w * l) / max(sum(w), 1e-9)`` (``loss_mask`` = the datum's ``weights``,
+      all ones when none are sent), summed over the call's sequences; the gradients accumulate with a
+      count of sequences, and ``optim_step`` applies ``grad_sum / count`` and reports its norm as
+      ``skyrl.ai/grad_norm`` (``AccumulatedGradients.get_mean``). ``sequence_power=2`` divides by the
+      weight sum squared instead: a reduction the adapter cannot know.
+    - The forward pass reports ``metrics == {}`` (no ``loss:sum``); each datum's output carries
+      ``logprobs`` and ``elementwise_loss``.
+    - The gradient is real arithmetic on a model of four parameters: ``d learner_lp(t) / d theta =
+      token_feature(t)``; ``grads`` keeps every applied mean gradient per model.
+    - Model ids are the server's (``model_<hex>``); ``create_model`` beyond ``max_adapters`` live models
+      fails its future with 400 ``Maximum number of LoRA adapters (N) reached``.
+    - ``load_weights`` requires ``model_id`` (422 otherwise: what tinker 0.38's
+      ``create_training_client_from_state_with_optimizer`` gets) and must be a model's first request
+      (400 ``LoadWeights is not permitted with seq_id N``).
+    - ``POST /api/v1/unload_model`` frees a model; ``/api/v1/sessions/{id}/finish`` is a 404.
+    """
+
+    def __init__(
+        self, *, max_adapters: int = 8, sequence_power: int = 1, model_name: str = "Qwen/Qwen3-4B"
+    ) -> None:
+        super().__init__(
+            "per_sequence_mean", model_name=model_name, client_config={"pjwt_auth_enabled": False}
+        )
+        self.max_adapters = max_adapters
+        self.sequence_power = sequence_power
+        self.live: list[str] = []
+        self.unloaded: list[str] = []
+        self.model_requests: Counter[str] = Counter()
+        self.accumulated: dict[str, tuple[list[float], int]] = {}
+        self.grads: defaultdict[str, list[list[float]]] = defaultdict(list)
+        self.loaded: dict[str, str] = {}  # model_id -> checkpoint path it was loaded from
+
+    def handle(self, method: str, path: str, headers: dict[str, str], body: bytes) -> Response:
+        route = urlsplit(path).path
+        if route == "/api/v1/forward_backward":
+            return super().handle(method, path, headers, body)
+        data = json.loads(body) if body else {}
+        if route.endswith("/finish"):
+            self.record(method, route, headers, data)
+            return json_response({"detail": "Not Found"}, 404)
+        if route == "/api/v1/create_model":
+            self.record(method, route, headers, data)
+            with self._lock:
+                self._n += 1
+                model_id = f"model_{self._n:08x}"
+                if len(self.live) >= self.max_adapters:
+                    error = f"Maximum number of LoRA adapters ({self.max_adapters}) reached"
+                    return self._future(json_response({"detail": error}, 400), model_id)
+                self.live.append(model_id)
+            self.models[model_id] = {"base_model": data["base_model"], "lora": data.get("lora_config")}
+            return self._future(json_response({"model_id": model_id, "type": "create_model"}), model_id)
+        if route == "/api/v1/unload_model":
+            self.record(method, route, headers, data)
+            model_id = data["model_id"]
+            if model_id not in self.models:
+                return json_response({"detail": "Model not found"}, 404)
+            with self._lock:
+                if model_id in self.live:
+                    self.live.remove(model_id)
+                    self.unloaded.append(model_id)
+            return json_response({"request_id": "unload", "model_id": model_id})
+        if route == "/api/v1/load_weights":
+            self.record(method, route, headers, data)
+            if "model_id" not in data:
+                detail = [{"type": "missing", "loc": ["body", "model_id"], "msg": "Field required"}]
+                return json_response({"detail": detail}, 422)
+            model_id = data["model_id"]
+            if self.model_requests[model_id]:
+                seq = data.get("seq_id") or self.model_requests[model_id] + 1
+                return json_response({"detail": f"LoadWeights is not permitted with seq_id {seq}"}, 400)
+            self.model_requests[model_id] += 1
+            if data["path"] not in self.checkpoints:
+                return self._future(json_response({"detail": f"checkpoint {data['path']} not found"}, 400))
+            self.loaded[model_id] = data["path"]
+            return self._future(
+                json_response({"type": "load_weights", "path": None, "model_id": None}), model_id
+            )
+        if route == "/api/v1/optim_step":
+            self.record(method, route, headers, data)
+            model_id = data["model_id"]
+            self.model_requests[model_id] += 1
+            lr = float((data.get("adam_params") or {}).get("learning_rate", 0.0))
+            return self._once(
+                "optim_step", f"{model_id}:{data.get('seq_id')}", lambda: self._optim(model_id, lr)
+            )
+        if route in ("/api/v1/save_weights", "/api/v1/save_weights_for_sampler"):
+            self.model_requests[data["model_id"]] += 1
+        return super().handle(method, path, headers, body)
+
+    def _optim(self, model_id: str, lr: float) -> Response:
+        with self._lock:
+            grad_sum, count = self.accumulated.pop(model_id, ([0.0] * GRAD_DIM, 0))
+        mean = [g / max(count, 1) for g in grad_sum]
+        self.grads[model_id].append(mean)
+        norm = math.sqrt(sum(g * g for g in mean))
+        return self._future(
+            json_response({"metrics": {"skyrl.ai/grad_norm": norm, "skyrl.ai/learning_rate": lr}})
+        )
+
+    def _apply_forward(self, msg: Any) -> Response:
+        import numpy as np
+        from tinker.proto import tinker_public_pb2 as pb
+
+        self.model_requests[msg.model_id] += 1
+
+        def tensor(t: Any) -> list[float]:
+            dtype = np.float32 if t.dtype == pb.DTYPE_FLOAT32 else np.int64
+            return np.frombuffer(t.dense, dtype=dtype).tolist()
+
+        config = {k: v.number for k, v in msg.loss_fn_config_v2.items()}
+        data, outputs, losses = [], [], []
+        grad = [0.0] * GRAD_DIM
+        for d in msg.data:
+            tokens = [
+                t for c in d.model_input for t in np.frombuffer(c.encoded_text.tokens, np.int32).tolist()
+            ]
+            inputs = {k: tensor(v) for k, v in d.loss_fn_inputs.items()}
+            targets = [int(t) for t in inputs["target_tokens"]]
+            mask = inputs.get("weights") or [1.0] * len(targets)
+            old, adv = inputs.get("logprobs"), inputs.get("advantages")
+            data.append(LossDatum(tokens, targets, inputs.get("weights"), old, adv))
+            lps = [learner_lp(t) for t in targets]
+            denominator = max(sum(mask), 1e-9) ** self.sequence_power
+            elementwise = []
+            for j, t in enumerate(targets):
+                o = old[j] if old else 0.0
+                a = adv[j] if adv else 0.0
+                if msg.loss_fn == "cross_entropy":
+                    token = -lps[j]
+                elif msg.loss_fn == "importance_sampling":
+                    token = -math.exp(lps[j] - o) * a
+                else:
+                    lo = float(config.get("clip_low_threshold", 0.8))
+                    hi = float(config.get("clip_high_threshold", 1.2))
+                    r = math.exp(lps[j] - o)
+                    token = -min(r * a, min(max(r, lo), hi) * a)
+                elementwise.append(mask[j] * token)
+                if not msg.forward_only and mask[j] != 0:
+                    slope = mask[j] * dloss_dlp(msg.loss_fn, lps[j], o, a, config) / denominator
+                    grad = [g + slope * f for g, f in zip(grad, token_feature(t), strict=True)]
+            outputs.append(lps)
+            losses.append(elementwise)
+        if not msg.forward_only:
+            with self._lock:
+                grad_sum, count = self.accumulated.get(msg.model_id, ([0.0] * GRAD_DIM, 0))
+                self.accumulated[msg.model_id] = (
+                    [a + b for a, b in zip(grad_sum, grad, strict=True)],
+                    count + len(msg.data),
+                )
+        totals = count_totals(data, msg.loss_fn)
+        self.calls.append(SentCall(msg.loss_fn, msg.forward_only, data, config, totals, math.nan))
+        out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")  # metrics: none, as SkyRL's
+        record = out.loss_fn_outputs.add()
+        record.num_datums = len(outputs)
+        for name, values in (("logprobs", outputs), ("elementwise_loss", losses)):
+            offsets = np.cumsum([0] + [4 * len(v) for v in values]).astype(np.int64)
+            field_ = record.fields[name]
+            field_.data = np.asarray([x for v in values for x in v], dtype=np.float32).tobytes()
+            field_.offsets = offsets.tobytes()
+            field_.dtype = pb.DTYPE_FLOAT32
+        return self._future((200, "application/x-protobuf", out.SerializeToString()), msg.model_id)

@@ -287,7 +287,12 @@ def test_only_the_loss_inputs_the_services_know_are_sent(remote: Remote) -> None
     else:
         msgs = remote.stub.bodies("/api/v1/forward_backward")
         keys = [set(d.loss_fn_inputs) for m in msgs for d in m.data]
-        assert keys == [{"target_tokens", "logprobs", "advantages"}] * 2 + [{"target_tokens", "weights"}]
+        # RL datums carry an explicit 0/1 weight mask: no service can count their prompt tokens.
+        assert keys == [{"target_tokens", "logprobs", "advantages", "weights"}] * 2 + [
+            {"target_tokens", "weights"}
+        ]
+        masks = [d.weights for d in remote.calls()[0].data]
+        assert masks == [[0.0 if w == 0 else 1.0 for w in d.weights] for d in _datums()]
 
 
 def test_cross_entropy_sends_scaled_weights(remote: Remote) -> None:
@@ -731,7 +736,10 @@ def test_self_check_refuses_an_unknown_normalisation(
     kind: str, home: Path, tok_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     set_key(monkeypatch, kind)
-    with make_stub(kind, "per_sequence_mean") as stub:
+    # PyTRIO's SDK drops RL weights, so the adapter cannot know a per-sequence service's weight sums;
+    # the Tinker adapter can (test_backends_skyrl), and is shown a normalisation nobody knows.
+    unknown = "per_sequence_mean" if kind == "pytrio" else "squared_tokens"
+    with make_stub(kind, unknown) as stub:
         client = make_training_client(make_cfg(kind, tok_dir, base_url=stub.url))
         with pytest.raises(ReductionCheckError, match="matches none of the known normalisations"):
             asyncio.run(client.check_reduction_async("importance_sampling"))

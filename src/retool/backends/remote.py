@@ -16,14 +16,22 @@ How our ``Datum`` maps onto the services' loss inputs:
   weight is folded into the advantage: ``A' = w * A``. For ``w >= 0`` this is exact for both losses
   (``-min(r wA, clip(r) wA) = -w min(rA, clip(r) A)``); negative weights are refused.
   Positions with ``w = 0`` get advantage 0 (Tinker) and additionally target ``-100`` (PyTRIO, which
-  counts every target that is not ``-100`` as an active token).
+  counts every target that is not ``-100`` as an active token). Adapters with ``rl_weights`` (Tinker)
+  also send explicit ``weights``: a 0/1 mask, 0 on prompt and observation tokens, so a service that
+  counts weights (SkyRL divides each datum's loss by the sum of its weights, all ones when none are
+  sent) never counts those tokens; a service that ignores them (Tinker documents none for RL losses,
+  ``retool serve`` drops them) sees the same loss as before, the advantages being 0 there.
 - ``cross_entropy`` sends ``weights`` directly.
 - PPO thresholds go to ``loss_fn_config`` as ``clip_low_threshold`` / ``clip_high_threshold`` (ratios).
 - Only these keys are sent: the real SDKs forward any other key to the service without checking it.
 - Every advantage / CE weight is multiplied by the denominator the service divides by (see
   ``retool.backends.reduction``), so the gradient the loop gets is the one its weights describe (the mean
   over trained datums) whatever the service does with the sum. The adapter starts from the SDK's
-  documented or assumed mode and adopts the one the startup self-check measures.
+  documented or assumed mode and adopts the one the startup self-check measures. Under a per-sequence
+  mean (``sequence_mean``) each datum gets its own factor (its weight sum times the step's datum count),
+  which holds only if the whole optimizer step is one ``forward_backward`` call: the adapter then says
+  ``one_call_per_step`` (``retool.train.step.train_step`` reads it) and refuses a second call before
+  ``optim_step``.
 
 Metrics (loss, ratio stats, clip fraction) are computed client-side from the per-token learner logprobs
 the service returns (``loss_fn_outputs[i]["logprobs"]``), with the same loss code as the local backend;
@@ -85,8 +93,11 @@ from retool.backends.reduction import (
     LossProbe,
     ReductionMode,
     ReductionReport,
+    UnweightableLossError,
     WireDatum,
     batch_totals,
+    datum_scales,
+    sequence_mean,
     verify_reduction,
 )
 from retool.backends.types import (
@@ -301,6 +312,13 @@ def _to_list(value: Any) -> list[float]:
     return list(value)
 
 
+def grad_norm_of(response: object) -> float:
+    """The gradient norm an ``optim_step`` answer reports (``grad_norm:mean``, SkyRL's
+    ``skyrl.ai/grad_norm``, ...), NaN when it reports none."""
+    metrics = dict(getattr(response, "metrics", None) or {})
+    return next((float(v) for k, v in metrics.items() if "grad_norm" in k), math.nan)
+
+
 def normalize_stop_reason(reason: object) -> str:
     text = str(getattr(reason, "value", reason) or "").lower()
     return "length" if ("length" in text or "max" in text) else "stop"
@@ -421,6 +439,7 @@ class RemoteTrainingClient(TrainingClient):
 
     sdk_name = ""
     mask_targets = False  # PyTRIO: target -100 where the weight is 0
+    rl_weights = False  # send a 0/1 weight mask with RL datums (and so can adopt ``sequence_mean``)
     default_reduction: ReductionMode = "sum"
     server_loss_key = ""  # the service's name for the (normalised) loss in ``ForwardBackwardOutput.metrics``
     # The retry guard's idempotency declarations (``retool.backends.guarded``): no request id this layer
@@ -459,6 +478,7 @@ class RemoteTrainingClient(TrainingClient):
             raise ValueError(f"unknown reduction {mode!r}; use one of {', '.join(REDUCTION_MODES)}")
         self._default_mode: ReductionMode = mode
         self._modes: dict[str, ReductionMode] = {}
+        self._window = 0  # datums sent by forward_backward since the last optim_step
         if tokenizer is not None:
             self.tokenizer = tokenizer
 
@@ -617,9 +637,24 @@ class RemoteTrainingClient(TrainingClient):
         self.reduction_verified = True
         return reports
 
-    def reduction_scale(self, totals: BatchTotals, loss_fn: str) -> float:
-        """Factor applied to advantages / CE weights so the service's reduction yields the loop's sum."""
-        return float(max(totals.denominator(self.reduction_for(loss_fn)), 1))
+    @property
+    def one_call_per_step(self) -> bool:
+        """True when an optimizer step must be one ``forward_backward`` call: under ``sequence_mean`` the
+        service divides the step's gradient by the number of datums it accumulated, which each datum's
+        scale must know when it is sent."""
+        return "sequence_mean" in (self._default_mode, *self._modes.values())
+
+    def reduction_scales(self, wire: Sequence[WireDatum], totals: BatchTotals, loss_fn: str) -> list[float]:
+        """Factor per datum applied to advantages / CE weights so the service's reduction yields the loop's
+        sum (``retool.backends.reduction.datum_scales``)."""
+        mode = self.reduction_for(loss_fn)
+        if mode == "sequence_mean" and loss_fn == "cross_entropy":
+            raise UnweightableLossError(
+                f"{self.sdk_name}: the service reduces the loss per sequence, where a cross-entropy datum's "
+                "weights cancel: its gradient cannot be weighted back to the loop's sum. Train an RL loss "
+                "on this service, or cross-entropy on the local backend"
+            )
+        return datum_scales(wire, totals, mode)
 
     # -- conversion ----------------------------------------------------------------------------
     def to_wire(self, d: Datum, loss_fn: str) -> WireDatum:
@@ -636,12 +671,14 @@ class RemoteTrainingClient(TrainingClient):
             raise ValueError(f"{self.sdk_name}: negative datum weights cannot be folded into advantages")
         adv = [float(a) * float(wi) if wi != 0 else 0.0 for a, wi in zip(d.advantages, w, strict=True)]
         lps = [float(x) if wi != 0 else 0.0 for x, wi in zip(d.logprobs, w, strict=True)]
-        return WireDatum(inputs, targets, logprobs=lps, advantages=adv)
+        mask = [1.0 if wi != 0 else 0.0 for wi in w] if self.rl_weights else None
+        return WireDatum(inputs, targets, weights=mask, logprobs=lps, advantages=adv)
 
     def to_sdk_datum(self, w: WireDatum, scale: float) -> Any:
         inputs: dict[str, object] = {"target_tokens": self.tensor(w.targets, "int64")}
-        if w.weights is not None:
-            inputs["weights"] = self.tensor([x * scale for x in w.weights], "float32")
+        rl = w.logprobs is not None and w.advantages is not None
+        if w.weights is not None:  # CE weights carry the scale; an RL mask stays 0/1
+            inputs["weights"] = self.tensor([x if rl else x * scale for x in w.weights], "float32")
         if w.logprobs is not None and w.advantages is not None:
             inputs["logprobs"] = self.tensor(w.logprobs, "float32")
             inputs["advantages"] = self.tensor([a * scale for a in w.advantages], "float32")
@@ -721,8 +758,10 @@ class RemoteTrainingClient(TrainingClient):
         forward_only: bool,
         scale: float | None = None,
         pending: PendingCall | None = None,
-    ) -> tuple[Any, BatchTotals, float]:
-        """Send one forward(-backward) call; ``scale`` overrides the reduction scale (the probe sends 1)."""
+        client: Any = None,
+    ) -> tuple[Any, list[WireDatum], BatchTotals, list[float]]:
+        """Send one forward(-backward) call; ``scale`` overrides the reduction scale (the probe sends 1);
+        ``client`` another SDK training client than the adapter's (the gradient check's scratch model)."""
         self._validate(datums, loss_fn)
         lo, hi = clip_thresholds(loss_config)
         if tis_cap(loss_config) > 0:
@@ -734,20 +773,20 @@ class RemoteTrainingClient(TrainingClient):
             )
         wire = [self.to_wire(d, loss_fn) for d in datums]
         totals = batch_totals(wire, loss_fn)
-        if scale is None:
-            scale = self.reduction_scale(totals, loss_fn)
-        data = [self.to_sdk_datum(w, scale) for w in wire]
+        scales = [scale] * len(wire) if scale is not None else self.reduction_scales(wire, totals, loss_fn)
+        data = [self.to_sdk_datum(w, s) for w, s in zip(wire, scales, strict=True)]
         kwargs: dict[str, object] = {"loss_fn": loss_fn}
         if loss_fn == "ppo":
             kwargs["loss_fn_config"] = {"clip_low_threshold": lo, "clip_high_threshold": hi}
         self.prepare_training_call()
-        client = self.sdk_client
+        if client is None:
+            client = self.sdk_client
+            self.started = True
         call = client.forward if forward_only else client.forward_backward
-        self.started = True
         future = call(data, **kwargs)
         if pending is not None:
             pending.hold(future)
-        return resolve(future, expect="loss_fn_outputs"), totals, scale
+        return resolve(future, expect="loss_fn_outputs"), wire, totals, scales
 
     def prepare_training_call(self) -> None:
         """Hook run before every forward pass (PyTRIO makes sure the SDK has our tokenizer)."""
@@ -759,13 +798,21 @@ class RemoteTrainingClient(TrainingClient):
         loss_fn: str,
         loss_config: dict[str, float] | None,
     ) -> ForwardBackwardResult:
-        output, _totals, scale = self._submit(
+        if self.reduction_for(loss_fn) == "sequence_mean" and self._window:
+            raise RuntimeError(
+                f"{self.sdk_name}: a second forward_backward ({len(datums)} datums) before optim_step, after "
+                f"{self._window} datums: the service reduces per sequence and divides the step's gradient by "
+                "the number of datums it accumulated, which the first call's weights could not know. Send "
+                "the whole optimizer step in one call (retool's train_step does, by one_call_per_step)"
+            )
+        output, _wire, _totals, scales = self._submit(
             datums, loss_fn, loss_config, forward_only=False, pending=pending
         )
+        self._window += len(datums)
         server = self._server_metrics(output)
         learner = self._learner_logprobs(output, len(datums))
         result = self._metrics(datums, loss_fn, loss_config, learner, server)
-        result.extra["reduction_scale"] = scale
+        result.extra["reduction_scale"] = sum(scales) / len(scales)
         return result
 
     async def forward_backward_async(
@@ -785,16 +832,59 @@ class RemoteTrainingClient(TrainingClient):
     ) -> LossProbe:
         """A forward pass (no gradient) with unscaled weights: the service's loss and ours, for the
         reduction self-check."""
-        output, totals, _ = self._submit(datums, loss_fn, loss_config, forward_only=True, scale=1.0)
+        output, wire, totals, _ = self._submit(datums, loss_fn, loss_config, forward_only=True, scale=1.0)
         learner = self._learner_logprobs(output, len(datums))
-        server = self._server_metrics(output).get(f"server/{self.server_loss_key}")
-        if learner is None or server is None:
+        metrics = self._server_metrics(output)
+        if learner is None:
             raise RuntimeError(
-                f"{self.sdk_name}: the forward pass returned no per-datum logprobs or no "
-                f"{self.server_loss_key!r} metric; cannot tell how the service normalises the loss"
+                f"{self.sdk_name}: the forward pass returned no per-datum logprobs (metrics: "
+                f"{sorted(metrics) or 'none'}); cannot tell how the service normalises the loss"
             )
-        local = self._metrics(datums, loss_fn, loss_config, learner, {}).loss
-        return LossProbe(local, server, totals, learner)
+        server = metrics.get(f"server/{self.server_loss_key}")
+        per_datum = [
+            self._metrics([d], loss_fn, loss_config, [lps], {}).loss
+            for d, lps in zip(datums, learner, strict=True)
+        ]
+        # Only an adapter that sends RL weights knows the per-datum weight sums a per-sequence service
+        # divides by (PyTRIO's SDK drops them), so only it may adopt ``sequence_mean``.
+        sequence = sequence_mean(per_datum, wire) if self.rl_weights else None
+        return LossProbe(sum(per_datum), server, totals, learner, sequence)
+
+    def scratch_sdk_client(self) -> Any:
+        """Hook: a new SDK training client (a LoRA model of its own) for the gradient check, or
+        ``NotImplementedError`` where the adapter cannot make one."""
+        raise NotImplementedError
+
+    def release_sdk_client(self, client: Any) -> None:
+        """Hook: free a model made by ``scratch_sdk_client`` (best effort)."""
+
+    def probe_gradient_norms(
+        self, forward: Datum, build: Callable[[list[float]], list[list[Datum]]], loss_fn: str
+    ) -> list[float]:
+        """The gradient check's measurements (``retool.backends.reduction.verify_by_gradients``), on a
+        scratch model: the adapter's own model and optimizer state are never touched."""
+        try:
+            scratch = self.scratch_sdk_client()
+        except NotImplementedError:
+            raise RuntimeError(
+                f"{self.sdk_name}: the service reports no loss metric and this adapter cannot create a scratch "
+                "model to measure gradients on; cannot tell how the service normalises the loss"
+            ) from None
+        try:
+            output, *_ = self._submit(
+                [forward], "cross_entropy", None, forward_only=True, scale=1.0, client=scratch
+            )
+            learner = self._learner_logprobs(output, 1)
+            if learner is None:
+                raise RuntimeError(f"{self.sdk_name}: the scratch model's forward pass returned no logprobs")
+            adam = build_model(self._type("AdamParams"), self.sdk_label, learning_rate=0.0, weight_decay=0.0)
+            norms = []
+            for batch in build(learner[0]):
+                self._submit(batch, loss_fn, None, forward_only=False, scale=1.0, client=scratch)
+                norms.append(grad_norm_of(resolve(scratch.optim_step(adam), expect="metrics")))
+            return norms
+        finally:
+            self.release_sdk_client(scratch)
 
     def _optim_step_sync(self, pending: PendingCall, adam: AdamParams) -> OptimStepResult:
         params = build_model(
@@ -809,10 +899,9 @@ class RemoteTrainingClient(TrainingClient):
         )
         self.started = True
         response = resolve(pending.hold(self.sdk_client.optim_step(params)), expect="metrics")
-        metrics = dict(getattr(response, "metrics", None) or {})
-        grad_norm = next((float(v) for k, v in metrics.items() if "grad_norm" in k), math.nan)
+        self._window = 0
         self.step += 1
-        return OptimStepResult(grad_norm=grad_norm, lr=adam.lr)
+        return OptimStepResult(grad_norm=grad_norm_of(response), lr=adam.lr)
 
     async def optim_step_async(self, adam: AdamParams) -> OptimStepResult:
         return await self.call_sdk("optim_step", self._optim_step_sync, adam, idempotent=False)

@@ -54,7 +54,27 @@ Faults: what the SDK does, and so what the adapter guarantees (see ``retool.back
 
 Reduction: Tinker documents a SUM over tokens and datums with no normalisation (its loss metric is
 ``loss:sum``), the local backend's semantics, so weights are folded into advantages unscaled; the startup
-self-check confirms it on the live service. Masked positions get advantage 0 (and CE weight 0).
+self-check confirms it on the live service. Masked positions get advantage 0 (and CE weight 0), and RL
+datums carry an explicit 0/1 ``weights`` mask (``rl_weights``). A server whose forward pass reports no
+loss metric (SkyRL) is checked by gradient norms on a scratch LoRA model (``scratch_sdk_client``), which
+is unloaded afterwards.
+
+Self-hosted Tinker-API servers (SkyRL 0.4.0's ``skyrl.tinker.api``, read from its code and run here):
+
+- Resume: ``create_training_client_from_state_with_optimizer`` sends ``LoadWeightsRequest`` without
+  ``model_id`` (tinker 0.38 lets the server derive it from ``session_id`` / ``model_seq_id``); SkyRL
+  requires ``model_id`` and answers 422. SkyRL does accept ``load_weights`` as a model's first request,
+  so on a 422 the adapter creates a fresh LoRA model with the run's settings and loads the checkpoint
+  into it (``TrainingClient.load_state_with_optimizer``, deprecated in the SDK but still sent as the same
+  ``LoadWeightsRequest``, now with ``model_id``). If that fails too, the error names the SDK, the server
+  and what each attempt answered.
+- Close: tinker 0.38 has no call that releases a model, and SkyRL has no ``/sessions/{id}/finish``
+  (404), so a finished client's LoRA adapter would stay allocated until SkyRL's stale-session cleanup
+  (``--session-timeout-sec``, 300 s by default) and the next clients would get ``400 Maximum number of
+  LoRA adapters (N) reached``. SkyRL (and the Tinker API it copies) has ``POST /api/v1/unload_model``;
+  closing sends it for every model this adapter created, through the SDK's own HTTP client (its
+  credentials and base URL), and a 404 there (a server without it) is logged, not raised. A 404 on the
+  session finish is a warning naming the missing endpoint; closing never fails a run.
 """
 
 from __future__ import annotations
@@ -62,6 +82,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
+import warnings
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -77,7 +98,7 @@ from retool.backends.remote import (
     resolve,
     sdk_label,
 )
-from retool.retry import Failure
+from retool.retry import Failure, status_code_of
 
 if TYPE_CHECKING:
     from retool.config import Config
@@ -86,6 +107,7 @@ logger = logging.getLogger(__name__)
 
 # How long closing waits for the service to finish the session (the SDK retries a gone service for long).
 CLOSE_TIMEOUT_S = 10.0
+UNLOAD_ROUTE = "/api/v1/unload_model"
 
 
 def credential_problem() -> str | None:
@@ -109,12 +131,25 @@ def credential_problem() -> str | None:
 class TinkerTrainingClient(RemoteTrainingClient):
     sdk_name = "tinker"
     mask_targets = False
+    rl_weights = True
     default_reduction: ReductionMode = "sum"
     server_loss_key = "loss:sum"
 
-    def __init__(self, sdk: ModuleType, training_client: Any, *, service: Any = None, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        sdk: ModuleType,
+        training_client: Any,
+        *,
+        service: Any = None,
+        lora_request: dict[str, str | int | bool] | None = None,
+        base_url: str | None = None,
+        **kwargs: Any,
+    ) -> None:
         super().__init__(sdk, training_client, **kwargs)
         self._service = service
+        self._lora_request = lora_request  # what a fresh model for a resume (or the gradient check) takes
+        self._base_url = base_url
+        self._created: list[Any] = []  # SDK training clients whose models closing unloads
 
     @classmethod
     def from_config(cls, config: Config, sdk: ModuleType | None = None) -> TinkerTrainingClient:
@@ -127,18 +162,79 @@ class TinkerTrainingClient(RemoteTrainingClient):
         request = cls.lora_request(config)
         # Checked now, not at the deferred creation: a setting this SDK cannot take fails before any work.
         check_sdk_kwargs(service.create_lora_training_client, sdk_label(sdk), **request)
-        return cls(
+        adapter: TinkerTrainingClient
+
+        def create() -> Any:
+            client = resolve(service.create_lora_training_client(**request), expect="forward_backward")
+            adapter._created.append(client)
+            return client
+
+        adapter = cls(
             sdk,
-            lambda: service.create_lora_training_client(**request),
+            create,
             service=service,
+            lora_request=request,
+            base_url=base_url,
             base_model=config.model.name,
             tokenizer=local_tokenizer(config.model.name),
             max_context=config.model.max_context,
         )
+        return adapter
+
+    @property
+    def server_label(self) -> str:
+        return f"the server at {self._base_url or os.environ.get('TINKER_BASE_URL') or 'the default URL'}"
+
+    # -- releasing models ------------------------------------------------------------------------
+    def _unload(self, client: Any) -> None:
+        """``POST /api/v1/unload_model`` for ``client``'s model through the SDK's own HTTP client (best
+        effort: the SDK has no call for it; see the module docstring)."""
+        model_id = getattr(client, "model_id", None)
+        holder = getattr(client, "holder", None)
+        if model_id is None or holder is None:
+            return
+        try:
+            from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+        except ImportError:  # another SDK layout: no way to reach the route
+            return
+
+        async def post() -> object:
+            with holder.aclient(ClientConnectionPoolType.TRAIN) as http:
+                return await http.post(
+                    UNLOAD_ROUTE, body={"model_id": model_id, "type": "unload_model"}, cast_to=object
+                )
+
+        try:
+            holder.run_coroutine_threadsafe(post()).result(timeout=CLOSE_TIMEOUT_S)
+            logger.info("tinker: unloaded model %s on %s", model_id, self.server_label)
+        except Exception as exc:  # releasing is best effort: the service frees idle models itself
+            if status_code_of(exc) == 404:
+                logger.info(
+                    "tinker: %s has no %s; model %s stays until it expires",
+                    self.server_label,
+                    UNLOAD_ROUTE,
+                    model_id,
+                )
+            else:
+                logger.warning("tinker: unloading model %s failed: %s", model_id, exc)
+
+    def scratch_sdk_client(self) -> Any:
+        if self._service is None or self._lora_request is None:
+            raise NotImplementedError
+        return resolve(
+            self._service.create_lora_training_client(**self._lora_request), expect="forward_backward"
+        )
+
+    def release_sdk_client(self, client: Any) -> None:
+        self._unload(client)
 
     async def close_async(self) -> None:
-        """Finish the Tinker session: the SDK otherwise heartbeats it from a background thread until the
-        process exits. Bounded, since a service that is gone would be retried for a long time."""
+        """Unload this adapter's models where the server offers it, then finish the Tinker session: the
+        SDK otherwise heartbeats it from a background thread until the process exits. Bounded, since a
+        service that is gone would be retried for a long time; never raises."""
+        created, self._created = self._created, []
+        for client in created:
+            await asyncio.to_thread(self._unload, client)
         service, self._service = self._service, None
         if service is None or not hasattr(service, "close"):
             return
@@ -146,7 +242,14 @@ class TinkerTrainingClient(RemoteTrainingClient):
         try:
             await asyncio.wait_for(future, timeout=CLOSE_TIMEOUT_S)
         except Exception as exc:  # closing is best effort: the run's results are already saved
-            logger.warning("tinker: finishing the session failed: %s", exc)
+            if status_code_of(exc) == 404:
+                logger.warning(
+                    "tinker: %s has no session-finish endpoint (404 on /api/v1/sessions/<id>/finish); the "
+                    "session ends when its heartbeats stop",
+                    self.server_label,
+                )
+            else:
+                logger.warning("tinker: finishing the session failed: %s", exc)
 
     def sdk_outcome(self, exc: BaseException) -> tuple[Failure, str] | None:
         """See the module docstring (Faults); names, not imports, since the SDK is optional."""
@@ -168,8 +271,70 @@ class TinkerTrainingClient(RemoteTrainingClient):
             )
         if self._client is not None:
             logger.warning("tinker: replacing the current training client by one loaded from %s", path)
-        future = pending.hold(self._service.create_training_client_from_state_with_optimizer(path))
-        self._client = resolve(future, expect="forward_backward")
+        try:
+            future = pending.hold(self._service.create_training_client_from_state_with_optimizer(path))
+            client = resolve(future, expect="forward_backward")
+        except Exception as exc:
+            if status_code_of(exc) != 422:
+                raise
+            client = self._load_into_new_model(pending, path, exc)
+        self._created.append(client)
+        self._client = client
         self._factory = None
         self.started = False
         logger.info("tinker: training client %s loaded from %s", getattr(self._client, "model_id", "?"), path)
+
+    def _load_into_new_model(self, pending: PendingCall, path: str, refused: Exception) -> Any:
+        """The resume a server accepts when it refuses ``create_training_client_from_state_with_optimizer``
+        (422: SkyRL requires the ``model_id`` that call leaves out): a fresh model with the run's LoRA
+        settings, and the checkpoint loaded as its first request."""
+        if self._lora_request is None:
+            raise refused
+        logger.warning(
+            "tinker: %s refused create_training_client_from_state_with_optimizer (422: %s); loading %s into "
+            "a new model instead",
+            self.server_label,
+            _short(refused),
+            path,
+        )
+        client = None
+        try:
+            client = resolve(
+                self._service.create_lora_training_client(**self._lora_request), expect="load_state"
+            )
+            with (
+                warnings.catch_warnings()
+            ):  # the SDK deprecates load_state*; it is the call this server takes
+                warnings.simplefilter("ignore", FutureWarning)
+                resolve(pending.hold(client.load_state_with_optimizer(path)))
+        except Exception as exc:
+            if client is not None:
+                self._unload(client)
+            raise BackendUnavailableError(
+                f"{self.sdk_label}: {self.server_label} cannot resume from {path}: "
+                f"create_training_client_from_state_with_optimizer was refused ({_short(refused)}) and "
+                f"loading the checkpoint into a new model failed too ({type(exc).__name__}: {_short(exc)}). "
+                f"Server version: {self._server_version()}. Use an SDK and server that agree on "
+                "LoadWeightsRequest, or start the run afresh"
+            ) from exc
+        return client
+
+    def _server_version(self) -> str:
+        """What the server says about its version, for error messages (Tinker-API servers mostly say
+        nothing: SkyRL's healthz answers ``{"status": "ok"}``)."""
+        if not self._base_url:
+            return "not known (no backend.base_url)"
+        try:
+            import httpx  # deferred: only for this message
+
+            answer = httpx.get(f"{self._base_url.rstrip('/')}/api/v1/healthz", timeout=5)
+            body = answer.text.strip()[:200]
+            server = answer.headers.get("server", "?")
+        except Exception as exc:  # the message must still come out
+            return f"not known ({type(exc).__name__} on /api/v1/healthz)"
+        return f"not reported (/api/v1/healthz answers {body!r}, server header {server!r})"
+
+
+def _short(exc: BaseException, limit: int = 300) -> str:
+    text = str(exc)
+    return text if len(text) <= limit else text[:limit] + "..."

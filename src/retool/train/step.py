@@ -265,12 +265,17 @@ async def train_step(
 ) -> TrainStepResult:
     """``forward_backward`` on every micro-batch, then exactly one ``optim_step`` (none without datums).
 
-    ``datums`` must already carry their reduction weights (``build_step_data``).
+    ``datums`` must already carry their reduction weights (``build_step_data``). A client that says
+    ``one_call_per_step`` (a remote service whose reduction divides the step's gradient by the datums it
+    accumulated, ``retool.backends.reduction``) gets the whole step in one call; the service batches it.
     """
     start = time.perf_counter()
     if not datums:
         return TrainStepResult(0, 0, False, None, seconds=time.perf_counter() - start)
-    batches = pack_micro_batches(datums, micro_batch_tokens)
+    if getattr(client, "one_call_per_step", False):  # read through a guard's attribute forwarding
+        batches = [list(range(len(datums)))]
+    else:
+        batches = pack_micro_batches(datums, micro_batch_tokens)
     results: list[ForwardBackwardResult] = []
     padded = 0
     for batch in batches:
