@@ -194,7 +194,9 @@ class TinkerTrainingClient(RemoteTrainingClient):
         if model_id is None or holder is None:
             return
         try:
-            from tinker.lib.client_connection_pool_type import ClientConnectionPoolType
+            from tinker.lib.client_connection_pool_type import (
+                ClientConnectionPoolType,
+            )  # deferred: tinker is optional
         except ImportError:  # another SDK layout: no way to reach the route
             return
 
