@@ -396,7 +396,7 @@ def _logprob_agreement(client: Any, engine: Any, name: str, prompts: list[list[i
     redone = getattr(engine, "resampled", None)
     print(
         f"\n{name} vs trainer logprobs on {len(diffs)} sampled tokens: mean |diff| "
-        f"{sum(diffs) / len(diffs):.4f}, median {diffs[len(diffs) // 2]:.4f}, max {diffs[-1]:.4f} nats"
+        f"{sum(diffs) / len(diffs):.3g}, median {diffs[len(diffs) // 2]:.3g}, max {diffs[-1]:.3g} nats"
         + (f" ({redone} requests redone unstreamed)" if redone is not None else "")
     )
 
