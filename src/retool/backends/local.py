@@ -822,6 +822,10 @@ class LocalTrainingClient(TrainingClient):
         w = torch.zeros(shape, dtype=torch.float32)
         old = torch.zeros(shape, dtype=torch.float32)
         adv = torch.zeros(shape, dtype=torch.float32)
+        ratio_mask: torch.Tensor | None = None
+        if any(datums[i].ratio_mask for i in rows):
+            # A row without a mask of its own averages over its trained positions (the loss's default).
+            ratio_mask = torch.zeros(shape, dtype=torch.float32)
         for r, i in enumerate(rows):
             d = datums[i]
             n = len(d)
@@ -833,7 +837,13 @@ class LocalTrainingClient(TrainingClient):
                 old[r, :n] = torch.tensor(d.logprobs, dtype=torch.float32)
             if d.advantages:
                 adv[r, :n] = torch.tensor(d.advantages, dtype=torch.float32)
+            if ratio_mask is not None:
+                ratio_mask[r, :n] = (
+                    torch.tensor(d.ratio_mask, dtype=torch.float32) if d.ratio_mask else w[r, :n]
+                )
         out = {"ids": ids, "tgt": tgt, "mask": mask, "w": w, "old": old, "adv": adv}
+        if ratio_mask is not None:
+            out["ratio_mask"] = ratio_mask
         return {k: v.to(self.device) for k, v in out.items()}
 
     def target_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -857,7 +867,7 @@ class LocalTrainingClient(TrainingClient):
             t = self._micro_batch_tensors(datums, rows)
             with torch.set_grad_enabled(backward):
                 lp = self.target_logprobs(t["ids"], t["mask"], t["tgt"])
-                tl = token_loss(loss_fn, lp, t["w"], t["old"], t["adv"], loss_config)
+                tl = token_loss(loss_fn, lp, t["w"], t["old"], t["adv"], loss_config, t.get("ratio_mask"))
                 if backward:
                     tl.loss.sum().backward()
             sel = tally.add(tl)

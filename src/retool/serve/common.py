@@ -54,7 +54,8 @@ def build_datum(
     loss_fn: str,
     scale: float,
 ) -> Datum:
-    """One local ``Datum`` from a wire datum (``arrays``: weights, logprobs, advantages; any may be None)."""
+    """One local ``Datum`` from a wire datum (``arrays``: weights, logprobs, advantages and gspo's
+    sequence_ratio_mask; any may be None)."""
     n = len(tokens)
     if len(targets) != n:
         raise ServeError(400, "invalid_request", f"datum {k}: {len(targets)} targets for {n} input tokens")
@@ -63,6 +64,15 @@ def build_datum(
     advantages = _floats(arrays.get("advantages"), n, "advantages", k)
     if loss_fn != "cross_entropy" and (logprobs is None or advantages is None):
         raise ServeError(400, "invalid_request", f"datum {k}: loss {loss_fn!r} needs logprobs and advantages")
+    ratio_mask = _floats(arrays.get("sequence_ratio_mask"), n, "sequence_ratio_mask", k)
+    if loss_fn == "gspo" and (ratio_mask is None or not any(ratio_mask)):
+        # Tinker's sequence ratio is a mean over the positions this mask marks; without it the prompt's
+        # padded sampler logprobs (0) would enter the mean.
+        raise ServeError(
+            400,
+            "invalid_request",
+            f"datum {k}: gspo needs sequence_ratio_mask marking (non-zero) the sampled tokens",
+        )
     base = weights if (loss_fn == "cross_entropy" and weights is not None) else [1.0] * n
     w = [0.0 if t == IGNORE else b * scale for t, b in zip(targets, base, strict=True)]
     return Datum(
@@ -71,6 +81,7 @@ def build_datum(
         logprobs=logprobs or [],
         advantages=advantages or [],
         weights=w,
+        ratio_mask=ratio_mask or [],
     )
 
 

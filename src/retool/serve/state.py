@@ -12,9 +12,18 @@
   every request is checked against.
 
 Loss semantics (what the APIs expose): per-token losses are the local backend's (``retool.backends.losses``:
-cross_entropy, importance_sampling, ppo with ratio thresholds). Tinker's reduction is the documented sum;
-PyTRIO's is the sum divided by the batch's active-token count the SDK sends (``total_active_tokens``), one of
-the denominators ``retool.backends.reduction`` recognises. The wire layers turn that into per-token weights.
+cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce). Tinker's reduction is the
+documented sum; PyTRIO's is the sum divided by the batch's active-token count the SDK sends
+(``total_active_tokens``; for dro the advantage-token count, which the SDK counts as "dro's denominator"),
+one of the denominators ``retool.backends.reduction`` recognises. The wire layers turn that into per-token
+weights. ``custom``: the SDKs' client-side custom losses (``forward_backward_custom``) arrive as a forward and
+a cross_entropy backward and just work; Tinker's server-side custom loss graphs are refused with a 400.
+
+Stability info (``stable_reinforce``): a Tinker sample request with ``record_stability_info`` records, per
+returned ``sequence_id``, its prompt, sampled tokens and the sampler's logprobs (``StabilityRecords``:
+session-scoped, kept a day after last use, bounded in count). A training datum names them through its
+provenance spans; the server checks each span's tokens against the record and trains the sampled positions
+against the *recorded* logprobs.
 """
 
 from __future__ import annotations
@@ -22,7 +31,9 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +58,15 @@ if TYPE_CHECKING:  # deferred: backends.local imports torch; only its types are 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SUPPORTED_LOSSES: tuple[LossName, ...] = ("cross_entropy", "importance_sampling", "ppo")
+SUPPORTED_LOSSES: tuple[LossName, ...] = (
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "stable_reinforce",
+)
 
 
 class ServeError(Exception):
@@ -120,6 +139,54 @@ class TrainingRun:
             await self.queue.get_nowait()()
 
 
+@dataclass(frozen=True)
+class StabilityRecord:
+    """What one sampled sequence's provenance refers to (see the module docstring)."""
+
+    session: str | None
+    prompt: tuple[int, ...]
+    tokens: tuple[int, ...]
+    logprobs: tuple[float, ...]
+
+
+class StabilityRecords:
+    """Recorded sequences by ``sequence_id``: a day after their last use, at most ``capacity`` of them
+    (the oldest go first; a datum naming a forgotten one gets a 400 that says so)."""
+
+    def __init__(self, capacity: int = 1 << 16, ttl_seconds: float = 86_400.0) -> None:
+        self.capacity, self.ttl = capacity, ttl_seconds
+        self._items: collections.OrderedDict[str, tuple[float, StabilityRecord]] = collections.OrderedDict()
+
+    def add(self, sequence_id: str, record: StabilityRecord) -> None:
+        self._items[sequence_id] = (time.monotonic(), record)
+        self._items.move_to_end(sequence_id)
+        while len(self._items) > self.capacity:
+            self._items.popitem(last=False)
+
+    def get(self, sequence_id: str, session: str | None) -> StabilityRecord:
+        known = self._items.get(sequence_id)
+        now = time.monotonic()
+        if known is None or now - known[0] > self.ttl:
+            self._items.pop(sequence_id, None)
+            raise ServeError(
+                400,
+                "unknown_sequence",
+                f"sequence_id {sequence_id!r} has no recorded stability info on this server (sample with "
+                "record_stability_info=True; records last a day after their last use)",
+            )
+        record = known[1]
+        if record.session != session:
+            raise ServeError(
+                400, "unknown_sequence", f"sequence_id {sequence_id!r} was sampled in another session"
+            )
+        self._items[sequence_id] = (now, record)  # each use restarts its day
+        self._items.move_to_end(sequence_id)
+        return record
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class ServeState:
     """Models, runs, samplers and storage of one server (see the module docstring)."""
 
@@ -147,6 +214,7 @@ class ServeState:
         self.ephemeral_size = 16
         self._build_lock = threading.Lock()
         self.sampler_cache_size = 8
+        self.stability = StabilityRecords()
 
     # -- models ----------------------------------------------------------------------------------
     @staticmethod
@@ -470,6 +538,14 @@ def check_loss(loss_fn: str) -> LossName:
     for known in SUPPORTED_LOSSES:
         if loss_fn == known:
             return known
+    if loss_fn == "custom":
+        raise ServeError(
+            400,
+            "unsupported_loss",
+            "loss_fn 'custom' (a loss graph uploaded with create_custom_loss, run on the server) is not "
+            "supported by retool serve; pass a Python callable to forward_backward_custom instead, which the "
+            "SDK computes client-side through forward. Supported: " + ", ".join(SUPPORTED_LOSSES),
+        )
     raise ServeError(
         400,
         "unsupported_loss",
@@ -477,23 +553,49 @@ def check_loss(loss_fn: str) -> LossName:
     )
 
 
+# The SDKs' loss config names (Tinker's documented ones; PyTRIO uses the same) -> the local backend's.
+_CONFIG_NAMES = {
+    "clip_low_threshold": "clip_low",
+    "clip_high_threshold": "clip_high",
+    "beta": "beta",
+    "kl_coeff": "kl_coeff",
+    "ratio_cap": "ratio_cap",  # retool's own (stable_reinforce's importance-weight cap)
+}
+
+
 def loss_config(loss_fn: str, given: Mapping[str, object] | None) -> dict[str, float]:
-    """The SDKs' loss config (``clip_low_threshold`` / ``clip_high_threshold``) in the local backend's names."""
-    names = {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"}
+    """The SDKs' loss config in the local backend's names, checked against what ``loss_fn`` reads, with
+    Tinker's documented clip thresholds (0.8 / 1.2) where a clipped loss was given none."""
+    from retool.backends.losses import LOSS_CONFIG_KEYS  # deferred: losses imports torch
+
     out: dict[str, float] = {}
+    reads = {k for k, v in _CONFIG_NAMES.items() if v in LOSS_CONFIG_KEYS[loss_fn]}
+    # cross_entropy and importance_sampling take no config, but clients that send one config for every
+    # loss pass PPO's thresholds to them too: accepted and ignored, as before these losses had configs.
+    no_config = loss_fn in ("cross_entropy", "importance_sampling")
+    ignored = {"clip_low_threshold", "clip_high_threshold"} if no_config else set()
+    reads -= ignored
     for key, value in (given or {}).items():
-        if key not in names:
+        if key in ignored and isinstance(value, int | float):
+            continue
+        if key not in reads:
             raise ServeError(
-                400, "invalid_loss_config", f"loss config key {key!r} unknown; known: {sorted(names)}"
+                400,
+                "invalid_loss_config",
+                f"loss config key {key!r} is not read by {loss_fn}; it reads: {sorted(reads) or 'nothing'}",
             )
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a number")
-        out[names[key]] = float(value)
-    if loss_fn == "cross_entropy":
-        return {}
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a finite number")
+        out[_CONFIG_NAMES[key]] = float(value)
+    if loss_fn in ("ppo", "cispo", "gspo"):
+        out = {"clip_low": 0.8, "clip_high": 1.2, **out}
+        if not 0.0 <= out["clip_low"] <= 1.0 <= out["clip_high"]:
+            raise ServeError(
+                400,
+                "invalid_loss_config",
+                f"clip thresholds must satisfy 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got "
+                f"{out['clip_low']}, {out['clip_high']}",
+            )
+    if any(out.get(k, 0.0) < 0 for k in ("beta", "kl_coeff")) or out.get("ratio_cap", 1.0) <= 0:
+        raise ServeError(400, "invalid_loss_config", "beta and kl_coeff must be >= 0, ratio_cap > 0")
     return out
-
-
-def ppo_defaults(cfg: dict[str, float]) -> dict[str, float]:
-    """Tinker's documented PPO defaults (0.8 / 1.2) where a client gave no thresholds."""
-    return {"clip_low": 0.8, "clip_high": 1.2, **cfg}

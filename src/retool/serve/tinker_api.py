@@ -30,11 +30,18 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from retool.backends.base import SamplingClient
-from retool.backends.types import AdamParams, Sample
+from retool.backends.types import AdamParams, Datum, Sample
 from retool.jsonl import JsonObject, JsonValue
 from retool.serve.common import build_datum, read_json_object, sampling_params
 from retool.serve.pytrio_api import as_json
-from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config, ppo_defaults
+from retool.serve.state import (
+    ServeError,
+    ServeState,
+    StabilityRecord,
+    TrainingRun,
+    check_loss,
+    loss_config,
+)
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
 
 SCHEME = "tinker"
@@ -120,6 +127,8 @@ class TinkerApi:
         self.by_seq: dict[str, str] = {}  # "<model_id>:<seq_id>" -> future id
         # sampling session id -> (checkpoint path, base model, sampler when held in memory)
         self.sampling_sessions: dict[str, tuple[str | None, str, SamplingClient | None]] = {}
+        # sampling session id -> the Tinker session that made it (stability records are session-scoped)
+        self.sampler_sessions: dict[str, str | None] = {}
         self.router = APIRouter(prefix="/api/v1")
         self._routes()
 
@@ -300,19 +309,36 @@ class TinkerApi:
             ) from None
         run = self.state.run(msg.model_id)
         loss_fn = check_loss(msg.loss_fn)
-        raw_cfg = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config.items())
-        cfg = loss_config(loss_fn, raw_cfg)
-        cfg = ppo_defaults(cfg) if loss_fn == "ppo" else cfg
+        raw_cfg: dict[str, object] = {}
+        for key, value in msg.loss_fn_config_v2.items():
+            if value.WhichOneof("value") != "number":
+                raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a number")
+            raw_cfg[key] = value.number
+        cfg = loss_config(loss_fn, raw_cfg or dict(msg.loss_fn_config.items()))
+        run_session = run.session
         datums = []
         for k, d in enumerate(msg.data):
             inputs: dict[str, list[float]] = {name: _tensor(pb, t) for name, t in d.loss_fn_inputs.items()}
-            unknown = set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"}
+            unknown = set(inputs) - {
+                "target_tokens",
+                "weights",
+                "logprobs",
+                "advantages",
+                "sequence_ratio_mask",
+            }
             if unknown or "target_tokens" not in inputs:
                 raise ServeError(
-                    400, "invalid_request", f"datum {k}: loss_fn_inputs {sorted(inputs)}; need target_tokens"
+                    400,
+                    "invalid_request",
+                    f"datum {k}: loss_fn_inputs {sorted(inputs)}; need target_tokens, and only weights, "
+                    "logprobs, advantages and sequence_ratio_mask besides",
                 )
             targets = [int(t) for t in inputs.pop("target_tokens")]
-            datums.append(build_datum(k, _chunk_tokens(d.model_input), targets, inputs, loss_fn, 1.0))
+            tokens = _chunk_tokens(d.model_input)
+            datum = build_datum(k, tokens, targets, inputs, loss_fn, 1.0)
+            if loss_fn == "stable_reinforce":
+                datum = self._with_stability_info(pb, k, d, datum, run_session)
+            datums.append(datum)
         self.state.check_datums(run.model, datums)
         backward = not msg.forward_only
 
@@ -321,6 +347,60 @@ class TinkerApi:
             return _forward_output(pb, result.loss, result.token_logprobs or [])
 
         return self._ordered(run, msg.seq_id, "forward", call)
+
+    def _with_stability_info(
+        self, pb: ModuleType, k: int, wire: Any, datum: Datum, session: str | None
+    ) -> Datum:
+        """The datum with its sampled positions' logprobs replaced by the recorded ones and every other
+        position's weight set to 0, after checking that its provenance tiles it and names recorded
+        tokens (see ``retool.serve.state``)."""
+        if not len(wire.loss_fn_input_spans):
+            raise ServeError(
+                400,
+                "missing_provenance",
+                f"datum {k}: stable_reinforce needs provenance (Datum.with_provenance naming the sampled "
+                "sequence_ids) on every datum",
+            )
+        n = len(datum)
+        for field_name, length in (("model_input_spans", n), ("loss_fn_input_spans", n)):
+            total = sum(_span(s)[3] for s in getattr(wire, field_name))
+            if total != length:
+                raise ServeError(
+                    400,
+                    "invalid_provenance",
+                    f"datum {k}: {field_name} cover {total} positions, not {length}",
+                )
+        logprobs = [0.0] * n
+        weights = [0.0] * n
+        pos = 0
+        for span in wire.loss_fn_input_spans:
+            kind, seq_id, offset, length = _span(span)
+            record = self.state.stability.get(seq_id, session)
+            source = record.tokens if kind == "sampled_tokens" else record.prompt
+            if offset + length > len(source):
+                raise ServeError(
+                    400,
+                    "invalid_provenance",
+                    f"datum {k}: span [{offset}, {offset + length}) of {seq_id}'s {kind} runs past its "
+                    f"{len(source)} tokens",
+                )
+            if list(source[offset : offset + length]) != datum.target_tokens[pos : pos + length]:
+                raise ServeError(
+                    400,
+                    "invalid_provenance",
+                    f"datum {k}: target tokens {pos}..{pos + length - 1} are not {seq_id}'s recorded {kind}",
+                )
+            if kind == "sampled_tokens":  # only sampled tokens have stability info; prompt ones are context
+                logprobs[pos : pos + length] = record.logprobs[offset : offset + length]
+                weights[pos : pos + length] = datum.weights[pos : pos + length]
+            pos += length
+        return Datum(
+            datum.input_tokens,
+            datum.target_tokens,
+            logprobs=logprobs,
+            advantages=datum.advantages,
+            weights=weights,
+        )
 
     async def optim_step(self, request: Request) -> Response:
         data = await read_json_object(request)
@@ -383,6 +463,7 @@ class TinkerApi:
             client = await self.state.client(run)
             sid = new_id("samp")
             self.sampling_sessions[sid] = (None, run.model.name, await client.frozen_sampling_client_async())
+            self.sampler_sessions[sid] = run.session
             return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
 
         return self._ordered(run, data.get("seq_id"), "save_weights_for_sampler", snapshot)
@@ -418,6 +499,7 @@ class TinkerApi:
             base = self.state.model(self._field(data, "base_model", str)).name
         sid = new_id("samp")
         self.sampling_sessions[sid] = (path, base, None)
+        self.sampler_sessions[sid] = self._field(data, "session_id", str, None)
         return as_json({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def get_sampler(self, sampler_id: str) -> Response:
@@ -459,10 +541,18 @@ class TinkerApi:
             served = self.state.model(base)
         self.state.check_sample(served, prompt, n, params)
 
-        async def call() -> list[Sample]:
-            return await self.state.sample(sampler, prompt, n, params)
-
         ids = [new_id("seq") for _ in range(n)]
+        record = bool(data.get("record_stability_info"))
+        session = self.sampler_sessions.get(sid) if sid is not None else None
+
+        async def call() -> list[Sample]:
+            samples = await self.state.sample(sampler, prompt, n, params)
+            if record:
+                for seq_id, s in zip(ids, samples, strict=True):
+                    info = StabilityRecord(session, tuple(prompt), tuple(s.tokens), tuple(s.logprobs))
+                    self.state.stability.add(seq_id, info)
+            return samples
+
         return self._future("sample", call(), None, sample_sequence_ids=ids)
 
     async def retrieve_future(self, request: Request) -> Response:
@@ -487,6 +577,19 @@ class TinkerApi:
         if isinstance(result, bytes):
             return Response(result, media_type=PROTO)
         return as_json(result)
+
+
+def _span(span: Any) -> tuple[str, str, int, int]:
+    """``(kind, sequence_id, offset, length)`` of a ``ProvenanceSpan`` protobuf."""
+    kind = span.WhichOneof("span")
+    if kind not in ("prompt_tokens", "sampled_tokens"):
+        raise ServeError(400, "invalid_provenance", "a provenance span is neither prompt nor sampled tokens")
+    body = getattr(span, kind)
+    if body.offset < 0 or body.length < 0 or not body.sequence_id:
+        raise ServeError(
+            400, "invalid_provenance", "provenance spans need a sequence_id, offset >= 0, length >= 0"
+        )
+    return kind, str(body.sequence_id), int(body.offset), int(body.length)
 
 
 def _forward_output(pb: ModuleType, loss: float, logprobs: list[list[float]]) -> bytes:
