@@ -101,3 +101,20 @@ def test_local_backend_loss_and_gradient_match_the_formula(
     assert len(got) == len(want) > 0
     for g, e in zip(got, want, strict=True):
         torch.testing.assert_close(g, e.to(g.dtype), rtol=1e-3, atol=1e-6)
+
+
+def test_retool_train_config_selects_every_local_loss_and_keeps_them_off_remote_backends() -> None:
+    from retool.config import ConfigError, load_config
+    from retool.train.loop import _loss_config
+
+    expected = {
+        "cispo": {"clip_low": 0.8, "clip_high": 1.28},
+        "gspo": {"clip_low": 0.8, "clip_high": 1.28},
+        "dro": {"beta": 0.25},
+        "stable_reinforce": {"kl_coeff": 0.1, "ratio_cap": 2.0},
+    }
+    for name, want in expected.items():
+        cfg = load_config("tiny", [f"loss.name={name}", "loss.beta=0.25", "loss.kl_coeff=0.1"])
+        assert _loss_config(cfg) == want
+    with pytest.raises(ConfigError, match="local backend only"):
+        load_config("tiny", ["loss.name=dro", "backend.kind=tinker"])
