@@ -292,3 +292,102 @@ def test_pytrio_cispo_and_dro_report_the_formula_over_the_sdk_denominator(
     with_adv = sum(1 for a in advs for x in a if x != 0)
     want = total / (with_adv if loss_fn == "dro" else active)
     assert out.metrics["loss_sum"] == pytest.approx(want, rel=1e-4, abs=1e-5)
+
+
+# -- prompt logprobs (distillation and KL recipes) -------------------------------------------------------
+
+
+def _trained_tinker(client: tinker.ServiceClient, model: Path) -> tuple[Any, list[int]]:
+    """A LoRA trainer one step away from its init (so a sampler on the base would score differently)."""
+    trainer, prompt, seqs = _sampled(client, model)
+    data = [
+        _tinker_datum(prompt, s, a, d, "ppo", provenance=False)[0]
+        for s, a, d in zip(seqs, [1.0, -0.5], SHIFTS, strict=True)
+    ]
+    trainer.forward_backward(data, "importance_sampling")
+    trainer.optim_step(ttypes.AdamParams(learning_rate=5e-2)).result()
+    return trainer, [5, 9, 17, 3, 28, 11, 40]
+
+
+def _trainer_prompt_logprobs(trainer: Any, prompt: list[int], sdk: Any) -> list[float]:
+    inputs: dict[str, Any] = {"target_tokens": np.asarray(prompt[1:], dtype=np.int64)}
+    if sdk is ptypes:
+        inputs = {k: ptypes.TensorData.from_numpy(v) for k, v in inputs.items()}
+    datum = sdk.Datum(model_input=sdk.ModelInput.from_ints(prompt[:-1]), loss_fn_inputs=inputs)
+    out = trainer.forward([datum], "cross_entropy").result().loss_fn_outputs[0]["logprobs"]
+    return [float(x) for x in np.asarray(out.to_numpy() if hasattr(out, "to_numpy") else out.tolist())]
+
+
+def test_tinker_prompt_logprobs_topk_and_targets_match_the_trainers_forward(
+    tinker_client: tinker.ServiceClient, tiny_model_dir: Path
+) -> None:
+    trainer, prompt = _trained_tinker(tinker_client, tiny_model_dir)
+    want = _trainer_prompt_logprobs(trainer, prompt, ttypes)
+    sampler = trainer.save_weights_and_get_sampling_client().result()
+    one = ttypes.SamplingParams(max_tokens=1, temperature=0.0)
+    got = sampler.sample(
+        prompt=ttypes.ModelInput.from_ints(prompt), num_samples=1, sampling_params=one,
+        include_prompt_logprobs=True, topk_prompt_logprobs=3,
+    ).result()  # fmt: skip
+    assert got.prompt_logprobs is not None and got.prompt_logprobs[0] is None
+    np.testing.assert_allclose(got.prompt_logprobs[1:], want, atol=2e-4)
+    topk = got.topk_prompt_logprobs
+    assert topk is not None and topk[0] is None and all(r is not None and len(r) == 3 for r in topk[1:])
+    for i, row in enumerate(topk[1:], start=1):
+        values = [lp for _, lp in row]
+        assert values == sorted(values, reverse=True)
+        assert values[0] >= want[i - 1] - 2e-4  # the best candidate is at least as likely as the prompt token
+        if prompt[i] in [t for t, _ in row]:
+            assert dict(row)[prompt[i]] == pytest.approx(want[i - 1], abs=2e-4)
+    # target_prompt_logprobs: row i - 1 scores position i; -1 asks nothing and gets 0.0
+    ids = np.full((len(prompt) - 1, 2), -1, dtype=np.int64)
+    ids[:, 0] = prompt[1:]
+    ids[2, 1] = topk[3][1][0]  # position 3's second candidate
+    for target in (
+        ttypes.TensorData.from_numpy(ids),
+        ttypes.TensorData.from_torch_sparse(torch.from_numpy(ids), pad_value=-1),
+    ):
+        res = sampler.sample(
+            prompt=ttypes.ModelInput.from_ints(prompt), num_samples=1, sampling_params=one,
+            target_prompt_logprobs=target, prompt_logprobs_last_n=None,
+        ).result()  # fmt: skip
+        assert res.target_prompt_logprobs is not None
+        dense = (
+            res.target_prompt_logprobs.to_torch().numpy()
+            if target.sparse_crow_indices is None
+            else (res.target_prompt_logprobs.to_torch().to_dense().numpy())
+        )
+        np.testing.assert_allclose(dense[:, 0], want, atol=2e-4)
+        assert dense[2, 1] == pytest.approx(topk[3][1][1], abs=1e-5)
+        assert dense[0, 1] == 0.0
+    last = sampler.sample(
+        prompt=ttypes.ModelInput.from_ints(prompt), num_samples=1, sampling_params=one,
+        include_prompt_logprobs=True, prompt_logprobs_last_n=2,
+    ).result()  # fmt: skip
+    assert last.prompt_logprobs is not None
+    assert last.prompt_logprobs[:-2] == [None] * (len(prompt) - 2)
+    np.testing.assert_allclose(last.prompt_logprobs[-2:], want[-2:], atol=2e-4)
+    assert sampler.compute_logprobs(ttypes.ModelInput.from_ints(prompt)).result()[1:] == pytest.approx(
+        want, abs=2e-4
+    )
+
+
+def test_pytrio_prompt_logprobs_match_the_trainers_forward(
+    server: ServeProcess, tiny_model_dir: Path, sdk_env: Path
+) -> None:
+    pytrio.configure(base_url=server.url, api_key="local", home=os.environ["HOME"])
+    service = pytrio.ServiceClient(api_key="local")
+    trainer = service.create_lora_training_client(base_model=str(tiny_model_dir), rank=4, seed=5)
+    prompt = [5, 9, 17, 3, 28, 11, 40]
+    want = _trainer_prompt_logprobs(trainer, prompt, ptypes)
+    sampler = trainer.save_weights_and_get_sampling_client()
+    got = sampler.sample(
+        ptypes.ModelInput.from_ints(prompt), num_samples=1,
+        sampling_params=ptypes.SamplingParams(max_tokens=1), include_prompt_logprobs=True, topk_prompt_logprobs=2,
+    ).result()  # fmt: skip
+    assert got.prompt_logprobs[0] is None
+    np.testing.assert_allclose(got.prompt_logprobs[1:], want, atol=2e-4)
+    assert got.topk_prompt_logprobs[0] is None and all(len(r) == 2 for r in got.topk_prompt_logprobs[1:])
+    assert sampler.compute_logprobs(ptypes.ModelInput.from_ints(prompt)).result()[1:] == pytest.approx(
+        want, abs=2e-4
+    )

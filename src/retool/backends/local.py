@@ -433,6 +433,29 @@ class LocalSamplingClient(SamplingClient):
             queue.deliveries.add(task)
             task.add_done_callback(queue.deliveries.discard)
 
+    def _scoring_model(self) -> Any:
+        """The module this sampler's weights live in (a frozen copy, or the trainer's current weights)."""
+        return self._owner.sampling_model()
+
+    async def prompt_logprobs_async(self, prompt_tokens: Sequence[int]) -> torch.Tensor:
+        """The log-softmax of the next-token distribution after every prefix ``prompt[:i+1]``, ``i < n-1``:
+        a float32 ``[len(prompt) - 1, vocab]`` tensor on the CPU (row ``i`` scores prompt position ``i+1``).
+        It runs on the thread this sampler generates on, so it sees the weights its samples do."""
+        prompt = [int(t) for t in prompt_tokens]
+        if len(prompt) < 2:
+            return torch.zeros((0, 0))
+        self._owner._check_tokens(prompt, "prompt")
+
+        def score() -> torch.Tensor:
+            model = self._scoring_model()
+            model.eval()  # as generation runs it (training sets train() again before each pass)
+            ids = torch.tensor([prompt[:-1]], device=self._owner.device)
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+            return torch.log_softmax(logits, dim=-1).cpu()
+
+        return await asyncio.get_running_loop().run_in_executor(self._worker, score)
+
     def _start_batch(self, requests: list[GenRequest]) -> Awaitable[list[Sample]]:
         """Start generating one gathered batch; its samples, in order, when awaited."""
         if self._engine is not None:
@@ -486,6 +509,9 @@ class FrozenSamplingClient(LocalSamplingClient):
         self._worker = worker
         self.model = model
         self.policy_step = step
+
+    def _scoring_model(self) -> Any:
+        return self.model
 
 
 class LocalTrainingClient(TrainingClient):

@@ -36,7 +36,7 @@ from pydantic import BaseModel, ValidationError
 
 from retool.backends.types import AdamParams
 from retool.jsonl import JsonObject
-from retool.serve.common import build_datum, read_json_object, sampling_params
+from retool.serve.common import build_datum, prompt_request, read_json_object, sampling_params, score_prompt
 from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
 
@@ -476,7 +476,11 @@ class PytrioApi:
         params = sampling_params(body.sampling_params)
         sampler, served = await self.state.sampler(model_path, base_model)
         self.state.check_sample(served, prompt, body.num_samples, params)
+        asked = prompt_request(len(prompt), body.return_prompt_logprobs, body.topk_prompt_logprobs)
         samples = await self.state.sample(sampler, prompt, body.num_samples, params)
+        scored = None
+        if asked.wanted:
+            scored = score_prompt(await self.state.prompt_scores(sampler, prompt), prompt, asked)
         tokenizer = getattr(sampler, "tokenizer", None)
         sequences = [
             {
@@ -491,6 +495,13 @@ class PytrioApi:
             "input_tokens": len(prompt) * body.num_samples,
             "output_tokens": sum(len(s.tokens) for s in samples),
         }
-        return as_json(
-            {"request_id": body.request_id, "sampling_run": srid, "sequences": sequences, "usage": usage}
-        )
+        answer: dict[str, object] = {
+            "request_id": body.request_id,
+            "sampling_run": srid,
+            "sequences": sequences,
+            "usage": usage,
+        }
+        if scored is not None:
+            answer["prompt_logprobs"] = scored.logprobs
+            answer["topk_prompt_logprobs"] = scored.topk
+        return as_json(answer)

@@ -53,6 +53,8 @@ from retool.config import Config
 from retool.serve.storage import CheckpointMeta, LoraRequest, Storage, StorageError, new_id
 
 if TYPE_CHECKING:  # deferred: backends.local imports torch; only its types are named here
+    import torch
+
     from retool.backends.local import LocalLoraSpec, LocalTrainingClient
 
 logger = logging.getLogger(__name__)
@@ -484,6 +486,17 @@ class ServeState:
             raise ServeError(400, "invalid_request", "temperature must be >= 0 and top_p in (0, 1]")
         stop_ids = [s for s in params.stop if isinstance(s, int)]
         check_token_ids(stop_ids, served.vocab_size, "stop token ids")
+
+    async def prompt_scores(self, sampler: SamplingClient, prompt: list[int]) -> torch.Tensor:
+        """The sampler's next-token log-softmax after each prompt prefix (``retool.serve.common``)."""
+        score = getattr(sampler, "prompt_logprobs_async", None)
+        if score is None:
+            raise ServeError(400, "unsupported", "this model's sampler cannot score prompts")
+        try:
+            scores: torch.Tensor = await score(prompt)
+        except ValueError as exc:
+            raise ServeError(400, "invalid_request", str(exc)) from None
+        return scores
 
     async def sample(
         self, sampler: SamplingClient, prompt: list[int], num_samples: int, params: SamplingParams

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -32,7 +35,14 @@ from fastapi import APIRouter, Request, Response
 from retool.backends.base import SamplingClient
 from retool.backends.types import AdamParams, Datum, Sample
 from retool.jsonl import JsonObject, JsonValue
-from retool.serve.common import build_datum, read_json_object, sampling_params
+from retool.serve.common import (
+    PromptScores,
+    build_datum,
+    prompt_request,
+    read_json_object,
+    sampling_params,
+    score_prompt,
+)
 from retool.serve.pytrio_api import as_json
 from retool.serve.state import (
     ServeError,
@@ -512,13 +522,12 @@ class TinkerApi:
 
     async def asample(self, request: Request) -> Response:
         data = await read_json_object(request)
-        if (
-            data.get("prompt_logprobs")
-            or data.get("topk_prompt_logprobs")
-            or data.get("topk_sample_logprobs")
-        ):
+        if data.get("topk_sample_logprobs") or data.get("prompt_alt_tokens_k"):
             raise ServeError(
-                400, "unsupported", "prompt logprobs and top-k logprobs are not supported by retool serve"
+                400,
+                "unsupported",
+                "topk_sample_logprobs and prompt_alt_tokens_k are not supported by retool serve (prompt "
+                "logprobs, top-k prompt logprobs and target_prompt_logprobs are)",
             )
         sid = self._field(data, "sampling_session_id", str, None)
         if sid is not None:
@@ -540,18 +549,31 @@ class TinkerApi:
         else:
             served = self.state.model(base)
         self.state.check_sample(served, prompt, n, params)
+        target = _target_cells(data.get("target_prompt_logprobs"), len(prompt))
+        asked = prompt_request(
+            len(prompt),
+            data.get("prompt_logprobs"),
+            data.get("topk_prompt_logprobs", 0),
+            data.get("prompt_logprobs_last_n"),
+            None if target is None else target[0],
+            None if target is None else target[1],
+            served.vocab_size,
+        )
 
         ids = [new_id("seq") for _ in range(n)]
         record = bool(data.get("record_stability_info"))
         session = self.sampler_sessions.get(sid) if sid is not None else None
 
-        async def call() -> list[Sample]:
+        async def call() -> _Sampled:
             samples = await self.state.sample(sampler, prompt, n, params)
             if record:
                 for seq_id, s in zip(ids, samples, strict=True):
                     info = StabilityRecord(session, tuple(prompt), tuple(s.tokens), tuple(s.logprobs))
                     self.state.stability.add(seq_id, info)
-            return samples
+            scored = None
+            if asked.wanted:
+                scored = score_prompt(await self.state.prompt_scores(sampler, prompt), prompt, asked)
+            return _Sampled(samples, scored, None if target is None else target[2])
 
         return self._future("sample", call(), None, sample_sequence_ids=ids)
 
@@ -572,7 +594,7 @@ class TinkerApi:
             message = exc.message if isinstance(exc, ServeError) else f"{type(exc).__name__}: {exc}"
             return as_json({"error": message, "category": "user" if user else "server"})
         result = future.result()
-        if kind == "sample" and isinstance(result, list):
+        if kind == "sample" and isinstance(result, _Sampled):
             return _sample_response(result, PROTO in request.headers.get("accept", ""))
         if isinstance(result, bytes):
             return Response(result, media_type=PROTO)
@@ -604,10 +626,86 @@ def _forward_output(pb: ModuleType, loss: float, logprobs: list[list[float]]) ->
     return bytes(out.SerializeToString())
 
 
-def _sample_response(samples: list[Sample], proto: bool) -> Response:
+@dataclass
+class _Sampled:
+    """A finished sample request: its samples and what it asked about its prompt."""
+
+    samples: list[Sample]
+    prompt: PromptScores | None
+    target_layout: _TargetLayout | None
+
+
+@dataclass(frozen=True)
+class _TargetLayout:
+    """How ``target_prompt_logprobs`` was laid out, so the answer comes back the same way."""
+
+    shape: list[int]
+    crow: list[int] | None = None
+    col: list[int] | None = None
+
+
+def _target_cells(raw: object, n_prompt: int) -> tuple[list[int], list[int], _TargetLayout] | None:
+    """``target_prompt_logprobs`` (an int64 ``[len(prompt) - 1, K]`` tensor, dense or CSR) as flat ids, the
+    prompt row each one is scored at, and its layout; ``None`` when not asked."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("dtype") != "int64":
+        raise ServeError(400, "invalid_request", "target_prompt_logprobs must be an int64 tensor")
+    shape, data = raw.get("shape"), raw.get("data")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 2
+        or shape[0] != n_prompt - 1
+        or not isinstance(data, list)
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in [*shape, *data])
+    ):
+        raise ServeError(
+            400,
+            "invalid_request",
+            f"target_prompt_logprobs must have shape [len(prompt) - 1 = {n_prompt - 1}, K]",
+        )
+    rows_n, k = int(shape[0]), int(shape[1])
+    crow, col = raw.get("sparse_crow_indices"), raw.get("sparse_col_indices")
+    if crow is None and col is None:
+        if len(data) != rows_n * k:
+            raise ServeError(
+                400, "invalid_request", f"target_prompt_logprobs has {len(data)} values, not {rows_n * k}"
+            )
+        return list(data), [j // k for j in range(len(data))] if k else [], _TargetLayout([rows_n, k])
+    ok = (
+        isinstance(crow, list)
+        and isinstance(col, list)
+        and len(crow) == rows_n + 1
+        and len(col) == len(data)
+        and crow[0] == 0
+        and crow[-1] == len(data)
+        and all(a <= b for a, b in itertools.pairwise(crow))
+        and all(isinstance(c, int) and 0 <= c < k for c in col)
+    )
+    if not ok or not isinstance(crow, list) or not isinstance(col, list):
+        raise ServeError(400, "invalid_request", "target_prompt_logprobs: malformed sparse CSR indices")
+    rows = [r for r in range(rows_n) for _ in range(crow[r + 1] - crow[r])]
+    return list(data), rows, _TargetLayout([rows_n, k], list(crow), list(col))
+
+
+def _sample_response(result: _Sampled, proto: bool) -> Response:
+    samples, scored, layout = result.samples, result.prompt, result.target_layout
     if not proto:
         seqs = [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in samples]
-        return as_json({"type": "sample", "sequences": seqs})
+        body: dict[str, object] = {"type": "sample", "sequences": seqs}
+        if scored is not None:
+            if scored.logprobs is not None:
+                body["prompt_logprobs"] = scored.logprobs
+            if scored.topk is not None:
+                body["topk_prompt_logprobs"] = [
+                    None if r is None else [list(c) for c in r] for r in scored.topk
+                ]
+            if scored.target is not None and layout is not None:
+                tensor: dict[str, object] = {"data": scored.target, "dtype": "float32", "shape": layout.shape}
+                if layout.crow is not None:
+                    tensor.update(sparse_crow_indices=layout.crow, sparse_col_indices=layout.col)
+                body["target_prompt_logprobs"] = tensor
+        return as_json(body)
     from tinker.proto import tinker_public_pb2 as pb  # deferred: the tinker SDK is optional (serve extra)
 
     out = pb.SampleResponse()
@@ -616,4 +714,30 @@ def _sample_response(samples: list[Sample], proto: bool) -> Response:
         seq.stop_reason = pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH
         seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+    if scored is not None:
+        if scored.logprobs is not None:  # NaN where not scored, as the SDK reads it
+            values = [math.nan if v is None else v for v in scored.logprobs]
+            out.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+        if scored.topk is not None:
+            k = max((len(r) for r in scored.topk if r is not None), default=0)
+            ids = np.zeros((len(scored.topk), k), dtype=np.int32)
+            lps = np.full((len(scored.topk), k), -99999.0, dtype=np.float32)  # the SDK's "empty" sentinel
+            for i, row in enumerate(scored.topk):
+                for j, (tok, lp) in enumerate(row or []):
+                    ids[i, j], lps[i, j] = tok, lp
+            out.topk_prompt_logprobs.token_ids = ids.tobytes()
+            out.topk_prompt_logprobs.logprobs = lps.tobytes()
+            out.topk_prompt_logprobs.k = k
+            out.topk_prompt_logprobs.length = len(scored.topk)
+        if scored.target is not None and layout is not None:
+            t = out.target_prompt_logprobs
+            t.dtype = pb.DTYPE_FLOAT32
+            t.shape.extend(layout.shape)
+            values_bytes = np.asarray(scored.target, dtype=np.float32).tobytes()
+            if layout.crow is None:
+                t.dense = values_bytes
+            else:
+                t.sparse_csr.values = values_bytes
+                t.sparse_csr.crow_indices = np.asarray(layout.crow, dtype=np.int64).tobytes()
+                t.sparse_csr.col_indices = np.asarray(layout.col, dtype=np.int64).tobytes()
     return Response(out.SerializeToString(), media_type=PROTO)
