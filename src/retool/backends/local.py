@@ -357,6 +357,29 @@ class _LoopQueue:
     deliveries: set[asyncio.Task[None]] = field(default_factory=set)  # strong references while running
 
 
+def load_base_model(model_path: str, device: str = "auto", dtype: str = "auto") -> torch.nn.Module:
+    """A model's weights loaded once, frozen (no gradients) and in eval mode, to be shared by many
+    ``LocalTrainingClient(shared_base=...)``: each adds its own LoRA adapter on top (``share_module``)."""
+    dev = resolve_device(device)
+    path, gguf = split_model_path(model_path, None)
+    kwargs: dict[str, str] = {"gguf_file": gguf} if gguf else {}
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, dev), **kwargs)
+    if gguf:
+        _forget_gguf_quantization(model)
+    model.to(dev)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def share_module(base: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``base``'s module tree that holds the very same parameter and buffer tensors: modules are
+    new (PEFT can wrap them without touching ``base``), no weight is copied."""
+    memo: dict[int, object] = {id(t): t for t in (*base.parameters(), *base.buffers())}
+    with torch.no_grad():
+        return copy.deepcopy(base, memo)
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` in eval mode that owns a copy of every trainable tensor and shares the rest."""
     memo: dict[int, torch.Tensor] = {id(p): p for p in model.parameters() if not p.requires_grad}
@@ -535,6 +558,7 @@ class LocalTrainingClient(TrainingClient):
         num_threads: int | None = None,
         merge_lora_for_sampling: bool = True,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        shared_base: torch.nn.Module | None = None,
     ) -> None:
         if num_threads:
             # On a busy CPU one thread is often several times faster for tiny models.
@@ -562,7 +586,11 @@ class LocalTrainingClient(TrainingClient):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
-        self.model = self._load_model(load_kwargs, seed)
+        # A shared base (``load_base_model``) is read-only here: only LoRA tensors of this client train.
+        self.shares_base = shared_base is not None
+        if self.shares_base and self.lora is None:
+            logger.info("local backend: a client without LoRA on a shared base only samples")
+        self.model = self._load_model(load_kwargs, seed, shared_base)
         self.model.train()
         config = self._base_config()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -597,16 +625,22 @@ class LocalTrainingClient(TrainingClient):
             self.num_trainable_parameters(),
         )
 
-    def _load_model(self, load_kwargs: dict[str, str], seed: int) -> Any:
-        """The weights on ``self.device``, wrapped in a LoRA adapter when one is configured.
+    def _load_model(self, load_kwargs: dict[str, str], seed: int, shared_base: torch.nn.Module | None) -> Any:
+        """The weights on ``self.device``, wrapped in a LoRA adapter when one is configured. With
+        ``shared_base``, a copy of its module tree whose every parameter and buffer *is* the base's (no
+        weight is copied), so many clients cost one base plus their adapters.
 
         Returns ``Any``: transformers / PEFT model classes vary by architecture and wrapping.
         """
         torch.manual_seed(seed)
-        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
-        if self.gguf_file:
-            _forget_gguf_quantization(model)
-        model.to(self.device)
+        model: Any
+        if shared_base is not None:
+            model = share_module(shared_base)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
+            if self.gguf_file:
+                _forget_gguf_quantization(model)
+            model.to(self.device)
         if self.lora is None:
             return model
         from peft import LoraConfig, get_peft_model  # deferred: needed with LoRA only, slow to import
@@ -882,6 +916,10 @@ class LocalTrainingClient(TrainingClient):
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, backward: bool
     ) -> ForwardBackwardResult:
         t0 = time.perf_counter()
+        if backward and self.shares_base and self.lora is None:
+            raise ValueError(
+                "this client shares its base weights with others and has no LoRA: it cannot train"
+            )
         self._validate_datums(datums, loss_fn)
         lengths = [len(d) for d in datums]
         batches = pack_micro_batches(lengths, self.micro_batch_tokens)

@@ -2,9 +2,14 @@
 
 - ``ServedModel``: a base model clients may name (``--model NAME=PATH``), with its local path, which is
   also what the server reports as the model's id, so an SDK's ``get_tokenizer()`` loads it offline.
-- ``TrainingRun``: one LoRA adapter being trained: its own ``LocalTrainingClient`` (its own weights and
+- ``TrainingRun``: one LoRA adapter being trained: its own ``LocalTrainingClient`` (its own adapter and
   optimizer; two runs never share trainable tensors), and a FIFO of calls applied strictly in the order they
   arrived (both SDKs pipeline requests and rely on that order).
+- One base, many adapters (``share_base``, the default): each base model's weights are loaded once, frozen,
+  and every client on it (training runs, samplers of saved paths, the base sampler) is a module tree over
+  those same tensors plus its own LoRA tensors (``retool.backends.local.share_module``), so N clients cost
+  the base plus N adapters and optimizer states. Those clients sample through their adapter (no merged
+  copy of the adapted weights); ``--base-per-client`` restores a full copy per client.
 - Samplers: a sampler per saved path, built on first use from the files (so paths still load after a
   restart), or, for weights a live run just saved, a frozen copy of that run's adapter that shares the base
   weights. Concurrent ``sample`` calls on one sampler are batched by the local backend's sampler.
@@ -193,7 +198,12 @@ class ServeState:
     """Models, runs, samplers and storage of one server (see the module docstring)."""
 
     def __init__(
-        self, config: Config, models: dict[str, str], root: str | Path, limits: Limits | None = None
+        self,
+        config: Config,
+        models: dict[str, str],
+        root: str | Path,
+        limits: Limits | None = None,
+        share_base: bool = True,
     ) -> None:
         self.config = config
         self.storage = Storage(root)
@@ -217,6 +227,9 @@ class ServeState:
         self._build_lock = threading.Lock()
         self.sampler_cache_size = 8
         self.stability = StabilityRecords()
+        # One frozen copy of each base model's weights, shared by every client built on it (``share_base``)
+        self.share_base = share_base
+        self._bases: dict[str, torch.nn.Module] = {}
 
     # -- models ----------------------------------------------------------------------------------
     @staticmethod
@@ -255,7 +268,7 @@ class ServeState:
         return run
 
     def end_session(self, session: str) -> int:
-        """Free the runs a session created (each holds a model copy): new calls to them get 404, calls
+        """Free the runs a session created (each holds an adapter, or a model copy): new calls to them get 404, calls
         already queued finish first, and their in-memory samplers go; what they saved stays on disk."""
         self.sessions.discard(session)
         ended = [run for run in self.runs.values() if run.session == session]
@@ -300,11 +313,22 @@ class ServeState:
     def _build(
         self, model: ServedModel, spec: LocalLoraSpec | None, lora: LoraRequest | None
     ) -> LocalTrainingClient:
-        from retool.backends.local import LocalTrainingClient  # deferred: imports torch
+        from retool.backends.local import LocalTrainingClient, load_base_model  # deferred: imports torch
 
         cfg = self.config
+        base = None
+        if self.share_base:
+            base = self._bases.get(model.path)
+            if base is None:
+                base = self._bases[model.path] = load_base_model(
+                    model.path, cfg.backend.device, cfg.backend.dtype
+                )
         return LocalTrainingClient(
             model.path,
+            shared_base=base,
+            # The merged sampling view would copy every adapted linear: with a shared base each client
+            # samples through its adapter instead, so memory stays base + adapters.
+            merge_lora_for_sampling=base is None,
             lora=spec,
             device=cfg.backend.device,
             dtype=cfg.backend.dtype,
