@@ -16,7 +16,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "tests"))
 
-from serve_support import BEGIN, END, render, named_tests  # noqa: E402  (tests/ is not a package)
+from serve_support import BEGIN, END, named_tests, render  # noqa: E402  (tests/ is not a package)
 
 
 def outcomes(ids: list[str]) -> dict[str, bool]:

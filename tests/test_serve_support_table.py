@@ -7,7 +7,7 @@ from __future__ import annotations
 import ast
 from pathlib import Path
 
-from serve_support import BEGIN, END, render, named_tests
+from serve_support import BEGIN, END, named_tests, render
 
 REPO = Path(__file__).resolve().parents[1]
 
