@@ -30,26 +30,6 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 REPO = Path(__file__).resolve().parents[1]
 
 
-def smollm2_folder(work: Path) -> Path:
-    """SmolLM2-135M-Instruct as an HF folder (converted from the packaged GGUF once)."""
-    out = work / "smollm2-135m-hf"
-    if (out / "config.json").exists():
-        return out
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from retool.backends.local import _forget_gguf_quantization
-    from retool.tasks.real_model import resolve_model_path
-
-    gguf = Path(resolve_model_path("smollm2"))
-    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
-    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
-    _forget_gguf_quantization(model)  # dequantized already; lets transformers save it as plain weights
-    out.mkdir(parents=True, exist_ok=True)
-    model.save_pretrained(out)
-    tok.save_pretrained(out)
-    return out
-
-
 def rss_mb(pid: int) -> tuple[float, float]:
     """(VmRSS, VmHWM) of a process in MiB."""
     fields = dict(
@@ -128,6 +108,7 @@ def main() -> None:
     args = ap.parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from _machine import machine
+    from _models import smollm2_folder
 
     work = Path(args.work)
     work.mkdir(parents=True, exist_ok=True)

@@ -391,3 +391,32 @@ def test_pytrio_prompt_logprobs_match_the_trainers_forward(
     assert sampler.compute_logprobs(ptypes.ModelInput.from_ints(prompt)).result()[1:] == pytest.approx(
         want, abs=2e-4
     )
+
+
+def test_stability_records_are_bounded_in_tokens_session_scoped_and_expire(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from retool.serve import state as state_module
+    from retool.serve.state import ServeError, StabilityRecord, StabilityRecords
+
+    prompt = np.arange(6, dtype=np.int32)
+    records = StabilityRecords(max_tokens=30, ttl_seconds=100.0)
+
+    def rec(session: str) -> StabilityRecord:
+        return StabilityRecord(session, prompt, np.arange(4, dtype=np.int32), np.zeros(4, dtype=np.float32))
+
+    for k in range(3):
+        records.add(f"s{k}", rec("a"))  # 10 tokens each: exactly at the bound
+    assert len(records) == 3 and records.tokens == 30
+    records.get("s0", "a")  # used: now the most recent
+    records.add("s3", rec("a"))  # over the bound: the least recently used (s1) goes
+    assert len(records) == 3 and records.tokens == 30
+    with pytest.raises(ServeError, match="no recorded stability info"):
+        records.get("s1", "a")
+    with pytest.raises(ServeError, match="another session"):
+        records.get("s0", "b")
+    now = state_module.time.monotonic()
+    monkeypatch.setattr(state_module.time, "monotonic", lambda: now + 101.0)
+    with pytest.raises(ServeError, match="no recorded stability info"):
+        records.get("s2", "a")  # a day (here 100 s) after its last use
+    assert records.tokens == 20

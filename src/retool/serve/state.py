@@ -26,7 +26,7 @@ a cross_entropy backward and just work; Tinker's server-side custom loss graphs 
 
 Stability info (``stable_reinforce``): a Tinker sample request with ``record_stability_info`` records, per
 returned ``sequence_id``, its prompt, sampled tokens and the sampler's logprobs (``StabilityRecords``:
-session-scoped, kept a day after last use, bounded in count). A training datum names them through its
+session-scoped, kept a day after last use, bounded in tokens). A training datum names them through its
 provenance spans; the server checks each span's tokens against the record and trains the sampled positions
 against the *recorded* logprobs.
 """
@@ -43,6 +43,8 @@ from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
 
 from retool.backends.base import SamplingClient
 from retool.backends.types import (
@@ -148,33 +150,46 @@ class TrainingRun:
 
 @dataclass(frozen=True)
 class StabilityRecord:
-    """What one sampled sequence's provenance refers to (see the module docstring)."""
+    """What one sampled sequence's provenance refers to (see the module docstring); the prompt array is
+    shared by every sequence of one request."""
 
     session: str | None
-    prompt: tuple[int, ...]
-    tokens: tuple[int, ...]
-    logprobs: tuple[float, ...]
+    prompt: np.ndarray  # int32
+    tokens: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+
+    @property
+    def size(self) -> int:
+        return int(self.prompt.size + self.tokens.size)
 
 
 class StabilityRecords:
-    """Recorded sequences by ``sequence_id``: a day after their last use, at most ``capacity`` of them
-    (the oldest go first; a datum naming a forgotten one gets a 400 that says so)."""
+    """Recorded sequences by ``sequence_id``, for a day after their last use and at most ``max_tokens``
+    prompt + sampled tokens in all (the least recently used go first; a datum naming a forgotten one gets a
+    400 that says so). The default bounds the records to ~130 MB even when every prompt is counted anew."""
 
-    def __init__(self, capacity: int = 1 << 16, ttl_seconds: float = 86_400.0) -> None:
-        self.capacity, self.ttl = capacity, ttl_seconds
+    def __init__(self, max_tokens: int = 1 << 24, ttl_seconds: float = 86_400.0) -> None:
+        self.max_tokens, self.ttl = max_tokens, ttl_seconds
+        self.tokens = 0
         self._items: collections.OrderedDict[str, tuple[float, StabilityRecord]] = collections.OrderedDict()
 
     def add(self, sequence_id: str, record: StabilityRecord) -> None:
+        self._drop(sequence_id)
         self._items[sequence_id] = (time.monotonic(), record)
-        self._items.move_to_end(sequence_id)
-        while len(self._items) > self.capacity:
-            self._items.popitem(last=False)
+        self.tokens += record.size
+        while self.tokens > self.max_tokens and len(self._items) > 1:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, sequence_id: str) -> None:
+        gone = self._items.pop(sequence_id, None)
+        if gone is not None:
+            self.tokens -= gone[1].size
 
     def get(self, sequence_id: str, session: str | None) -> StabilityRecord:
         known = self._items.get(sequence_id)
         now = time.monotonic()
         if known is None or now - known[0] > self.ttl:
-            self._items.pop(sequence_id, None)
+            self._drop(sequence_id)
             raise ServeError(
                 400,
                 "unknown_sequence",

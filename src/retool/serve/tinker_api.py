@@ -347,7 +347,7 @@ class TinkerApi:
             tokens = _chunk_tokens(d.model_input)
             datum = build_datum(k, tokens, targets, inputs, loss_fn, 1.0)
             if loss_fn == "stable_reinforce":
-                datum = self._with_stability_info(pb, k, d, datum, run_session)
+                datum = self._with_stability_info(k, d, datum, run_session)
             datums.append(datum)
         self.state.check_datums(run.model, datums)
         backward = not msg.forward_only
@@ -358,9 +358,7 @@ class TinkerApi:
 
         return self._ordered(run, msg.seq_id, "forward", call)
 
-    def _with_stability_info(
-        self, pb: ModuleType, k: int, wire: Any, datum: Datum, session: str | None
-    ) -> Datum:
+    def _with_stability_info(self, k: int, wire: Any, datum: Datum, session: str | None) -> Datum:
         """The datum with its sampled positions' logprobs replaced by the recorded ones and every other
         position's weight set to 0, after checking that its provenance tiles it and names recorded
         tokens (see ``retool.serve.state``)."""
@@ -394,14 +392,14 @@ class TinkerApi:
                     f"datum {k}: span [{offset}, {offset + length}) of {seq_id}'s {kind} runs past its "
                     f"{len(source)} tokens",
                 )
-            if list(source[offset : offset + length]) != datum.target_tokens[pos : pos + length]:
+            if source[offset : offset + length].tolist() != datum.target_tokens[pos : pos + length]:
                 raise ServeError(
                     400,
                     "invalid_provenance",
                     f"datum {k}: target tokens {pos}..{pos + length - 1} are not {seq_id}'s recorded {kind}",
                 )
             if kind == "sampled_tokens":  # only sampled tokens have stability info; prompt ones are context
-                logprobs[pos : pos + length] = record.logprobs[offset : offset + length]
+                logprobs[pos : pos + length] = record.logprobs[offset : offset + length].tolist()
                 weights[pos : pos + length] = datum.weights[pos : pos + length]
             pos += length
         return Datum(
@@ -567,9 +565,11 @@ class TinkerApi:
         async def call() -> _Sampled:
             samples = await self.state.sample(sampler, prompt, n, params)
             if record:
+                shared_prompt = np.asarray(prompt, dtype=np.int32)
                 for seq_id, s in zip(ids, samples, strict=True):
-                    info = StabilityRecord(session, tuple(prompt), tuple(s.tokens), tuple(s.logprobs))
-                    self.state.stability.add(seq_id, info)
+                    tokens = np.asarray(s.tokens, dtype=np.int32)
+                    lps = np.asarray(s.logprobs, dtype=np.float32)
+                    self.state.stability.add(seq_id, StabilityRecord(session, shared_prompt, tokens, lps))
             scored = None
             if asked.wanted:
                 scored = score_prompt(await self.state.prompt_scores(sampler, prompt), prompt, asked)
