@@ -20,7 +20,7 @@ in-process client does.
 
 Usage: python bench/serve.py [--model tiny|smollm2|PATH] [--size test|demo] [--device cpu|cuda]
                              [--threads 1] [--requests 4] [--tokens 16] [--steps 3] [--datums 8]
-                             [--sdks tinker,pytrio] [--rounds 3] [--base-per-client]
+                             [--sdks tinker,pytrio] [--rounds 3] [--base-per-client] [--out FILE]
 """
 
 from __future__ import annotations
@@ -235,6 +235,7 @@ def main() -> None:
     ap.add_argument("--model", default="tiny", help="tiny, smollm2 or an HF model folder")
     ap.add_argument("--size", default="demo", choices=["test", "demo"], help="the tiny model's size")
     ap.add_argument("--base-per-client", action="store_true", help="the server's --base-per-client")
+    ap.add_argument("--out", default=None, help="also write the report to this file (e.g. docs/results/...)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--requests", type=int, default=4, help="sequential requests per client")
@@ -259,10 +260,11 @@ def main() -> None:
     else:
         model, name = Path(args.model), args.model
     serve_mode = "a model copy per client" if args.base_per_client else "one shared base"
-    print(f"machine: {machine()}")
-    print(
-        f"model: {name}, LoRA r={RANK}, device {args.device}, {args.threads} torch thread(s); server: {serve_mode}"
-    )
+    header = [
+        f"machine: {machine()}",
+        f"model: {name}, LoRA r={RANK}, device {args.device}, {args.threads} torch thread(s); server: {serve_mode}",
+    ]
+    print("\n".join(header))
     measures = {"in-process": bench_local(model, args)}
     extra = ("--base-per-client",) if args.base_per_client else ()
     proc, url = start_server(model, work / "root", args.device, args.threads, extra)
@@ -284,25 +286,35 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    report(results)
+    report(results, header, args.out)
 
 
-def report(results: dict[str, dict[str, float]]) -> None:
+def report(results: dict[str, dict[str, float]], header: list[str], out: str | None) -> None:
     base = results["in-process"]
-    print(f"\n{'':16}{'sample 1 cl':>14}{'sample 8 cl':>14}{'train tok/s':>14}{'1-token ms':>12}")
+    lines = [
+        *header,
+        "",
+        f"{'':16}{'sample 1 cl':>14}{'sample 8 cl':>14}{'train tok/s':>14}{'1-token ms':>12}",
+    ]
     for name, r in results.items():
-        print(
+        lines.append(
             f"{name:16}{r['sample_1']:14.1f}{r['sample_8']:14.1f}{r['train']:14.1f}{1000 * r['latency_1tok']:12.1f}"
         )
     for name, r in results.items():
         if name == "in-process":
             continue
-        print(
+        lines.append(
             f"{name}: sampling {r['sample_1'] / base['sample_1']:.2f}x (1 client), "
             f"{r['sample_8'] / base['sample_8']:.2f}x (8 clients; target >= 0.8x), "
             f"training {r['train'] / base['train']:.2f}x, "
             f"1-token overhead {1000 * (r['latency_1tok'] - base['latency_1tok']):+.1f} ms"
         )
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+        print(f"written to {out}")
 
 
 if __name__ == "__main__":
