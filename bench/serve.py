@@ -12,8 +12,15 @@ Prints, side by side in one run (the machine line first):
 The server runs in a child process on 127.0.0.1 with the same model, LoRA rank, device and thread count.
 Runs happen one after another (never overlapping), in interleaved rounds (best of each reported), so a\nbusy spell on a shared machine does not favour one mode.
 
-Usage: python bench/serve.py [--size test|demo] [--device cpu|cuda] [--threads 1] [--requests 4]
-                             [--tokens 16] [--steps 3] [--datums 8] [--sdks tinker,pytrio] [--rounds 3]
+The model: the tiny test model (``--model tiny``, ``--size``), or SmolLM2-135M-Instruct (``--model
+smollm2``: its packaged GGUF dequantized to an HF folder once, under the system temp folder), or an HF
+folder. The server runs with its defaults (one shared base; clients sample through their adapter);
+``--base-per-client`` gives it a model copy per client, which samples through merged LoRA weights as the
+in-process client does.
+
+Usage: python bench/serve.py [--model tiny|smollm2|PATH] [--size test|demo] [--device cpu|cuda]
+                             [--threads 1] [--requests 4] [--tokens 16] [--steps 3] [--datums 8]
+                             [--sdks tinker,pytrio] [--rounds 3] [--base-per-client] [--out FILE]
 """
 
 from __future__ import annotations
@@ -39,9 +46,11 @@ RANK = 8
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(24)] for i in range(64)]
 
 
-def start_server(model: Path, root: Path, device: str, threads: int) -> tuple[subprocess.Popen[str], str]:
+def start_server(
+    model: Path, root: Path, device: str, threads: int, extra: tuple[str, ...] = ()
+) -> tuple[subprocess.Popen[str], str]:
     cmd = [sys.executable, "-m", "retool", "serve", "--port", "0", "--model", str(model), "--root", str(root)]
-    cmd += ["--set", f"backend.device={device}", "--set", f"backend.cpu_threads={threads}"]
+    cmd += ["--set", f"backend.device={device}", "--set", f"backend.cpu_threads={threads}", *extra]
     log = (root.parent / "serve.log").open("w")  # the server's own log, next to its root
     proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
     assert proc.stdout is not None
@@ -198,7 +207,7 @@ def bench_http(url: str, model: Path, args: argparse.Namespace) -> Callable[[], 
     thread): what the server costs without an SDK's client-side machinery. No training row."""
     import httpx
 
-    control = httpx.Client(base_url=url)
+    control = httpx.Client(base_url=url, timeout=600.0)
     sid = control.post("/api/openapi/v1/service-sessions", json={}).json()["service_session_cuid"]
     run = control.post(
         f"/api/openapi/v1/service-sessions/{sid}/sampling-runs", json={"base_model": str(model)}
@@ -208,7 +217,7 @@ def bench_http(url: str, model: Path, args: argparse.Namespace) -> Callable[[], 
 
     def sample(i: int, max_tokens: int) -> int:
         if not hasattr(local, "client"):
-            local.client = httpx.Client(base_url=url)
+            local.client = httpx.Client(base_url=url, timeout=600.0)  # a real model on CPU: seconds per batch
         body = {"request_id": f"r{i}", "prompt": {"chunks": [{"type": "encoded_text", "tokens": PROMPTS[i % len(PROMPTS)]}]},
                 "sampling_params": {"max_tokens": max_tokens, "seed": i}, "return_text": False}  # fmt: skip
         return len(local.client.post(route, json=body).json()["sequences"][0]["tokens"])
@@ -223,7 +232,10 @@ def bench_http(url: str, model: Path, args: argparse.Namespace) -> Callable[[], 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--size", default="demo", choices=["test", "demo"])
+    ap.add_argument("--model", default="tiny", help="tiny, smollm2 or an HF model folder")
+    ap.add_argument("--size", default="demo", choices=["test", "demo"], help="the tiny model's size")
+    ap.add_argument("--base-per-client", action="store_true", help="the server's --base-per-client")
+    ap.add_argument("--out", default=None, help="also write the report to this file (e.g. docs/results/...)")
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--requests", type=int, default=4, help="sequential requests per client")
@@ -236,15 +248,26 @@ def main() -> None:
     os.environ.setdefault("TINKER_TELEMETRY", "0")
 
     from _machine import machine
+    from _models import smollm2_folder
     from retool.backends.tinymodel import build_tiny_model
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     print(f"work folder (model, server root and serve.log): {work}")
-    model = build_tiny_model(work / "model", size=args.size, seed=0)
-    print(f"machine: {machine()}")
-    print(f"model: tiny ({args.size}), LoRA r={RANK}, device {args.device}, {args.threads} torch thread(s)")
+    if args.model == "tiny":
+        model, name = build_tiny_model(work / "model", size=args.size, seed=0), f"tiny ({args.size})"
+    elif args.model == "smollm2":
+        model, name = smollm2_folder(Path(tempfile.gettempdir()) / "retool-bench-models"), "SmolLM2-135M"
+    else:
+        model, name = Path(args.model), args.model
+    serve_mode = "a model copy per client" if args.base_per_client else "one shared base"
+    header = [
+        f"machine: {machine()}",
+        f"model: {name}, LoRA r={RANK}, device {args.device}, {args.threads} torch thread(s); server: {serve_mode}",
+    ]
+    print("\n".join(header))
     measures = {"in-process": bench_local(model, args)}
-    proc, url = start_server(model, work / "root", args.device, args.threads)
+    extra = ("--base-per-client",) if args.base_per_client else ()
+    proc, url = start_server(model, work / "root", args.device, args.threads, extra)
     try:
         measures["serve+http"] = bench_http(url, model, args)
         for sdk in args.sdks.split(","):
@@ -263,25 +286,35 @@ def main() -> None:
     finally:
         proc.terminate()
         proc.wait(timeout=30)
-    report(results)
+    report(results, header, args.out)
 
 
-def report(results: dict[str, dict[str, float]]) -> None:
+def report(results: dict[str, dict[str, float]], header: list[str], out: str | None) -> None:
     base = results["in-process"]
-    print(f"\n{'':16}{'sample 1 cl':>14}{'sample 8 cl':>14}{'train tok/s':>14}{'1-token ms':>12}")
+    lines = [
+        *header,
+        "",
+        f"{'':16}{'sample 1 cl':>14}{'sample 8 cl':>14}{'train tok/s':>14}{'1-token ms':>12}",
+    ]
     for name, r in results.items():
-        print(
+        lines.append(
             f"{name:16}{r['sample_1']:14.1f}{r['sample_8']:14.1f}{r['train']:14.1f}{1000 * r['latency_1tok']:12.1f}"
         )
     for name, r in results.items():
         if name == "in-process":
             continue
-        print(
+        lines.append(
             f"{name}: sampling {r['sample_1'] / base['sample_1']:.2f}x (1 client), "
             f"{r['sample_8'] / base['sample_8']:.2f}x (8 clients; target >= 0.8x), "
             f"training {r['train'] / base['train']:.2f}x, "
             f"1-token overhead {1000 * (r['latency_1tok'] - base['latency_1tok']):+.1f} ms"
         )
+    text = "\n".join(lines) + "\n"
+    print("\n" + text)
+    if out:
+        Path(out).parent.mkdir(parents=True, exist_ok=True)
+        Path(out).write_text(text)
+        print(f"written to {out}")
 
 
 if __name__ == "__main__":

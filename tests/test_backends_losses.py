@@ -7,6 +7,7 @@ import math
 import pytest
 import torch
 
+from loss_reference import ref_cispo, ref_dro, ref_gspo, ref_stable
 from packing_baseline import greedy_micro_batches
 from retool.backends.losses import token_loss
 from retool.backends.packing import pack_micro_batches, padding_efficiency
@@ -242,3 +243,97 @@ def test_mismatch_metrics_match_hand_computation() -> None:
     ce = LossTally()
     ce.add(token_loss("cross_entropy", lp, w))
     assert ce.result().mismatch_tokens == 0
+
+
+# -- cispo, dro, gspo, stable_reinforce: against hand-derived per-token formulas -------------------------
+# Each reference is written in plain floats from the formula (value) and its derivative in lp (gradient),
+# independent of the torch code; the batch mixes ratios inside and outside the clip band, both advantage
+# signs, and a masked position whose padded sampler logprob is 0.
+
+POLICY_ROWS = [
+    # (lp, old, adv, w) per token of one sequence
+    [(-1.0, -1.2, 1.0, 1.0), (-0.5, -1.5, 1.0, 1.0), (-2.0, -1.0, 1.0, 0.5), (-4.0, 0.0, 0.0, 0.0)],
+    [(-0.3, -0.4, -0.7, 2.0), (-2.0, -1.0, -0.7, 1.0), (-0.2, -0.9, -0.7, 1.0), (-1.1, -1.0, -0.7, 1.0)],
+]
+
+
+def _tensors(rows: list[list[tuple[float, float, float, float]]]) -> tuple[torch.Tensor, ...]:
+    cols = [torch.tensor([[tok[j] for tok in row] for row in rows], dtype=torch.float64) for j in range(4)]
+    lp = cols[0].clone().requires_grad_(True)
+    return lp, cols[1], cols[2], cols[3]
+
+
+def _check(out_loss: torch.Tensor, grad: torch.Tensor, refs: list[list[tuple[float, float]]]) -> None:
+    for r, row in enumerate(refs):
+        for t, (value, g) in enumerate(row):
+            assert out_loss[r, t].item() == pytest.approx(value, abs=1e-12), (r, t)
+            assert grad[r, t].item() == pytest.approx(g, abs=1e-12), (r, t)
+
+
+@pytest.mark.parametrize("cfg", [{}, {"clip_low": 0.5, "clip_high": 1.5}])
+def test_cispo_loss_and_gradient_match_hand_reference(cfg: dict[str, float]) -> None:
+    lp, old, adv, w = _tensors(POLICY_ROWS)
+    out = token_loss("cispo", lp, w, old, adv, cfg)
+    out.loss.sum().backward()
+    assert lp.grad is not None
+    lo, hi = cfg.get("clip_low", LO), cfg.get("clip_high", HI)
+    refs = [[ref_cispo(*tok, lo, hi) if tok[3] else (0.0, 0.0) for tok in row] for row in POLICY_ROWS]
+    _check(out.loss.detach(), lp.grad, refs)
+    # r = e^1 = 2.72 is outside the band: counted clipped, yet (unlike PPO) its gradient is not zero
+    assert bool(out.clipped[0, 1]) and lp.grad[0, 1].item() != 0.0
+
+
+@pytest.mark.parametrize("beta", [None, 0.5])
+def test_dro_loss_and_gradient_match_hand_reference(beta: float | None) -> None:
+    lp, old, adv, w = _tensors(POLICY_ROWS)
+    out = token_loss("dro", lp, w, old, adv, {} if beta is None else {"beta": beta})
+    out.loss.sum().backward()
+    assert lp.grad is not None
+    b = 0.05 if beta is None else beta
+    refs = [[ref_dro(*tok, b) if tok[3] else (0.0, 0.0) for tok in row] for row in POLICY_ROWS]
+    _check(out.loss.detach(), lp.grad, refs)
+
+
+@pytest.mark.parametrize("cfg", [{}, {"kl_coeff": 0.3, "ratio_cap": 1.5}])
+def test_stable_reinforce_loss_and_gradient_match_hand_reference(cfg: dict[str, float]) -> None:
+    lp, old, adv, w = _tensors(POLICY_ROWS)
+    out = token_loss("stable_reinforce", lp, w, old, adv, cfg)
+    out.loss.sum().backward()
+    assert lp.grad is not None
+    cap, kl = cfg.get("ratio_cap", 2.0), cfg.get("kl_coeff", 0.0)
+    refs = [[ref_stable(*tok, cap, kl) if tok[3] else (0.0, 0.0) for tok in row] for row in POLICY_ROWS]
+    _check(out.loss.detach(), lp.grad, refs)
+    assert out.truncated is not None and bool(out.truncated[0, 1])  # r = e^1 > 2: weight cut to the cap
+
+
+@pytest.mark.parametrize("use_mask", [False, True])
+def test_gspo_loss_and_gradient_match_hand_reference(use_mask: bool) -> None:
+    lp, old, adv, w = _tensors(POLICY_ROWS)
+    # default mask: the trained positions; the explicit one leaves out the first token of each row
+    masks = [[1.0 if tok[3] else 0.0 for tok in row] for row in POLICY_ROWS]
+    if use_mask:
+        masks = [[0.0, *m[1:]] for m in masks]
+    ratio_mask = torch.tensor(masks, dtype=torch.float64) if use_mask else None
+    out = token_loss("gspo", lp, w, old, adv, {"clip_low": 0.8, "clip_high": 1.2}, ratio_mask)
+    out.loss.sum().backward()
+    assert lp.grad is not None
+    refs = [ref_gspo(row, m, 0.8, 1.2) for row, m in zip(POLICY_ROWS, masks, strict=True)]
+    _check(out.loss.detach(), lp.grad, refs)
+    # every trained token of a row carries the same (sequence) ratio
+    for r in range(2):
+        vals = out.ratio[r][w[r] != 0]
+        torch.testing.assert_close(vals, vals[:1].expand_as(vals))
+
+
+def test_gspo_refuses_a_sequence_without_ratio_tokens_and_new_losses_check_their_keys() -> None:
+    lp, old, adv, w = _tensors(POLICY_ROWS)
+    with pytest.raises(ValueError, match="sequence ratio mask"):
+        token_loss("gspo", lp, w, old, adv, None, torch.zeros_like(lp))
+    with pytest.raises(ValueError, match="unknown loss_config keys \\['clip_low'\\] for 'dro'"):
+        token_loss("dro", lp, w, old, adv, {"clip_low": 0.8})
+    with pytest.raises(ValueError, match="unknown loss_config keys"):
+        token_loss("stable_reinforce", lp, w, old, adv, {"beta": 0.1})
+    with pytest.raises(ValueError, match="beta must be >= 0"):
+        token_loss("dro", lp, w, old, adv, {"beta": -1.0})
+    with pytest.raises(ValueError, match="needs sampler logprobs"):
+        token_loss("cispo", lp, w)

@@ -138,9 +138,13 @@ class SamplingConfig(_Section):
 
 
 class LossConfig(_Section):
-    name: Literal["ppo", "importance_sampling"] = "ppo"
-    clip_low: float = 0.8  # ratio thresholds, not epsilons
+    # cispo, dro, gspo and stable_reinforce: local backend only (``retool.backends.losses`` has the math)
+    name: Literal["ppo", "importance_sampling", "cispo", "dro", "gspo", "stable_reinforce"] = "ppo"
+    clip_low: float = 0.8  # ratio thresholds, not epsilons (ppo, cispo, gspo)
     clip_high: float = 1.28
+    beta: float = Field(default=0.05, ge=0.0)  # dro's quadratic penalty
+    kl_coeff: float = Field(default=0.0, ge=0.0)  # stable_reinforce's KL-to-sampler penalty
+    ratio_cap: float = Field(default=2.0, gt=0.0)  # stable_reinforce's importance-weight cap
     # Truncated importance sampling: weight each token by min(exp(trainer lp - sampler lp), tis_cap) and
     # take the PPO ratio against the trainer's own pre-update logprob (``retool.backends.losses``).
     # 0: off (the ratio is taken against the sampler's logprob). Local backend only.
@@ -302,6 +306,11 @@ class Config(_Section):
             raise ValueError(
                 f"loss.tis_cap needs the loss computed locally; backend.kind = {self.backend.kind!r} "
                 "computes it on the service (set loss.tis_cap = 0)"
+            )
+        if self.loss.name not in ("ppo", "importance_sampling") and self.backend.kind != "local":
+            raise ValueError(
+                f"loss.name = {self.loss.name!r} is computed by the local backend only; backend.kind = "
+                f"{self.backend.kind!r} (use ppo or importance_sampling there)"
             )
         _check_roc(self.filters, self.rollout.group_size)
         engine = self.backend.sampler if self.backend.kind == "local" else "hf"

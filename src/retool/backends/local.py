@@ -357,6 +357,29 @@ class _LoopQueue:
     deliveries: set[asyncio.Task[None]] = field(default_factory=set)  # strong references while running
 
 
+def load_base_model(model_path: str, device: str = "auto", dtype: str = "auto") -> torch.nn.Module:
+    """A model's weights loaded once, frozen (no gradients) and in eval mode, to be shared by many
+    ``LocalTrainingClient(shared_base=...)``: each adds its own LoRA adapter on top (``share_module``)."""
+    dev = resolve_device(device)
+    path, gguf = split_model_path(model_path, None)
+    kwargs: dict[str, str] = {"gguf_file": gguf} if gguf else {}
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=resolve_dtype(dtype, dev), **kwargs)
+    if gguf:
+        _forget_gguf_quantization(model)
+    model.to(dev)
+    model.requires_grad_(False)
+    model.eval()
+    return model
+
+
+def share_module(base: torch.nn.Module) -> torch.nn.Module:
+    """A copy of ``base``'s module tree that holds the very same parameter and buffer tensors: modules are
+    new (PEFT can wrap them without touching ``base``), no weight is copied."""
+    memo: dict[int, object] = {id(t): t for t in (*base.parameters(), *base.buffers())}
+    with torch.no_grad():
+        return copy.deepcopy(base, memo)
+
+
 def frozen_copy(model: torch.nn.Module) -> torch.nn.Module:
     """A copy of ``model`` in eval mode that owns a copy of every trainable tensor and shares the rest."""
     memo: dict[int, torch.Tensor] = {id(p): p for p in model.parameters() if not p.requires_grad}
@@ -433,6 +456,29 @@ class LocalSamplingClient(SamplingClient):
             queue.deliveries.add(task)
             task.add_done_callback(queue.deliveries.discard)
 
+    def _scoring_model(self) -> Any:
+        """The module this sampler's weights live in (a frozen copy, or the trainer's current weights)."""
+        return self._owner.sampling_model()
+
+    async def prompt_logprobs_async(self, prompt_tokens: Sequence[int]) -> torch.Tensor:
+        """The log-softmax of the next-token distribution after every prefix ``prompt[:i+1]``, ``i < n-1``:
+        a float32 ``[len(prompt) - 1, vocab]`` tensor on the CPU (row ``i`` scores prompt position ``i+1``).
+        It runs on the thread this sampler generates on, so it sees the weights its samples do."""
+        prompt = [int(t) for t in prompt_tokens]
+        if len(prompt) < 2:
+            return torch.zeros((0, 0))
+        self._owner._check_tokens(prompt, "prompt")
+
+        def score() -> torch.Tensor:
+            model = self._scoring_model()
+            model.eval()  # as generation runs it (training sets train() again before each pass)
+            ids = torch.tensor([prompt[:-1]], device=self._owner.device)
+            with torch.no_grad():
+                logits = model(input_ids=ids, attention_mask=torch.ones_like(ids)).logits[0].float()
+            return torch.log_softmax(logits, dim=-1).cpu()
+
+        return await asyncio.get_running_loop().run_in_executor(self._worker, score)
+
     def _start_batch(self, requests: list[GenRequest]) -> Awaitable[list[Sample]]:
         """Start generating one gathered batch; its samples, in order, when awaited."""
         if self._engine is not None:
@@ -487,6 +533,9 @@ class FrozenSamplingClient(LocalSamplingClient):
         self.model = model
         self.policy_step = step
 
+    def _scoring_model(self) -> Any:
+        return self.model
+
 
 class LocalTrainingClient(TrainingClient):
     """A transformers model + optional PEFT LoRA + AdamW in this process. See the module docstring."""
@@ -509,6 +558,7 @@ class LocalTrainingClient(TrainingClient):
         num_threads: int | None = None,
         merge_lora_for_sampling: bool = True,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
+        shared_base: torch.nn.Module | None = None,
     ) -> None:
         if num_threads:
             # On a busy CPU one thread is often several times faster for tiny models.
@@ -536,7 +586,11 @@ class LocalTrainingClient(TrainingClient):
         self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
         if attn_implementation:
             load_kwargs["attn_implementation"] = attn_implementation
-        self.model = self._load_model(load_kwargs, seed)
+        # A shared base (``load_base_model``) is read-only here: only LoRA tensors of this client train.
+        self.shares_base = shared_base is not None
+        if self.shares_base and self.lora is None:
+            logger.info("local backend: a client without LoRA on a shared base only samples")
+        self.model = self._load_model(load_kwargs, seed, shared_base)
         self.model.train()
         config = self._base_config()
         self.vocab_size = int(self.model.get_input_embeddings().weight.shape[0])
@@ -571,16 +625,22 @@ class LocalTrainingClient(TrainingClient):
             self.num_trainable_parameters(),
         )
 
-    def _load_model(self, load_kwargs: dict[str, str], seed: int) -> Any:
-        """The weights on ``self.device``, wrapped in a LoRA adapter when one is configured.
+    def _load_model(self, load_kwargs: dict[str, str], seed: int, shared_base: torch.nn.Module | None) -> Any:
+        """The weights on ``self.device``, wrapped in a LoRA adapter when one is configured. With
+        ``shared_base``, a copy of its module tree whose every parameter and buffer *is* the base's (no
+        weight is copied), so many clients cost one base plus their adapters.
 
         Returns ``Any``: transformers / PEFT model classes vary by architecture and wrapping.
         """
         torch.manual_seed(seed)
-        model: Any = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
-        if self.gguf_file:
-            _forget_gguf_quantization(model)
-        model.to(self.device)
+        model: Any
+        if shared_base is not None:
+            model = share_module(shared_base)
+        else:
+            model = AutoModelForCausalLM.from_pretrained(self.model_path, dtype=self.dtype, **load_kwargs)
+            if self.gguf_file:
+                _forget_gguf_quantization(model)
+            model.to(self.device)
         if self.lora is None:
             return model
         from peft import LoraConfig, get_peft_model  # deferred: needed with LoRA only, slow to import
@@ -822,6 +882,10 @@ class LocalTrainingClient(TrainingClient):
         w = torch.zeros(shape, dtype=torch.float32)
         old = torch.zeros(shape, dtype=torch.float32)
         adv = torch.zeros(shape, dtype=torch.float32)
+        ratio_mask: torch.Tensor | None = None
+        if any(datums[i].ratio_mask for i in rows):
+            # A row without a mask of its own averages over its trained positions (the loss's default).
+            ratio_mask = torch.zeros(shape, dtype=torch.float32)
         for r, i in enumerate(rows):
             d = datums[i]
             n = len(d)
@@ -833,7 +897,13 @@ class LocalTrainingClient(TrainingClient):
                 old[r, :n] = torch.tensor(d.logprobs, dtype=torch.float32)
             if d.advantages:
                 adv[r, :n] = torch.tensor(d.advantages, dtype=torch.float32)
+            if ratio_mask is not None:
+                ratio_mask[r, :n] = (
+                    torch.tensor(d.ratio_mask, dtype=torch.float32) if d.ratio_mask else w[r, :n]
+                )
         out = {"ids": ids, "tgt": tgt, "mask": mask, "w": w, "old": old, "adv": adv}
+        if ratio_mask is not None:
+            out["ratio_mask"] = ratio_mask
         return {k: v.to(self.device) for k, v in out.items()}
 
     def target_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
@@ -846,6 +916,10 @@ class LocalTrainingClient(TrainingClient):
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, backward: bool
     ) -> ForwardBackwardResult:
         t0 = time.perf_counter()
+        if backward and self.shares_base and self.lora is None:
+            raise ValueError(
+                "this client shares its base weights with others and has no LoRA: it cannot train"
+            )
         self._validate_datums(datums, loss_fn)
         lengths = [len(d) for d in datums]
         batches = pack_micro_batches(lengths, self.micro_batch_tokens)
@@ -857,7 +931,7 @@ class LocalTrainingClient(TrainingClient):
             t = self._micro_batch_tensors(datums, rows)
             with torch.set_grad_enabled(backward):
                 lp = self.target_logprobs(t["ids"], t["mask"], t["tgt"])
-                tl = token_loss(loss_fn, lp, t["w"], t["old"], t["adv"], loss_config)
+                tl = token_loss(loss_fn, lp, t["w"], t["old"], t["adv"], loss_config, t.get("ratio_mask"))
                 if backward:
                     tl.loss.sum().backward()
             sel = tally.add(tl)

@@ -7,6 +7,25 @@ caller SUMS it over tokens and datums (the training loop puts its normalisation 
   thresholds (``clip_low`` / ``clip_high``, default 0.8 / 1.28), not epsilons.
 - ``importance_sampling``: ``-w * r * A``.
 - ``cross_entropy``: ``-w * lp``.
+- ``cispo``: ``-w * sg(clip(r, lo, hi)) * lp * A`` (the clipped ratio is a constant coefficient, so a
+  clipped token still gets gradient, scaled by the bound).
+- ``dro``: ``-w * (lp * A - beta/2 * (lp - lp_old)^2)`` (``beta`` default 0.05, the value the Tinker docs
+  show; they name no default).
+- ``gspo`` (GSPO-token): the sequence log-ratio ``l = mean_{t in M} (sg(lp_t) - lp_old_t)`` over the
+  positions ``M`` that the datum's ratio mask marks (default: its trained positions); every token's ratio
+  is ``s_t = exp(l + lp_t - sg(lp_t))``: the sequence ratio's value with the token's own gradient; then PPO's
+  ``-w * min(s_t*A, clip(s_t, lo, hi)*A)``. Rows of the batch are sequences (one datum per row).
+- ``stable_reinforce``: Tinker names it and documents what it needs (sampler-recorded stability info,
+  referenced by ``sequence_id`` provenance) but publishes no formula. Retool's version is token-level
+  importance-corrected REINFORCE against the *recorded* sampler logprob ``mu`` with a truncated weight and
+  an optional KL penalty to the sampler (k3 estimator)::
+
+      -w * sg(min(exp(lp - mu), ratio_cap)) * A * lp  +  kl_coeff * w * (r - 1 - log r),  r = exp(lp - mu)
+
+  defaults ``ratio_cap`` 2, ``kl_coeff`` 0 (``kl_coeff`` is the one config key Tinker's protocol names for
+  it). This is the token-level IS-corrected policy gradient of "Stabilizing Reinforcement Learning with
+  LLMs" (arXiv 2512.01374) with TIS's cap: a stand-in, not a copy; whether it equals Tinker's server-side
+  objective cannot be checked without the service.
 
 Truncated importance sampling (``tis_cap = C > 0`` in the loss config; ppo and importance_sampling). The
 sampler's logprob ``mu`` (the behaviour policy: an older version when training off-policy, and another
@@ -44,8 +63,21 @@ from retool.backends.types import ForwardBackwardResult
 
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.28
-LOSS_NAMES = ("ppo", "importance_sampling", "cross_entropy")
-_CONFIG_KEYS = {"clip_low", "clip_high", "tis_cap"}
+DEFAULT_DRO_BETA = 0.05
+DEFAULT_RATIO_CAP = 2.0
+LOSS_NAMES = ("ppo", "importance_sampling", "cross_entropy", "cispo", "dro", "gspo", "stable_reinforce")
+# The config keys each loss reads (cross_entropy accepts the PPO ones and ignores them: the training loop
+# passes one config whatever the loss).
+LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
+    "cross_entropy": frozenset({"clip_low", "clip_high", "tis_cap"}),
+    "importance_sampling": frozenset({"clip_low", "clip_high", "tis_cap"}),
+    "ppo": frozenset({"clip_low", "clip_high", "tis_cap"}),
+    "cispo": frozenset({"clip_low", "clip_high"}),
+    "gspo": frozenset({"clip_low", "clip_high"}),
+    "dro": frozenset({"beta"}),
+    "stable_reinforce": frozenset({"kl_coeff", "ratio_cap"}),
+}
+_CONFIG_KEYS = frozenset().union(*LOSS_CONFIG_KEYS.values())
 # A token whose sampler/trainer ratio lies outside [1/2, 2] counts as mismatched (``ratio_outside``).
 MISMATCH_RATIO_BAND = (0.5, 2.0)
 
@@ -140,6 +172,21 @@ def tis_cap(loss_config: dict[str, float] | None) -> float:
     return cap
 
 
+def check_config(loss_fn: str, loss_config: dict[str, float] | None) -> dict[str, float]:
+    """The loss config as floats; a key ``loss_fn`` does not read, or a non-finite value, is an error."""
+    cfg = {k: float(v) for k, v in (loss_config or {}).items()}
+    known = LOSS_CONFIG_KEYS.get(loss_fn, _CONFIG_KEYS)
+    unknown = set(cfg) - known
+    if unknown:
+        raise ValueError(
+            f"unknown loss_config keys {sorted(unknown)} for {loss_fn!r}; known: {sorted(known) or 'none'}"
+        )
+    bad = [k for k, v in cfg.items() if not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"loss_config {bad} must be finite numbers")
+    return cfg
+
+
 def clip_thresholds(loss_config: dict[str, float] | None) -> tuple[float, float]:
     """Read ``clip_low`` / ``clip_high`` from a loss config (unknown keys are an error, not ignored)."""
     cfg = dict(loss_config or {})
@@ -160,20 +207,24 @@ def token_loss(
     old_lp: torch.Tensor | None = None,
     advantages: torch.Tensor | None = None,
     loss_config: dict[str, float] | None = None,
+    ratio_mask: torch.Tensor | None = None,
 ) -> TokenLoss:
     """Weighted per-token loss of ``loss_fn``; ``lp`` is the learner's logprob of each target token,
-    ``old_lp`` the sampler's (see the module docstring for TIS)."""
+    ``old_lp`` the sampler's (see the module docstring for TIS). ``ratio_mask`` (gspo only, the shape of
+    ``lp``; the last dimension is the sequence) marks the tokens the sequence ratio averages over."""
     if loss_fn not in LOSS_NAMES:
         raise ValueError(f"unknown loss_fn {loss_fn!r}; known: {', '.join(LOSS_NAMES)}")
+    check_config(loss_fn, loss_config)
     trained = weights != 0
     w = weights.to(lp.dtype)
     if loss_fn == "cross_entropy":
-        clip_thresholds(loss_config)  # validate keys even though CE ignores them
         loss = torch.where(trained, -w * lp, torch.zeros_like(lp))
         ones = torch.ones_like(lp).detach()
         return TokenLoss(loss, ones, torch.zeros_like(trained), trained)
     if old_lp is None or advantages is None:
         raise ValueError(f"loss {loss_fn!r} needs sampler logprobs and advantages")
+    if loss_fn in ("cispo", "dro", "gspo", "stable_reinforce"):
+        return _policy_loss(loss_fn, lp, w, trained, old_lp, advantages, dict(loss_config or {}), ratio_mask)
     lo, hi = clip_thresholds(loss_config)
     cap = tis_cap(loss_config)
     old = old_lp.to(lp.dtype)
@@ -201,4 +252,58 @@ def token_loss(
         clipped = trained & (((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo)))
     weight = w if is_weight is None else w * is_weight
     loss = torch.where(trained, weight * per, torch.zeros_like(lp))
+    return TokenLoss(loss, ratio.detach(), clipped, trained, behaviour.detach(), truncated)
+
+
+def _policy_loss(
+    loss_fn: str,
+    lp: torch.Tensor,
+    w: torch.Tensor,
+    trained: torch.Tensor,
+    old_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: dict[str, float],
+    ratio_mask: torch.Tensor | None,
+) -> TokenLoss:
+    """cispo, dro, gspo and stable_reinforce (formulas in the module docstring)."""
+    zeros = torch.zeros_like(lp)
+    old = old_lp.to(lp.dtype)
+    adv = advantages.to(lp.dtype)
+    # lp - mu at trained positions only: a padded sampler logprob of 0 never reaches exp().
+    behaviour = torch.where(trained, lp - old, zeros)
+    ratio = torch.exp(behaviour)
+    clipped = torch.zeros_like(trained)
+    truncated: torch.Tensor | None = None
+    if loss_fn == "cispo":
+        lo, hi = clip_thresholds(cfg)
+        coef = torch.clamp(ratio, lo, hi).detach()
+        per = -coef * lp * adv
+        clipped = trained & ((ratio < lo) | (ratio > hi))
+    elif loss_fn == "dro":
+        beta = cfg.get("beta", DEFAULT_DRO_BETA)
+        if beta < 0:
+            raise ValueError(f"dro beta must be >= 0, got {beta}")
+        per = -(lp * adv - 0.5 * beta * behaviour**2)
+    elif loss_fn == "gspo":
+        lo, hi = clip_thresholds(cfg)
+        in_ratio = trained if ratio_mask is None else (ratio_mask != 0)
+        counts = in_ratio.sum(dim=-1, keepdim=True)
+        empty = (counts == 0) & trained.any(dim=-1, keepdim=True)
+        if bool(empty.any()):
+            raise ValueError("gspo: a sequence with trained tokens has no token in its sequence ratio mask")
+        token_log_ratio = torch.where(in_ratio, lp.detach() - old, zeros)
+        seq_log_ratio = token_log_ratio.sum(dim=-1, keepdim=True) / counts.clamp(min=1)
+        seq_ratio = torch.exp(seq_log_ratio + lp - lp.detach())
+        ratio = torch.where(trained, seq_ratio, torch.ones_like(lp))
+        per = -torch.minimum(ratio * adv, torch.clamp(ratio, lo, hi) * adv)
+        clipped = trained & (((adv > 0) & (ratio > hi)) | ((adv < 0) & (ratio < lo)))
+    else:  # stable_reinforce
+        cap = cfg.get("ratio_cap", DEFAULT_RATIO_CAP)
+        kl = cfg.get("kl_coeff", 0.0)
+        if cap <= 0 or kl < 0:
+            raise ValueError(f"stable_reinforce needs ratio_cap > 0 and kl_coeff >= 0, got {cap}, {kl}")
+        rho = ratio.detach()
+        truncated = trained & (rho > cap)
+        per = -torch.clamp(rho, max=cap) * adv * lp + kl * (ratio - 1.0 - behaviour)
+    loss = torch.where(trained, w * per, zeros)
     return TokenLoss(loss, ratio.detach(), clipped, trained, behaviour.detach(), truncated)

@@ -112,6 +112,9 @@ from retool.backends.types import (
 from retool.errors import UserError
 from retool.retry import Failure, classify, retry_after_of, status_code_of, to_thread_with_timeout
 
+# The losses this adapter folds the training loop's weights into and mirrors locally for its metrics.
+REMOTE_LOSSES = ("ppo", "importance_sampling", "cross_entropy")
+
 if TYPE_CHECKING:
     from retool.config import Config
 
@@ -686,8 +689,11 @@ class RemoteTrainingClient(TrainingClient):
 
     # -- training ------------------------------------------------------------------------------
     def _validate(self, datums: Sequence[Datum], loss_fn: str) -> None:
-        if loss_fn not in LOSS_NAMES:
-            raise ValueError(f"unknown loss_fn {loss_fn!r}; known: {', '.join(LOSS_NAMES)}")
+        if loss_fn not in REMOTE_LOSSES:
+            raise ValueError(
+                f"unknown loss_fn {loss_fn!r} for a remote service; known: {', '.join(REMOTE_LOSSES)} "
+                f"({', '.join(n for n in LOSS_NAMES if n not in REMOTE_LOSSES)}: the local backend only)"
+            )
         if not datums:
             raise ValueError("forward_backward needs at least one datum")
         for k, d in enumerate(datums):

@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 from typing import Literal, Protocol
 
 StopReason = Literal["stop", "length"]
-LossName = Literal["ppo", "importance_sampling", "cross_entropy"]
+LossName = Literal["ppo", "importance_sampling", "cross_entropy", "cispo", "dro", "gspo", "stable_reinforce"]
 
 
 class Tokenizer(Protocol):
@@ -62,12 +62,14 @@ class Datum:
     logprobs: list[float] = field(default_factory=list)
     advantages: list[float] = field(default_factory=list)
     weights: list[float] = field(default_factory=list)
+    # gspo only: the positions its sequence ratio averages over (non-zero = in); empty: the trained ones.
+    ratio_mask: list[float] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         n = len(self.input_tokens)
         if len(self.target_tokens) != n:
             raise ValueError(f"target_tokens has {len(self.target_tokens)} positions, input_tokens {n}")
-        for name in ("logprobs", "advantages", "weights"):
+        for name in ("logprobs", "advantages", "weights", "ratio_mask"):
             values = getattr(self, name)
             if values and len(values) != n:
                 raise ValueError(f"{name} has {len(values)} positions, input_tokens {n}")

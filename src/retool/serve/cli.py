@@ -37,6 +37,12 @@ def serve_command(
     gather_ms: float = typer.Option(
         10.0, "--gather-ms", help="How long a sampler waits for concurrent requests to join a batch."
     ),
+    shared_base: bool = typer.Option(
+        True,
+        "--shared-base/--base-per-client",
+        help="One copy of each base model's weights for all clients (each adds its LoRA adapter), or a "
+        "copy per client (more memory; samples through merged LoRA weights).",
+    ),
 ) -> None:
     """Serve the PyTRIO and Tinker training APIs (sampling, LoRA training, checkpoints) from this machine."""
     # deferred: the server's stack (FastAPI, uvicorn, the SDKs' protocol modules: the serve extra) loads only
@@ -51,7 +57,15 @@ def serve_command(
         served = parse_models(models, cfg, root)
         limits = Limits(max_body_bytes=int(max_request_mb * 1024 * 1024), gather_ms=gather_ms)
         run_server(
-            cfg, served, root, host=host, port=port, api_key=api_key, limits=limits, announce=typer.echo
+            cfg,
+            served,
+            root,
+            host=host,
+            port=port,
+            api_key=api_key,
+            limits=limits,
+            announce=typer.echo,
+            share_base=shared_base,
         )
     except (ConfigError, ServeSetupError, FileNotFoundError) as exc:
         _fail(str(exc))

@@ -13,7 +13,8 @@ PyTRIO splits its API in two, and this server answers both at one address:
 
 Payloads are validated with the SDK's own protocol models (``pytrio.protocol``), so a body the SDK could not
 have produced is a 4xx naming the field. Reduction: the loss is divided by the batch's
-``total_active_tokens`` (see ``retool.serve.state``); ``loss_sum`` reports that normalised objective.
+``total_active_tokens`` (dro: ``total_advantage_tokens``; see ``retool.serve.state``); ``loss_sum`` reports
+that normalised objective. Losses: PyTRIO 0.2.9's five (cross_entropy, importance_sampling, ppo, cispo, dro).
 """
 
 from __future__ import annotations
@@ -35,11 +36,14 @@ from pydantic import BaseModel, ValidationError
 
 from retool.backends.types import AdamParams
 from retool.jsonl import JsonObject
-from retool.serve.common import build_datum, read_json_object, sampling_params
-from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config, ppo_defaults
+from retool.serve.common import build_datum, prompt_request, read_json_object, sampling_params, score_prompt
+from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
 
 SCHEME = "trio"
+# PyTRIO 0.2.9's losses (pytrio/client/training_batch.py); gspo and stable_reinforce need inputs its datums
+# cannot carry (a sequence ratio mask, provenance).
+PYTRIO_LOSSES = ("cross_entropy", "importance_sampling", "ppo", "cispo", "dro")
 _EVENT_CACHE = 10_000
 
 ModelT = TypeVar("ModelT", bound=BaseModel)
@@ -372,9 +376,17 @@ class PytrioApi:
 
         body = _validated(TrainerForwardBackwardPayload, payload)
         loss_fn = check_loss(body.loss.type)
+        if loss_fn not in PYTRIO_LOSSES:
+            raise ServeError(
+                400,
+                "unsupported_loss",
+                f"loss {loss_fn!r} is Tinker's; PyTRIO's are {', '.join(PYTRIO_LOSSES)}",
+            )
         cfg = loss_config(loss_fn, body.loss.config)
-        cfg = ppo_defaults(cfg) if loss_fn == "ppo" else cfg
-        scale = 1.0 / max(body.gradient_accumulation.total_active_tokens, 1)
+        totals = body.gradient_accumulation
+        # dro's denominator is the advantage-token count (the SDK counts it for that: training_batch.py)
+        denominator = totals.total_advantage_tokens if loss_fn == "dro" else totals.total_active_tokens
+        scale = 1.0 / max(denominator, 1)
         datums = []
         for k, d in enumerate(body.data):
             tokens = [t for chunk in d.model_input.chunks for t in getattr(chunk, "tokens", [])]
@@ -464,7 +476,11 @@ class PytrioApi:
         params = sampling_params(body.sampling_params)
         sampler, served = await self.state.sampler(model_path, base_model)
         self.state.check_sample(served, prompt, body.num_samples, params)
+        asked = prompt_request(len(prompt), body.return_prompt_logprobs, body.topk_prompt_logprobs)
         samples = await self.state.sample(sampler, prompt, body.num_samples, params)
+        scored = None
+        if asked.wanted:
+            scored = score_prompt(await self.state.prompt_scores(sampler, prompt), prompt, asked)
         tokenizer = getattr(sampler, "tokenizer", None)
         sequences = [
             {
@@ -479,6 +495,13 @@ class PytrioApi:
             "input_tokens": len(prompt) * body.num_samples,
             "output_tokens": sum(len(s.tokens) for s in samples),
         }
-        return as_json(
-            {"request_id": body.request_id, "sampling_run": srid, "sequences": sequences, "usage": usage}
-        )
+        answer: dict[str, object] = {
+            "request_id": body.request_id,
+            "sampling_run": srid,
+            "sequences": sequences,
+            "usage": usage,
+        }
+        if scored is not None:
+            answer["prompt_logprobs"] = scored.logprobs
+            answer["topk_prompt_logprobs"] = scored.topk
+        return as_json(answer)

@@ -75,6 +75,7 @@ def run_server(
     api_key: str | None = None,
     limits: Limits | None = None,
     announce: Callable[[str], None] = logger.info,
+    share_base: bool = True,
 ) -> None:
     """Serve until interrupted (see the module docstring)."""
     # deferred: uvicorn and FastAPI (the app) are the serve extra, imported only when a server starts
@@ -83,7 +84,7 @@ def run_server(
     from retool.serve.app import create_app  # deferred: imports FastAPI (see above)
 
     check_bind(host, api_key)
-    state = ServeState(config, models, root, limits)
+    state = ServeState(config, models, root, limits, share_base=share_base)
     app = create_app(state, api_key)
     sock = bind_socket(host, port)
     bound = sock.getsockname()[1]

