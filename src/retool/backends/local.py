@@ -579,13 +579,7 @@ class LocalTrainingClient(TrainingClient):
         if self.micro_batch_tokens <= 0 or self.sample_batch_size <= 0:
             raise ValueError("micro_batch_tokens and sample_batch_size must be positive")
 
-        looks_local = self.model_path.startswith(("/", ".", "~")) or bool(self.gguf_file)
-        if looks_local and not Path(self.model_path).expanduser().exists():
-            raise FileNotFoundError(f"model path {self.model_path} does not exist")
-        load_kwargs: dict[str, str] = {"gguf_file": self.gguf_file} if self.gguf_file else {}
-        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
-        if attn_implementation:
-            load_kwargs["attn_implementation"] = attn_implementation
+        load_kwargs = self._load_tokenizer(attn_implementation)
         # A shared base (``load_base_model``) is read-only here: only LoRA tensors of this client train.
         self.shares_base = shared_base is not None
         if self.shares_base and self.lora is None:
@@ -624,6 +618,17 @@ class LocalTrainingClient(TrainingClient):
             f"LoRA r={self.lora.rank}" if self.lora else "full fine-tuning",
             self.num_trainable_parameters(),
         )
+
+    def _load_tokenizer(self, attn_implementation: str | None) -> dict[str, str]:
+        """Load ``self.tokenizer`` from the model path; the keyword arguments that load the model too."""
+        looks_local = self.model_path.startswith(("/", ".", "~")) or bool(self.gguf_file)
+        if looks_local and not Path(self.model_path).expanduser().exists():
+            raise FileNotFoundError(f"model path {self.model_path} does not exist")
+        load_kwargs: dict[str, str] = {"gguf_file": self.gguf_file} if self.gguf_file else {}
+        self.tokenizer = AutoTokenizer.from_pretrained(self.model_path, **load_kwargs)
+        if attn_implementation:
+            load_kwargs["attn_implementation"] = attn_implementation
+        return load_kwargs
 
     def _load_model(self, load_kwargs: dict[str, str], seed: int, shared_base: torch.nn.Module | None) -> Any:
         """The weights on ``self.device``, wrapped in a LoRA adapter when one is configured. With
