@@ -172,18 +172,44 @@ def test_a_wrong_final_answer_is_dropped(
     assert err.value.reason == "answer_not_verified"
 
 
+def test_a_test_question_is_never_converted(
+    qwen_tokenizers: dict, shared_data: Path, executor: Executor, tmp_path: Path
+) -> None:
+    with (shared_data / "gsm8k_test.jsonl").open() as fh:
+        test_row = json.loads(next(fh))
+    rows = [
+        *_train_rows(shared_data, 2),
+        {"question": test_row["question"].lower(), "answer": "1+1 = <<1+1=2>>2\n#### 2"},
+    ]
+    protocol = _protocols(qwen_tokenizers, shared_data)["hermes"]
+    src = _write(tmp_path / "in.jsonl", [json.dumps(r) for r in rows])
+    examples, report = convert_file(src, protocol, executor, held_out=[test_row["question"]])
+    assert len(examples) == 2
+    assert report.kept == 2 and report.dropped == {"test_question": 1}
+    assert report.rejects == [
+        {"row": 3, "reason": "test_question", "detail": "the question is a held-out test question"}
+    ]
+    _, unguarded = convert_file(src, protocol, executor)
+    assert unguarded.kept == 3  # the check is what dropped it
+
+
 def test_retool_data_coldstart_command(shared_data: Path, tmp_path: Path) -> None:
     from retool.cli import app
 
     rows = _train_rows(shared_data, 4)
     src = _write(tmp_path / "in.jsonl", [json.dumps(r) for r in rows] + ["[1, 2]"])
+    held_out = str(shared_data / "gsm8k_test.jsonl")
     out = tmp_path / "out.jsonl"
     model = str(shared_data / "tokenizers" / "Qwen2.5-Instruct")
-    result = CliRunner().invoke(app, ["data", "coldstart", "-i", str(src), "-o", str(out), "--model", model])
+    result = CliRunner().invoke(
+        app, ["data", "coldstart", "-i", str(src), "-o", str(out), "--model", model, "--held-out", held_out]
+    )
     assert result.exit_code == 0, result.output
     assert "read:    5" in result.output and "kept:    4" in result.output
     assert "invalid_json: 1" in result.output and "not a JSON object" in result.output
-    assert len(out.read_text().splitlines()) == 4
+    assert len(out.read_text().splitlines()) == 4 and "held out: 1319 test questions" in result.output
+    rejects = [json.loads(line) for line in (tmp_path / "out.dropped.jsonl").read_text().splitlines()]
+    assert rejects == [{"row": 5, "reason": "invalid_json", "detail": "not a JSON object"}]
     missing = CliRunner().invoke(
         app, ["data", "coldstart", "-i", str(tmp_path / "nope"), "-o", str(out), "--model", model]
     )

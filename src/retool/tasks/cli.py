@@ -13,8 +13,9 @@ from typing import NoReturn, Unpack
 import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
-from retool.jsonl import JsonValue, as_number
-from retool.tasks.coldstart import coldstart_protocol, convert_with_sandbox, write_examples
+from retool.data.gsm8k import GSM8K_FILE, default_data_dir
+from retool.jsonl import JsonValue, as_number, read_jsonl_objects
+from retool.tasks.coldstart import coldstart_protocol, convert_with_sandbox, write_examples, write_rejects
 from retool.tasks.demo import DemoEvent, DemoSettings, run_demo, run_sft, seed_overrides
 from retool.tasks.real_model import REAL_MODELS, DemoFields
 from retool.tasks.report import DemoResult, gain_line, markdown_table
@@ -346,6 +347,11 @@ def coldstart_command(
     ),
     limit: int | None = typer.Option(None, "--limit", help="Read at most this many rows."),
     system_prompt: str = typer.Option("full", "--system-prompt", help="full or compact."),
+    held_out: Path | None = typer.Option(
+        None,
+        "--held-out",
+        help="JSONL of test problems never trained on (default: gsm8k_test.jsonl in the data folder, if any).",
+    ),
     per_call: int = typer.Option(
         1,
         "--steps-per-call",
@@ -357,6 +363,10 @@ def coldstart_command(
     if not input.is_file():
         _fail(f"--input {input}: no such file")
     protocol = coldstart_protocol(model, tool_format, system_prompt)
+    test_file = held_out or _default_held_out()
+    if test_file is not None and not test_file.is_file():
+        _fail(f"--held-out {test_file}: no such file")
+    questions = [str(r.get("question", "")) for r in read_jsonl_objects(test_file)] if test_file else []
     examples, report = convert_with_sandbox(
         input,
         protocol,
@@ -365,14 +375,24 @@ def coldstart_command(
         answer_field=answer_field,
         limit=limit,
         per_call=per_call,
+        held_out=questions,
     )
     write_examples(examples, out)
+    rejects = out.with_name(out.stem + ".dropped.jsonl")
+    write_rejects(report, rejects)
+    typer.echo(f"held out: {len(questions)} test questions ({test_file or 'none'})")
     typer.echo(f"format:  {protocol.fmt.name} ({protocol.template_name})")
     typer.echo(f"read:    {report.read}")
     typer.echo(f"kept:    {report.kept} ({report.calls} interpreter calls) -> {out}")
     typer.echo(f"dropped: {sum(report.dropped.values())}")
     for reason, n in sorted(report.dropped.items()):
         typer.echo(f"  {reason}: {n}  (first: {report.examples_of[reason]})")
+    typer.echo(f"every dropped row and its reason -> {rejects}")
+
+
+def _default_held_out() -> Path | None:
+    folder = default_data_dir()
+    return folder / GSM8K_FILE if folder is not None and (folder / GSM8K_FILE).is_file() else None
 
 
 def register(app: typer.Typer) -> None:

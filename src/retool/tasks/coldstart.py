@@ -12,6 +12,7 @@ and the final answer verifies against the reference; every other row is counted 
 from __future__ import annotations
 
 import json
+import logging
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,7 +21,7 @@ from typing import Literal, TypedDict, Unpack
 
 from retool.config import SandboxConfig
 from retool.data.annotated import AnnotatedSolution, ParseFailure, Step, matches_result, parse_solution
-from retool.data.gsm8k import gsm8k_answer
+from retool.data.gsm8k import gsm8k_answer, normalize_question
 from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.jsonl import JsonObject
@@ -31,11 +32,14 @@ from retool.sandbox.base import Executor
 from retool.sandbox.forkserver import strict_support
 from retool.tasks.sft import SFTExample, answer_text, build_trajectory
 
+logger = logging.getLogger(__name__)
+
 STYLE = "annotated"
 # Reasons a row is dropped, in the order they are checked.
 DROP_REASONS = (
     "invalid_json",
     "missing_field",
+    "test_question",
     "no_final_answer",
     "no_annotation",
     "unparsable_annotation",
@@ -55,6 +59,7 @@ class ConvertOptions(TypedDict, total=False):
     answer_field: str | None
     limit: int | None
     per_call: int
+    held_out: Sequence[str]  # questions never trained on (compared normalised): a row asking one is dropped
 
 
 @dataclass
@@ -64,10 +69,12 @@ class ConvertReport:
     calls: int = 0  # interpreter calls in the kept trajectories
     dropped: Counter[str] = field(default_factory=Counter)
     examples_of: dict[str, str] = field(default_factory=dict)  # reason -> the first row's detail
+    rejects: list[JsonObject] = field(default_factory=list)  # every dropped row: its number, reason, detail
 
     def drop(self, reason: str, row: int, detail: str) -> None:
         self.dropped[reason] += 1
         self.examples_of.setdefault(reason, f"row {row}: {detail}")
+        self.rejects.append({"row": row, "reason": reason, "detail": detail})
 
     def as_dict(self) -> JsonObject:
         return {
@@ -217,6 +224,7 @@ def convert_file(
     answer_field = options.get("answer_field")
     limit = options.get("limit")
     per_call = options.get("per_call", 1)
+    held_out = {normalize_question(q) for q in options.get("held_out", ())}
     report = ConvertReport()
     run = caching_observer(executor)
     examples: list[SFTExample] = []
@@ -224,10 +232,14 @@ def convert_file(
         if limit is not None and report.read >= limit:
             break
         report.read += 1
+        if report.read % 1000 == 0:
+            logger.info("coldstart: %d rows read, %d kept", report.read, report.kept)
         try:
             if obj is None:
                 raise Dropped("invalid_json", error)
             problem, solution = _problem(row, obj, (question_field, solution_field, answer_field))
+            if normalize_question(problem.question) in held_out:
+                raise Dropped("test_question", "the question is a held-out test question")
             example = convert_solution(problem, solution, protocol, run, per_call=per_call)
         except Dropped as drop:
             report.drop(drop.reason, row, drop.detail)
@@ -289,3 +301,10 @@ def convert_with_sandbox(
     isolation: Literal["strict", "none"] = "strict" if strict_support()[0] else "none"
     with make_executor(SandboxConfig(isolation=isolation, preimport=[])) as executor:
         return convert_file(path, protocol, executor, **options)
+
+
+def write_rejects(report: ConvertReport, path: str | Path) -> None:
+    """One JSON line per dropped row: ``row`` (its line number), ``reason``, ``detail``."""
+    Path(path).write_text(
+        "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in report.rejects), encoding="utf-8"
+    )
