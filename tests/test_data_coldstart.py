@@ -53,6 +53,9 @@ def test_expressions_and_results() -> None:
     assert python_expression("50%*80") == "(50/100)*80"
     assert python_expression("import os") is None
     assert python_expression("05+3") is None
+    # Leading-dot decimals and trailing zeros, as GSM8K writes them (rows 27 and 243 of the train split).
+    assert python_expression("2*20*.01") == "2*20*.01" and python_expression("12.50+5.00") == "12.50+5.00"
+    assert matches_result("0.5\n", ".5") and matches_result("0.19999999999999998", ".2")
     assert matches_result("24.0\n", "24")
     assert matches_result("3.3333333333333335", "3.33")
     assert not matches_result("3.34", "3.33") and not matches_result("25", "24")

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 _ANNOTATION = re.compile(r"<<([^<>]*)>>")
 # Python arithmetic only: what the sandbox runs must be the annotation's own computation, nothing else.
 _SAFE_EXPR = re.compile(r"[0-9.+\-*/() ]+")
-_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+_NUMBER = re.compile(r"-?(?:\d+(?:\.\d*)?|\.\d+)")  # "3", "3.50", ".5" (GSM8K writes all three)
 
 
 @dataclass(frozen=True)
@@ -52,7 +52,7 @@ def python_expression(expr: str) -> str | None:
     e = re.sub(r"(?<=[\d)])\s*x\s*(?=[\d(])", "*", e)
     if not e.strip() or not _SAFE_EXPR.fullmatch(e.replace("**", "*")):
         return None
-    if re.search(r"\b0\d", e):  # "05" is a syntax error in Python 3; a typo in the annotation
+    if re.search(r"(?<![\d.])0\d", e):  # "05" is a syntax error in Python 3 (".05" and "5.00" are fine)
         return None
     return e.strip()
 
