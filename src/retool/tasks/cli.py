@@ -380,6 +380,7 @@ def coldstart_command(
     write_examples(examples, out)
     rejects = out.with_name(out.stem + ".dropped.jsonl")
     write_rejects(report, rejects)
+    out.with_name(out.stem + ".report.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
     typer.echo(f"held out: {len(questions)} test questions ({test_file or 'none'})")
     typer.echo(f"format:  {protocol.fmt.name} ({protocol.template_name})")
     typer.echo(f"read:    {report.read}")
