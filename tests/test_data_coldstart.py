@@ -217,3 +217,7 @@ def test_retool_data_coldstart_command(shared_data: Path, tmp_path: Path) -> Non
         app, ["data", "coldstart", "-i", str(tmp_path / "nope"), "-o", str(out), "--model", model]
     )
     assert missing.exit_code == 2 and "no such file" in missing.output
+    bad_format = CliRunner().invoke(
+        app, ["data", "coldstart", "-i", str(src), "-o", str(out), "--model", model, "--tool-format", "xml"]
+    )
+    assert bad_format.exit_code == 2 and "unknown tool format 'xml'" in bad_format.output

@@ -362,7 +362,10 @@ def coldstart_command(
     """Each solution becomes a tool trajectory with REAL sandbox outputs; prints kept and dropped counts."""
     if not input.is_file():
         _fail(f"--input {input}: no such file")
-    protocol = coldstart_protocol(model, tool_format, system_prompt)
+    try:
+        protocol = coldstart_protocol(model, tool_format, system_prompt)
+    except (OSError, ValueError) as exc:  # no such tokenizer, no chat template, an unknown format or prompt
+        _fail(f"--model {model}: {' '.join(str(exc).split())}")
     test_file = held_out or _default_held_out()
     if test_file is not None and not test_file.is_file():
         _fail(f"--held-out {test_file}: no such file")
