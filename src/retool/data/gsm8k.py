@@ -1,4 +1,5 @@
-"""GSM8K's test split as held-out problems: a seeded slice read from a local ``gsm8k_test.jsonl``.
+"""GSM8K: the test split as held-out problems (a seeded slice, or all of it), the train split, and the
+leak check (no training problem is a test question, compared after normalisation).
 
 A real benchmark the demo adds to its held-out set for real models and never trains on. The file is the
 Hugging Face ``openai/gsm8k`` test split as JSONL (``question``, ``answer`` ending in ``#### <number>``,
@@ -9,6 +10,8 @@ from __future__ import annotations
 
 import os
 import random
+import re
+from collections.abc import Sequence
 from pathlib import Path
 
 from retool.data.problem import Problem
@@ -62,3 +65,54 @@ def gsm8k_problems(n: int, data_dir: str | Path | None, seed: int = 0) -> list[P
         )
         for i in picked
     ]
+
+
+TRAIN_FILE = "gsm8k_train.jsonl"
+SPLIT_FILES = {"train": TRAIN_FILE, "test": GSM8K_FILE}
+
+
+class GSM8KLeakError(DataError):
+    """A training problem is also a GSM8K test question (after normalisation)."""
+
+
+def normalize_question(text: str) -> str:
+    """Lower case, whitespace collapsed, punctuation dropped: two copies of one question compare equal."""
+    return " ".join(re.sub(r"[^0-9a-z]+", " ", text.lower()).split())
+
+
+def gsm8k_split(split: str, data_dir: str | Path | None) -> list[Problem]:
+    """Every problem of GSM8K's ``train`` or ``test`` file, in file order; ids ``gsm8k-<split>-<row>``."""
+    if split not in SPLIT_FILES:
+        raise DataError(f"GSM8K has splits {sorted(SPLIT_FILES)}, not {split!r}")
+    folder = Path(data_dir) if data_dir is not None else default_data_dir()
+    path = folder / SPLIT_FILES[split] if folder is not None else None
+    if path is None or not path.is_file():
+        raise DataError(
+            f"GSM8K {split} needs {SPLIT_FILES[split]} (looked in "
+            f"{path or '$RETOOL_DATA_DIR, ../shared/data, data'}); set data.data_dir"
+        )
+    problems = []
+    for i, row in enumerate(read_jsonl_objects(path)):
+        try:
+            answer = gsm8k_answer(str(row["answer"]))
+            question = str(row["question"])
+        except (KeyError, ValueError) as exc:
+            raise DataError(f"{path}: row {i + 1} is not a GSM8K problem ({exc})") from None
+        problems.append(Problem(f"gsm8k-{split}-{row.get('idx', i)}", question, answer, GSM8K_SOURCE))
+    return problems
+
+
+def overlapping_ids(train: Sequence[Problem], test: Sequence[Problem]) -> list[str]:
+    """Ids of the ``train`` problems whose normalised question is also a ``test`` question."""
+    held_out = {normalize_question(p.question) for p in test}
+    return [p.id for p in train if normalize_question(p.question) in held_out]
+
+
+def check_no_test_leak(train: Sequence[Problem], test: Sequence[Problem]) -> None:
+    """Raise ``GSM8KLeakError`` naming the first leaked ids when a train problem is a test question."""
+    leaked = overlapping_ids(train, test)
+    if leaked:
+        raise GSM8KLeakError(
+            f"{len(leaked)} training problem(s) are GSM8K test questions (normalised): "
+            f"{', '.join(leaked[:5])}{' ...' if len(leaked) > 5 else ''}; a test question is never trained on"
+        )

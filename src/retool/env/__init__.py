@@ -9,6 +9,7 @@
 - ``base``: ``ProblemEnv`` (``problems(split)``, ``epoch(seed, epoch)``, ``score(attempt, verifier)``,
   ``group_builder(problem, setup, group_size)``), ``ProblemListEnv`` (a fixed list), ``EnvError``.
 - ``files``: ``FileEnv`` (a JSONL / JSON / parquet file or Hub id), the named evaluation sets, ``DapoEnv``.
+- ``gsm8k``: ``Gsm8kEnv`` (GSM8K train for training, test for evaluation, the leak check).
 - ``synthetic``: ``TaskFamilyEnv`` (the synthetic task family, ``tasks``).
 - ``registry``: ``make_env(name_or_path, options)``, ``env_from_config(config)``, ``register_env``.
 

@@ -2,7 +2,7 @@
 
 A name registered here builds its environment with ``factory(name, options)``; anything else is a path
 (or a Hub id): a folder ``retool prepare dapo`` wrote is DAPO with its dev split, any other path a file
-of problems. Built in: ``tasks`` (the synthetic family), ``dapo``, ``aime2025``, ``aime2024``,
+of problems. Built in: ``tasks`` (the synthetic family), ``gsm8k`` (train / test), ``dapo``, ``aime2025``, ``aime2024``,
 ``math500``. ``register_env`` adds more (e.g. from a user's own module) before a run is built.
 """
 
@@ -16,6 +16,7 @@ from retool.config import Config, DataConfig
 from retool.data.evalsets import NAMED_SETS
 from retool.env.base import EnvError, ProblemEnv
 from retool.env.files import DapoEnv, FileEnv, dapo_env, named_set_env
+from retool.env.gsm8k import Gsm8kEnv
 from retool.env.synthetic import TaskFamilyEnv
 
 
@@ -91,7 +92,12 @@ def _dapo(name: str, options: EnvOptions) -> ProblemEnv:
     return dapo_env(options.data.data_dir, shuffle=options.data.shuffle)
 
 
+def _gsm8k(name: str, options: EnvOptions) -> ProblemEnv:
+    return Gsm8kEnv(options.data.data_dir, shuffle=options.data.shuffle, name=name)
+
+
 register_env("tasks", _tasks)
+register_env("gsm8k", _gsm8k)
 register_env("dapo", _dapo)
 for _name in NAMED_SETS:
     register_env(_name, _named_set)

@@ -13,7 +13,9 @@ from typing import NoReturn, Unpack
 import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
-from retool.jsonl import JsonValue, as_number
+from retool.data.gsm8k import GSM8K_FILE, default_data_dir
+from retool.jsonl import JsonValue, as_number, read_jsonl_objects
+from retool.tasks.coldstart import coldstart_protocol, convert_with_sandbox, write_examples, write_rejects
 from retool.tasks.demo import DemoEvent, DemoSettings, run_demo, run_sft, seed_overrides
 from retool.tasks.real_model import REAL_MODELS, DemoFields
 from retool.tasks.report import DemoResult, gain_line, markdown_table
@@ -323,6 +325,81 @@ def sft_command(
     typer.echo(json.dumps(result, indent=2))
 
 
+data_app = typer.Typer(help="Build SFT data from annotated solutions.", no_args_is_help=True)
+
+
+@data_app.command("coldstart")
+def coldstart_command(
+    input: Path = typer.Option(..., "--input", "-i", help="JSONL with a question and an annotated solution."),
+    out: Path = typer.Option(..., "--out", "-o", help="Output JSONL of SFT trajectories (tokens, weights)."),
+    model: str = typer.Option(
+        ..., "--model", help="Tokenizer (folder or Hub id) whose chat template is used."
+    ),
+    tool_format: str = typer.Option(
+        "auto", "--tool-format", help="auto (from the template), hermes, qwen_xml, markdown."
+    ),
+    question_field: str = typer.Option("question", "--question-field"),
+    solution_field: str = typer.Option(
+        "answer", "--solution-field", help="The annotated solution (<<expr=result>>)."
+    ),
+    answer_field: str | None = typer.Option(
+        None, "--answer-field", help="Reference answer (default: after ####)."
+    ),
+    limit: int | None = typer.Option(None, "--limit", help="Read at most this many rows."),
+    system_prompt: str = typer.Option("full", "--system-prompt", help="full or compact."),
+    held_out: Path | None = typer.Option(
+        None,
+        "--held-out",
+        help="JSONL of test problems never trained on (default: gsm8k_test.jsonl in the data folder, if any).",
+    ),
+    per_call: int = typer.Option(
+        1,
+        "--steps-per-call",
+        min=0,
+        help="Annotated steps folded into one call (1: a call per step; 0: all).",
+    ),
+) -> None:
+    """Each solution becomes a tool trajectory with REAL sandbox outputs; prints kept and dropped counts."""
+    if not input.is_file():
+        _fail(f"--input {input}: no such file")
+    try:
+        protocol = coldstart_protocol(model, tool_format, system_prompt)
+    except (OSError, ValueError) as exc:  # no such tokenizer, no chat template, an unknown format or prompt
+        _fail(f"--model {model}: {' '.join(str(exc).split())}")
+    test_file = held_out or _default_held_out()
+    if test_file is not None and not test_file.is_file():
+        _fail(f"--held-out {test_file}: no such file")
+    questions = [str(r.get("question", "")) for r in read_jsonl_objects(test_file)] if test_file else []
+    examples, report = convert_with_sandbox(
+        input,
+        protocol,
+        question_field=question_field,
+        solution_field=solution_field,
+        answer_field=answer_field,
+        limit=limit,
+        per_call=per_call,
+        held_out=questions,
+    )
+    write_examples(examples, out)
+    rejects = out.with_name(out.stem + ".dropped.jsonl")
+    write_rejects(report, rejects)
+    out.with_name(out.stem + ".report.json").write_text(json.dumps(report.as_dict(), indent=2) + "\n")
+    typer.echo(f"held out: {len(questions)} test questions ({test_file or 'none'})")
+    typer.echo(f"format:  {protocol.fmt.name} ({protocol.template_name})")
+    typer.echo(f"read:    {report.read}")
+    typer.echo(f"kept:    {report.kept} ({report.calls} interpreter calls) -> {out}")
+    typer.echo(f"dropped: {sum(report.dropped.values())}")
+    for reason, n in sorted(report.dropped.items()):
+        typer.echo(f"  {reason}: {n}  (first: {report.examples_of[reason]})")
+    typer.echo(f"every dropped row and its reason -> {rejects}")
+
+
+def _default_held_out() -> Path | None:
+    folder = default_data_dir()
+    return folder / GSM8K_FILE if folder is not None and (folder / GSM8K_FILE).is_file() else None
+
+
 def register(app: typer.Typer) -> None:
+    app.add_typer(data_app, name="data")
     app.command("demo")(demo_command)
     app.command("sft")(sft_command)

@@ -22,9 +22,11 @@ from dataclasses import dataclass, field
 
 from retool.backends.base import TrainingClient
 from retool.backends.types import AdamParams, Datum
+from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.jsonl import JsonObject
 from retool.protocol import ChatProtocol
+from retool.protocol.chat import Message
 
 logger = logging.getLogger(__name__)
 
@@ -54,7 +56,7 @@ class SFTMix:
 
 @dataclass
 class SFTExample:
-    task: Task
+    task: Task | Problem  # a synthetic task, or a problem from a file (``retool data coldstart``)
     style: str  # direct | tool | error_fix
     tokens: list[int]
     weights: list[float]  # per token of ``tokens``: 1 on assistant tokens
@@ -79,6 +81,39 @@ def _broken_variant(code: str, rng: random.Random) -> str:
     return code.replace("print(", "print(x + ", 1) if "print(" in code else "x" + code
 
 
+def build_trajectory(
+    protocol: ChatProtocol,
+    question: str,
+    turns: Sequence[tuple[str, str]],
+    final_text: str,
+    observe: Observer,
+    max_observation_tokens: int = 64,
+) -> tuple[list[int], list[float], list[Message]]:
+    """Tokens, per-token weights and messages of one tool trajectory, built turn by turn as a rollout is.
+
+    ``turns``: (assistant text ending in a call, the call's code), in order; each call's observation is
+    ``observe(code)`` trimmed as the rollout trims it; ``final_text`` is the last (answer) turn. Weight 1
+    on assistant tokens, 0 on the prompt, the observations and the template's closing tokens.
+    """
+    messages = protocol.initial_messages(question)
+    tokens = protocol.build_prompt(messages)
+    weights = [0.0] * len(tokens)
+    for text, code in turns:
+        completion = protocol.encode_completion(text)
+        # Trimmed exactly as the rollout trims it (the traceback's tail survives).
+        observation = protocol.fit_observation(observe(code), max_observation_tokens)
+        tool_msg = protocol.tool_message(observation)
+        next_prompt = protocol.build_next_prompt(messages, tokens, completion, tool_msg)
+        weights += [1.0] * len(completion)
+        # Observation tokens (and the template's closing tokens the sampler did not emit) carry weight 0.
+        weights += [0.0] * (len(next_prompt) - len(tokens) - len(completion))
+        tokens = next_prompt
+        messages = [*messages, protocol.assistant_message(text), tool_msg]
+    final = protocol.encode_completion(final_text)
+    messages.append(protocol.assistant_message(final_text))
+    return [*tokens, *final], [*weights, *([1.0] * len(final))], messages
+
+
 def build_example(
     task: Task,
     style: str,
@@ -89,10 +124,6 @@ def build_example(
     max_observation_tokens: int = 64,
 ) -> SFTExample:
     """One SFT trajectory for ``task`` in ``style``, tokenised with ``protocol``."""
-    messages = protocol.initial_messages(task.question)
-    prompt = protocol.build_prompt(messages)
-    tokens = list(prompt)
-    weights = [0.0] * len(prompt)
     calls: list[str] = []
     if style == "tool":
         calls = [task.code]
@@ -100,28 +131,16 @@ def build_example(
         calls = [_broken_variant(task.code, rng), task.code]
     elif style != "direct":
         raise ValueError(f"unknown SFT style {style!r}")
-    fmt = protocol.fmt
-    for code in calls:
-        text = fmt.render_call(code)
-        completion = protocol.encode_completion(text)
-        # Trimmed exactly as the rollout trims it (the traceback's tail survives).
-        observation = protocol.fit_observation(observe(code), max_observation_tokens)
-        tool_msg = protocol.tool_message(observation)
-        next_prompt = protocol.build_next_prompt(messages, tokens, completion, tool_msg)
-        tokens_with_completion = tokens + completion
-        weights += [1.0] * len(completion)
-        # Observation tokens (and the template's closing tokens the sampler did not emit) carry weight 0.
-        weights += [0.0] * (len(next_prompt) - len(tokens_with_completion))
-        tokens = next_prompt
-        messages = [*messages, protocol.assistant_message(text), tool_msg]
-    final = protocol.encode_completion(answer_text(task.answer))
-    tokens += final
+    turns = [(protocol.fmt.render_call(code), code) for code in calls]
+    final_text = answer_text(task.answer)
+    tokens, weights, _ = build_trajectory(
+        protocol, task.question, turns, final_text, observe, max_observation_tokens
+    )
     if style == "direct" and task.hard:
+        final = len(protocol.encode_completion(final_text))
         head = len(protocol.encode("\\boxed{"))
-        digits = len(final) - head - 2  # the closing brace and the end-of-turn token keep full weight
-        weights += [1.0] * head + [direct_hard_answer_weight] * digits + [1.0, 1.0]
-    else:
-        weights += [1.0] * len(final)
+        digits = final - head - 2  # the closing brace and the end-of-turn token keep full weight
+        weights[len(weights) - final :] = [1.0] * head + [direct_hard_answer_weight] * digits + [1.0, 1.0]
     return SFTExample(task=task, style=style, tokens=tokens, weights=weights)
 
 
