@@ -364,29 +364,26 @@ def test_retool_train_with_the_vllm_sampler_writes_the_same_metrics_as_the_torch
 
 
 def test_gpu_smoke_runs_in_its_cpu_mode(tmp_path: Path) -> None:
+    """bench/gpu_smoke.sh itself, as on a GPU machine but in its CPU mode and at reduced sizes: its Python
+    (bench/gpu_smoke.py, spawn-safe) starts vLLM, and the JSON report says every check passed."""
     report_file = tmp_path / "smoke.json"
+    path = f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"  # its `python`: this one
     done = subprocess.run(
-        [
-            sys.executable,
-            str(REPO / "bench" / "gpu_smoke.py"),
-            "--device",
-            "cpu",
-            "--quick",
-            "--json",
-            str(report_file),
-        ],
+        ["bash", str(REPO / "bench" / "gpu_smoke.sh"), "--quick", "--json", str(report_file)],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=tmp_path,
+        env={**os.environ, "RETOOL_SMOKE_ALLOW_CPU": "1", "PATH": path},
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     report = json.loads(report_file.read_text())
-    assert report["failures"] == [] and report["vllm_dtype"] == "float32"
+    assert report["failures"] == [] and report["device"] == "cpu" and report["vllm_dtype"] == "float32"
     assert (
         abs(report["vllm_on_policy_ratio"][0] - 1) < 1e-3
         and abs(report["vllm_on_policy_ratio"][2] - 1) < 1e-3
     )
+    assert report["vllm_startup_s"] > 0 and report["vllm_rss_gib"] > 0
 
 
 def test_a_serving_dtype_other_than_the_trainers_shows_in_the_mismatch_metrics(
