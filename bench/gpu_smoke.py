@@ -84,19 +84,6 @@ def _datums(prompts: list[list[int]], groups: list[list[Any]]) -> list[Any]:
     return out
 
 
-def _alive(pids: list[int]) -> list[int]:
-    """The processes among ``pids`` still running (a zombie, killed but not yet reaped, is not)."""
-    alive = []
-    for pid in pids:
-        try:
-            stat = Path(f"/proc/{pid}/stat").read_text()
-        except OSError:
-            continue
-        if stat[stat.rfind(")") + 2 :].split()[0] not in ("Z", "X"):
-            alive.append(pid)
-    return alive
-
-
 def run(device: str, quick: bool, report: dict[str, Any], check: Checks) -> None:
     import torch
 
@@ -197,7 +184,7 @@ def _vllm_checks(
     check: Checks,
 ) -> None:
     from retool.backends.types import AdamParams
-    from retool.backends.vllm_sampler import attach_vllm_sampler, engine_dtype
+    from retool.backends.vllm_sampler import attach_vllm_sampler, engine_dtype, running
 
     try:
         vs = attach_vllm_sampler(client, kv_cache_gib=0.25, gpu_memory_utilization=0.3)
@@ -243,9 +230,9 @@ def _vllm_checks(
     pids = list(vs.engine_pids)
     vs.close()
     deadline = time.monotonic() + 30
-    while _alive(pids) and time.monotonic() < deadline:
+    while running(pids) and time.monotonic() < deadline:
         time.sleep(0.5)
-    check(not _alive(pids), f"vLLM engine processes gone after close ({len(pids)} started)")
+    check(not running(pids), f"vLLM engine processes gone after close ({len(pids)} started)")
 
 
 def main() -> None:

@@ -25,7 +25,7 @@ import torch
 from retool.backends.local import LocalTrainingClient
 from retool.backends.tinymodel import build_tiny_model
 from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
-from retool.backends.vllm_sampler import VllmSamplingClient, attach_vllm_sampler
+from retool.backends.vllm_sampler import VllmSamplingClient, attach_vllm_sampler, running
 
 REPO = Path(__file__).resolve().parents[2]
 LORA = {"rank": 8, "alpha": 16}
@@ -305,18 +305,10 @@ def _owner_line(proc: subprocess.Popen[str]) -> str:
 def _gone(pids: list[int], timeout_s: float) -> bool:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        if not any(Path(f"/proc/{pid}").exists() and "Z" not in _state(pid) for pid in pids):
+        if not running(pids):
             return True
         time.sleep(0.25)
     return False
-
-
-def _state(pid: int) -> str:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-        return stat[stat.rfind(")") + 2 :].split()[0]
-    except OSError:
-        return "X"
 
 
 def test_a_sigkilled_trainer_leaves_no_orphan_engine(engine_model: Path, tmp_path: Path) -> None:

@@ -353,21 +353,30 @@ def _accepted_engine_args(vllm: ModuleType) -> set[str] | None:
 
 
 # -- processes --------------------------------------------------------------------------------------
+def _stat_fields(pid: int | str) -> list[str]:
+    """The fields of ``/proc/PID/stat`` after the command name (state, ppid, ...); empty when the process is
+    gone. The name may hold spaces and parentheses, so the split starts after the last ')'."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return []
+    return stat[stat.rfind(")") + 2 :].split()
+
+
 def _children(pid: int) -> set[int]:
     """Direct children of ``pid`` (from /proc; empty where there is none)."""
     found: set[int] = set()
     for entry in Path("/proc").iterdir() if Path("/proc").is_dir() else []:
-        if not entry.name.isdigit():
-            continue
-        try:
-            stat = (entry / "stat").read_text()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after the last ')'.
-        fields = stat[stat.rfind(")") + 2 :].split()
-        if len(fields) > 1 and int(fields[1]) == pid:
-            found.add(int(entry.name))
+        if entry.name.isdigit():
+            fields = _stat_fields(entry.name)
+            if len(fields) > 1 and int(fields[1]) == pid:
+                found.add(int(entry.name))
     return found
+
+
+def running(pids: list[int]) -> list[int]:
+    """The processes among ``pids`` still running: a zombie (killed, not yet reaped) is not."""
+    return [pid for pid in pids if _stat_fields(pid)[:1] not in ([], ["Z"], ["X"])]
 
 
 def _descendants(pid: int) -> set[int]:
@@ -445,10 +454,6 @@ class _EngineWatchdog:
                 start_new_session=True,  # a signal to the trainer's process group does not reach it
             )
         )
-
-    @property
-    def pid(self) -> int | None:
-        return None if self._proc is None else self._proc.pid
 
     def stop(self, wait_s: float) -> None:
         """Tell the watchdog the engine was closed on purpose, and let it exit."""
