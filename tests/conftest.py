@@ -38,3 +38,35 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     from retool.backends.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), size="test", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A small local tokenizer (300 ids) that the remote adapters load instead of the service's."""
+    from retool.backends.tinymodel import build_tokenizer
+
+    folder = tmp_path_factory.mktemp("tokenizer")
+    build_tokenizer(vocab_size=300).save_pretrained(folder)
+    return folder
+
+
+@pytest.fixture
+def sdk_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
+    """For tests of `retool serve` through the real SDKs: an empty HOME, no SDK variables from outside,
+    quick SDK retries, no telemetry."""
+    import pytrio  # deferred: an SDK of the dev extra, absent from the vLLM environment that loads this file
+
+    home = tmp_path / "home"
+    home.mkdir()
+    monkeypatch.setenv("HOME", str(home))
+    for var in ("PYTRIO_API_KEY", "PYTRIO_BASE_URL", "PYTRIO_ENV", "TINKER_API_KEY", "TINKER_BASE_URL"):
+        monkeypatch.delenv(var, raising=False)
+    monkeypatch.setenv("TINKER_TELEMETRY", "0")
+    pytrio.configure_observability(enabled=False)
+    pytrio.configure(
+        retry_max_attempts=1,
+        control_retry_timeout_seconds=3,
+        training_retry_timeout_seconds=3,
+        sampling_retry_timeout_seconds=3,
+    )
+    return home

@@ -58,16 +58,6 @@ PPO = {"clip_low": 0.8, "clip_high": 1.28}
 # -- fixtures -----------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A small local tokenizer (300 ids) that the adapters load instead of the service's."""
-    from retool.backends.tinymodel import build_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(vocab_size=300).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture
 def home(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
     """An empty HOME and no SDK variables; quick SDK retries so a wrong address fails fast."""

@@ -57,15 +57,6 @@ PYTRIO_RETRY_FIELDS = (
 )
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from retool.backends.tinymodel import build_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(vocab_size=300).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture
 def env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Iterator[None]:
     """An empty HOME, the stubs' keys, no telemetry; the PyTRIO SDK re-sends after 10 ms for 5 s. (PyTRIO

@@ -45,15 +45,6 @@ from sdk_stubs import TINKER_KEY, SkyrlStub, TinkerStub, learner_lp, token_featu
 PPO = {"clip_low": 0.8, "clip_high": 1.28}
 
 
-@pytest.fixture(scope="module")
-def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from retool.backends.tinymodel import build_tokenizer
-
-    folder = tmp_path_factory.mktemp("tokenizer")
-    build_tokenizer(vocab_size=300).save_pretrained(folder)
-    return folder
-
-
 @pytest.fixture(autouse=True)
 def tinker_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
     monkeypatch.setenv("HOME", str(tmp_path))

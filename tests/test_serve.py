@@ -37,25 +37,6 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
         yield proc
 
 
-@pytest.fixture
-def sdk_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    """An empty HOME, no SDK variables from outside, quick SDK retries, no telemetry."""
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    for var in ("PYTRIO_API_KEY", "PYTRIO_BASE_URL", "PYTRIO_ENV", "TINKER_API_KEY", "TINKER_BASE_URL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    pytrio.configure_observability(enabled=False)
-    pytrio.configure(
-        retry_max_attempts=1,
-        control_retry_timeout_seconds=3,
-        training_retry_timeout_seconds=3,
-        sampling_retry_timeout_seconds=3,
-    )
-    return home
-
-
 def pytrio_service(url: str, key: str = "local") -> pytrio.ServiceClient:
     pytrio.configure(base_url=url, api_key=key, home=os.environ["HOME"])
     return pytrio.ServiceClient(api_key=key)

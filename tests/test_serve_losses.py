@@ -31,19 +31,6 @@ def server(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> It
 
 
 @pytest.fixture
-def sdk_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
-    home = tmp_path / "home"
-    home.mkdir()
-    monkeypatch.setenv("HOME", str(home))
-    for var in ("PYTRIO_API_KEY", "PYTRIO_BASE_URL", "PYTRIO_ENV", "TINKER_API_KEY", "TINKER_BASE_URL"):
-        monkeypatch.delenv(var, raising=False)
-    monkeypatch.setenv("TINKER_TELEMETRY", "0")
-    pytrio.configure_observability(enabled=False)
-    pytrio.configure(retry_max_attempts=1, control_retry_timeout_seconds=3, training_retry_timeout_seconds=3)
-    return home
-
-
-@pytest.fixture
 def tinker_client(server: ServeProcess, sdk_env: Path) -> Iterator[tinker.ServiceClient]:
     client = tinker.ServiceClient(base_url=server.url, api_key="tml-local")
     yield client
