@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import machine  # bench/, on sys.path when run as a script
+from _results import render_pages, write_result
 from retool.config import ConfigError
 from retool.evaluate.store import read_problem_records
 from retool.tasks.demo import DemoSettings, run_demo
@@ -223,6 +224,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     parser.add_argument("--no-ablation", action="store_true", help="only the default arm")
     parser.add_argument(
+        "--write",
+        action="store_true",
+        help="also write docs/results/learning.md (and demo.md: seed 0's table) and refill the README's blocks",
+    )
+    parser.add_argument(
         "--set",
         action="append",
         default=[],
@@ -271,7 +277,21 @@ def main(argv: list[str] | None = None) -> int:
     (args.out / "learning.md").write_text(text + "\n")
     result = {"machine": machine(), "default": default_rows, "ablations": ablation_rows}
     (args.out / "learning.json").write_text(json.dumps(result, indent=2) + "\n")
+    if args.write:
+        write_docs(lines[1:], args.out, seeds)
     return 0
+
+
+def write_docs(lines: list[str], out: Path, seeds: list[int]) -> None:
+    """docs/results/learning.md (the tables above), docs/results/demo.md (seed 0's table and gain, as the
+    demo prints them), then the pages' generated blocks."""
+    write_result("learning.md", "The tiny demo over seeds: `bench/learning.py`", "\n".join(lines))
+    if 0 in seeds:
+        report = (out / "seed0" / "main" / "report.md").read_text()
+        table_and_gain = report.split("\n\n| phase |", 1)[0]
+        write_result("demo.md", "The tiny demo, seed 0 (`retool demo` defaults)", table_and_gain)
+    for page in render_pages():
+        print(f"refilled {page}", file=sys.stderr)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
-"""Write README's ``retool serve`` "SDK call" table from the tests that show each cell (``tests/serve_support.py``):
+"""Write docs/serve.md's ``retool serve`` "SDK call" table from the tests that show each cell (``tests/serve_support.py``):
 run them, then replace the table between its markers with what passed.
 
-Usage: python scripts/serve_support_table.py [--readme README.md]   (runs ~3 minutes of serve tests on CPU)
+Usage: python scripts/serve_support_table.py [--page docs/serve.md]   (runs ~3 minutes of serve tests on CPU)
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ def outcomes(ids: list[str]) -> dict[str, bool]:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--readme", default=str(REPO / "README.md"))
+    ap.add_argument("--page", default=str(REPO / "docs" / "serve.md"))
     args = ap.parse_args()
-    readme = Path(args.readme)
+    readme = Path(args.page)
     text = readme.read_text()
     if BEGIN not in text or END not in text:
         raise SystemExit(f"{readme} has no table markers ({BEGIN} ... {END})")

@@ -1,7 +1,7 @@
-"""What ``retool serve`` supports, per SDK, as the tests that show it: the source of README's "SDK call"
+"""What ``retool serve`` supports, per SDK, as the tests that show it: the source of docs/serve.md's "SDK call"
 table. ``scripts/serve_support_table.py`` runs these tests and writes the table from their outcome (a cell
 is "yes" only when every test it names passed); ``tests/test_serve_support_table.py`` checks that every
-named test exists and that README's table is this one.
+named test exists and that that page's table is this one.
 
 A cell is a tuple of test ids (``file::function``), ``None`` (not that SDK's feature: "—"), or a string
 written as is (a feature refused on purpose, or not tested: said so)."""

@@ -5,8 +5,8 @@ held-out synthetic problems (N = 4 samples each) with the same sampling settings
 
 Why these thresholds hold on any CPU: another CPU's float rounding sends a run down a different path, as
 another seed does, so the margin comes from the spread over seeds. ``bench/learning.py`` (seeds 0..4, the
-demo's defaults, a 2-core AMD EPYC with AVX2 only; numbers in the README) measured a retool-mode gain of
-+28.5 to +37.4 points Average@4 (mean +32.3, sd 3.3 over seeds; every 95% paired interval's lower end at
+demo's defaults, a 2-core AMD EPYC with AVX2 only; docs/demo.md, "Earlier measurements") measured a
+retool-mode gain of +28.5 to +37.4 points Average@4 (mean +32.3, sd 3.3 over seeds; every 95% paired interval's lower end at
 +22.9 or above) and a hard-problem gain of +64.8 to +82.1 points (mean +73.2, sd 7.3). The test asks for the
 issue's targets, +15 and +25 points: 4.0 and 5.4 standard deviations (over seeds) below the smallest gains
 measured, so a run that misses them has lost the learning, not a few problems.

@@ -1,5 +1,5 @@
-"""README's ``retool serve`` table is the one ``tests/serve_support.py`` defines: every test it names exists,
-and the README's rows are the generated ones (their yes / failing cells written by
+"""docs/serve.md's ``retool serve`` table is the one ``tests/serve_support.py`` defines: every test it names exists,
+and its rows are the generated ones (their yes / failing cells written by
 ``scripts/serve_support_table.py`` from a run of those tests)."""
 
 from __future__ import annotations
@@ -21,8 +21,8 @@ def test_every_named_test_exists() -> None:
 
 
 def test_readme_holds_the_generated_table() -> None:
-    text = (REPO / "README.md").read_text()
+    text = (REPO / "docs" / "serve.md").read_text()
     assert BEGIN in text and END in text
     block = BEGIN + text.split(BEGIN, 1)[1].split(END, 1)[0] + END
-    # the table as it reads when every named test passed; a README written after a failing run differs
+    # the table as it reads when every named test passed; a page written after a failing run differs
     assert block == render(dict.fromkeys(named_tests(), True)), "run scripts/serve_support_table.py"
