@@ -44,6 +44,7 @@ class FakeService:
     """A training service with scripted faults: ``faults[(kind, index)] = [fault, ...]`` per attempt."""
 
     tokenizer = "tok"
+    one_call_per_step = False  # a TrainingClient capability: micro-batches may be separate calls
 
     def __init__(self, faults: dict[tuple[str, int], list[str]] | None = None) -> None:
         self.faults = {k: list(v) for k, v in (faults or {}).items()}

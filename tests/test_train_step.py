@@ -211,6 +211,8 @@ def test_weights_make_the_accumulated_gradient_the_mean_over_trained_datums() ->
 
 
 class RecordingClient:
+    one_call_per_step = False  # the TrainingClient capability train_step reads
+
     def __init__(self) -> None:
         self.calls: list[list[Datum]] = []
         self.optim_steps = 0

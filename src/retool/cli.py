@@ -9,7 +9,6 @@ credentials...): one line, exit 2, no traceback unless ``--debug`` or ``RETOOL_D
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import sys
@@ -18,7 +17,16 @@ import typer
 from typer import _click as click  # typer vendors click; its Context is the base of typer.Context
 from typer.core import TyperGroup
 
+from retool.analyze import cli as analyze_cli
+from retool.data import cli as data_cli
 from retool.errors import UserError
+from retool.evaluate import cli as evaluate_cli
+from retool.reward import cli as reward_cli
+from retool.sandbox import cli as sandbox_cli
+from retool.serve import cli as serve_cli
+from retool.tasks import cli as tasks_cli
+from retool.train import cli as train_cli
+from retool.view import cli as view_cli
 
 DEBUG_ENV = "RETOOL_DEBUG"
 _DEBUG_KEY = "retool.debug"
@@ -53,15 +61,15 @@ app = typer.Typer(
 
 # Order is the order of `retool --help`: the pipeline, left to right.
 _STAGE_CLIS = (
-    "retool.data.cli",
-    "retool.reward.cli",
-    "retool.sandbox.cli",
-    "retool.tasks.cli",
-    "retool.train.cli",
-    "retool.evaluate.cli",
-    "retool.analyze.cli",
-    "retool.view.cli",
-    "retool.serve.cli",
+    data_cli,
+    reward_cli,
+    sandbox_cli,
+    tasks_cli,
+    train_cli,
+    evaluate_cli,
+    analyze_cli,
+    view_cli,
+    serve_cli,
 )
 
 
@@ -82,14 +90,8 @@ def _root(
     )
 
 
-for _module_name in _STAGE_CLIS:
-    try:
-        _module = importlib.import_module(_module_name)
-    except ModuleNotFoundError as exc:  # a stage not built yet; never hide a broken one
-        if exc.name != _module_name:
-            raise
-        continue
-    _module.register(app)
+for _stage in _STAGE_CLIS:
+    _stage.register(app)
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The one interface every backend implements, shaped like the Tinker / PyTRIO clients.
 
 Async-first: every method has an ``*_async`` coroutine; the plain method is a synchronous wrapper.
-A backend lives behind ``make_backend(config)`` (see ``retool.backends.__init__``).
+A backend is built from the config by ``retool.backends.make_training_client`` (``retool.components`` calls it).
 """
 
 from __future__ import annotations
@@ -91,6 +91,18 @@ class TrainingClient(abc.ABC):
         loss its own way measures how (``retool.backends.reduction``) and adopts it, or raises. The loss
         is computed here by default, so there is nothing to check."""
         return []
+
+    @property
+    def one_call_per_step(self) -> bool:
+        """True when an optimizer step must reach the backend as one ``forward_backward`` call (a service
+        whose reduction divides the step's gradient by the datums it accumulated,
+        ``retool.backends.reduction``); ``retool.train.step.train_step`` reads it."""
+        return False
+
+    def fault_counters(self) -> dict[str, float]:
+        """Faults this client absorbed since it started (retries, replays), as ``faults/*`` metrics; none
+        by default."""
+        return {}
 
     async def close_async(self) -> None:  # noqa: B027 - optional hook
         """Release resources (sessions, threads)."""

@@ -254,6 +254,10 @@ class GuardedTrainingClient(TrainingClient):
     async def close_async(self) -> None:
         await self._inner.close_async()
 
+    @property
+    def one_call_per_step(self) -> bool:
+        return self._inner.one_call_per_step
+
     def fault_counters(self) -> dict[str, float]:
         counts = {f"faults/remote_{k}": float(v) for k, v in self.retry_stats.as_dict().items()}
         counts["faults/remote_replays"] = float(self.replays)

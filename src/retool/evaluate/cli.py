@@ -3,22 +3,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
 from retool.data import DataError
+from retool.errors import UserError
 from retool.evaluate.runner import MODES, evaluate
 from retool.evaluate.settings import EvalError
 from retool.evaluate.store import EvalStoreError, EvalSummary
 from retool.jsonl import as_list, as_number
 from retool.sandbox import SandboxPreimportError
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def format_summary(summary: EvalSummary) -> str:
@@ -88,7 +83,7 @@ def eval_command(
     when given, after any ``--set``.
     """
     if mode not in MODES:
-        _fail(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
+        raise UserError(f"--mode must be one of {', '.join(MODES)}, got {mode!r}")
     flags = {
         "model.name": model,
         "eval.dataset": dataset,
@@ -104,7 +99,7 @@ def eval_command(
     try:
         cfg = load_config(config, [*overrides, *flag_overrides(flags)])
     except ConfigError as exc:
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
     fields = {"question_field": question_field, "answer_field": answer_field, "id_field": id_field}
     try:
         summary = evaluate(
@@ -115,7 +110,7 @@ def eval_command(
             dataset_fields={k: v for k, v in fields.items() if v},
         )
     except (EvalError, EvalStoreError, DataError, SandboxPreimportError) as exc:
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
     typer.echo(format_summary(summary))
     typer.echo(f"records: {output}")
 

@@ -3,16 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 
+from retool.errors import UserError
+
 DEFAULT_ROOT = "runs/serve"
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def serve_command(
@@ -68,7 +64,7 @@ def serve_command(
             share_base=shared_base,
         )
     except (ConfigError, ServeSetupError, FileNotFoundError) as exc:
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
 
 
 def register(app: typer.Typer) -> None:

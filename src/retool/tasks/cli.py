@@ -8,12 +8,13 @@ import sys
 import time
 from collections.abc import Mapping
 from pathlib import Path
-from typing import NoReturn, Unpack
+from typing import Unpack
 
 import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
 from retool.data.gsm8k import GSM8K_FILE, default_data_dir
+from retool.errors import UserError
 from retool.jsonl import JsonValue, as_number, read_jsonl_objects
 from retool.tasks.coldstart import coldstart_protocol, convert_with_sandbox, write_examples, write_rejects
 from retool.tasks.demo import DemoEvent, DemoSettings, run_demo, run_sft, seed_overrides
@@ -22,11 +23,6 @@ from retool.tasks.report import DemoResult, gain_line, markdown_table
 
 # The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
 _DEMO = load_config("demo")
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def _quiet_library_progress() -> None:
@@ -144,7 +140,7 @@ def _settings(
     try:
         return DemoSettings.load(sets, config=config, **fields)
     except ConfigError as exc:
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
 
 
 _CONFIG_HELP = "Preset or TOML file the settings start from."
@@ -227,7 +223,7 @@ def demo_command(
     try:
         result = run_demo(settings, on_event=_Printer())
     except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
     _print_demo_result(result)
 
 
@@ -236,7 +232,7 @@ def _model_demo_fields(model: str) -> DemoFields:
     if model == "tiny":
         return {}
     if model not in REAL_MODELS:
-        _fail(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")
+        raise UserError(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")
     return REAL_MODELS[model].fields.copy()
 
 
@@ -306,7 +302,7 @@ def sft_command(
 ) -> None:
     """Cold-start SFT on code-interleaved trajectories from the synthetic task family."""
     if model != "tiny" and not Path(model).exists():
-        _fail(f"--model {model}: no such folder")
+        raise UserError(f"--model {model}: no such folder")
     flags = {
         "sft.steps": steps,
         "sft.batch_size": batch_size,
@@ -321,7 +317,7 @@ def sft_command(
         # "tiny" here is the demo's own tiny model, built for these tasks into OUT/model_init.
         result = run_sft(settings, None if model == "tiny" else model, on_event=_Printer(), evaluate=evaluate)
     except ValueError as exc:
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
     typer.echo(json.dumps(result, indent=2))
 
 
@@ -361,14 +357,14 @@ def coldstart_command(
 ) -> None:
     """Each solution becomes a tool trajectory with REAL sandbox outputs; prints kept and dropped counts."""
     if not input.is_file():
-        _fail(f"--input {input}: no such file")
+        raise UserError(f"--input {input}: no such file")
     try:
         protocol = coldstart_protocol(model, tool_format, system_prompt)
     except (OSError, ValueError) as exc:  # no such tokenizer, no chat template, an unknown format or prompt
-        _fail(f"--model {model}: {' '.join(str(exc).split())}")
+        raise UserError(f"--model {model}: {' '.join(str(exc).split())}") from None
     test_file = held_out or _default_held_out()
     if test_file is not None and not test_file.is_file():
-        _fail(f"--held-out {test_file}: no such file")
+        raise UserError(f"--held-out {test_file}: no such file")
     questions = [str(r.get("question", "")) for r in read_jsonl_objects(test_file)] if test_file else []
     examples, report = convert_with_sandbox(
         input,

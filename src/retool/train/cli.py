@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import NoReturn
 
 import typer
 
 from retool.config import Config, ConfigError, dump_config
 from retool.data import DataError
+from retool.errors import UserError
 from retool.retry import RetriesExhaustedError, UnsafeRetryError
 from retool.sandbox import SandboxPreimportError
 from retool.train.checkpoint import RunWriteError
@@ -16,11 +16,6 @@ from retool.train.datasource import DataSourceError
 from retool.train.loop import RunDirError, TrainSummary, load_run_config, run_training
 from retool.train.metrics import StepLostError
 from retool.train.trackers import TrackerError
-
-
-def _fail(message: str) -> NoReturn:
-    typer.echo(f"error: {message}", err=True)
-    raise typer.Exit(2)
 
 
 def train_command(
@@ -38,14 +33,14 @@ def train_command(
 ) -> None:
     """RL with the code interpreter: rollouts, interpreter-masked PPO steps, metrics, checkpoints."""
     if resume is not None and run_dir is not None and resume != run_dir:
-        _fail("--resume names the run folder; do not also pass a different --run-dir")
+        raise UserError("--resume names the run folder; do not also pass a different --run-dir")
     if resume is None and config is None:
-        _fail("pass --config FILE|PRESET (or --resume RUN_DIR)")
+        raise UserError("pass --config FILE|PRESET (or --resume RUN_DIR)")
     try:
         # With --resume and no --config, the run's own config.toml is the base.
         cfg = load_run_config(config, resume, resume is not None, overrides)
     except ConfigError as exc:
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
     if show_config:
         typer.echo(dump_config(cfg))
         return
@@ -66,7 +61,7 @@ def _train(cfg: Config, folder: Path, resume: bool) -> TrainSummary:
     try:
         return run_training(cfg, folder, resume=resume)
     except (RunDirError, DataSourceError, DataError, TrackerError, ConfigError) as exc:
-        _fail(str(exc))
+        raise UserError(str(exc)) from None
     except (
         RunWriteError,
         SandboxPreimportError,

@@ -315,9 +315,7 @@ class Trainer:
         (the local backend's own sampler is a live view of its weights)."""
         backend = self._backend
         if self.config.train.max_steps_off_policy > 0:
-            frozen = getattr(backend, "frozen_sampling_client_async", None)
-            if frozen is not None:
-                return await frozen()
+            return await backend.frozen_sampling_client_async()
         return await backend.sampling_client_async()
 
     async def _one_step(self, step: int, pipeline: RolloutPipeline, tracker: Tracker) -> MetricsRecord:

@@ -42,6 +42,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Protocol
 
+from retool.backends.base import TrainingClient
 from retool.jsonl import JsonValue, read_jsonl_objects
 from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
 from retool.train.checkpoint import RunWriteError
@@ -106,15 +107,13 @@ def raise_if_step_lost(groups: Sequence[Sequence[Trajectory]], step: int) -> Non
     )
 
 
-def fault_counters(client: object, executor: object, verifier: object) -> dict[str, float]:
+def fault_counters(client: TrainingClient, executor: object, verifier: object) -> dict[str, float]:
     """Fault counters of the trainer's components since they started (absent where a component has none).
 
     Cumulative, so a chart shows when faults happened; a resumed run starts them again from 0.
     """
     out: dict[str, float] = {}
-    counters = getattr(client, "fault_counters", None)
-    if callable(counters):
-        out.update(counters())
+    out.update(client.fault_counters())
     stats = getattr(executor, "stats", None)
     for name in ("worker_failures", "worker_restarts"):
         if isinstance(getattr(stats, name, None), int):

@@ -272,7 +272,7 @@ async def train_step(
     start = time.perf_counter()
     if not datums:
         return TrainStepResult(0, 0, False, None, seconds=time.perf_counter() - start)
-    if getattr(client, "one_call_per_step", False):  # read through a guard's attribute forwarding
+    if client.one_call_per_step:
         batches = [list(range(len(datums)))]
     else:
         batches = pack_micro_batches(datums, micro_batch_tokens)
