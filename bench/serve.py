@@ -383,6 +383,10 @@ def run_model(name: str, work: Path, args: argparse.Namespace) -> tuple[str, dic
         for _ in range(args.rounds):
             for mode, measure in measures.items():
                 got = measure()
+                print(
+                    f"  {mode}: sampled tok/s {got['sample_1']:.1f} (1 client), {got['sample_8']:.1f} (8)",
+                    flush=True,
+                )
                 best = results.setdefault(mode, got)
                 if best is got:
                     continue

@@ -54,19 +54,21 @@ def test_adapters_and_the_base_batch_together_and_match_sampling_each_alone(tiny
     base = load_base_model(str(tiny_model_dir), device="cpu")
     a = _trained(tiny_model_dir, base, 0, [5, 6, 7, 8, 20, 21, 22, 23])
     b = _trained(tiny_model_dir, base, 1, [9, 10, 11, 30, 31, 32, 33])
+    c = _trained(tiny_model_dir, base, 2, [3, 4, 40, 41, 42, 43])
     plain = LocalTrainingClient(tiny_model_dir, lora=None, device="cpu", shared_base=base)
-    frozen = [run_sync(c.frozen_sampling_client_async()) for c in (a, b)]
+    frozen = [run_sync(t.frozen_sampling_client_async()) for t in (a, b, c)]
     alone = [run_sync(_sample_all([s])) for s in [*frozen, plain._sampler]]
-    assert alone[0] != alone[1] != alone[2]  # three different sets of weights
+    assert len({repr(x) for x in alone}) == 4  # four different sets of weights
 
     engine = MultiLoraEngine(base, a)
-    shared = [engine.sampler_for(c, f.model) for c, f in zip((a, b), frozen, strict=True)]
+    shared = [engine.sampler_for(t, f.model) for t, f in zip((a, b, c), frozen, strict=True)]
     shared.append(engine.sampler_for(plain, plain.model))
     assert all(isinstance(s, SharedBaseSamplingClient) for s in shared)
     together = run_sync(_sample_all(shared))  # type: ignore[arg-type]
     n = len(PROMPTS) * len(PARAMS)
-    assert engine.engine.peak_rows == 3 * n  # one batch: every row of the three samplers
-    for k in range(3):
+    assert engine.engine.peak_rows == 4 * n  # one batch: every row of the four samplers
+    assert engine.layers["model.layers.0.self_attn.q_proj"].stacked is not None  # three adapters: stacked
+    for k in range(4):
         _assert_same(together[k * n : (k + 1) * n], alone[k])
 
     # The prefix cache keeps each adapter's KV apart: b after a on the same long prompt is still b's.
@@ -81,7 +83,7 @@ def test_adapters_and_the_base_batch_together_and_match_sampling_each_alone(tiny
     # ... and the same adapter again is served from its own entry
     run_sync(shared[0].sample_async(long, 1, PARAMS[0]))
     assert engine.engine.cache.stats.hits == 1
-    for client in (a, b, plain):
+    for client in (a, b, c, plain):
         client.close()
     engine.close()
 
