@@ -49,6 +49,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 RANK = 8
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results" / "serve_throughput.md"
+# Every mode's clients, kept to the end: a collected PyTRIO ServiceClient's finalizer calls the stopped
+# server and waits out the SDK's retries.
+KEEP: list[object] = []
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(24)] for i in range(64)]
 
 
@@ -326,15 +329,16 @@ def main() -> None:
         f"{args.requests} requests x {args.tokens} tokens per client, best of {args.rounds} interleaved rounds",
     ]
     print("\n".join(header), flush=True)
-    sections = [run_model(name, work, args) for name in args.model.split(",")]
-    text = report(header, sections)
+    sections: list[tuple[str, dict[str, dict[str, float]]]] = []
+    outs = [Path(args.out)] if args.out else []
+    for name in args.model.split(","):
+        sections.append(run_model(name, work, args))
+        text = report(header, sections)  # written after each model, so a later failure keeps it
+        for out in outs + ([RESULTS] if args.write else []):
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(text)
     print("\n" + text)
-    for out in [args.out] if args.out else []:
-        Path(out).parent.mkdir(parents=True, exist_ok=True)
-        Path(out).write_text(text)
     if args.write:
-        RESULTS.parent.mkdir(parents=True, exist_ok=True)
-        RESULTS.write_text(text)
         print(f"written to {RESULTS}")
 
 
@@ -366,6 +370,7 @@ def run_model(name: str, work: Path, args: argparse.Namespace) -> tuple[str, dic
     model, label = model_folder(name, work, args)
     print(f"-- {label}", flush=True)
     measures = {"in-process": bench_local(model, args)}
+    KEEP.append(measures)
     extra = ("--base-per-client",) if args.base_per_client else ()
     root = work / f"root-{name.replace('/', '_')}"
     proc, url = start_server(model, root, args.device, args.threads, extra)
