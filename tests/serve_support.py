@@ -12,6 +12,7 @@ Cell = tuple[str, ...] | str | None
 
 S = "test_serve.py::"
 L = "test_serve_losses.py::"
+M = "test_serve_multi_lora.py::"
 
 CHAPTER = S + "test_chapter_shaped_pytrio_training_and_evaluation_scripts_run_unmodified"
 PY_RESUME = S + "test_pytrio_state_resumes_into_a_new_client_with_identical_logprobs"
@@ -111,6 +112,13 @@ ROWS: list[tuple[str, Cell, Cell, str]] = [
         "yes (the same server state as Tinker's, tested there and in `test_serve_shared_base.py`)",
         (S + "test_two_tinker_training_clients_never_see_each_others_weights",),
         "one frozen base, an adapter and optimizer each; no client sees another's weights",
+    ),
+    (
+        "sampling many clients' adapters (and the base) together",
+        (M + "test_the_servers_samplers_of_two_runs_and_the_base_share_one_engine",),
+        (M + "test_the_servers_samplers_of_two_runs_and_the_base_share_one_engine",),
+        "one engine per base model decodes every adapter's requests in one batch (`retool.backends.multi_lora`); "
+        "the same tokens as each adapter sampled alone",
     ),
     ("top-k sample logprobs, `prompt_alt_tokens_k`, images", "no", "no", "400"),
     (

@@ -22,6 +22,12 @@ earlier, a system prompt seen before), then the common prefix of the sequences a
 once, and stored). Identical prompts admitted together (a group) are prefilled once and their KV
 repeated. When a sequence finishes, the KV of its prompt and completion goes into the prefix cache.
 
+Adapters (``GenRequest.adapter``): an engine over one base model shared by several LoRA adapters
+(``retool.backends.multi_lora``) decodes the rows of every adapter in one batch. Each row names its
+adapter (``None``: the plain base); before every forward the engine hands ``select_adapters`` the adapter
+of each row, in batch order. Rows of different adapters are never deduplicated or prefix-shared, and the
+prefix cache keeps their KV apart (its ``space``).
+
 Numerics: a token's logits depend on how its KV was computed (one long prefill, prefix + suffix, batch
 composition) only through float rounding, so cache on and off give the same tokens (barring a uniform
 draw within ~1e-6 of a CDF boundary) and logprobs equal to ~1e-5; not bitwise, because matmuls of
@@ -67,6 +73,7 @@ class GenRequest:
     prompt: list[int]
     params: SamplingParams
     seed: int
+    adapter: Hashable = None  # the LoRA adapter this row samples through (see the module docstring)
 
 
 class SamplingStats(Protocol):
@@ -197,6 +204,8 @@ class _Row:
     stop_ids: set[int]
     stop_strings: list[str]
     window: int  # tokens decoded to look for a stop string
+    adapter: Hashable = None
+    submitted: float = field(default_factory=time.perf_counter)  # when it entered the inbox
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -213,6 +222,7 @@ class _Row:
             stop_ids=stop_ids,
             stop_strings=stop_strings,
             window=max((len(s) for s in stop_strings), default=0) + 4,
+            adapter=req.adapter,
         )
 
     def record(self, token: int, logprob: float, tokenizer: TokenDecoder) -> StopReason | None:
@@ -401,6 +411,7 @@ class _Prefill:
     tokens: list[int]
     cached: int = 0
     kv: KV | None = None
+    adapter: Hashable = None
 
 
 class ContinuousGenerator:
@@ -408,7 +419,8 @@ class ContinuousGenerator:
 
     ``model_fn`` returns the module to run, brought up to date (called once per job, on the executor);
     ``tag_fn`` the identity of its weights (a change empties the prefix cache); ``should_yield`` is true
-    while another job (a training call) waits for the executor.
+    while another job (a training call) waits for the executor; ``select_adapters``, when given, is told
+    each row's adapter before every forward (see the module docstring).
     """
 
     def __init__(
@@ -426,13 +438,17 @@ class ContinuousGenerator:
         executor: Executor,
         stats: SamplingStats,
         should_yield: Callable[[], bool] = lambda: False,
+        select_adapters: Callable[[list[Hashable]], None] | None = None,
     ) -> None:
         self._model_fn, self._tag_fn, self._should_yield = model_fn, tag_fn, should_yield
+        self._select = select_adapters
         self.tokenizer, self.pad_id, self.eos_ids = tokenizer, pad_id, eos_ids
         self.max_context, self.device, self.batch_limit = max_context, device, batch_limit
         self.cache, self.stats, self._executor = cache, stats, executor
         self.share_prefix = True  # run the common prefix of sequences admitted together once
         self.peak_rows = 0  # most sequences decoded together (observability)
+        self.queue_seconds = 0.0  # time rows waited in the inbox before a step boundary admitted them
+        self.admitted_rows = 0
         self._inbox: collections.deque[_Row] = collections.deque()
         self._lock = threading.Lock()
         self._running = False
@@ -516,6 +532,9 @@ class ContinuousGenerator:
                     row.unit.finish(row.index, Sample([], [], "length"))
                     continue
                 taken.append(row)
+        now = time.perf_counter()
+        self.queue_seconds += sum(now - row.submitted for row in taken)
+        self.admitted_rows += len(taken)
         return taken
 
     def _admit(self, model: torch.nn.Module, batch: _Batch | None) -> _Batch | None:
@@ -536,10 +555,14 @@ class ContinuousGenerator:
 
     def _prefill_rows(self, model: torch.nn.Module, rows: list[_Row]) -> _Batch:
         """One batch of ``rows`` with their prompts prefilled; identical prompts are run once."""
-        unique: dict[tuple[int, ...], int] = {}
-        order = [unique.setdefault(tuple(r.prompt), len(unique)) for r in rows]
-        items = [_Prefill(list(p)) for p in unique]
-        self._find_prefixes(model, items)
+        unique: dict[tuple[Hashable, tuple[int, ...]], int] = {}
+        order = [unique.setdefault((r.adapter, tuple(r.prompt)), len(unique)) for r in rows]
+        items = [_Prefill(list(p), adapter=a) for a, p in unique]
+        by_adapter: dict[Hashable, list[_Prefill]] = {}
+        for it in items:
+            by_adapter.setdefault(it.adapter, []).append(it)
+        for same in by_adapter.values():
+            self._find_prefixes(model, same)
         parts: list[tuple[list[int], _Batch]] = []
         for group in _padding_groups([len(it.tokens) - it.cached for it in items]):
             parts.append((group, self._forward_prefill(model, [items[i] for i in group])))
@@ -555,22 +578,24 @@ class ContinuousGenerator:
         return batch
 
     def _find_prefixes(self, model: torch.nn.Module, items: list[_Prefill]) -> None:
-        """Fill each item's cached prefix: from the prefix cache, or the items' common prefix run now."""
+        """Fill each item's cached prefix: from the prefix cache, or the items' common prefix run now
+        (``items`` all of one adapter)."""
+        space = items[0].adapter
         for it in items:
             if self.cache.enabled:
-                it.cached, it.kv = self.cache.lookup(it.tokens, len(it.tokens) - 1)
+                it.cached, it.kv = self.cache.lookup(it.tokens, len(it.tokens) - 1, space)
         shared = shared_prefix_length([it.tokens for it in items]) if self.share_prefix else 0
         if shared < MIN_SHARED_PREFIX or all(it.cached >= shared for it in items):
             return
-        head = _Prefill(items[0].tokens[:shared])
+        head = _Prefill(items[0].tokens[:shared], adapter=space)
         if self.cache.enabled:
-            head.cached, head.kv = self.cache.lookup(head.tokens, shared - 1)
+            head.cached, head.kv = self.cache.lookup(head.tokens, shared - 1, space)
         else:  # the longest prefix an item already holds is still worth reusing
             best = max(items, key=lambda it: it.cached)
             if best.cached:
                 head.cached, head.kv = best.cached, best.kv
         kv = self._forward_prefill(model, [head]).row_kv(0)
-        self.cache.store(head.tokens, kv)
+        self.cache.store(head.tokens, kv, space)
         for it in items:
             if it.cached < shared:
                 it.cached, it.kv = shared, kv
@@ -594,6 +619,8 @@ class ContinuousGenerator:
         if width:
             kwargs[self._cache_key or "past_key_values"] = self._padded_cache(items, width)
         mask, pos = mask.to(self.device), pos.to(self.device)
+        if self._select is not None:
+            self._select([it.adapter for it in items])
         out = model(
             input_ids=ids.to(self.device),
             attention_mask=mask,
@@ -660,7 +687,7 @@ class ContinuousGenerator:
     def _finish(self, batch: _Batch, i: int, reason: StopReason) -> None:
         row = batch.rows[i]
         if self.cache.enabled:
-            self.cache.store(row.cached_tokens(), batch.row_kv(i))
+            self.cache.store(row.cached_tokens(), batch.row_kv(i), row.adapter)
         self.stats.add_sequence(len(row.prompt), len(row.tokens))
         row.unit.finish(row.index, Sample(row.tokens, row.logprobs, reason))
 
@@ -668,6 +695,8 @@ class ContinuousGenerator:
         ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
         batch.mask = torch.cat([batch.mask, ones], dim=1)
         batch.last_pos = batch.last_pos + 1
+        if self._select is not None:
+            self._select([r.adapter for r in batch.rows])
         out = model(
             input_ids=chosen[:, None],
             attention_mask=batch.mask,

@@ -399,6 +399,8 @@ class LocalSamplingClient(SamplingClient):
     llama.cpp) override ``_run_batch``, which runs each gathered batch on the worker thread.
     """
 
+    adapter: Hashable = None  # the adapter its rows name on a shared engine (``retool.backends.multi_lora``)
+
     def __init__(
         self, owner: LocalTrainingClient, gather_ms: float = 5.0, engine: ContinuousGenerator | None = None
     ) -> None:
@@ -445,7 +447,7 @@ class LocalSamplingClient(SamplingClient):
                 count += item.num_samples
             if not batch:
                 continue
-            flat = [GenRequest(p.prompt, p.params, s) for p in batch for s in p.seeds]
+            flat = [GenRequest(p.prompt, p.params, s, self.adapter) for p in batch for s in p.seeds]
             try:
                 running = self._start_batch(flat)
             except Exception as exc:  # every waiter learns why; the queue keeps serving later requests

@@ -13,6 +13,10 @@ so entries that share a prefix hold copies of it: simpler than shared blocks, an
 every byte. An entry whose tokens are a prefix of a newly stored one is dropped (the new one serves
 every request the old one could). Least recently used entries are evicted beyond ``max_bytes``.
 
+Namespaces: ``space`` (default ``None``) keeps apart entries whose KV came from different weights that
+share one cache (the LoRA adapters of one shared-base engine, ``retool.backends.multi_lora``): a lookup
+only ever finds entries stored under its own space.
+
 Validity: KV computed with old weights must never serve a request after the weights change. The owner
 passes a tag (weights version, model identity) to ``validate`` before each use; a different tag
 empties the cache.
@@ -36,6 +40,7 @@ class _Entry:
     kv: KV
     nbytes: int
     keys: list[int]  # block keys this entry is indexed under
+    space: Hashable = None  # whose weights computed the KV (see the module docstring)
 
 
 @dataclass
@@ -86,20 +91,21 @@ class PrefixCache:
         self._by_last_key.clear()
         self.bytes = 0
 
-    def _block_keys(self, tokens: Sequence[int], limit: int) -> list[int]:
+    def _block_keys(self, tokens: Sequence[int], limit: int, space: Hashable = None) -> list[int]:
         keys: list[int] = []
-        prev = 0
+        prev = 0 if space is None else hash(("space", space))
         for end in range(self.block, limit + 1, self.block):
             prev = hash((prev, tuple(tokens[end - self.block : end])))
             keys.append(prev)
         return keys
 
-    def lookup(self, tokens: Sequence[int], limit: int) -> tuple[int, KV | None]:
-        """The longest cached prefix of ``tokens[:limit]``: (its length, per-layer KV views), or (0, None)."""
+    def lookup(self, tokens: Sequence[int], limit: int, space: Hashable = None) -> tuple[int, KV | None]:
+        """The longest cached prefix of ``tokens[:limit]`` stored under ``space``: (its length, per-layer
+        KV views), or (0, None)."""
         self.stats.lookups += 1
         if not self._entries:
             return 0, None
-        keys = self._block_keys(tokens, min(limit, len(tokens)))
+        keys = self._block_keys(tokens, min(limit, len(tokens)), space)
         for k in range(len(keys) - 1, -1, -1):
             ids = self._index.get(keys[k])
             if ids:
@@ -109,7 +115,7 @@ class PrefixCache:
             return 0, None
         entry = self._entries[entry_id]
         n = (k + 1) * self.block
-        if entry.tokens[:n] != tuple(tokens[:n]):  # a hash collision: serve nothing rather than wrong KV
+        if entry.space != space or entry.tokens[:n] != tuple(tokens[:n]):  # a hash collision: serve nothing
             return 0, None
         end = min(len(entry.tokens), limit, len(tokens))
         while n < end and entry.tokens[n] == tokens[n]:
@@ -119,8 +125,9 @@ class PrefixCache:
         self.stats.hit_tokens += n
         return n, [(k_[:, :n], v_[:, :n]) for k_, v_ in entry.kv]
 
-    def store(self, tokens: Sequence[int], kv: KV) -> bool:
-        """Keep ``kv`` (the KV of exactly ``tokens``) for later lookups; False when it cannot fit."""
+    def store(self, tokens: Sequence[int], kv: KV, space: Hashable = None) -> bool:
+        """Keep ``kv`` (the KV of exactly ``tokens``, computed by ``space``'s weights) for later lookups;
+        False when it cannot fit."""
         if not self.enabled or len(tokens) < self.block:
             return False
         length = len(tokens)
@@ -130,18 +137,18 @@ class PrefixCache:
         if nbytes > self.max_bytes:
             return False
         seq = tuple(int(t) for t in tokens)
-        keys = self._block_keys(seq, length)
+        keys = self._block_keys(seq, length, space)
         for key in keys:  # entries the new one extends serve nothing it does not
             for old in list(self._by_last_key.get(key, ())):
                 held = self._entries[old].tokens
-                if len(held) <= length and seq[: len(held)] == held:
+                if self._entries[old].space == space and len(held) <= length and seq[: len(held)] == held:
                     self._remove(old)
         while self._entries and self.bytes + nbytes > self.max_bytes:
             self._remove(next(iter(self._entries)))
             self.stats.evicted += 1
         entry_id = self._next_id
         self._next_id += 1
-        self._entries[entry_id] = _Entry(seq, kv, nbytes, keys)
+        self._entries[entry_id] = _Entry(seq, kv, nbytes, keys, space)
         for key in keys:
             self._index.setdefault(key, {})[entry_id] = None
         self._by_last_key.setdefault(keys[-1], set()).add(entry_id)

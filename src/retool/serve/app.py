@@ -16,6 +16,7 @@ from __future__ import annotations
 import hmac
 import json
 import logging
+import time
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
@@ -23,7 +24,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
 from retool.serve.pytrio_api import PytrioApi, actor_token
-from retool.serve.state import ServeError, ServeState
+from retool.serve.state import RequestTimers, ServeError, ServeState
 from retool.serve.tinker_api import TinkerApi
 
 logger = logging.getLogger(__name__)
@@ -43,11 +44,17 @@ class _TooLarge(Exception):
     pass
 
 
+_TIMED_ROUTES = {"sample", "asample", "retrieve_future"}  # the sample path (``RequestTimers``)
+
+
 class GuardMiddleware:
     """Checks the API key and bounds the body size of every HTTP request (see the module docstring)."""
 
-    def __init__(self, app: ASGIApp, api_key: str | None, max_body_bytes: int) -> None:
+    def __init__(
+        self, app: ASGIApp, api_key: str | None, max_body_bytes: int, timers: RequestTimers | None = None
+    ) -> None:
         self.app = app
+        self.timers = timers
         self.api_key = api_key
         self.actor_token = actor_token(api_key)
         self.max_body = max_body_bytes
@@ -85,10 +92,14 @@ class GuardMiddleware:
                 raise _TooLarge
             return message
 
+        t0 = time.perf_counter()
         try:
             await self.app(scope, counted, send)
         except _TooLarge:
             await self._too_large(scope, receive, send)
+        route = str(scope.get("path", "")).rsplit("/", 1)[-1]
+        if self.timers is not None and route in _TIMED_ROUTES:
+            self.timers.add(f"http {route}", time.perf_counter() - t0)
 
     async def _too_large(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"request body larger than {self.max_body} bytes"
@@ -117,9 +128,15 @@ def create_app(state: ServeState, api_key: str | None = None) -> FastAPI:
         logger.exception("%s %s failed", request.method, request.url.path)
         return error_response(500, "internal_error", f"{type(exc).__name__}: {exc}")
 
+    @app.get("/retool/timers")
+    async def _timers(reset: bool = False) -> JSONResponse:  # the request path's phases (bench/serve.py)
+        return JSONResponse(state.timings(reset))
+
     @app.on_event("shutdown")
     async def _close() -> None:
         await state.close()
 
-    app.add_middleware(GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes)
+    app.add_middleware(
+        GuardMiddleware, api_key=api_key, max_body_bytes=state.limits.max_body_bytes, timers=state.timers
+    )
     return app

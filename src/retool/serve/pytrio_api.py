@@ -26,6 +26,7 @@ import hmac
 import json
 import re
 import struct
+import time
 from collections.abc import Awaitable, Callable, Sequence
 from datetime import UTC, datetime, timedelta
 from typing import TypeAlias, TypeVar
@@ -468,6 +469,7 @@ class PytrioApi:
         # deferred: the pytrio SDK is optional (the serve extra)
         from pytrio.protocol.actor.sampling_run.sample import SampleRequest
 
+        t0 = time.perf_counter()
         if srid not in self.sampling_runs:
             raise ServeError(404, "unknown_sampling_run", f"no sampling run {srid!r} on this server")
         body = _validated(SampleRequest, await read_json_object(request))
@@ -477,10 +479,12 @@ class PytrioApi:
         sampler, served = await self.state.sampler(model_path, base_model)
         self.state.check_sample(served, prompt, body.num_samples, params)
         asked = prompt_request(len(prompt), body.return_prompt_logprobs, body.topk_prompt_logprobs)
+        self.state.timers.add("validate", time.perf_counter() - t0)
         samples = await self.state.sample(sampler, prompt, body.num_samples, params)
         scored = None
         if asked.wanted:
             scored = score_prompt(await self.state.prompt_scores(sampler, prompt), prompt, asked)
+        t1 = time.perf_counter()
         tokenizer = getattr(sampler, "tokenizer", None)
         sequences = [
             {
@@ -504,4 +508,6 @@ class PytrioApi:
         if scored is not None:
             answer["prompt_logprobs"] = scored.logprobs
             answer["topk_prompt_logprobs"] = scored.topk
-        return as_json(answer)
+        response = as_json(answer)
+        self.state.timers.add("serialize", time.perf_counter() - t1)
+        return response

@@ -8,8 +8,10 @@
 - One base, many adapters (``share_base``, the default): each base model's weights are loaded once, frozen,
   and every client on it (training runs, samplers of saved paths, the base sampler) is a module tree over
   those same tensors plus its own LoRA tensors (``retool.backends.local.share_module``), so N clients cost
-  the base plus N adapters and optimizer states. Those clients sample through their adapter (no merged
-  copy of the adapted weights); ``--base-per-client`` restores a full copy per client.
+  the base plus N adapters and optimizer states. Their samplers (a run's saved or temporary weights, saved
+  paths, the base) all run on one engine per base model (``retool.backends.multi_lora``): requests for
+  different adapters and the base decode in one batch, each row through its own adapter (no merged copy
+  of the adapted weights); ``--base-per-client`` restores a full copy per client, each sampling alone.
 - Samplers: a sampler per saved path, built on first use from the files (so paths still load after a
   restart), or, for weights a live run just saved, a frozen copy of that run's adapter that shares the base
   weights. Concurrent ``sample`` calls on one sampler are batched by the local backend's sampler.
@@ -63,6 +65,7 @@ if TYPE_CHECKING:  # deferred: backends.local imports torch; only its types are 
     import torch
 
     from retool.backends.local import LocalLoraSpec, LocalTrainingClient
+    from retool.backends.multi_lora import MultiLoraEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -209,6 +212,28 @@ class StabilityRecords:
         return len(self._items)
 
 
+class RequestTimers:
+    """Where a sample request's time goes on the server, summed per phase since the last reset (served at
+    ``GET /retool/timers``; ``bench/serve.py`` reports them per request): ``http <route>`` (the whole
+    request, in the ASGI app), ``validate`` (parsing, checks, finding the sampler), ``sample`` (the
+    sampler's gathering wait, the engine's queue and the generation), ``serialize`` (the answer's body);
+    the engines' inbox waits (``queue``, per row) come from ``ServeState.timings``."""
+
+    def __init__(self) -> None:
+        self._phases: dict[str, list[float]] = {}
+
+    def add(self, phase: str, seconds: float) -> None:
+        entry = self._phases.setdefault(phase, [0.0, 0.0])
+        entry[0] += 1
+        entry[1] += seconds
+
+    def report(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        out = {k: {"count": v[0], "seconds": v[1]} for k, v in self._phases.items()}
+        if reset:
+            self._phases.clear()
+        return out
+
+
 class ServeState:
     """Models, runs, samplers and storage of one server (see the module docstring)."""
 
@@ -242,9 +267,13 @@ class ServeState:
         self._build_lock = threading.Lock()
         self.sampler_cache_size = 8
         self.stability = StabilityRecords()
+        self.timers = RequestTimers()
+        self._queue_base: tuple[float, float] = (0, 0.0)  # the engines' queue counters at the last reset
         # One frozen copy of each base model's weights, shared by every client built on it (``share_base``)
         self.share_base = share_base
         self._bases: dict[str, torch.nn.Module] = {}
+        # The samplers of each shared base batch together on one engine (``retool.backends.multi_lora``)
+        self._engines: dict[str, MultiLoraEngine] = {}
 
     # -- models ----------------------------------------------------------------------------------
     @staticmethod
@@ -395,8 +424,7 @@ class ServeState:
     async def snapshot(self, run: TrainingRun, name: str, scheme: str) -> str:
         """Temporary sampler weights: a frozen copy of the adapter in memory, nothing on disk (a step's
         sampler with a large tied ``lm_head`` would otherwise write the embedding matrix every step)."""
-        client = await self.client(run)
-        frozen = await client.frozen_sampling_client_async()
+        frozen = await self.frozen_sampler(run)
         uri = self.storage.uri(scheme, run.run_id, "sampler_weights", name)
         meta = CheckpointMeta(run.run_id, "sampler_weights", name, run.model.name, run.lora)
         self._ephemeral[self._key(uri)] = (meta, frozen, run.model)
@@ -439,8 +467,7 @@ class ServeState:
         uri = self.storage.uri(scheme, run.run_id, kind, name)
         self._samplers.pop(self._key(uri), None)  # an overwritten path must never serve the old weights
         if kind == "sampler_weights":  # the next call is nearly always a sampler on it: skip the reload
-            frozen = await client.frozen_sampling_client_async()
-            self._remember_sampler(self._key(uri), (frozen, run.model))
+            self._remember_sampler(self._key(uri), (await self.frozen_sampler(run), run.model))
         return uri
 
     # -- sampling --------------------------------------------------------------------------------
@@ -498,7 +525,32 @@ class ServeState:
         client = await asyncio.to_thread(self._new_client, served, lora)
         if folder is not None:
             await client.load_state_async(str(folder))
-        return await client.sampling_client_async(), served, client
+        shared = await self._on_engine(served, client, client.model)  # a client that never trains
+        return shared or await client.sampling_client_async(), served, client
+
+    async def frozen_sampler(self, run: TrainingRun) -> SamplingClient:
+        """A sampler of the run's current weights (a frozen copy of its adapter), on its base's engine."""
+        client = await self.client(run)
+        frozen = await client.frozen_sampling_client_async()
+        model = getattr(frozen, "model", None)
+        shared = await self._on_engine(run.model, client, model) if model is not None else None
+        return shared or frozen
+
+    async def _on_engine(
+        self, served: ServedModel, owner: LocalTrainingClient, model: object
+    ) -> SamplingClient | None:
+        """A sampler of ``model`` on the shared base's engine (built on first use), or ``None``: no
+        shared base, or an adapter the engine cannot run (it then samples alone)."""
+        base = self._bases.get(served.path) if self.share_base else None
+        if base is None:
+            return None
+        engine = self._engines.get(served.path)
+        if engine is None:
+            from retool.backends.multi_lora import MultiLoraEngine  # deferred: imports torch
+
+            made = await asyncio.to_thread(MultiLoraEngine, base, owner)
+            engine = self._engines.setdefault(served.path, made)
+        return engine.sampler_for(owner, model)
 
     def check_sample(
         self, served: ServedModel, prompt: list[int], num_samples: int, params: SamplingParams
@@ -540,10 +592,24 @@ class ServeState:
     async def sample(
         self, sampler: SamplingClient, prompt: list[int], num_samples: int, params: SamplingParams
     ) -> list[Sample]:
+        t0 = time.perf_counter()
         try:
             return await sampler.sample_async(prompt, num_samples, params)
         except ValueError as exc:
             raise ServeError(400, "invalid_request", str(exc)) from None
+        finally:
+            self.timers.add("sample", time.perf_counter() - t0)
+
+    def timings(self, reset: bool = False) -> dict[str, dict[str, float]]:
+        """``timers``' phases plus the shared engines' inbox waits (``queue``: count = rows admitted)."""
+        out = self.timers.report(reset)
+        rows = sum(e.engine.admitted_rows for e in self._engines.values())
+        seconds = sum(e.engine.queue_seconds for e in self._engines.values())
+        base = self._queue_base
+        out["queue"] = {"count": rows - base[0], "seconds": seconds - base[1]}
+        if reset:
+            self._queue_base = (rows, seconds)
+        return out
 
     def check_datums(self, served: ServedModel, datums: list[Datum]) -> None:
         lim = self.limits
@@ -569,6 +635,8 @@ class ServeState:
         for run in self.runs.values():
             if run.client is not None:
                 await run.client.close_async()
+        for engine in self._engines.values():
+            engine.close()
 
 
 def _closer(client: LocalTrainingClient) -> Callable[[], Awaitable[None]]:

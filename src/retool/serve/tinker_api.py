@@ -24,6 +24,7 @@ import collections
 import itertools
 import json
 import math
+import time
 from collections.abc import Awaitable, Callable, Iterable, Mapping
 from dataclasses import dataclass
 from types import ModuleType
@@ -468,9 +469,8 @@ class TinkerApi:
             return self._ordered(run, data.get("seq_id"), "save_weights_for_sampler", save)
 
         async def snapshot() -> JsonObject:  # save_weights_and_get_sampling_client: in memory only
-            client = await self.state.client(run)
             sid = new_id("samp")
-            self.sampling_sessions[sid] = (None, run.model.name, await client.frozen_sampling_client_async())
+            self.sampling_sessions[sid] = (None, run.model.name, await self.state.frozen_sampler(run))
             self.sampler_sessions[sid] = run.session
             return {"sampling_session_id": sid, "type": "save_weights_for_sampler"}
 
@@ -519,6 +519,7 @@ class TinkerApi:
         )
 
     async def asample(self, request: Request) -> Response:
+        t0 = time.perf_counter()
         data = await read_json_object(request)
         if data.get("topk_sample_logprobs") or data.get("prompt_alt_tokens_k"):
             raise ServeError(
@@ -575,7 +576,9 @@ class TinkerApi:
                 scored = score_prompt(await self.state.prompt_scores(sampler, prompt), prompt, asked)
             return _Sampled(samples, scored, None if target is None else target[2])
 
-        return self._future("sample", call(), None, sample_sequence_ids=ids)
+        answer = self._future("sample", call(), None, sample_sequence_ids=ids)
+        self.state.timers.add("validate", time.perf_counter() - t0)
+        return answer
 
     async def retrieve_future(self, request: Request) -> Response:
         rid = self._field(await read_json_object(request), "request_id", str)
@@ -595,7 +598,10 @@ class TinkerApi:
             return as_json({"error": message, "category": "user" if user else "server"})
         result = future.result()
         if kind == "sample" and isinstance(result, _Sampled):
-            return _sample_response(result, PROTO in request.headers.get("accept", ""))
+            t0 = time.perf_counter()
+            response = _sample_response(result, PROTO in request.headers.get("accept", ""))
+            self.state.timers.add("serialize", time.perf_counter() - t0)
+            return response
         if isinstance(result, bytes):
             return Response(result, media_type=PROTO)
         return as_json(result)
