@@ -102,10 +102,13 @@ def trl_grpo_args(cfg: Config, completion_budget: int, steps: int, seed: int = 0
     if loss.name != "ppo":
         raise ValueError(f"the peer bench compares the ppo loss, not {loss.name!r}")
     return {
-        "per_device_train_batch_size": r.questions_per_step * r.group_size,
-        "gradient_accumulation_steps": 1,
+        # One generation of questions x group per optimizer step, trained one group per micro-batch (the
+        # memory of 16 full sequences at once would be ~10 GB in fp32); the "grpo" loss averages the
+        # micro-batches, so the gradient is the mean over all 16, as in one batch.
+        "per_device_train_batch_size": r.group_size,
+        "gradient_accumulation_steps": r.questions_per_step,
         "num_generations": r.group_size,
-        "steps_per_generation": 1,
+        "steps_per_generation": r.questions_per_step,
         "num_iterations": 1,  # one update per batch, as retool-rl
         "max_completion_length": completion_budget,
         "max_tool_calling_iterations": r.max_code_calls,

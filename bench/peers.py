@@ -455,6 +455,9 @@ def run_bench(args: argparse.Namespace) -> None:
                 continue
             r = arm.step()
             print(step_row(arm.name, step, r), flush=True)
+            # Saved after every step: a stopped bench still reports its finished steps (--report RUN_DIR).
+            partial = {"records": {a.name: a.records for a in started}, "prompt_tokens": plen}
+            (run / "steps.json").write_text(json.dumps(partial, indent=1))
     for arm in started:
         arm.finish()
     result: dict[str, Any] = {
@@ -499,11 +502,13 @@ def start_arm(
     extra = [] if name in ("trl", "retool") else ABLATIONS[name][1]
     if name == "no-skip":
         extra = ["filters.dynamic_sampling=false"]
-    cfg = job_config(sft, args.threads, args.completion_tokens, plen, extra)
+    steps = args.steps if name in ("trl", "retool") else min(args.steps, args.ablation_steps)
+    # train.steps too: the trainer runs its own loop, and would go on past the bench's steps.
+    cfg = job_config(sft, args.threads, args.completion_tokens, plen, [*extra, f"train.steps={steps}"])
     job = {
         "config": cfg.model_dump(mode="json"),
         "threads": args.threads,
-        "steps": args.steps if name in ("trl", "retool") else min(args.steps, args.ablation_steps),
+        "steps": steps,
         "completion": args.completion_tokens,
         "problems": problems,
         "out": str(run / name),

@@ -84,8 +84,10 @@ def test_trl_args_match_the_job() -> None:
     cfg = load_config("demo-smollm2")
     a = _peers.trl_grpo_args(cfg, completion_budget=256, steps=3)
     r, o = cfg.rollout, cfg.optimizer
-    assert a["per_device_train_batch_size"] == r.questions_per_step * r.group_size
-    assert a["num_generations"] == r.group_size and a["steps_per_generation"] == 1
+    # One generation of questions x group per optimizer step, one group per micro-batch.
+    assert a["per_device_train_batch_size"] * a["steps_per_generation"] == r.questions_per_step * r.group_size
+    assert a["gradient_accumulation_steps"] == a["steps_per_generation"] == r.questions_per_step
+    assert a["num_generations"] == r.group_size
     assert a["max_tool_calling_iterations"] == r.max_code_calls
     assert a["max_completion_length"] == 256
     assert (a["learning_rate"], a["adam_beta1"], a["adam_beta2"]) == (o.lr, o.beta1, o.beta2)
