@@ -479,7 +479,8 @@ def finish_report(result: dict[str, Any], run: Path, to_docs: bool) -> None:
     if "accuracy" not in result:
         a = SimpleNamespace(**result["args"])
         sft = Path(result["start"])
-        cfg = job_config(sft, a.threads, a.completion_tokens, 0, [])
+        # The evaluation's trajectory budget: the job's (prompt + completion budget), as in training.
+        cfg = job_config(sft, a.threads, a.completion_tokens, int(result["prompt_tokens"]), [])
         names = [n for n in result["records"] if n in ("trl", "retool")]
         t = time.perf_counter()
         result["accuracy"] = heldout_accuracy(sft, run, cfg, a.heldout, names)
