@@ -476,6 +476,8 @@ def run_bench(args: argparse.Namespace) -> None:
 def finish_report(result: dict[str, Any], run: Path, to_docs: bool) -> None:
     """The held-out evaluation (unless done already: ``--report`` reruns only what is missing), then the
     report."""
+    if "accuracy" not in result and not result["args"]["heldout"]:
+        result["accuracy"] = {}  # --heldout 0: no evaluation
     if "accuracy" not in result:
         a = SimpleNamespace(**result["args"])
         sft = Path(result["start"])
