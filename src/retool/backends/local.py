@@ -684,8 +684,11 @@ class LocalTrainingClient(TrainingClient):
         tag_fn: Callable[[], Hashable],
         executor: Executor,
         should_yield: Callable[[], bool] = lambda: False,
+        stats: BackendStats | None = None,
+        select_adapters: Callable[[list[Hashable]], None] | None = None,
     ) -> ContinuousGenerator:
-        """A generation engine of this client's tokenizer and limits with a prefix cache of its own."""
+        """A generation engine of this client's tokenizer and limits with a prefix cache of its own
+        (counting into ``stats``, default this client's; ``select_adapters``: see ``ContinuousGenerator``)."""
         return ContinuousGenerator(
             model_fn=model_fn,
             tag_fn=tag_fn,
@@ -697,8 +700,9 @@ class LocalTrainingClient(TrainingClient):
             batch_limit=self.sample_batch_size,
             cache=PrefixCache(self.prefix_cache_bytes),
             executor=executor,
-            stats=self.stats,
+            stats=self.stats if stats is None else stats,
             should_yield=should_yield,
+            select_adapters=select_adapters,
         )
 
     @property

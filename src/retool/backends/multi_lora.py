@@ -39,7 +39,6 @@ from typing import Any
 
 import torch
 
-from retool.backends.generation import ContinuousGenerator
 from retool.backends.local import (
     BackendStats,
     LocalSamplingClient,
@@ -48,7 +47,6 @@ from retool.backends.local import (
     _PackedLinear,
     share_module,
 )
-from retool.backends.prefix_cache import PrefixCache
 
 # Stacked per-row LoRA tensors of one linear at most this many elements (else a loop over adapter groups)
 STACK_ELEMENTS = 1 << 22
@@ -150,17 +148,10 @@ class MultiLoraEngine:
         self.stats = BackendStats()
         self.device = owner.device
         self.thread = owner._worker_thread("retool-multi-lora")
-        self.engine = ContinuousGenerator(
-            model_fn=lambda: self.model,
-            tag_fn=lambda: "shared-base",  # the base never changes; adapters keep apart by cache space
-            tokenizer=owner.tokenizer,
-            pad_id=owner.pad_id,
-            eos_ids=owner.eos_ids,
-            max_context=owner.max_context,
-            device=owner.device,
-            batch_limit=owner.sample_batch_size,
-            cache=PrefixCache(owner.prefix_cache_bytes),
-            executor=self.thread,
+        self.engine = owner.make_engine(
+            lambda: self.model,
+            lambda: "shared-base",  # the base never changes; adapters keep apart by cache space
+            self.thread,
             stats=self.stats,
             select_adapters=self._select,
         )
