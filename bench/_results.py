@@ -30,13 +30,13 @@ BLOCK = re.compile(r"(<!-- generated: (docs/results/[\w.-]+) -->\n)(.*?)(<!-- /g
 
 
 def versions(*packages: str) -> str:
-    """``name version`` of each installed package (``-`` where it is missing)."""
+    """``name version`` of each of ``packages`` (``name (absent)`` where it is not installed)."""
     out = []
-    for name in ("retool-rl", "torch", "transformers", *packages):
+    for name in packages:
         try:
             out.append(f"{name} {metadata.version(name)}")
         except metadata.PackageNotFoundError:
-            out.append(f"{name} -")
+            out.append(f"{name} (absent)")
     return ", ".join(out)
 
 
@@ -45,7 +45,8 @@ def write_result(name: str, title: str, body: str, packages: tuple[str, ...] = (
     machine and versions, then ``body``. Returns the path."""
     command = " ".join(["python", *(shlex.quote(a) for a in sys.argv)])
     today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
-    provenance = f"Written by `{command}` on {today}. Machine: {machine()}. Versions: {versions(*packages)}."
+    installed = versions("retool-rl", "torch", "transformers", *packages)
+    provenance = f"Written by `{command}` on {today}. Machine: {machine()}. Versions: {installed}."
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / name
     path.write_text(f"# {title}\n\n{provenance}\n\n{body.strip()}\n")

@@ -601,9 +601,9 @@ WHAT = {
 
 def report(result: dict[str, Any]) -> str:
     """The markdown of a finished run (``result.json``)."""
-    import importlib.metadata as md  # deferred: the report only
+    from _results import versions as installed  # deferred: the report only
 
-    versions = ", ".join(f"{p} {md.version(p)}" for p in ("torch", "transformers", "peft", "trl"))
+    versions = installed("torch", "transformers", "peft", "trl")
     a, records = SimpleNamespace(**result["args"]), result["records"]
     walls = {name: [r["wall_s"] for r in recs] for name, recs in records.items()}
     steps = max(len(v) for v in records.values())

@@ -316,13 +316,14 @@ def main() -> None:
     args = parse_args()
     os.environ.setdefault("TINKER_TELEMETRY", "0")
     from _machine import machine
+    from _results import versions
 
     work = Path(tempfile.mkdtemp(prefix="bench-serve-"))
     print(f"work folder (models, server roots and serve logs): {work}")
     serve_mode = "a model copy per client" if args.base_per_client else "one shared base"
     header = [
         f"machine: {machine()}",
-        f"versions: {versions()}",
+        "versions: " + versions("transformers", "peft", "fastapi", "uvicorn", "httpx", "tinker", "pytrio"),
         f"date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}; load average before: "
         f"{os.getloadavg()[0]:.1f}",
         f"LoRA r={RANK}, device {args.device}, {args.threads} torch thread(s); server: {serve_mode}, "
@@ -340,18 +341,6 @@ def main() -> None:
     print("\n" + text)
     if args.write:
         print(f"written to {RESULTS}")
-
-
-def versions() -> str:
-    from importlib.metadata import PackageNotFoundError, version
-
-    parts = []
-    for dist in ("transformers", "peft", "fastapi", "uvicorn", "httpx", "tinker", "pytrio"):
-        try:
-            parts.append(f"{dist} {version(dist)}")
-        except PackageNotFoundError:
-            parts.append(f"{dist} (absent)")
-    return ", ".join(parts)
 
 
 def model_folder(name: str, work: Path, args: argparse.Namespace) -> tuple[Path, str]:
