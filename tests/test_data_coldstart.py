@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from typer.testing import CliRunner
 
-from retool.config import SandboxConfig
+from retool.config import RolloutConfig, SandboxConfig
 from retool.data.annotated import ParseFailure, matches_result, parse_solution, python_expression
 from retool.data.problem import Problem
 from retool.protocol import ChatProtocol
@@ -18,6 +18,8 @@ from retool.sandbox import make_executor
 from retool.sandbox.base import Executor
 from retool.tasks.coldstart import (
     Dropped,
+    assistant_spans,
+    budget_violation,
     caching_observer,
     convert_file,
     convert_solution,
@@ -221,3 +223,53 @@ def test_retool_data_coldstart_command(shared_data: Path, tmp_path: Path) -> Non
         app, ["data", "coldstart", "-i", str(src), "-o", str(out), "--model", model, "--tool-format", "xml"]
     )
     assert bad_format.exit_code == 2 and "unknown tool format 'xml'" in bad_format.output
+
+
+def test_rows_and_budgets_select_what_the_rollout_could_produce(
+    qwen_tokenizers: dict, shared_data: Path, executor: Executor, tmp_path: Path
+) -> None:
+    protocol = _protocols(qwen_tokenizers, shared_data)["hermes"]
+    src = _write(tmp_path / "in.jsonl", [json.dumps(r) for r in _train_rows(shared_data, 12)])
+    picked, report = convert_file(src, protocol, executor, rows={2, 3, 11})
+    assert report.read == 3 and sorted(e.task.id for e in picked) == ["row-11", "row-2", "row-3"]
+    everything, _ = convert_file(src, protocol, executor)
+    budgets = RolloutConfig(max_code_calls=2, max_assistant_turns=3, max_tokens_per_turn=1024)
+    fitting, tight = convert_file(src, protocol, executor, budgets=budgets)
+    too_many = [e for e in everything if len(assistant_spans(e.weights)) - 1 > 2]
+    assert too_many and tight.dropped["over_budget"] == len(too_many)
+    assert len(fitting) + len(too_many) == len(everything)
+    assert "calls > max_code_calls 2" in tight.examples_of["over_budget"]
+    assert all(budget_violation(e, budgets) is None for e in fitting)
+    # Each assistant turn is one trained span; a turn over its token budget is named.
+    ex = everything[0]
+    assert len(assistant_spans(ex.weights)) == ex.text.count('"arguments": {"code"') + 1
+    short = RolloutConfig(max_tokens_per_turn=5)
+    assert "max_tokens_per_turn 5" in str(budget_violation(ex, short))
+    assert "max_trajectory_tokens 10" in str(budget_violation(ex, RolloutConfig(max_trajectory_tokens=10)))
+
+
+def test_a_text_only_trajectory_is_the_reasoning_in_one_turn_without_the_tool(
+    qwen_tokenizers: dict, shared_data: Path, executor: Executor
+) -> None:
+    protocol = _protocols(qwen_tokenizers, shared_data)["hermes"]
+    row = _train_rows(shared_data, 1)[0]  # Natalia
+    problem = Problem("natalia", row["question"], "72")
+    with pytest.raises(ValueError, match="without the tool"):
+        convert_solution(problem, row["answer"], protocol, caching_observer(executor), text_only=True)
+    text = protocol.with_tools(False)
+    ex = convert_solution(problem, row["answer"], text, caching_observer(executor), text_only=True)
+    assert ex.style == "annotated_text" and len(assistant_spans(ex.weights)) == 1
+    reply = text.decode(_spans(ex.tokens, ex.weights)[0])
+    assert "48/2 = 24 clips in May" in reply and "<<" not in reply and reply.count("\\boxed{72}") == 1
+    assert "code_interpreter" not in ex.text and '"arguments"' not in ex.text  # no tool offered or called
+    messages = [
+        *text.initial_messages(problem.question),
+        text.assistant_message(reply[: -len(text.decode([text.end_of_turn_id]))]),
+    ]
+    full = text.encode(text.render(messages, add_generation_prompt=False))
+    assert ex.tokens == full[: len(ex.tokens)]
+    # The arithmetic is still executed and checked: a wrong annotation drops the row either way.
+    wrong = row["answer"].replace("<<48/2=24>>", "<<48/2=25>>")
+    with pytest.raises(Dropped) as err:
+        convert_solution(problem, wrong, text, caching_observer(executor), text_only=True)
+    assert err.value.reason == "observation_mismatch"

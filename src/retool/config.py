@@ -65,6 +65,9 @@ class BackendConfig(_Section):
     # Memory cap (MiB) of the local sampler's prefix cache: KV of sequences already run, reused by any
     # request that extends them (a trajectory's next turn, a group's prompt); LRU; 0 turns it off.
     prefix_cache_mb: float = Field(default=1024.0, ge=0.0)
+    # Allocations of at least this many MiB get their own mapping, returned to the OS when freed (glibc's
+    # malloc otherwise keeps freed activations resident: ``retool.backends.heap``); 0: glibc's default.
+    mmap_threshold_mb: float = Field(default=1.0, ge=0.0)
 
 
 class LoraConfig(_Section):
@@ -249,6 +252,14 @@ class SFTConfig(_Section):
     final_hard_tool: float = Field(default=0.1, ge=0.0, le=1.0)
     final_hard_error_fix: float = Field(default=0.05, ge=0.0, le=1.0)
     final_easy_tool: float = Field(default=0.1, ge=0.0, le=1.0)
+    # Cold start from annotated solutions (the demo's GSM8K task, ``retool.tasks.coldstart``): annotated
+    # steps computed per interpreter call (1: a call per step, each seeing the previous step's output; 0:
+    # every step in one call, whose later expressions then hold numbers the model has not seen yet).
+    steps_per_call: int = Field(default=1, ge=0)
+    # Share of those solutions written as plain reasoning in one turn with no tool registered (the
+    # text-only system prompt): the model keeps answering without the tool, so text-only against retool
+    # compares two working modes rather than a broken one.
+    text_only_share: float = Field(default=0.0, ge=0.0, le=1.0)
 
     @property
     def final_steps(self) -> int:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 from huggingface_hub import constants, try_to_load_from_cache
 
 from retool.backends.base import SamplingClient, TrainingClient
+from retool.backends.heap import cap_mmap_threshold
 from retool.backends.tinymodel import build_tiny_model
 from retool.backends.types import (
     AdamParams,
@@ -151,6 +152,7 @@ def _local_client(config: Config) -> TrainingClient:
 
     name = resolve_model_name(config)
     check_model_available(name, config.model.gguf_file)
+    cap_mmap_threshold(config.backend.mmap_threshold_mb)  # before the model's first allocations
     try:
         client = LocalTrainingClient(
             name,

@@ -160,6 +160,12 @@ def demo_command(
     resume: bool = typer.Option(
         False, "--resume", help="Continue the run in --out: skip finished phases, resume RL and evals."
     ),
+    task: str = typer.Option(
+        "synthetic",
+        "--task",
+        help="synthetic (the task family) or gsm8k (real models: cold start from GSM8K's annotated solutions, "
+        "RL on GSM8K train, evaluation on GSM8K test; preset demo-<model>-gsm8k).",
+    ),
     gsm8k: int | None = typer.Option(
         None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
     ),
@@ -217,9 +223,9 @@ def demo_command(
         "filters.dynamic_sampling": dynamic_sampling,
     }
     own: DemoFields = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
-    own.update(_model_demo_fields(model))
+    own.update(_model_demo_fields(model, task))
     own.update(_given_demo_fields(out, gsm8k, data_dir, no_plots))
-    settings = _settings(config or _model_preset(model), overrides, seed, flags, **own)
+    settings = _settings(config or _model_preset(model, task), overrides, seed, flags, **own)
     try:
         result = run_demo(settings, on_event=_Printer())
     except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
@@ -227,18 +233,22 @@ def demo_command(
     _print_demo_result(result)
 
 
-def _model_demo_fields(model: str) -> DemoFields:
-    """The demo-only fields a packaged real model brings (none for the tiny model)."""
+def _model_demo_fields(model: str, task: str = "synthetic") -> DemoFields:
+    """The demo-only fields a packaged real model brings for ``task`` (none for the tiny model)."""
     if model == "tiny":
+        if task != "synthetic":
+            raise UserError(
+                f"--task {task}: the tiny model runs the synthetic task only; use --model smollm2"
+            )
         return {}
     if model not in REAL_MODELS:
         raise UserError(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")
-    return REAL_MODELS[model].fields.copy()
+    return REAL_MODELS[model].task(task)[1].copy()
 
 
-def _model_preset(model: str) -> str:
+def _model_preset(model: str, task: str = "synthetic") -> str:
     """The preset a model's demo starts from when --config is not given."""
-    return "demo" if model == "tiny" else REAL_MODELS[model].preset
+    return "demo" if model == "tiny" else REAL_MODELS[model].task(task)[0]
 
 
 def _given_demo_fields(

@@ -14,12 +14,12 @@ from __future__ import annotations
 import json
 import logging
 from collections import Counter
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal, TypedDict, Unpack
 
-from retool.config import SandboxConfig
+from retool.config import RolloutConfig, SandboxConfig
 from retool.data.annotated import AnnotatedSolution, ParseFailure, Step, matches_result, parse_solution
 from retool.data.gsm8k import gsm8k_answer, normalize_question
 from retool.data.problem import Problem
@@ -34,7 +34,8 @@ from retool.tasks.sft import SFTExample, answer_text, build_trajectory
 
 logger = logging.getLogger(__name__)
 
-STYLE = "annotated"
+STYLE = "annotated"  # the solution's steps computed by interpreter calls
+TEXT_STYLE = "annotated_text"  # the same solution as plain reasoning in one turn, no tool registered
 # Reasons a row is dropped, in the order they are checked.
 DROP_REASONS = (
     "invalid_json",
@@ -47,6 +48,7 @@ DROP_REASONS = (
     "observation_mismatch",
     "answer_not_verified",
     "format_cannot_carry",
+    "over_budget",
 )
 
 
@@ -60,6 +62,9 @@ class ConvertOptions(TypedDict, total=False):
     limit: int | None
     per_call: int
     held_out: Sequence[str]  # questions never trained on (compared normalised): a row asking one is dropped
+    rows: Collection[int]  # only these row numbers (from 1); the others are skipped, not read
+    budgets: RolloutConfig  # drop a trajectory the rollout's budgets would have cut (``budget_violation``)
+    text_only: bool  # plain reasoning in one turn (the protocol must have no tool), arithmetic still checked
 
 
 @dataclass
@@ -70,6 +75,16 @@ class ConvertReport:
     dropped: Counter[str] = field(default_factory=Counter)
     examples_of: dict[str, str] = field(default_factory=dict)  # reason -> the first row's detail
     rejects: list[JsonObject] = field(default_factory=list)  # every dropped row: its number, reason, detail
+
+    def merge(self, other: ConvertReport) -> None:
+        """Add ``other``'s counts (another part of the same file), keeping each reason's first example."""
+        self.read += other.read
+        self.kept += other.kept
+        self.calls += other.calls
+        self.dropped.update(other.dropped)
+        for reason, example in other.examples_of.items():
+            self.examples_of.setdefault(reason, example)
+        self.rejects = sorted([*self.rejects, *other.rejects], key=lambda r: int(str(r["row"])))
 
     def drop(self, reason: str, row: int, detail: str) -> None:
         self.dropped[reason] += 1
@@ -162,17 +177,31 @@ def convert_solution(
     *,
     per_call: int = 1,
     max_observation_tokens: int = 64,
+    text_only: bool = False,
 ) -> SFTExample:
-    """The cold-start trajectory of one annotated solution; raises ``Dropped`` with the reason."""
+    """The cold-start trajectory of one annotated solution; raises ``Dropped`` with the reason.
+
+    ``text_only``: the solution as one turn of plain reasoning (annotations replaced by their results, as
+    written) for ``protocol`` without a tool; its annotations are still executed and checked, so the
+    arithmetic it teaches is right."""
+    if text_only and protocol.use_tools:
+        raise ValueError(
+            "a text-only trajectory needs the protocol without the tool (protocol.with_tools(False))"
+        )
     parsed = parse_solution(solution)
     if isinstance(parsed, ParseFailure):
         raise Dropped(parsed.reason, parsed.detail)
     chunks = _chunks(parsed, per_call)
     outputs = _observations(chunks, run)
     rest = "".join(step.text for step in chunks[-1][1:]) + parsed.tail
+    if text_only:
+        rest = "".join(step.text for step in parsed.steps) + parsed.tail
     final_text = f"{rest.strip()}\n\n{answer_text(parsed.answer)}".strip()
     if not score_answer(final_text, problem.answer).correct:
         raise Dropped("answer_not_verified", f"\\boxed{{{parsed.answer}}} vs reference {problem.answer!r}")
+    if text_only:
+        tokens, weights, _ = build_trajectory(protocol, problem.question, [], final_text, run_text, 0)
+        return SFTExample(problem, TEXT_STYLE, tokens, weights, text=protocol.decode(tokens))
     try:
         turns = _turns(chunks, protocol)
     except ValueError as exc:
@@ -181,6 +210,41 @@ def convert_solution(
         protocol, problem.question, turns, final_text, outputs.__getitem__, max_observation_tokens
     )
     return SFTExample(task=problem, style=STYLE, tokens=tokens, weights=weights, text=protocol.decode(tokens))
+
+
+def assistant_spans(weights: Sequence[float]) -> list[int]:
+    """Lengths of the runs of trained tokens: one per assistant turn (prompt and observations weigh 0)."""
+    spans: list[int] = []
+    run = 0
+    for w in [*weights, 0.0]:
+        if w > 0:
+            run += 1
+        elif run:
+            spans.append(run)
+            run = 0
+    return spans
+
+
+def budget_violation(example: SFTExample, budgets: RolloutConfig) -> str | None:
+    """Why the rollout would have cut ``example`` short (None: it fits): more calls or turns than allowed,
+    a turn over ``max_tokens_per_turn`` or a trajectory over ``max_trajectory_tokens``. Trained on, such a
+    trajectory would teach behaviour that RL and evaluation then stop half-way."""
+    turns = assistant_spans(example.weights)
+    # A turn's span includes its end-of-turn token, which the sampler emits within the turn's budget.
+    if len(turns) - 1 > budgets.max_code_calls:
+        return f"{len(turns) - 1} calls > max_code_calls {budgets.max_code_calls}"
+    if len(turns) > budgets.max_assistant_turns:
+        return f"{len(turns)} turns > max_assistant_turns {budgets.max_assistant_turns}"
+    if max(turns, default=0) > budgets.max_tokens_per_turn:
+        return f"a turn of {max(turns)} tokens > max_tokens_per_turn {budgets.max_tokens_per_turn}"
+    if len(example.tokens) > budgets.max_trajectory_tokens:
+        return f"{len(example.tokens)} tokens > max_trajectory_tokens {budgets.max_trajectory_tokens}"
+    return None
+
+
+def run_text(code: str) -> str:
+    """The observer of a text-only trajectory, which makes no call: never called."""
+    raise AssertionError(f"a text-only trajectory ran code: {code!r}")
 
 
 def _rows(path: Path) -> Iterator[tuple[int, JsonObject | None, str]]:
@@ -225,12 +289,17 @@ def convert_file(
     limit = options.get("limit")
     per_call = options.get("per_call", 1)
     held_out = {normalize_question(q) for q in options.get("held_out", ())}
+    only = options.get("rows")
+    budgets = options.get("budgets")
+    observation_tokens = budgets.max_observation_tokens if budgets is not None else 64
     report = ConvertReport()
     run = caching_observer(executor)
     examples: list[SFTExample] = []
     for row, obj, error in _rows(Path(path)):
         if limit is not None and report.read >= limit:
             break
+        if only is not None and row not in only:
+            continue
         report.read += 1
         if report.read % 1000 == 0:
             logger.info("coldstart: %d rows read, %d kept", report.read, report.kept)
@@ -240,13 +309,23 @@ def convert_file(
             problem, solution = _problem(row, obj, (question_field, solution_field, answer_field))
             if normalize_question(problem.question) in held_out:
                 raise Dropped("test_question", "the question is a held-out test question")
-            example = convert_solution(problem, solution, protocol, run, per_call=per_call)
+            example = convert_solution(
+                problem,
+                solution,
+                protocol,
+                run,
+                per_call=per_call,
+                max_observation_tokens=observation_tokens,
+                text_only=options.get("text_only", False),
+            )
+            if budgets is not None and (why := budget_violation(example, budgets)) is not None:
+                raise Dropped("over_budget", why)
         except Dropped as drop:
             report.drop(drop.reason, row, drop.detail)
             continue
         examples.append(example)
         report.kept += 1
-        report.calls += _calls(solution, per_call)
+        report.calls += 0 if options.get("text_only") else _calls(solution, per_call)
     return examples, report
 
 

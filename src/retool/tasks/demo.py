@@ -28,6 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
+from retool.backends.heap import release_free_memory
 from retool.backends.tinymodel import ModelSize
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, apply_overrides, load_config, override_config
@@ -40,6 +41,8 @@ from retool.evaluate.settings import setting_value, settings_differences
 from retool.evaluate.store import EvalSummary, summary_path_for
 from retool.jsonl import JsonObject, JsonValue
 from retool.sandbox import Executor, strict_support
+from retool.tasks.gsm8k_task import TASK as GSM8K_TASK
+from retool.tasks.gsm8k_task import coldstart_examples, gsm8k_env, held_out_problems
 from retool.tasks.model import build_demo_model
 from retool.tasks.real_model import DemoFields, real_model, resolve_model_path
 from retool.tasks.report import (
@@ -86,6 +89,7 @@ class DemoEvent(TypedDict, total=False):
 
 Event = Callable[[str, DemoEvent], None]
 DEMO_PRESET = "demo"
+DEMO_TASKS = ("synthetic", GSM8K_TASK)
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -105,7 +109,12 @@ class DemoSettings:
     Real models (``config.model.name`` a name from ``retool.tasks.real_model`` or a GGUF / HF path; the
     ``demo-smollm2`` preset): ``test_hard_fraction`` (hard share of the held-out split; None: the train
     split's), ``gsm8k_problems`` (GSM8K test problems added to the held-out set, from ``data_dir``),
-    ``base_eval_problems`` (zero-shot retool eval of the model before SFT on every k-th held-out problem).
+    ``base_eval_problems`` (zero-shot eval of the model before SFT on every k-th held-out problem, in
+    ``base_eval_modes``).
+    ``task``: ``synthetic`` (the task family) or ``gsm8k`` (``retool.tasks.gsm8k_task``, real models only:
+    cold start from ``coldstart_rows`` annotated GSM8K train solutions, RL on GSM8K's train split, the
+    held-out set ``gsm8k_problems`` test problems). ``eval_temperature``: the evaluations' sampling
+    temperature (None: ``[sampling]``'s, as in RL; 0: greedy).
     ``resume``: continue the run in ``out`` (finished phases skipped, RL from its last checkpoint, an
     evaluation from its JSONL); the settings must match its ``settings.json``.
     """
@@ -120,6 +129,10 @@ class DemoSettings:
     gsm8k_problems: int = 0
     data_dir: str | None = None
     base_eval_problems: int = 0
+    base_eval_modes: tuple[str, ...] = ("retool",)
+    task: str = "synthetic"
+    coldstart_rows: int = 0
+    eval_temperature: float | None = None
     resume: bool = False
 
     @classmethod
@@ -148,6 +161,7 @@ class DemoSettings:
         return {
             **own,
             "eval_modes": list(self.eval_modes),
+            "base_eval_modes": list(self.base_eval_modes),
             "seed": self.seed,
             "config": self.config.model_dump(),
         }
@@ -158,9 +172,9 @@ def real_model_settings(
 ) -> DemoSettings:
     """``DemoSettings`` of the named real model (``retool.tasks.real_model``): its preset and demo-only
     fields, then ``overrides`` (``section.key=value`` or ``field=value``) and ``fields``."""
-    spec = real_model(name)
-    merged: DemoFields = {**spec.fields, **fields}
-    return DemoSettings.load(overrides, config=spec.preset, **merged)
+    preset, own = real_model(name).task(fields.get("task", "synthetic"))
+    merged: DemoFields = {**own, **fields}
+    return DemoSettings.load(overrides, config=preset, **merged)
 
 
 def _demo_field(override: str) -> tuple[str, Any]:  # a field chosen by name: its type is the value's
@@ -196,6 +210,15 @@ def with_available_isolation(config: Config) -> Config:
         return config
     logger.warning("sandbox: strict isolation unavailable here (%s); using isolation=none", reason)
     return config.model_copy(update={"sandbox": config.sandbox.model_copy(update={"isolation": "none"})})
+
+
+def demo_env(settings: DemoSettings, config: Config) -> ProblemEnv:
+    """The environment RL trains on: the synthetic task family, or GSM8K's train split (``task``)."""
+    if settings.task == GSM8K_TASK:
+        env = gsm8k_env(config)
+        env.problems("train")  # the leak check, before any model loads
+        return env
+    return task_env(config)
 
 
 def task_env(config: Config) -> TaskFamilyEnv:
@@ -264,6 +287,28 @@ def cold_start_sft(
     )
 
 
+def gsm8k_cold_start(parts: Components, settings: DemoSettings, config: Config, emit: Event) -> SFTReport:
+    """Cold-start SFT on GSM8K train solutions turned into tool trajectories (``retool.tasks.gsm8k_task``)."""
+    s = config.sft
+    out = Path(settings.out)
+    examples, conversion = coldstart_examples(parts, config, settings.coldstart_rows, settings.seed, out)
+    emit(
+        "phase",
+        {"phase": "sft", "detail": f"{len(examples)} GSM8K trajectories kept of {conversion['read']} rows"},
+    )
+    report = train_sft(
+        parts.backend,
+        examples,
+        steps=s.steps,
+        batch_size=s.batch_size,
+        lr=s.lr,
+        seed=config.train.seed,
+        on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
+    )
+    report.conversion = conversion
+    return report
+
+
 def save_hf(client: LocalTrainingClient, folder: Path) -> Path:
     """Write the client's current weights + tokenizer as a plain HF folder (usable as ``--model``).
 
@@ -290,6 +335,7 @@ def evaluate_modes(
     summary + difficulty}. An eval whose JSONL exists continues where it stopped; ``emit`` receives
     ``eval_progress`` events (progress bars)."""
     out_dir.mkdir(parents=True, exist_ok=True)
+    config = eval_sampling(config, settings)
     results: dict[str, FlatSummary] = {}
     for mode in modes or settings.eval_modes:
         output = out_dir / f"{label}_{mode}.jsonl"
@@ -302,6 +348,14 @@ def evaluate_modes(
         summary = asyncio.run(_evaluate_mode(view, problems, config, mode, output, label, progress))
         results[mode] = flat_summary(summary, output)
     return results
+
+
+def eval_sampling(config: Config, settings: DemoSettings) -> Config:
+    """``config`` with the evaluations' temperature (``settings.eval_temperature``, when set)."""
+    if settings.eval_temperature is None:
+        return config
+    sampling = config.sampling.model_copy(update={"temperature": settings.eval_temperature})
+    return config.model_copy(update={"sampling": sampling})
 
 
 async def _evaluate_mode(
@@ -328,6 +382,13 @@ async def _evaluate_mode(
     )
 
 
+def write_problems(path: Path, problems: Sequence[Problem]) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("w", encoding="utf-8") as fh:
+        for p in problems:
+            fh.write(json.dumps(p.to_dict()) + "\n")
+
+
 def write_tasks(path: Path, tasks: Sequence[Task]) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     with path.open("w", encoding="utf-8") as fh:
@@ -343,6 +404,9 @@ def write_tasks(path: Path, tasks: Sequence[Task]) -> None:
 _SFT_KEYS = (
     "seed",
     "size",
+    "task",
+    "coldstart_rows",
+    "eval_temperature",
     "eval_modes",
     "test_hard_fraction",
     "gsm8k_problems",
@@ -406,6 +470,9 @@ class _Clock:
         self._marks = (parts, before) if parts is not None else None
 
     def done(self, name: str) -> None:
+        # What a phase freed goes back to the OS before the next one allocates: otherwise the run's peak
+        # RSS approaches the sum of its phases' peaks (``retool.backends.heap``).
+        release_free_memory()
         seconds = round(time.perf_counter() - self.t0, 1)
         self.result.timings[name] = seconds
         entry: PhaseEntry = {"seconds": seconds}
@@ -465,8 +532,14 @@ def _start(settings: DemoSettings, out: Path) -> Config:
     threads and seed; the config in force."""
     import torch  # deferred: torch (~2 s); the CLI imports this module for every command
 
+    if settings.task not in DEMO_TASKS:
+        raise ValueError(f"unknown demo task {settings.task!r}; known: {', '.join(DEMO_TASKS)}")
     if settings.config.model.name != "tiny":  # a missing model fails before the folder is claimed
         resolve_model_path(settings.config.model.name)
+    elif settings.task != "synthetic":  # its tokenizer is built from the synthetic tasks' text
+        raise ValueError(
+            f"the {settings.task} task needs a real model (e.g. --model smollm2), not the tiny one"
+        )
     saved = out / "settings.json"
     if settings.resume:
         if not saved.is_file():
@@ -500,11 +573,13 @@ def set_torch_threads(config: Config) -> None:
         torch.set_num_threads(config.backend.cpu_threads)
 
 
-def held_out(settings: DemoSettings, env: TaskFamilyEnv) -> tuple[list[Task], list[Task], list[Problem]]:
+def held_out(settings: DemoSettings, env: ProblemEnv) -> tuple[list[Task], list[Task], list[Problem]]:
     """The train tasks, the held-out test tasks and the evaluation set (test tasks, plus the GSM8K slice
-    for real models). With ``test_hard_fraction`` the test split is drawn with that hard share and held
-    out against the actual train split (``generate_tasks`` holds a split out against a train stream of
-    the same share)."""
+    for real models; the GSM8K task: no tasks, and a seeded slice of GSM8K's test split). With
+    ``test_hard_fraction`` the test split is drawn with that hard share and held out against the actual
+    train split (``generate_tasks`` holds a split out against a train stream of the same share)."""
+    if not isinstance(env, TaskFamilyEnv):
+        return [], [], held_out_problems(settings.gsm8k_problems, settings.data_dir, settings.seed)
     train = env.tasks("train")
     if settings.test_hard_fraction is None:
         test = env.tasks("test")
@@ -542,10 +617,13 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     t_all = time.perf_counter()
     elapsed_before = sum(float(e["seconds"]) for k, e in phases.data.items() if k != "tasks")
 
-    env = task_env(config)
+    env = demo_env(settings, config)
     train, test, problems = held_out(settings, env)
-    write_tasks(out / "tasks" / "train.jsonl", train)
-    write_tasks(out / "tasks" / "test.jsonl", test)
+    if train:
+        write_tasks(out / "tasks" / "train.jsonl", train)
+        write_tasks(out / "tasks" / "test.jsonl", test)
+    else:
+        write_problems(out / "tasks" / "test.jsonl", problems)
     clock.done("tasks")
 
     if settings.reuse_sft:
@@ -606,7 +684,7 @@ def _sft_phase(
     base_problems = list(problems)[:: max(1, len(problems) // n_base)][:n_base] if n_base else []
     if clock.skip("sft") and (model_sft / "config.json").is_file():
         if n_base and clock.skip("eval_base"):
-            evals["base"] = _load_evals(out, "base", ["retool"])
+            evals["base"] = _load_evals(out, "base", settings.base_eval_modes)
         clock.result.sft = json.loads((out / "sft_report.json").read_text())
     else:
         model_init = _init_model(settings, out, train, clock)
@@ -615,18 +693,28 @@ def _sft_phase(
             client = local_backend(parts)
             clock.done("model")
             if n_base and clock.skip("eval_base"):
-                evals["base"] = _load_evals(out, "base", ["retool"])
+                evals["base"] = _load_evals(out, "base", settings.base_eval_modes)
             elif n_base:
                 emit("phase", {"phase": "eval_base", "detail": f"zero-shot, {n_base} held-out problems"})
                 clock.measure(parts)
                 evals["base"] = evaluate_modes(
-                    parts, base_problems, settings, sft_config, out / "eval", "base", ["retool"], emit
+                    parts,
+                    base_problems,
+                    settings,
+                    sft_config,
+                    out / "eval",
+                    "base",
+                    settings.base_eval_modes,
+                    emit,
                 )
                 emit("eval", {"model": "base", "summaries": evals["base"]})
                 clock.done("eval_base")
             emit("phase", {"phase": "sft", "detail": _trainable(client)})
             clock.measure(parts)
-            report = cold_start_sft(parts, train, sft_config, emit)
+            if settings.task == GSM8K_TASK:
+                report = gsm8k_cold_start(parts, settings, sft_config, emit)
+            else:
+                report = cold_start_sft(parts, train, sft_config, emit)
             save_hf(client, model_sft)
             clock.result.sft = report.as_dict()
             (out / "sft_report.json").write_text(json.dumps(clock.result.sft, indent=2) + "\n")

@@ -42,6 +42,10 @@ class DemoFields(TypedDict, total=False):
     gsm8k_problems: int
     data_dir: str | None
     base_eval_problems: int
+    base_eval_modes: tuple[str, ...]
+    task: str
+    coldstart_rows: int
+    eval_temperature: float | None
     resume: bool
 
 
@@ -61,6 +65,17 @@ class RealModel:
     preset: str = ""  # the Config preset of its demo run
     # Demo-only fields (``DemoSettings``) that differ from the tiny demo's for this model.
     fields: DemoFields = field(default_factory=lambda: DemoFields())
+    # Other demo tasks it runs (``retool demo --task NAME``): their preset and demo-only fields.
+    tasks: dict[str, tuple[str, DemoFields]] = field(default_factory=dict)
+
+    def task(self, name: str) -> tuple[str, DemoFields]:
+        """The preset and demo-only fields of this model's ``name`` task (``synthetic``: its own)."""
+        if name == "synthetic":
+            return self.preset, self.fields
+        if name not in self.tasks:
+            known = ", ".join(["synthetic", *self.tasks])
+            raise UserError(f"--task {name!r}: {self.name} runs {known}")
+        return self.tasks[name]
 
     @property
     def install_command(self) -> str:
@@ -78,6 +93,20 @@ SMOLLM2_FIELDS: DemoFields = {
     "eval_modes": ("retool",),  # text-only mode would add ~2x the sampling (GSM8K reasoning runs long)
 }
 
+# The GSM8K task (``--task gsm8k``; preset ``demo-smollm2-gsm8k``, which says why each value): cold start
+# from annotated GSM8K train solutions, RL on GSM8K train, evaluation on a seeded slice of GSM8K test in both
+# modes (greedy: one deterministic answer per problem), the zero-shot base model included.
+SMOLLM2_GSM8K_FIELDS: DemoFields = {
+    "out": "runs/demo-smollm2-gsm8k",
+    "task": "gsm8k",
+    "gsm8k_problems": 100,
+    "base_eval_problems": 100,
+    "base_eval_modes": ("text-only", "retool"),
+    "eval_modes": ("text-only", "retool"),
+    "coldstart_rows": 400,
+    "eval_temperature": 0.0,
+}
+
 REAL_MODELS: dict[str, RealModel] = {
     "smollm2": RealModel(
         name="smollm2",
@@ -87,6 +116,7 @@ REAL_MODELS: dict[str, RealModel] = {
         description="SmolLM2-135M-Instruct (Q4_1 GGUF, Llama architecture, ChatML without tools)",
         preset="demo-smollm2",
         fields=SMOLLM2_FIELDS,
+        tasks={"gsm8k": ("demo-smollm2-gsm8k", SMOLLM2_GSM8K_FIELDS)},
     ),
 }
 

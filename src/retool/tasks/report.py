@@ -79,14 +79,18 @@ GSM8K_COLUMNS: tuple[tuple[str, str, str], ...] = (
 def _columns(rows: Sequence[TableRow]) -> tuple[tuple[str, str, str], ...]:
     with_gsm8k = any(row.get("gsm8k_candidates") for row in rows)
     base = TABLE_COLUMNS
-    if with_gsm8k and not any(row.get("easy_candidates") for row in rows):
-        base = tuple(c for c in TABLE_COLUMNS if not c[0].startswith("easy_"))  # nothing easy held out
+    if (
+        with_gsm8k
+    ):  # a difficulty with nothing held out (a real model's hard-only or GSM8K-only set) is left out
+        absent = [d for d in ("easy", "hard") if not any(row.get(f"{d}_candidates") for row in rows)]
+        base = tuple(c for c in TABLE_COLUMNS if c[0].split("_")[0] not in absent)
     return base + GSM8K_COLUMNS if with_gsm8k else base
 
 
 def table_rows(evals: Evals) -> list[TableRow]:
     rows: list[TableRow] = []
-    keys = [key for key, _, _ in TABLE_COLUMNS + GSM8K_COLUMNS] + ["easy_candidates", "gsm8k_candidates"]
+    keys = [key for key, _, _ in TABLE_COLUMNS + GSM8K_COLUMNS]
+    keys += ["easy_candidates", "hard_candidates", "gsm8k_candidates"]
     for stage, by_mode in evals.items():
         for mode, summary in by_mode.items():
             row: TableRow = {"model": stage, "mode": mode, "problems": summary.get("problems")}

@@ -186,8 +186,10 @@ class SFTReport:
     losses: list[float] = field(default_factory=list)
     seconds: float = 0.0
     styles: dict[str, int] = field(default_factory=dict)
+    conversion: JsonObject = field(default_factory=dict)  # how the examples were built (annotated solutions)
 
     def as_dict(self) -> JsonObject:
+        extra: JsonObject = {"conversion": self.conversion} if self.conversion else {}
         return {
             "steps": self.steps,
             "examples": self.examples,
@@ -195,6 +197,7 @@ class SFTReport:
             "final_loss": sum(self.losses[-5:]) / max(1, len(self.losses[-5:])) if self.losses else None,
             "seconds": self.seconds,
             "styles": dict(self.styles),
+            **extra,
         }
 
 

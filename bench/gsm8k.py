@@ -1,0 +1,318 @@
+"""Benchmark: ReTool's two stages on GSM8K with SmolLM2-135M-Instruct, measured on the whole test split.
+
+For each seed the GSM8K demo runs (``retool demo --model smollm2 --task gsm8k``: zero-shot base, cold start
+from annotated train solutions, SFT, RL on GSM8K train; its own evaluations on a test slice), each in a
+process of its own (its time and peak memory are its own). Then every model is evaluated on all 1,319 test
+problems, text-only and with the tool, greedy (one deterministic answer per problem): the base model once
+(greedy decoding does not depend on the seed), the SFT and RL models of every seed — each evaluation in a
+process of its own, resumable from its JSONL.
+
+Reported: accuracy, format and tool use of each (model, mode); paired bootstrap 95% intervals for retool
+minus text-only (each model), RL minus SFT (each mode, each seed), SFT minus base; and whether the tool is
+used where it helps: accuracy and call rate by the number of annotated steps of the reference solution.
+
+    python bench/gsm8k.py                          # seeds 0 and 1 (hours on 2 cores)
+    python bench/gsm8k.py --seeds 0 --limit 100    # a quick look: the first 100 test problems
+    python bench/gsm8k.py --set train.steps=40     # any demo preset key or demo field, for every seed
+    python bench/gsm8k.py --write                  # also docs/results/gsm8k.md (and the pages quoting it)
+
+Rerun the same command to resume: finished demos and evaluations are read back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import logging
+import resource
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _results import render_pages, write_result  # bench/, on sys.path when run as a script
+from retool.data.annotated import ParseFailure, parse_solution
+from retool.evaluate.metrics import paired_gain
+from retool.evaluate.store import ProblemRecord, read_problem_records, summary_path_for
+
+MODES = ("text-only", "retool")
+STEP_BUCKETS = ("1", "2", "3", "4", "5+")
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--seeds", default="0,1", help="comma-separated demo seeds (default 0,1)")
+    ap.add_argument("--out", type=Path, default=Path("runs/bench-gsm8k"))
+    ap.add_argument("--set", action="append", default=[], help="override for every demo (key=value)")
+    ap.add_argument("--limit", type=int, default=0, help="evaluate only the first N test problems (0: all)")
+    ap.add_argument(
+        "--data-dir", default=None, help="folder of gsm8k_train/test.jsonl (default ../shared/data)"
+    )
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of each evaluation (0: every core)")
+    ap.add_argument("--write", action="store_true", help="write docs/results/gsm8k.md")
+    ap.add_argument(
+        "--eval-one", nargs=4, metavar=("MODEL", "MODE", "OUTPUT", "DEMO_DIR"), help=argparse.SUPPRESS
+    )
+    return ap.parse_args(argv)
+
+
+def run_demo_process(seed: int, out: Path, args: argparse.Namespace, log: logging.Logger) -> dict[str, Any]:
+    """The seed's demo in a process of its own (resumed when its folder holds an unfinished run)."""
+    report = out / "report.json"
+    if not report.is_file():
+        cmd = [sys.executable, "-m", "retool", "demo", "--model", "smollm2", "--task", "gsm8k"]
+        cmd += ["--seed", str(seed), "--out", str(out), "--no-plots"]
+        cmd += [x for s in args.set for x in ("--set", s)]
+        if args.data_dir:
+            cmd += ["--data-dir", args.data_dir]
+        if (out / "settings.json").is_file():
+            cmd.append("--resume")
+        log.info("demo seed %d: %s", seed, " ".join(cmd))
+        subprocess.run(cmd, check=True)
+    return json.loads(report.read_text())
+
+
+def eval_process(model: str, mode: str, output: Path, demo_dir: Path, args: argparse.Namespace) -> float:
+    """One full-test evaluation in a process of its own; returns its wall seconds (0 when it was done)."""
+    if summary_path_for(output).is_file() and _finished(output):
+        return 0.0
+    cmd = [sys.executable, __file__, "--eval-one", model, mode, str(output), str(demo_dir)]
+    cmd += ["--limit", str(args.limit), "--threads", str(args.threads)]
+    if args.data_dir:
+        cmd += ["--data-dir", args.data_dir]
+    t0 = time.perf_counter()
+    subprocess.run(cmd, check=True)
+    return time.perf_counter() - t0
+
+
+def _finished(output: Path) -> bool:
+    summary = json.loads(summary_path_for(output).read_text())
+    return summary.get("status") == "complete"
+
+
+def eval_one(model: str, mode: str, output: Path, demo_dir: Path, args: argparse.Namespace) -> None:
+    """``--eval-one``: evaluate ``model`` (a demo's model folder, or ``base``) on the test split with the
+    settings the demo in ``demo_dir`` evaluated with (its config, greedy)."""
+    import torch
+
+    from retool.components import build_components
+    from retool.evaluate.runner import run_eval
+    from retool.tasks.demo import DemoSettings, eval_sampling, phase_config, with_available_isolation
+    from retool.tasks.gsm8k_task import held_out_problems
+    from retool.tasks.real_model import resolve_model_path
+
+    saved = json.loads((demo_dir / "settings.json").read_text())
+    settings = DemoSettings.load([], config="demo-smollm2-gsm8k", eval_temperature=saved["eval_temperature"])
+    config = settings.config.model_validate(saved["config"])
+    path = resolve_model_path("smollm2") if model == "base" else Path(model)
+    config = phase_config(with_available_isolation(config), path, output.parent / "scratch")
+    config = config.model_copy(update={"lora": config.lora.model_copy(update={"enabled": False})})
+    config = eval_sampling(config, settings)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    problems = held_out_problems(10**9, args.data_dir or saved.get("data_dir"), 0)
+    if args.limit:
+        problems = problems[: args.limit]
+    output.parent.mkdir(parents=True, exist_ok=True)
+
+    async def run(view: Any) -> None:
+        await view.refresh_sampler()
+        await run_eval(
+            problems,
+            view,
+            config=config,
+            mode=mode,
+            output=output,
+            identity={"model": str(model), "checkpoint": str(model), "dataset": "gsm8k-test"},
+            concurrency=len(problems),
+            save_transcripts=False,
+        )
+
+    with build_components(config) as parts:  # outside the event loop: it starts its own
+        asyncio.run(run(parts.for_mode(mode == "retool")))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    output.with_suffix(".rss").write_text(f"{peak:.2f}\n")
+
+
+# -- analysis ---------------------------------------------------------------------------------------
+
+
+def step_counts(data_dir: str | None) -> dict[str, int]:
+    """Annotated steps of each test problem's reference solution (0: none parsed), by problem id."""
+    from retool.data.gsm8k import GSM8K_FILE, default_data_dir
+
+    folder = Path(data_dir) if data_dir else default_data_dir()
+    assert folder is not None, "no GSM8K data folder"
+    out = {}
+    for i, line in enumerate((folder / GSM8K_FILE).read_text(encoding="utf-8").splitlines()):
+        row = json.loads(line)
+        parsed = parse_solution(str(row["answer"]))
+        out[f"gsm8k-{row.get('idx', i)}"] = 0 if isinstance(parsed, ParseFailure) else len(parsed.steps)
+    return out
+
+
+def bucket(steps: int) -> str:
+    return "5+" if steps >= 5 else str(max(steps, 1))
+
+
+def stats(records: list[ProblemRecord]) -> dict[str, float]:
+    cands = [c for r in records for c in r["candidates"]]
+    n = len(cands) or 1
+    return {
+        "problems": float(len(records)),
+        "accuracy": sum(bool(c["correct"]) for c in cands) / n,
+        "format": sum(bool(c["valid_format"]) for c in cands) / n,
+        "call_rate": sum(int(c["code_calls"]) > 0 for c in cands) / n,
+        "calls": sum(int(c["code_calls"]) for c in cands) / n,
+        "tokens": sum(int(c.get("completion_tokens", 0)) for c in cands) / n,
+    }
+
+
+def by_steps(records: list[ProblemRecord], steps: dict[str, int]) -> dict[str, dict[str, float]]:
+    groups: dict[str, list[ProblemRecord]] = {b: [] for b in STEP_BUCKETS}
+    for r in records:
+        groups[bucket(steps.get(str(r["id"]), 0))].append(r)
+    return {b: stats(rs) for b, rs in groups.items() if rs}
+
+
+def pct(x: float) -> str:
+    return f"{100 * x:.1f}%"
+
+
+def gain_cell(before: list[ProblemRecord], after: list[ProblemRecord]) -> str:
+    g = paired_gain(before, after, seed=0)
+    lo, hi = g["ci95"]
+    return f"{100 * g['gain']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
+def report(evals: dict[str, dict[str, list[ProblemRecord]]], steps: dict[str, int], extra: str) -> str:
+    """The tables: each (model, mode); the paired gains; accuracy and call rate by annotated steps."""
+    lines = [
+        "| model | mode | problems | accuracy | format | tool-call rate | calls | tokens |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for label, by_mode in evals.items():
+        for mode, recs in by_mode.items():
+            s = stats(recs)
+            lines.append(
+                f"| {label} | {mode} | {s['problems']:.0f} | {pct(s['accuracy'])} | {pct(s['format'])} "
+                f"| {pct(s['call_rate'])} | {s['calls']:.2f} | {s['tokens']:.0f} |"
+            )
+    lines += ["", "Paired differences, percentage points [95% paired bootstrap CI]:", ""]
+    lines += ["| comparison | difference |", "|---|---|"]
+    for label, by_mode in evals.items():
+        if set(MODES) <= set(by_mode):
+            lines.append(
+                f"| {label}: retool - text-only | {gain_cell(by_mode['text-only'], by_mode['retool'])} |"
+            )
+    for label in evals:
+        if label.startswith("rl"):
+            sft = label.replace("rl", "sft", 1)
+            for mode in MODES:
+                if mode in evals[label] and mode in evals.get(sft, {}):
+                    lines.append(
+                        f"| {label} - {sft} ({mode}) | {gain_cell(evals[sft][mode], evals[label][mode])} |"
+                    )
+        if label.startswith("sft") and "base" in evals:
+            for mode in MODES:
+                if mode in evals[label] and mode in evals["base"]:
+                    lines.append(
+                        f"| {label} - base ({mode}) | {gain_cell(evals['base'][mode], evals[label][mode])} |"
+                    )
+    lines += [
+        "",
+        "By annotated steps of the reference solution (accuracy text-only / retool, tool-call rate):",
+        "",
+    ]
+    head = "| model | " + " | ".join(f"{b} steps" for b in STEP_BUCKETS) + " |"
+    lines += [head, "|---|" + "---|" * len(STEP_BUCKETS)]
+    counts = {b: 0 for b in STEP_BUCKETS}
+    for rec in next(iter(next(iter(evals.values())).values())):  # the problems evaluated
+        counts[bucket(steps.get(str(rec["id"]), 0))] += 1
+    lines.append("| problems | " + " | ".join(str(counts[b]) for b in STEP_BUCKETS) + " |")
+    for label, by_mode in evals.items():
+        if not set(MODES) <= set(by_mode):
+            continue
+        text, tool = by_steps(by_mode["text-only"], steps), by_steps(by_mode["retool"], steps)
+        cells = [
+            f"{pct(text[b]['accuracy'])} / {pct(tool[b]['accuracy'])}, calls {pct(tool[b]['call_rate'])}"
+            if b in text and b in tool
+            else "-"
+            for b in STEP_BUCKETS
+        ]
+        lines.append(f"| {label} | " + " | ".join(cells) + " |")
+    return "\n".join(lines) + ("\n\n" + extra if extra else "")
+
+
+def demo_lines(demos: dict[int, dict[str, Any]]) -> str:
+    lines = [
+        "Each seed's demo (its own process): wall time, peak memory, its phases, its held-out slice "
+        "(greedy, retool mode Average@1 after SFT and after RL):",
+        "",
+        "| seed | total | peak RSS | base eval | SFT | SFT eval | RL | RL eval | cold start kept | slice | SFT | RL |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for seed, rep in demos.items():
+        t = rep["timings"]
+        ev = rep["evals"]
+        conv = rep["sft"].get("conversion", {})
+        lines.append(
+            f"| {seed} | {t['total'] / 60:.1f} min | {rep['machine'].get('peak_rss_gib', 0):.1f} GiB "
+            + " | ".join(
+                f"{t.get(k, 0) / 60:.1f} min" for k in ("eval_base", "sft", "eval_sft", "rl", "eval_rl")
+            )
+            + f" | {conv.get('kept', '-')} of {conv.get('read', '-')} | {rep['gain']['average_at_n']['problems']} "
+            f"| {pct(ev['sft']['retool']['average_at_n'])} | {pct(ev['rl']['retool']['average_at_n'])} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
+    log = logging.getLogger("bench.gsm8k")
+    if args.eval_one:
+        model, mode, output, demo_dir = args.eval_one
+        eval_one(model, mode, Path(output), Path(demo_dir), args)
+        return
+    seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
+    demos = {s: run_demo_process(s, args.out / f"seed{s}", args, log) for s in seeds}
+    full = args.out / ("full" if not args.limit else f"first{args.limit}")
+    seconds: dict[str, float] = {}
+    evals: dict[str, dict[str, list[ProblemRecord]]] = {}
+    jobs = [("base", "base", args.out / f"seed{seeds[0]}")]
+    for s in seeds:
+        jobs += [(f"sft-s{s}", str(args.out / f"seed{s}" / "model_sft"), args.out / f"seed{s}")]
+        jobs += [(f"rl-s{s}", str(args.out / f"seed{s}" / "model_rl"), args.out / f"seed{s}")]
+    for label, model, demo_dir in jobs:
+        for mode in MODES:
+            output = full / f"{label}_{mode}.jsonl"
+            log.info("evaluating %s, %s -> %s", label, mode, output)
+            seconds[f"{label} {mode}"] = eval_process(model, mode, output, demo_dir, args)
+            evals.setdefault(label, {})[mode] = read_problem_records(output)
+    rss = {p.stem: float(p.read_text()) for p in full.glob("*.rss")}
+    timing = ", ".join(f"{k} {v / 60:.1f} min" for k, v in seconds.items() if v)
+    extra = (
+        demo_lines(demos)
+        + "\n\nFull-test evaluations (this run's, each its own process): "
+        + (timing or "all read back")
+    )
+    extra += f"; peak RSS {max(rss.values()):.1f} GiB." if rss else "."
+    text = report(evals, step_counts(args.data_dir), extra)
+    (args.out / "gsm8k.md").write_text(text + "\n")
+    print(text)
+    if args.write:
+        body = (
+            f"Seeds {', '.join(map(str, seeds))}; overrides: {', '.join(args.set) or 'none (the preset)'}; "
+            f"{'all 1,319' if not args.limit else f'the first {args.limit}'} test problems, greedy, one answer each.\n\n"
+            + text
+        )
+        path = write_result("gsm8k.md", "GSM8K: cold start, RL and the whole test split (SmolLM2-135M)", body)
+        render_pages()
+        print(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    main()
