@@ -144,7 +144,7 @@ def run_arm(k: int, args: argparse.Namespace, parts: dict[str, Any], out: Path) 
     components = Components(client, parts["protocol"], parts["verifier"], parts["executor"])
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    Trainer(cfg, out / f"k{k}", env=parts["env"], components=components).run()
+    Trainer(cfg, out / f"k{k}", source=parts["source"], components=components).run()
     wall = time.perf_counter() - t0
     rows = [json.loads(x) for x in (out / f"k{k}" / "metrics.jsonl").read_text().splitlines()]
     steady = rows[k + 1 :] or rows
@@ -175,7 +175,7 @@ def build_parts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
 
     from retool.backends.tinymodel import build_tiny_model
     from retool.config import load_config
-    from retool.env import env_from_config
+    from retool.env import source_from_config
     from retool.protocol import ChatProtocol
     from retool.reward import Verifier
     from retool.sandbox import make_executor
@@ -198,13 +198,13 @@ def build_parts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ],
     )
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(work / "tiny_model", size="test", seed=0))
-    env = env_from_config(config)
+    source = source_from_config(config)
     return {
         "config": config,
         "tokenizer": tokenizer,
         "protocol": ChatProtocol.from_config(tokenizer, config),
-        "env": env,
-        "answers": {p.question: p.answer for p in env.problems("train")},
+        "source": source,
+        "answers": {p.question: p.answer for p in source.problems("train")},
         "executor": make_executor(config.sandbox),
         "verifier": Verifier.from_config(config.reward),
         "latency": Latencies(args.sample, args.fb, args.optim, args.refresh),

@@ -751,6 +751,7 @@ def test_self_check_is_a_no_op_for_other_backends() -> None:
 
 async def stub_rollouts(request: Any) -> list[list[Any]]:
     """Trajectories sampled from the remote sampler; rewards alternate so no group is degenerate."""
+    from retool.env import ReToolOutcome
     from retool.rollout import AssistantTurn, Trajectory, Transition
 
     groups = []
@@ -769,9 +770,7 @@ async def stub_rollouts(request: Any) -> list[list[Any]]:
                 problem_index=pi,
                 transitions=(Transition(AssistantTurn(prompt, s.tokens, stale, "x"), reward, True),),
                 reward=reward,
-                correct=reward > 0,
-                valid_format=True,
-                stop_reason="answer",
+                outcome=ReToolOutcome(correct=reward > 0, valid_format=True, stop_reason="answer"),
             )
             group.append(traj)
         groups.append(group)
@@ -786,7 +785,7 @@ def test_a_training_run_and_its_resume_through_the_sdk(
     from retool.backends import make_training_client
     from retool.components import Components
     from retool.data.problem import Problem
-    from retool.env import ProblemListEnv
+    from retool.env import ProblemList
     from retool.train.loop import Trainer
 
     set_key(monkeypatch, kind)
@@ -812,7 +811,7 @@ def test_a_training_run_and_its_resume_through_the_sdk(
                 cfg,
                 tmp_path / "run",
                 resume=resume,
-                env=ProblemListEnv(problems, shuffle=False),
+                source=ProblemList(problems, shuffle=False),
                 components=parts,
                 rollout_fn=stub_rollouts,
             )

@@ -12,6 +12,7 @@ import pytest
 
 from retool.config import FiltersConfig, load_config
 from retool.data.problem import Problem
+from retool.env import ReToolOutcome
 from retool.train.collect import collect_groups, questions_for_round, round_seed
 from retool.train.step import build_step_data, is_overlong, is_void
 
@@ -31,6 +32,10 @@ class Traj:
     stop_reason: str = "answer"
     reward_status: str = "ok"
     extra: dict = field(default_factory=dict)
+
+    @property
+    def outcome(self) -> ReToolOutcome:
+        return ReToolOutcome(stop_reason=self.stop_reason, reward_status=self.reward_status)
 
 
 def traj(
@@ -211,7 +216,7 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
     from tests.test_train_loop import PROBLEMS as LOOP_PROBLEMS
     from tests.test_train_loop import FakeClient, fake_components, fake_rollouts
 
-    from retool.env import ProblemListEnv
+    from retool.env import ProblemList
     from retool.train.loop import Trainer
 
     seen_datums: list[int] = []
@@ -237,7 +242,7 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
     trainer = Trainer(
         cfg,
         tmp_path / "run",
-        env=ProblemListEnv(LOOP_PROBLEMS, shuffle=True),
+        source=ProblemList(LOOP_PROBLEMS, shuffle=True),
         components=fake_components(CountingClient()),
         rollout_fn=fake_rollouts,
     )
@@ -275,7 +280,7 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
     from tests.test_train_loop import FakeClient, fake_rollouts
 
     from retool.components import Components
-    from retool.env import ProblemListEnv, ReToolGroupBuilder
+    from retool.env import ProblemList, ReToolGroupBuilder
     from retool.rollout import RolloutRequest
     from retool.train.loop import Trainer
 
@@ -287,7 +292,7 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
         use_tools = setup.tool is not None
         calls.append((len(request.groups), use_tools, setup.protocol, setup.tool))
         groups = await fake_rollouts(request)
-        return [[replace(t, use_tools=use_tools) for t in g] for g in groups]
+        return [[replace(t, outcome=replace(t.outcome, use_tools=use_tools)) for t in g] for g in groups]
 
     text_protocol, executor = object(), object()
 
@@ -311,7 +316,7 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
     Trainer(
         cfg,
         tmp_path / "run",
-        env=ProblemListEnv(LOOP_PROBLEMS, shuffle=False),
+        source=ProblemList(LOOP_PROBLEMS, shuffle=False),
         components=Components(
             backend=FakeClient(), protocol=tool_protocol, verifier=object(), executor=executor
         ),

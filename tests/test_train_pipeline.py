@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from retool.config import Config, override_config
-from retool.env import ProblemListEnv
+from retool.env import ProblemList
 from retool.rollout import Trajectory
 from retool.train.checkpoint import PIPELINE_FILE, CheckpointManager
 from retool.train.loop import Trainer
@@ -61,7 +61,7 @@ def trainer(
     return Trainer(
         cfg,
         run_dir,
-        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        source=ProblemList(PROBLEMS, shuffle=True),
         components=fake_components(client or VersionedClient()),
         rollout_fn=rollout_fn,
         **kw,
@@ -192,8 +192,11 @@ def test_a_failed_batch_stops_the_run_when_the_trainer_reaches_it(tmp_path: Path
         groups = await scripted_rollouts(problems, sampler=sampler, group_size=group_size, seed=seed, **kw)
         calls.append(seed)
         if len(calls) == 4:
-            lost = {"stop_reason": "sampler_error", "error": "ConnectionResetError: gone", "reward": -1.0}
-            return [[replace(traj, **lost) for traj in group] for group in groups]
+            lost = {"stop_reason": "sampler_error", "error": "ConnectionResetError: gone"}
+            return [
+                [replace(traj, reward=-1.0, outcome=replace(traj.outcome, **lost)) for traj in group]
+                for group in groups
+            ]
         return groups
 
     cfg = config(1, steps=5, every=2)
@@ -256,7 +259,7 @@ def test_sigint_with_a_full_queue_saves_it_and_stops(tmp_path: Path) -> None:
     summary = HarnessTrainer(
         cfg,
         tmp_path / "run",
-        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        source=ProblemList(PROBLEMS, shuffle=True),
         components=fake_components(VersionedClient()),
         rollout_fn=fake_rollouts,
         signals=PhaseSignals(cfg, sigint_at=["optim:3"]),

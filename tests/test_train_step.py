@@ -90,6 +90,7 @@ def test_mask_marks_exactly_the_sampled_tokens_after_the_shift() -> None:
 
 def test_mask_with_the_real_rollout_types() -> None:
     from retool.data.problem import Problem
+    from retool.env import ReToolOutcome
     from retool.rollout import AssistantTurn, Trajectory, Transition
 
     traj, sampled_positions, _ = three_turn_trajectory()
@@ -98,7 +99,11 @@ def test_mask_with_the_real_rollout_types() -> None:
         for t in traj.turns
     )
     real = Trajectory(
-        problem=Problem("p", "q", "1"), group_index=0, transitions=steps, reward=-1.0, stop_reason="answer"
+        problem=Problem("p", "q", "1"),
+        group_index=0,
+        transitions=steps,
+        reward=-1.0,
+        outcome=ReToolOutcome(stop_reason="answer"),
     )
     datum = build_datum(real, advantage=-0.5)
     assert {i + 1 for i, a in enumerate(datum.advantages) if a != 0.0} == sampled_positions

@@ -34,7 +34,7 @@ from retool.config import Config, ConfigError, apply_overrides, load_config, ove
 from retool.data.gsm8k import gsm8k_problems
 from retool.data.problem import Problem
 from retool.data.synthetic import Task, generate_tasks
-from retool.env import ProblemEnv, TaskFamilyEnv, env_from_config
+from retool.env import ProblemSource, TaskFamilySource, source_from_config
 from retool.evaluate.runner import run_eval
 from retool.evaluate.settings import setting_value, settings_differences
 from retool.evaluate.store import EvalSummary, summary_path_for
@@ -198,13 +198,13 @@ def with_available_isolation(config: Config) -> Config:
     return config.model_copy(update={"sandbox": config.sandbox.model_copy(update={"isolation": "none"})})
 
 
-def task_env(config: Config) -> TaskFamilyEnv:
-    env = env_from_config(config)
-    if not isinstance(env, TaskFamilyEnv):
+def task_source(config: Config) -> TaskFamilySource:
+    source = source_from_config(config)
+    if not isinstance(source, TaskFamilySource):
         raise ConfigError(
-            f"the demo trains on the synthetic tasks (data.train_path = 'tasks'), not {env.name!r}"
+            f"the demo trains on the synthetic tasks (data.train_path = 'tasks'), not {source.name!r}"
         )
-    return env
+    return source
 
 
 def local_backend(parts: Components) -> LocalTrainingClient:
@@ -500,14 +500,16 @@ def set_torch_threads(config: Config) -> None:
         torch.set_num_threads(config.backend.cpu_threads)
 
 
-def held_out(settings: DemoSettings, env: TaskFamilyEnv) -> tuple[list[Task], list[Task], list[Problem]]:
+def held_out(
+    settings: DemoSettings, source: TaskFamilySource
+) -> tuple[list[Task], list[Task], list[Problem]]:
     """The train tasks, the held-out test tasks and the evaluation set (test tasks, plus the GSM8K slice
     for real models). With ``test_hard_fraction`` the test split is drawn with that hard share and held
     out against the actual train split (``generate_tasks`` holds a split out against a train stream of
     the same share)."""
-    train = env.tasks("train")
+    train = source.tasks("train")
     if settings.test_hard_fraction is None:
-        test = env.tasks("test")
+        test = source.tasks("test")
     else:
         d = settings.config.data
         seen = {t.question for t in train if t.hard}
@@ -542,8 +544,8 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     t_all = time.perf_counter()
     elapsed_before = sum(float(e["seconds"]) for k, e in phases.data.items() if k != "tasks")
 
-    env = task_env(config)
-    train, test, problems = held_out(settings, env)
+    source = task_source(config)
+    train, test, problems = held_out(settings, source)
     write_tasks(out / "tasks" / "train.jsonl", train)
     write_tasks(out / "tasks" / "test.jsonl", test)
     clock.done("tasks")
@@ -553,7 +555,7 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
         clock.done("reuse_sft")
     else:
         model_sft, evals = _sft_phase(settings, config, out, train, problems, clock)
-    evals["rl"] = _rl_phase(settings, config, env, model_sft, problems, clock)
+    evals["rl"] = _rl_phase(settings, config, source, model_sft, problems, clock)
 
     result.table = table_rows(evals)
     result.gain = demo_gain(out / "eval")
@@ -716,7 +718,7 @@ def _rl_detail(config: Config) -> str:
 def _rl_phase(
     settings: DemoSettings,
     config: Config,
-    env: ProblemEnv,
+    source: ProblemSource,
     model_sft: Path,
     problems: Sequence[Problem],
     clock: _Clock,
@@ -741,7 +743,7 @@ def _rl_phase(
             rl_config,
             out / "rl",
             resume=resume,
-            env=env,
+            source=source,
             components=parts,
             on_step=lambda step, metrics: emit("rl_step", {"step": step, "steps": steps, "metrics": metrics}),
         ).run()
@@ -769,8 +771,8 @@ def run_sft(
     out.mkdir(parents=True, exist_ok=True)
     set_torch_threads(settings.config)
     config = with_available_isolation(settings.config)
-    env = task_env(config)
-    train = env.tasks("train")
+    source = task_source(config)
+    train = source.tasks("train")
     if model is None:
         emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
         model = build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)
@@ -785,7 +787,7 @@ def run_sft(
         result: JsonObject = {"sft": report.as_dict(), "model": str(out / "model_sft")}
         if evaluate:
             only = dataclasses.replace(settings, eval_modes=("retool",))
-            test = env.problems("test")
+            test = source.problems("test")
             summary = evaluate_modes(parts, test, only, sft_config, out / "eval", "sft")["retool"]
             keys = ("format_rate", "average_at_n", "pass_at_n", "hard_tool_call_rate", "easy_accuracy")
             result["eval"] = {k: summary[k] for k in (*keys, "hard_accuracy")}

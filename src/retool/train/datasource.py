@@ -1,7 +1,7 @@
 """The order training sees its problems in, with a resumable position.
 
 A data source is a function ``(seed, epoch) -> Iterable[Problem]``: the problems of one epoch, in the
-order to train on them (an environment's ``ProblemEnv.epoch``, see ``retool.env``). ``ProblemStream``
+order to train on them (a problem source's ``ProblemSource.epoch``, see ``retool.env``). ``ProblemStream``
 walks epochs one after another and remembers ``(epoch, index)``; resuming rebuilds the epoch's iterable
 from the same seed and skips ``index`` problems, so no problem is repeated or skipped across a restart.
 """

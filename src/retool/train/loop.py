@@ -8,7 +8,7 @@
     RUN_DIR/tensorboard/ swanlog/ wandb/  the tracker's files (``retool.train.trackers``)
     RUN_DIR/checkpoints/      see ``retool.train.checkpoint``
 
-It trains on an environment (``retool.env.ProblemEnv``: which problems, how a trajectory is scored) with
+It trains on a problem source (``retool.env.ProblemSource``: which problems, how a trajectory is scored) with
 components (``retool.components.Components``: backend, protocol, executor, verifier); by default both
 are built from the config, through the same functions every other command uses.
 
@@ -36,7 +36,7 @@ import re
 import signal
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import FrameType
@@ -48,9 +48,9 @@ from retool.backends.guarded import guard_training_client
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.data.problem import Problem
-from retool.env import ProblemEnv, ToolSetup, env_from_config
+from retool.env import ProblemSource, retool_outcome, source_from_config
 from retool.jsonl import as_number
-from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
+from retool.rollout import GroupSampler, RolloutFn, Trajectory, run_rollout
 from retool.train.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -119,7 +119,7 @@ def rollout_seed(base_seed: int, step: int) -> int:
 class Trainer:
     """One training run of ``config`` in ``run_dir`` (``resume``: continue it from its latest checkpoint).
 
-    ``env``: the problems and how trajectories are scored (default ``env_from_config(config)``);
+    ``source``: the problems and how trajectories are scored (default ``source_from_config(config)``);
     ``components``: backend, protocol, executor, verifier (default ``build_components`` for this run
     folder, closed when the run ends; components passed in belong to the caller and stay open);
     ``rollout_fn``: the rollout function (default ``retool.rollout.run_rollout``); ``tracker``: the
@@ -133,7 +133,7 @@ class Trainer:
         run_dir: str | Path,
         resume: bool = False,
         *,
-        env: ProblemEnv | None = None,
+        source: ProblemSource | None = None,
         components: Components | None = None,
         rollout_fn: RolloutFn = run_rollout,
         tracker: Tracker | None = None,
@@ -142,7 +142,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(run_dir)
         self.resume = resume
-        self.env = env
+        self.source = source
         self.components = components
         self._owns_components = False
         self._guarded: TrainingClient | None = None  # the backend behind retries (``[retry]``)
@@ -179,9 +179,9 @@ class Trainer:
         return cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(self.run_dir)})})
 
     def _build_components(self) -> Components:
-        if self.env is None:
-            self.env = env_from_config(self.config)
-        self.env.problems("train")  # read the data first: a bad path fails before any process starts
+        if self.source is None:
+            self.source = source_from_config(self.config)
+        self.source.problems("train")  # read the data first: a bad path fails before any process starts
         if self.components is None:
             self.components = build_components(self._run_config())
             self._owns_components = True
@@ -261,7 +261,7 @@ class Trainer:
     ) -> RolloutPipeline:
         """The producer of this run's batches, with the batches a checkpoint restored (stale ones requeued)."""
         cfg = self.config
-        assert self.env is not None
+        assert self.source is not None
         k = cfg.train.max_steps_off_policy
         batches = [b for b in queued.batches if b.step <= cfg.train.steps] if queued is not None else []
         if batches and [b.step for b in batches] != list(
@@ -271,10 +271,10 @@ class Trainer:
                 f"the checkpoint of step {start_step} holds batches of steps {[b.step for b in batches]}"
             )
         batches, replay, self._requeued = requeue_stale(batches, queued.replay if queued else [], k)
-        stream = ProblemStream(self.env.epoch, seed=position.seed, position=position)
+        stream = ProblemStream(self.source.epoch, seed=position.seed, position=position)
         # The stream resumes after the last batch the checkpoint kept, not after the requeued ones.
         if batches:
-            stream = ProblemStream(self.env.epoch, seed=position.seed, position=batches[-1].position)
+            stream = ProblemStream(self.source.epoch, seed=position.seed, position=batches[-1].position)
         return RolloutPipeline(
             self._collect,
             ProblemFeed(stream, replay),
@@ -385,30 +385,29 @@ class Trainer:
         how many rounds: one, or more under dynamic sampling). With ``rollout.text_only_share`` the last
         questions of each round go text-only (no tool registered, no executor)."""
         cfg = self.config
-        parts, env = self.components, self.env
-        assert parts is not None and env is not None
+        parts, source = self.components, self.source
+        assert parts is not None and source is not None
         per_question = sampled_group_size(cfg.rollout.group_size, cfg.filters)  # oversampled under RoC
 
-        async def rollout(problems: list[Problem], seed: int, mode: Components) -> list[list[Trajectory]]:
-            if not problems:
-                return []
-            setup = ToolSetup(mode.protocol, mode.executor, mode.verifier, cfg.rollout)
-            request = RolloutRequest(
-                [env.group_builder(p, setup, per_question, i) for i, p in enumerate(problems)],
-                sampler,
-                cfg.sampling,
-                seed=seed,
-                scheduling=cfg.rollout.scheduling,
-                max_inflight_samples=cfg.rollout.max_inflight_samples,
-            )
-            return await self._rollout_fn(request)
+        tools = GroupSampler.from_parts(source, parts, cfg, rollout_fn=self._rollout_fn)
+
+        def rollout(
+            problems: list[Problem], seed: int, mode: GroupSampler
+        ) -> Awaitable[list[list[Trajectory]]]:
+            return mode.sample(problems, sampler, group_size=per_question, seed=seed)
 
         async def sample_round(problems: list[Problem], round_index: int) -> list[list[Trajectory]]:
             seed = round_seed(rollout_seed(cfg.train.seed, step), round_index)
             split = len(problems) - text_only_count(len(problems), cfg.rollout.text_only_share)
-            text_mode = parts.for_mode(False) if split < len(problems) else parts
+            text_mode = (
+                GroupSampler.from_parts(
+                    source, parts.for_mode(False), cfg, tools=False, rollout_fn=self._rollout_fn
+                )
+                if split < len(problems)
+                else tools
+            )
             tool_groups, text_groups = await asyncio.gather(
-                rollout(problems[:split], seed, parts), rollout(problems[split:], seed ^ 0x5EED, text_mode)
+                rollout(problems[:split], seed, tools), rollout(problems[split:], seed ^ 0x5EED, text_mode)
             )
             groups = [*tool_groups, *text_groups]
             # A round lost entirely to a dead sampler or sandbox stops the run instead of burning steps.
@@ -496,7 +495,9 @@ def _step_record(
     n_trained_trajs = data.n_trajectories or 1
     record["filter/void_rate"] = data.n_void / n_trained_trajs
     record["filter/overlong_rate"] = data.n_overlong / n_trained_trajs
-    record["sampling/text_only_groups"] = float(sum(1 for g in sampled if g and not g[0].use_tools))
+    record["sampling/text_only_groups"] = float(
+        sum(1 for g in sampled if g and not retool_outcome(g[0].outcome).use_tools)
+    )
     record["tokens/trained"] = float(sum(1 for d in data.datums for w in d.weights if w != 0.0))
     record.update(times)
     record["time/train"] = result.seconds
@@ -512,7 +513,7 @@ def _step_record(
 class TrainerParts(TypedDict, total=False):
     """What ``run_training`` may inject into its ``Trainer`` (the keyword-only parameters)."""
 
-    env: ProblemEnv | None
+    source: ProblemSource | None
     components: Components | None
     rollout_fn: RolloutFn
     tracker: Tracker | None

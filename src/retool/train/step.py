@@ -101,8 +101,8 @@ def is_void(traj: Trajectory) -> bool:
     ``\\boxed{}`` (the verifier found no answer) is void. Such turns are full of low-probability tokens;
     SimpleTIR leaves the whole trajectory out of the update to avoid the gradient spikes they cause.
     """
-    reason = getattr(traj, "stop_reason", "")
-    return reason == "invalid" or (reason == "answer" and getattr(traj, "reward_status", "") == "no_answer")
+    reason = traj.outcome.stop_reason
+    return reason == "invalid" or (reason == "answer" and traj.outcome.reward_status == "no_answer")
 
 
 def is_overlong(traj: Trajectory) -> bool:
@@ -110,10 +110,10 @@ def is_overlong(traj: Trajectory) -> bool:
 
     Its reward judges an unfinished attempt, not the policy's answer (DAPO's overlong filtering).
     """
-    if getattr(traj, "stop_reason", "") == "context_full":
+    if traj.outcome.stop_reason == "context_full":
         return True
-    turns = getattr(traj, "turns", None) or []
-    return bool(turns) and getattr(turns[-1], "sampler_stop", "stop") == "length"
+    turns = traj.turns
+    return bool(turns) and turns[-1].sampler_stop == "length"
 
 
 @dataclass
