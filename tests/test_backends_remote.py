@@ -787,6 +787,7 @@ def test_a_training_run_and_its_resume_through_the_sdk(
     from retool.data.problem import Problem
     from retool.env import ProblemList
     from retool.train.loop import Trainer
+    from test_train_loop import StubProtocol
 
     set_key(monkeypatch, kind)
     problems = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(4)]
@@ -805,7 +806,10 @@ def test_a_training_run_and_its_resume_through_the_sdk(
                 base_url=stub.url,
             )
             parts = Components(
-                backend=make_training_client(cfg), protocol=object(), verifier=object(), executor=object()
+                backend=make_training_client(cfg),
+                protocol=StubProtocol(),
+                verifier=object(),
+                executor=object(),
             )
             trainer = Trainer(
                 cfg,

@@ -140,9 +140,20 @@ def fake_config(steps: int = 6, every: int = 2, keep: int = 2) -> Config:
     )
 
 
+class StubProtocol:
+    """What the trainer itself asks of the protocol when the rollouts are scripted: the records' text."""
+
+    use_tools = True
+
+    def decode(self, tokens: list[int]) -> str:
+        return " ".join(map(str, tokens))
+
+
 def fake_components(client: Any = None) -> Components:
     """A fake backend with stand-ins for the parts only the real rollout would touch."""
-    return Components(backend=client or FakeClient(), protocol=object(), verifier=object(), executor=object())
+    return Components(
+        backend=client or FakeClient(), protocol=StubProtocol(), verifier=object(), executor=object()
+    )
 
 
 def make_trainer(
@@ -315,7 +326,7 @@ def test_default_components_are_built_for_the_run_folder_in_use(
     monkeypatch.setattr(
         loop,
         "build_components",
-        lambda c: seen.append(c) or Built(FakeClient(), object(), object(), object()),
+        lambda c: seen.append(c) or Built(FakeClient(), StubProtocol(), object(), object()),
     )
     cfg = override_config(fake_config(steps=1), ["train.run_dir='elsewhere'"])
     Trainer(cfg, tmp_path / "run", source=ProblemList(PROBLEMS), rollout_fn=fake_rollouts).run()
@@ -331,7 +342,7 @@ def test_components_passed_in_stay_open(tmp_path: Path) -> None:
         async def aclose(self) -> None:  # pragma: no cover - must not be called
             closed.append(True)
 
-    parts = Lent(FakeClient(), object(), object(), object())
+    parts = Lent(FakeClient(), StubProtocol(), object(), object())
     Trainer(
         fake_config(steps=1),
         tmp_path / "run",

@@ -1,5 +1,5 @@
 """Off-policy pipelining with fake components: the version schedule and its tags, the queue in
-checkpoints (resume with a non-empty queue), requeueing stale batches, failures in the producer, and
+checkpoints (resume with a non-empty queue), requeueing stale batches, failures in the batch sampler, and
 dynamic sampling / the text-only share with k >= 1."""
 
 from __future__ import annotations
@@ -344,7 +344,7 @@ def test_a_sampler_that_is_not_refreshed_fails_the_on_policy_check(tmp_path: Pat
     """k = 0, the trainer pushing the weights every step: no mismatch, lag 0, no alarm. A sampler that
     never receives new weights still reads lag 0 (the trainer believes it published them) but its
     logprobs drift from the trainer's: offpolicy/sampler_check_failed = 1 from step 2 on. Breaking the
-    trainer's refresh (``Trainer._new_sampler`` handing out its first sampler again) fails the fresh half."""
+    trainer's refresh (``Trainer._current_policy`` handing out its first sampler again) fails the fresh half."""
     cfg = config(0, steps=4, every=0)
     rows = {}
     for name, client in (("fresh", DriftingClient()), ("stale", NeverRefreshed())):

@@ -33,8 +33,8 @@ from retool.data.problem import Problem
 from retool.env import Attempt, ProblemSource, Score, Split, VerifierLike
 from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
 from retool.train.checkpoint import CheckpointManager
-from retool.train.collect import round_seed
-from retool.train.loop import Trainer, rollout_seed
+from retool.train.collect import rollout_seed, round_seed
+from retool.train.loop import Trainer
 
 logger = logging.getLogger("train_harness")
 
@@ -171,10 +171,10 @@ class HarnessTrainer(Trainer):
         self._guarded = _OptimSignal(self._guarded, self)  # type: ignore[assignment]
         return parts
 
-    async def _one_step(self, step: int, pipeline: Any, tracker: Any) -> dict[str, Any]:
+    async def _one_step(self, step: int, sampler: Any, tracker: Any) -> dict[str, Any]:
         self.current_step = step
         self.signals.fire("step", step)
-        return await super()._one_step(step, pipeline, tracker)
+        return await super()._one_step(step, sampler, tracker)
 
 
 def main(argv: list[str]) -> None:
