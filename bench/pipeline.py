@@ -41,9 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from _machine import machine  # bench/, on sys.path when run as a script
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.losses import LossTally, token_loss
-from retool.backends.types import (
+from retool.backends.interface.clients import SamplingClient, TrainingClient
+from retool.backends.interface.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
@@ -52,6 +51,7 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.backends.training.losses import LossTally, token_loss
 
 DRIFT_PER_VERSION = 0.01
 
@@ -173,7 +173,7 @@ def build_parts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Tokenizer, protocol, environment, real sandbox and verifier, and the config of every arm."""
     from transformers import AutoTokenizer
 
-    from retool.backends.tinymodel import build_tiny_model
+    from retool.backends.local.tinymodel import build_tiny_model
     from retool.config import load_config
     from retool.env import source_from_config
     from retool.protocol import ChatProtocol

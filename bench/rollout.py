@@ -25,8 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from retool.backends.base import SamplingClient
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
 from retool.data.problem import Problem
 from retool.rollout import Trajectory, run_group_rollouts
@@ -182,7 +182,7 @@ async def run_once(
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from retool.backends.tinymodel import build_tokenizer
+    from retool.backends.local.tinymodel import build_tokenizer
     from retool.protocol import ChatProtocol
 
     tokenizer = build_tokenizer()

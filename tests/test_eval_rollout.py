@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from retool.backends.base import SamplingClient
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import Config
 from retool.data.problem import Problem
 from retool.sandbox.base import ExecResult, Executor

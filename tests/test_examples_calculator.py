@@ -17,7 +17,7 @@ from typing import Any
 
 import pytest
 
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.components import Components
 from retool.config import Config, load_config
 from retool.data.problem import Problem

@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
 pytestmark = pytest.mark.slow

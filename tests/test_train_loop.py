@@ -9,8 +9,8 @@ from typing import Any
 
 import pytest
 
-from retool.backends.base import TrainingClient
-from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult, Sample
+from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import AdamParams, ForwardBackwardResult, OptimStepResult, Sample
 from retool.components import Components
 from retool.config import Config, load_config, override_config
 from retool.data.problem import Problem

@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from retool.backends.types import AdamParams, Datum, ForwardBackwardResult, OptimStepResult
+from retool.backends.interface.types import AdamParams, Datum, ForwardBackwardResult, OptimStepResult
 from retool.train.step import (
     NotAPrefixError,
     build_datum,
@@ -292,7 +292,7 @@ def test_mean_reduction_refuses_unmasked_datum() -> None:
 def test_weights_give_the_mean_gradient_on_the_local_backend(tiny_model_dir) -> None:
     """Real backend: packed, weighted forward_backward calls accumulate exactly
     mean_d( mean_{t in completion(d)} ppo_loss_t ), computed here independently with autograd."""
-    local = pytest.importorskip("retool.backends.local")
+    local = pytest.importorskip("retool.backends.local.client")
     client = local.LocalTrainingClient(
         tiny_model_dir, lora=None, device="cpu", dtype="float32", micro_batch_tokens=40
     )

@@ -28,8 +28,8 @@ from typing import Any
 import pytest
 
 from retool.backends import make_training_client
-from retool.backends.base import SamplingClient
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.components import Components
 from retool.config import Config, load_config
 from retool.env import source_from_config

@@ -12,8 +12,8 @@ from typing import Any
 
 import pytest
 
-from retool.backends.base import TrainingClient
-from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult
+from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import AdamParams, ForwardBackwardResult, OptimStepResult
 from retool.components import Components
 from retool.config import ConfigError, load_config
 from retool.data.problem import Problem

@@ -27,7 +27,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from retool.backends.types import AdamParams, OptimStepResult
+from retool.backends.interface.types import AdamParams, OptimStepResult
 from retool.config import Config
 from retool.data.problem import Problem
 from retool.env import Attempt, ProblemSource, Score, Split, VerifierLike

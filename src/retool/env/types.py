@@ -18,7 +18,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from retool.backends.types import Sample
+from retool.backends.interface.types import Sample
 from retool.data.problem import Problem
 from retool.protocol.chat import Message
 

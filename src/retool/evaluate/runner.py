@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Literal, TypedDict
 
 from retool.backends import resolve_model_name
-from retool.backends.base import SamplingClient
+from retool.backends.interface.clients import SamplingClient
 from retool.components import Components, build_components
 from retool.config import Config
 from retool.data.problem import Problem

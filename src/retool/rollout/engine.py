@@ -32,7 +32,7 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import SamplingConfig
 from retool.env.types import Env, EnvGroupBuilder, Interrupt, Observation, StepResult
 from retool.rollout.types import Trajectory, Transition

@@ -31,7 +31,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypedDict
 
-from retool.backends.types import Datum
+from retool.backends.interface.types import Datum
 from retool.env.retool import ReToolOutcome, retool_outcome
 from retool.protocol.chat import Message
 from retool.rollout.types import Trajectory, trajectory_tokens

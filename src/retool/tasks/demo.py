@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from retool.backends.tinymodel import ModelSize
+from retool.backends.local.tinymodel import ModelSize
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, apply_overrides, load_config, override_config
 from retool.data.gsm8k import gsm8k_problems
@@ -60,7 +60,7 @@ from retool.train.metrics import MetricsRecord
 from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
 
 if TYPE_CHECKING:
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
 
 logger = logging.getLogger(__name__)
 
@@ -208,7 +208,7 @@ def task_source(config: Config) -> TaskFamilySource:
 
 
 def local_backend(parts: Components) -> LocalTrainingClient:
-    from retool.backends.local import LocalTrainingClient  # deferred: torch and transformers (~3 s)
+    from retool.backends.local.client import LocalTrainingClient  # deferred: torch and transformers (~3 s)
 
     if not isinstance(parts.backend, LocalTrainingClient):
         raise ConfigError("the demo runs on the local backend (backend.kind = 'local')")

@@ -46,8 +46,8 @@ from types import FrameType
 from typing import TypedDict, Unpack
 
 from retool.backends import adam_params_from_config
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.guarded import guard_training_client
+from retool.backends.interface.clients import SamplingClient, TrainingClient
+from retool.backends.remote.guarded import guard_training_client
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, dump_config, load_config
 from retool.env import ProblemSource, retool_outcome, source_from_config

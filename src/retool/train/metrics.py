@@ -21,7 +21,7 @@ Definitions (all over the step's trajectories unless said otherwise):
   scored -1). Since the trainer's components started (``fault_counters``): ``sandbox_worker_failures``
   (calls lost to a dead sandbox worker), ``sandbox_worker_restarts``, ``verifier_worker_restarts``,
   ``remote_calls`` / ``remote_retries`` / ``remote_timeouts`` / ``remote_failures`` /
-  ``remote_replays`` (guarded backend calls, see ``retool.backends.guarded``).
+  ``remote_replays`` (guarded backend calls, see ``retool.backends.remote.guarded``).
 - policy: ``ratio_mean/min/max``, ``clip_fraction``, ``loss``, ``grad_norm``, ``lr`` (from the backend),
   ``response_length`` (mean sampled tokens per trajectory).
 - stop: share of each stop reason.
@@ -41,7 +41,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from retool.backends.base import TrainingClient
+from retool.backends.interface.clients import TrainingClient
 from retool.env.retool import ReToolOutcome, retool_outcome
 from retool.jsonl import JsonValue, read_jsonl_objects
 from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons

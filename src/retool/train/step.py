@@ -21,9 +21,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from retool.backends.base import TrainingClient
-from retool.backends.packing import pack_micro_batches as backend_pack
-from retool.backends.types import AdamParams, Datum, ForwardBackwardResult, LossName
+from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import AdamParams, Datum, ForwardBackwardResult, LossName
+from retool.backends.training.packing import pack_micro_batches as backend_pack
 from retool.rollout.types import (
     NotAPrefixError as NotAPrefixError,
 )  # re-exported: the datum builder raises it
@@ -267,7 +267,7 @@ async def train_step(
 
     ``datums`` must already carry their reduction weights (``build_step_data``). A client that says
     ``one_call_per_step`` (a remote service whose reduction divides the step's gradient by the datums it
-    accumulated, ``retool.backends.reduction``) gets the whole step in one call; the service batches it.
+    accumulated, ``retool.backends.training.reduction``) gets the whole step in one call; the service batches it.
     """
     start = time.perf_counter()
     if not datums:
