@@ -171,7 +171,9 @@ class StepSampler:
         seed = round_seed(rollout_seed(self.seed, step), round_index)
         split = len(problems) - text_only_count(len(problems), self.rollout.text_only_share)
         size = sampled_group_size(self.rollout.group_size, self.filters)
-        text = self.text or self.tools  # without a text-only share the text part is always empty
+        if split < len(problems) and self.text is None:
+            raise ValueError("rollout.text_only_share > 0 needs a text-only group sampler")
+        text = self.text or self.tools  # with no text-only sampler the text part is empty
         tool_groups, text_groups = await asyncio.gather(
             self.tools.sample(problems[:split], policy, group_size=size, seed=seed),
             text.sample(problems[split:], policy, group_size=size, seed=seed ^ 0x5EED),
