@@ -12,7 +12,7 @@ def hf_folder_from_gguf(gguf: Path, out: Path) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from retool.backends.local import _forget_gguf_quantization
+    from retool.backends.local.client import _forget_gguf_quantization
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")

@@ -34,13 +34,13 @@ def main() -> None:
 
     import torch
 
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
 
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the packing baseline
     from packing_baseline import greedy_micro_batches
-    from retool.backends.packing import pack_micro_batches, padding_efficiency
-    from retool.backends.tinymodel import build_tiny_model
-    from retool.backends.types import Datum, SamplingParams
+    from retool.backends.interface.types import Datum, SamplingParams
+    from retool.backends.local.tinymodel import build_tiny_model
+    from retool.backends.training.packing import pack_micro_batches, padding_efficiency
 
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:

@@ -44,7 +44,7 @@ class Checks:
 
 
 def _sample_all(sampler: Any, prompts: list[list[int]], n: int, max_tokens: int) -> list[list[Any]]:
-    from retool.backends.types import SamplingParams
+    from retool.backends.interface.types import SamplingParams
 
     async def go() -> list[list[Any]]:
         return list(
@@ -61,7 +61,7 @@ def _sample_all(sampler: Any, prompts: list[list[int]], n: int, max_tokens: int)
 
 def _datums(prompts: list[list[int]], groups: list[list[Any]]) -> list[Any]:
     """PPO datums of sampled groups, alternating advantages, the sampler's logprobs as the old ones."""
-    from retool.backends.types import Datum
+    from retool.backends.interface.types import Datum
 
     out = []
     for gi, (p, g) in enumerate(zip(prompts, groups, strict=True)):
@@ -87,9 +87,9 @@ def _datums(prompts: list[list[int]], groups: list[list[Any]]) -> list[Any]:
 def run(device: str, quick: bool, report: dict[str, Any], check: Checks) -> None:
     import torch
 
-    from retool.backends.local import LocalTrainingClient
-    from retool.backends.tinymodel import build_tiny_model
-    from retool.backends.types import AdamParams
+    from retool.backends.interface.types import AdamParams
+    from retool.backends.local.client import LocalTrainingClient
+    from retool.backends.local.tinymodel import build_tiny_model
 
     seqs, tokens = (4, 32) if quick else (16, 128)
     tmp = Path(tempfile.mkdtemp(prefix="retool_gpu_smoke_"))
@@ -183,8 +183,8 @@ def _vllm_checks(
     report: dict[str, Any],
     check: Checks,
 ) -> None:
-    from retool.backends.types import AdamParams
-    from retool.backends.vllm_sampler import attach_vllm_sampler, engine_dtype, running
+    from retool.backends.interface.types import AdamParams
+    from retool.backends.samplers.vllm import attach_vllm_sampler, engine_dtype, running
 
     try:
         vs = attach_vllm_sampler(client, kv_cache_gib=0.25, gpu_memory_utilization=0.3)

@@ -199,7 +199,7 @@ def fixed_batch(model: Path, urls: dict[str, str | None], work: Path) -> dict[st
     from transformers import AutoTokenizer
 
     from retool.backends import make_training_client
-    from retool.backends.types import AdamParams, Datum
+    from retool.backends.interface.types import AdamParams, Datum
     from retool.config import load_config
 
     tok = AutoTokenizer.from_pretrained(model)

@@ -31,7 +31,7 @@
 #      torch 2.13.0 the configured index has (on this machine's local index that is the default build,
 #      whose NVIDIA wheels then come too).
 # The adapter's own handling of SkyRL (per-sequence-mean reduction, resume, unload on close, the missing
-# session-finish endpoint) is in src/retool/backends/tinker_backend.py and reduction.py.
+# session-finish endpoint) is in src/retool/backends/remote/tinker.py and training/reduction.py.
 set -euo pipefail
 
 REPO="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -113,7 +113,7 @@ def retool_worker(job: dict[str, Any]) -> None:
 
     from retool.components import build_components
     from retool.config import Config
-    from retool.tasks.demo import local_backend, save_hf, task_env, with_available_isolation
+    from retool.tasks.demo import local_backend, save_hf, task_source, with_available_isolation
     from retool.train.loop import Trainer
 
     torch.set_num_threads(job["threads"])
@@ -121,7 +121,7 @@ def retool_worker(job: dict[str, Any]) -> None:
     cfg = with_available_isolation(Config.model_validate(job["config"]))
     out = Path(job["out"])
     with build_components(cfg) as parts:
-        env = task_env(cfg)
+        source = task_source(cfg)
         _emit("ready", {})
         if not _wait_go():
             return
@@ -133,7 +133,7 @@ def retool_worker(job: dict[str, Any]) -> None:
             if step < job["steps"] and _wait_go():
                 clock.update(t=time.perf_counter(), c=time.process_time())
 
-        Trainer(cfg, out / "rl", env=env, components=parts, on_step=on_step).run()
+        Trainer(cfg, out / "rl", source=source, components=parts, on_step=on_step).run()
         if job["save"]:
             save_hf(local_backend(parts), out / "model")
     _emit("done", {})
@@ -388,9 +388,9 @@ class Arm:
 
 def problem_order(cfg: Any, n: int) -> list[dict[str, str]]:
     """The first ``n`` training problems in retool-rl's order (its data stream, seed and epoch 0)."""
-    from retool.tasks.demo import task_env
+    from retool.tasks.demo import task_source
 
-    problems = task_env(cfg).epoch(cfg.data.seed, 0)[:n]
+    problems = task_source(cfg).epoch(cfg.data.seed, 0)[:n]
     return [{"question": p.question, "answer": str(p.answer)} for p in problems]
 
 
@@ -529,7 +529,7 @@ def heldout_accuracy(sft: Path, run: Path, cfg: Any, n: int, arms: list[str]) ->
         evaluate_modes,
         held_out,
         phase_config,
-        task_env,
+        task_source,
         with_available_isolation,
     )
 
@@ -537,7 +537,7 @@ def heldout_accuracy(sft: Path, run: Path, cfg: Any, n: int, arms: list[str]) ->
         cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"enabled": False})})
     )
     settings = DemoSettings(config=cfg, test_hard_fraction=1.0, eval_modes=("retool",), plots=False)
-    _, _, problems = held_out(settings, task_env(cfg))
+    _, _, problems = held_out(settings, task_source(cfg))
     out: dict[str, dict[str, float]] = {}
     for label, model in [("sft", sft), *[(a, run / a / "model") for a in arms]]:
         eval_cfg = phase_config(cfg, model, run / "eval" / label)

@@ -41,9 +41,8 @@ from pathlib import Path
 from typing import Any
 
 from _machine import machine  # bench/, on sys.path when run as a script
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.losses import LossTally, token_loss
-from retool.backends.types import (
+from retool.backends.interface.clients import SamplingClient, TrainingClient
+from retool.backends.interface.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
@@ -52,6 +51,7 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.backends.training.losses import LossTally, token_loss
 
 DRIFT_PER_VERSION = 0.01
 
@@ -144,7 +144,7 @@ def run_arm(k: int, args: argparse.Namespace, parts: dict[str, Any], out: Path) 
     components = Components(client, parts["protocol"], parts["verifier"], parts["executor"])
     load_before = os.getloadavg()[0]
     t0 = time.perf_counter()
-    Trainer(cfg, out / f"k{k}", env=parts["env"], components=components).run()
+    Trainer(cfg, out / f"k{k}", source=parts["source"], components=components).run()
     wall = time.perf_counter() - t0
     rows = [json.loads(x) for x in (out / f"k{k}" / "metrics.jsonl").read_text().splitlines()]
     steady = rows[k + 1 :] or rows
@@ -173,9 +173,9 @@ def build_parts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     """Tokenizer, protocol, environment, real sandbox and verifier, and the config of every arm."""
     from transformers import AutoTokenizer
 
-    from retool.backends.tinymodel import build_tiny_model
+    from retool.backends.local.tinymodel import build_tiny_model
     from retool.config import load_config
-    from retool.env import env_from_config
+    from retool.env import source_from_config
     from retool.protocol import ChatProtocol
     from retool.reward import Verifier
     from retool.sandbox import make_executor
@@ -198,13 +198,13 @@ def build_parts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         ],
     )
     tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(work / "tiny_model", size="test", seed=0))
-    env = env_from_config(config)
+    source = source_from_config(config)
     return {
         "config": config,
         "tokenizer": tokenizer,
         "protocol": ChatProtocol.from_config(tokenizer, config),
-        "env": env,
-        "answers": {p.question: p.answer for p in env.problems("train")},
+        "source": source,
+        "answers": {p.question: p.answer for p in source.problems("train")},
         "executor": make_executor(config.sandbox),
         "verifier": Verifier.from_config(config.reward),
         "latency": Latencies(args.sample, args.fb, args.optim, args.refresh),

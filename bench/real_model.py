@@ -12,11 +12,11 @@ meaningful even when the absolute numbers do not:
 - prompts are the demo's real retool-mode prompts (compact system prompt + distinct held-out hard
   problems), one request each, gathered into one batch as in evaluation; every sequence runs to
   ``--tokens`` (end-of-turn ignored) so the comparison is fair;
-- the llama.cpp sampler (``backend.sampler = "llamacpp"``, ``retool.backends.llamacpp``, needs
+- the llama.cpp sampler (``backend.sampler = "llamacpp"``, ``retool.backends.samplers.llamacpp``, needs
   ``pip install xllamacpp``) on the same prompts, fed the same trained adapter (exported to a LoRA GGUF), at
   the batch sizes given, interleaved with the torch rows; then the mean |difference| between llama.cpp's
   logprobs of its sampled tokens and the trainer's fp32 recomputation of them;
-- the vLLM sampler (``backend.sampler = "vllm"``, ``retool.backends.vllm_sampler``; vLLM's CPU build lives in
+- the vLLM sampler (``backend.sampler = "vllm"``, ``retool.backends.samplers.vllm``; vLLM's CPU build lives in
   .venv-vllm, so run this bench with ``.venv-vllm/bin/python`` for these rows) on the same prompts and the
   same adapter, its engine in the trainer's fp32, loading an fp32 HF copy of the GGUF's weights (converted
   once into ~/.cache/retool); its start-up time and memory; then its logprobs against the trainer's;
@@ -76,8 +76,8 @@ def main() -> None:
 
     import torch
 
-    from retool.backends.local import LocalTrainingClient
-    from retool.backends.types import SamplingParams
+    from retool.backends.interface.types import SamplingParams
+    from retool.backends.local.client import LocalTrainingClient
     from retool.data.synthetic import generate_tasks
     from retool.tasks.model import protocol_for
     from retool.tasks.real_model import resolve_model_path
@@ -201,7 +201,7 @@ def main() -> None:
 
 
 def _training_row(client: Any, protocol: Any, task: Any, prompt: list[int], args: Any) -> None:
-    from retool.backends.types import Datum
+    from retool.backends.interface.types import Datum
 
     # Training: RL-shaped datums (prompt + code call + observation + answer), PPO loss through LoRA.
     seq = [*prompt, *protocol.encode_completion(protocol.fmt.render_call(task.code))]
@@ -231,7 +231,7 @@ def _multi_turn_once(
     """One run of the multi-turn workload on the torch sampler with ``cache`` as its prefix cache, or on
     an ``external`` engine's sampler (llama.cpp, vLLM: their own prefix caches); (sampled tokens/s,
     prefilled tokens per sampled token, NaN for external engines)."""
-    from retool.backends.types import SamplingParams
+    from retool.backends.interface.types import SamplingParams
 
     client.engine.cache = cache
     cache.clear()
@@ -276,7 +276,7 @@ def _multi_turn_table(
 ) -> None:
     """The multi-turn workload on the torch sampler (prefix cache on and off, at each thread count) and on
     each external engine in ``engines`` (name -> sampler), rounds interleaved."""
-    from retool.backends.prefix_cache import PrefixCache
+    from retool.backends.engine.prefix_cache import PrefixCache
 
     on, off = client.prefix_cache, PrefixCache(0)
     threads = [int(t) for t in args.mt_threads.split(",")]
@@ -321,7 +321,7 @@ def _multi_turn_table(
 
 def _llamacpp_sampler(client: Any, threads: int) -> Any:
     try:
-        from retool.backends.llamacpp import LlamaCppSamplingClient
+        from retool.backends.samplers.llamacpp import LlamaCppSamplingClient
 
         sampler = LlamaCppSamplingClient(client, threads=threads)
     except RuntimeError as exc:  # xllamacpp not installed
@@ -339,7 +339,7 @@ def _vllm_sampler(client: Any, path: Any, args: Any) -> Any:
     except ImportError:
         print("vLLM rows skipped: vllm is not installed here (run this bench with .venv-vllm/bin/python)")
         return None
-    from retool.backends.vllm_sampler import VllmSamplingClient
+    from retool.backends.samplers.vllm import VllmSamplingClient
 
     engine_model = _hf_copy(path) if str(path).endswith(".gguf") else path
     sampler = VllmSamplingClient(client, model=str(engine_model), kv_cache_gib=args.vllm_kv_gib)
@@ -375,7 +375,7 @@ def _logprob_agreement(client: Any, engine: Any, name: str, prompts: list[list[i
     """Mean |engine logprob - trainer fp32 logprob| over the tokens the engine sampled (same adapter)."""
     import torch
 
-    from retool.backends.types import SamplingParams
+    from retool.backends.interface.types import SamplingParams
 
     diffs: list[float] = []
     for k, prompt in enumerate(prompts):

@@ -25,8 +25,8 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from retool.backends.base import SamplingClient
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
 from retool.data.problem import Problem
 from retool.rollout import Trajectory, run_group_rollouts
@@ -129,18 +129,18 @@ def make_bench_executor(workers: int, isolation: str) -> tuple[Any, str]:
 
 def summarize(groups: list[list[Trajectory]]) -> dict[str, float]:
     trajs = [t for g in groups for t in g]
-    lat = [r.latency for t in trajs for r in t.exec_results]
+    lat = [r.latency for t in trajs for r in t.outcome.exec_results]
     reasons: dict[str, int] = {}
     for t in trajs:
-        reasons[t.stop_reason] = reasons.get(t.stop_reason, 0) + 1
+        reasons[t.outcome.stop_reason] = reasons.get(t.outcome.stop_reason, 0) + 1
     return {
         "trajectories": len(trajs),
-        "code_calls": sum(t.code_calls for t in trajs),
-        "exec_errors": sum(t.exec_errors for t in trajs),
+        "code_calls": sum(t.outcome.code_calls for t in trajs),
+        "exec_errors": sum(t.outcome.exec_errors for t in trajs),
         "mean_exec_s": statistics.mean(lat) if lat else 0.0,
         "max_exec_s": max(lat) if lat else 0.0,
         "turns": sum(t.num_turns for t in trajs),
-        "correct": sum(t.correct for t in trajs),
+        "correct": sum(t.outcome.correct for t in trajs),
         "reasons": reasons,  # type: ignore[dict-item]
     }
 
@@ -182,7 +182,7 @@ async def run_once(
 
 
 async def main_async(args: argparse.Namespace) -> int:
-    from retool.backends.tinymodel import build_tokenizer
+    from retool.backends.local.tinymodel import build_tokenizer
     from retool.protocol import ChatProtocol
 
     tokenizer = build_tokenizer()
@@ -214,7 +214,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 wall,
                 s,
                 sampler,
-                [[(t.full_tokens(), t.stop_reason) for t in g] for g in groups],
+                [[(t.full_tokens(), t.outcome.stop_reason) for t in g] for g in groups],
             )
             print(
                 f"{scheduling:>15}: {wall:6.2f} s  | {s['trajectories']} traj, {s['turns']} turns, "
@@ -222,7 +222,7 @@ async def main_async(args: argparse.Namespace) -> int:
                 f"({s['exec_errors']} errors, mean {s['mean_exec_s']:.2f} s, max {s['max_exec_s']:.2f} s), "
                 f"{s['correct']} correct, stops {s['reasons']}"
             )
-            chain = max(t.sample_seconds + t.exec_seconds for g in groups for t in g)
+            chain = max(t.sample_seconds + t.outcome.exec_seconds for g in groups for t in g)
             print(
                 f"{'':>15}  longest single trajectory (its own sampling + execution): {chain:.2f} s; "
                 f"CPU time of this process (template rendering, tokenizing, bookkeeping): {sampler.cpu_seconds:.2f} s"

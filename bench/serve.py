@@ -7,7 +7,7 @@ dequantized once to an fp32 HF folder under the system temp folder), one after a
   ``tinker`` and the ``pytrio`` SDK (each client a thread making sequential requests on one sampling
   client, as a script's worker pool would), and the ratio server / in-process (target: >= 0.8 at 8
   clients); a last row gives each client thread its own training client and samples its adapter
-  (``--adapters``: one base, eight adapters, batched together by ``retool.backends.multi_lora``);
+  (``--adapters``: one base, eight adapters, batched together by ``retool.backends.samplers.multi_lora``);
 - training throughput (trained tokens/s) of ppo ``forward_backward`` + ``optim_step`` steps, same ratio;
 - the latency of a 1-token sample;
 - where a request's time goes at 8 clients: the server's own timers (``GET /retool/timers``: validation,
@@ -102,8 +102,8 @@ def datums_for(n: int, length: int) -> list[tuple[list[int], list[float], list[f
 
 def bench_local(model: Path, args: argparse.Namespace) -> Callable[[], dict[str, float]]:
     """One round of the in-process measurements (the client stays loaded between rounds)."""
-    from retool.backends.local import LocalLoraSpec, LocalTrainingClient
-    from retool.backends.types import AdamParams, Datum, SamplingParams
+    from retool.backends.interface.types import AdamParams, Datum, SamplingParams
+    from retool.backends.local.client import LocalLoraSpec, LocalTrainingClient
 
     client = LocalTrainingClient(model, lora=LocalLoraSpec(rank=RANK, alpha=2 * RANK), device=args.device,
                                  num_threads=args.threads, checkpoint_dir=tempfile.mkdtemp())  # fmt: skip
@@ -345,7 +345,7 @@ def main() -> None:
 
 def model_folder(name: str, work: Path, args: argparse.Namespace) -> tuple[Path, str]:
     from _models import smollm2_folder
-    from retool.backends.tinymodel import build_tiny_model
+    from retool.backends.local.tinymodel import build_tiny_model
 
     if name == "tiny":
         return build_tiny_model(work / f"tiny-{args.size}", size=args.size, seed=0), f"tiny ({args.size})"

@@ -8,11 +8,11 @@ and evaluated exactly with sympy. Nothing is executed: the code is parsed with `
 names bound earlier, arithmetic operators and a few sympy functions are accepted, so an untrusted model
 cannot reach Python at all. Anything else is an error the model sees as the observation.
 
-Use it as ``CalculatorEnv(inner)`` around any problem source, e.g. in a script::
+Use it as ``CalculatorSource(inner)`` around any problem source, e.g. in a script::
 
-    from retool.env import make_env
-    env = CalculatorEnv(make_env("tasks"))
-    Trainer(config, run_dir, env=env).run()      # or evaluate(config, mode="retool", env=env, ...)
+    from retool.env import make_source
+    source = CalculatorSource(make_source("tasks"))
+    Trainer(config, run_dir, source=source).run()   # or evaluate(config, mode="retool", source=source, ...)
 
 ``tests/test_examples_calculator.py`` trains it for a few steps.
 """
@@ -28,7 +28,16 @@ from collections.abc import Callable
 import sympy  # type: ignore[import-untyped]
 
 from retool.data.problem import Problem
-from retool.env import Attempt, EnvGroupBuilder, ProblemEnv, Score, Split, ToolSetup, VerifierLike
+from retool.env import (
+    Attempt,
+    EnvGroupBuilder,
+    EnvSetup,
+    ProblemSource,
+    Score,
+    Split,
+    ToolSetup,
+    VerifierLike,
+)
 from retool.sandbox.base import ExecResult
 
 _OPERATORS: dict[type[ast.AST], Callable[..., object]] = {
@@ -131,10 +140,10 @@ class SympyCalculator:
         return result.stdout if result.ok else f"Error: {result.stderr}"
 
 
-class CalculatorEnv(ProblemEnv):
+class CalculatorSource(ProblemSource):
     """``inner``'s problems, order and scoring; every tool call goes to the sympy calculator."""
 
-    def __init__(self, inner: ProblemEnv, calculator: SympyCalculator | None = None) -> None:
+    def __init__(self, inner: ProblemSource, calculator: SympyCalculator | None = None) -> None:
         self.inner, self.calculator = inner, calculator or SympyCalculator()
         self.name, self.shuffle = f"calculator:{inner.name}", inner.shuffle
 
@@ -152,11 +161,11 @@ class CalculatorEnv(ProblemEnv):
         return await self.inner.score(attempt, verifier)
 
     def group_builder(
-        self, problem: Problem, setup: ToolSetup, group_size: int, problem_index: int = 0
+        self, problem: Problem, setup: EnvSetup, group_size: int, problem_index: int = 0
     ) -> EnvGroupBuilder:
-        # A protocol that registers a tool gets the calculator (whatever executor the run built); a
-        # text-only one (``rollout.text_only_share``, ``retool eval --mode text-only``) stays text-only.
-        tool = self.calculator if setup.protocol.use_tools else None
-        return super().group_builder(
-            problem, dataclasses.replace(setup, tool=tool), group_size, problem_index
-        )
+        # A ReTool setup whose protocol registers a tool gets the calculator (whatever executor the run
+        # built); a text-only one (``rollout.text_only_share``, ``retool eval --mode text-only``) stays
+        # text-only.
+        if isinstance(setup, ToolSetup) and setup.protocol.use_tools:
+            setup = dataclasses.replace(setup, tool=self.calculator)
+        return super().group_builder(problem, setup, group_size, problem_index)

@@ -35,7 +35,7 @@ def qwen_tokenizers(shared_data: Path) -> dict:
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A randomly initialised tiny Qwen2 model with its own tokenizer and tool-capable chat template."""
-    from retool.backends.tinymodel import build_tiny_model
+    from retool.backends.local.tinymodel import build_tiny_model
 
     return build_tiny_model(tmp_path_factory.mktemp("tiny_model"), size="test", seed=0)
 
@@ -43,7 +43,7 @@ def tiny_model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 @pytest.fixture(scope="session")
 def tok_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A small local tokenizer (300 ids) that the remote adapters load instead of the service's."""
-    from retool.backends.tinymodel import build_tokenizer
+    from retool.backends.local.tinymodel import build_tokenizer
 
     folder = tmp_path_factory.mktemp("tokenizer")
     build_tokenizer(vocab_size=300).save_pretrained(folder)

@@ -1,6 +1,6 @@
 """Hand-written per-token references for the policy losses: the value from the formula and its derivative
-in the learner's logprob ``lp``, in plain floats (no torch), so the tests check ``retool.backends.losses``
-against something computed another way. Formulas: the module docstring of ``retool.backends.losses``."""
+in the learner's logprob ``lp``, in plain floats (no torch), so the tests check ``retool.backends.training.losses``
+against something computed another way. Formulas: the module docstring of ``retool.backends.training.losses``."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Test helper: the plain packing ``retool.backends.packing.pack_micro_batches`` is measured against (its
+"""Test helper: the plain packing ``retool.backends.training.packing.pack_micro_batches`` is measured against (its
 tests and ``bench/backend.py``)."""
 
 from __future__ import annotations

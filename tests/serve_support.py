@@ -117,7 +117,7 @@ ROWS: list[tuple[str, Cell, Cell, str]] = [
         "sampling many clients' adapters (and the base) together",
         (M + "test_the_servers_samplers_of_two_runs_and_the_base_share_one_engine",),
         (M + "test_the_servers_samplers_of_two_runs_and_the_base_share_one_engine",),
-        "one engine per base model decodes every adapter's requests in one batch (`retool.backends.multi_lora`); "
+        "one engine per base model decodes every adapter's requests in one batch (`retool.backends.samplers.multi_lora`); "
         "the same tokens as each adapter sampled alone",
     ),
     ("top-k sample logprobs, `prompt_alt_tokens_k`, images", "no", "no", "400"),

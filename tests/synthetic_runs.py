@@ -21,6 +21,7 @@ from typing import Any
 from retool.components import Components
 from retool.config import Config
 from retool.data.problem import Problem
+from retool.env import ReToolOutcome
 from retool.evaluate.runner import run_eval
 from retool.rollout import RolloutRequest
 from retool.rollout.types import AssistantTurn, Trajectory, Transition
@@ -183,21 +184,23 @@ def make_trajectory(
             for i, t in enumerate(turns)
         ),
         reward=reward,
-        stop_reason=stop_reason,
-        error=error,
-        final_text=final_text,
-        messages=tuple(messages),
-        codes=tuple(codes),
-        exec_results=tuple(results),
-        observations=tuple(observations),
-        observations_trimmed=(False,) * len(observations),
-        correct=correct,
-        valid_format=answer_found is not None,
-        answer=answer_found,
-        reward_status=reward_status,
         sample_seconds=0.01 * len(turns),
-        exec_seconds=sum(r.latency for r in results),
-        use_tools=use_tools,
+        outcome=ReToolOutcome(
+            stop_reason=stop_reason,
+            error=error,
+            final_text=final_text,
+            messages=tuple(messages),
+            codes=tuple(codes),
+            exec_results=tuple(results),
+            observations=tuple(observations),
+            observations_trimmed=(False,) * len(observations),
+            correct=correct,
+            valid_format=answer_found is not None,
+            answer=answer_found,
+            reward_status=reward_status,
+            exec_seconds=sum(r.latency for r in results),
+            use_tools=use_tools,
+        ),
     )
 
 

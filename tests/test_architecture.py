@@ -7,6 +7,11 @@
 - the length rule: a function's body is at most 60 lines; at most five, named in ``UP_TO_80`` with the
   reason splitting them would hurt, run to 80; none is longer.
 - the ``Any`` rule: at most ``MAX_ANY_USES`` uses of ``typing.Any`` in all of ``src/retool``.
+- inside ``retool.backends``, the package rule: each package by role (``BACKEND_PACKAGES``: the interface,
+  the training math, the engine, the local backend, the samplers, the remote adapters) imports only the
+  packages named for it; the package's ``__init__`` (the factory) may import any.
+- the seam rule: the rollout engine and the abstract environment modules (``KIND_FREE``) import no
+  environment kind (``retool.env.retool``), directly or through other modules.
 
 Imports inside functions (and under ``TYPE_CHECKING``) count too: a lazy import is still a dependency.
 """
@@ -96,6 +101,71 @@ def test_the_rule_catches_upward_and_lazy_imports(tmp_path: Path) -> None:
         "retool/env/retool.py:1: env imports retool.components (beside it)",
         "retool/magic.py: stage 'magic' is not in LAYERS",
         "retool/train/loop.py:2: train imports retool.tasks.demo (above it)",
+    ]
+
+
+# -- inside retool.backends: packages by role ----------------------------------------------------------
+
+# What each package of ``retool.backends`` may import of the others (``docs/ARCHITECTURE.md`` says why).
+# ``retool.backends`` itself (the factory: ``make_training_client``) may import all of them; none of them
+# imports it.
+BACKEND_PACKAGES: dict[str, frozenset[str]] = {
+    "interface": frozenset(),  # the clients, their data types and errors: what the other stages name
+    "training": frozenset({"interface"}),  # loss math, packing, how a service reduces the loss
+    "engine": frozenset({"interface"}),  # the local sampler's decoding engine and prefix cache
+    "local": frozenset({"interface", "training", "engine"}),  # the in-process trainer and its samplers
+    "samplers": frozenset({"interface", "training", "engine", "local"}),  # llama.cpp, vLLM, multi-LoRA
+    "remote": frozenset({"interface", "training"}),  # PyTRIO / Tinker adapters and the retry guard
+}
+
+
+def backend_package(module: str) -> str | None:
+    """``retool.backends.local.client`` -> ``local``; ``retool.backends`` -> ``__init__``; None outside."""
+    parts = module.split(".")
+    if parts[:2] != ["retool", "backends"]:
+        return None
+    return parts[2] if len(parts) > 2 else "__init__"
+
+
+def backend_violations(root: Path) -> list[str]:
+    out: list[str] = []
+    for path in sorted((root / "backends").rglob("*.py")):
+        own = backend_package(module_name(path, root).removesuffix(".__init__"))
+        if own == "__init__":
+            continue
+        where = path.relative_to(root.parent)
+        if own not in BACKEND_PACKAGES:
+            out.append(f"{where}: package {own!r} is not in BACKEND_PACKAGES")
+            continue
+        for line, target in imported_modules(path.read_text(encoding="utf-8")):
+            other = backend_package(target)
+            if other is not None and other != own and other not in BACKEND_PACKAGES[own]:
+                out.append(f"{where}:{line}: backends.{own} imports {target}")
+    return out
+
+
+def test_backend_packages_import_only_the_packages_named_for_them() -> None:
+    assert backend_violations(SRC) == []
+
+
+def test_the_backend_rule(tmp_path: Path) -> None:
+    root = tmp_path / "retool"
+    for package in ("interface", "remote", "local", "odd"):
+        (root / "backends" / package).mkdir(parents=True)
+    (root / "backends" / "__init__.py").write_text("from retool.backends.remote import common\n")
+    (root / "backends" / "interface" / "types.py").write_text("import torch\n")
+    (root / "backends" / "remote" / "common.py").write_text(
+        "from retool.backends.interface.types import Datum\n"
+        "def f():\n    from retool.backends.local.client import LocalTrainingClient\n"
+    )
+    (root / "backends" / "local" / "client.py").write_text(
+        "from retool.backends import make_training_client\n"
+    )
+    (root / "backends" / "odd" / "x.py").write_text("")
+    assert backend_violations(root) == [
+        "retool/backends/local/client.py:1: backends.local imports retool.backends",
+        "retool/backends/odd/x.py: package 'odd' is not in BACKEND_PACKAGES",
+        "retool/backends/remote/common.py:3: backends.remote imports retool.backends.local.client",
     ]
 
 
@@ -223,6 +293,58 @@ def test_the_circle_rule_sees_lazy_imports_and_says_where(tmp_path: Path) -> Non
     }
 
 
+# -- the environment seam -------------------------------------------------------------------------------
+
+# Modules that know no environment kind: the rollout engine schedules any ``Env``, and the abstract
+# environment modules (the seam, scoring, the problem source) name none. ``retool.env.retool`` (the ReTool
+# environments) is reached from none of them, directly or through another module.
+KIND_FREE = ("retool.rollout.engine", "retool.env.types", "retool.env.scoring", "retool.env.source")
+ENV_KINDS = ("retool.env.retool",)
+
+
+def reached_from(graph: dict[str, dict[str, int]], start: str) -> set[str]:
+    """Every module ``start`` imports, directly or through other modules."""
+    seen: set[str] = set()
+    todo = [start]
+    while todo:
+        for target in graph.get(todo.pop(), {}):
+            if target not in seen:
+                seen.add(target)
+                todo.append(target)
+    return seen
+
+
+def kind_violations(root: Path) -> list[str]:
+    graph = module_graph(root)
+    return [
+        f"{module} reaches {kind}"
+        for module in KIND_FREE
+        for kind in ENV_KINDS
+        if kind in reached_from(graph, module)
+    ]
+
+
+def test_the_engine_and_the_abstract_env_modules_import_no_environment_kind() -> None:
+    assert all(module in module_graph(SRC) for module in KIND_FREE)
+    assert kind_violations(SRC) == []
+
+
+def test_the_seam_rule_follows_imports_through_other_modules(tmp_path: Path) -> None:
+    root = tmp_path / "retool"
+    (root / "rollout").mkdir(parents=True)
+    (root / "env").mkdir()
+    (root / "rollout" / "engine.py").write_text("from retool.env.types import Env\n")
+    (root / "env" / "types.py").write_text("def f():\n    from retool.env.helpers import g\n")
+    (root / "env" / "helpers.py").write_text("import retool.env.retool\n")
+    (root / "env" / "retool.py").write_text("")
+    (root / "env" / "scoring.py").write_text("")
+    (root / "env" / "source.py").write_text("")
+    assert kind_violations(root) == [
+        "retool.rollout.engine reaches retool.env.retool",
+        "retool.env.types reaches retool.env.retool",
+    ]
+
+
 # -- function length -----------------------------------------------------------------------------------
 
 MAX_FUNCTION_LINES = 60
@@ -343,7 +465,7 @@ def test_the_deferred_import_rule(tmp_path: Path) -> None:
 # Uses of ``typing.Any`` in src/retool: 320 before issue 21's typing pass, 77 after it; 163 once the serve
 # and prefix-cache branches merged, 65 after the second pass (`types2`: the serve wire layers on
 # ``retool.jsonl.JsonObject``, the local client and the generation engine on torch / DynamicCache types;
-# 21 of them left in backends/remote.py). Records, rows and summaries are TypedDicts or JSON types
+# 21 of them left in backends/remote.py, now backends/remote/common.py). Records, rows and summaries are TypedDicts or JSON types
 # (``retool.jsonl.JsonValue``), values that only pass through are ``object``: new code does the same, so
 # the count may only go down.
 MAX_ANY_USES = 100

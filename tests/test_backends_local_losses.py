@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from loss_reference import ref_cispo, ref_dro, ref_gspo, ref_stable
-from retool.backends.local import LocalTrainingClient
-from retool.backends.types import Datum
+from retool.backends.interface.types import Datum
+from retool.backends.local.client import LocalTrainingClient
 
 Token = tuple[float, float, float, float]  # lp, old, adv, w
 

@@ -9,8 +9,8 @@ import torch
 
 from loss_reference import ref_cispo, ref_dro, ref_gspo, ref_stable
 from packing_baseline import greedy_micro_batches
-from retool.backends.losses import token_loss
-from retool.backends.packing import pack_micro_batches, padding_efficiency
+from retool.backends.training.losses import token_loss
+from retool.backends.training.packing import pack_micro_batches, padding_efficiency
 
 LO, HI = 0.8, 1.28
 
@@ -141,7 +141,7 @@ def test_pack_micro_batches_errors() -> None:
 
 
 def test_loss_tally_sums_over_calls_and_ignores_untrained_tokens() -> None:
-    from retool.backends.losses import LossTally
+    from retool.backends.training.losses import LossTally
 
     tally = LossTally()
     assert tally.result().ratio_mean == 1.0 and tally.result().clip_fraction == 0.0  # nothing trained
@@ -222,7 +222,7 @@ def test_tis_cap_zero_is_exactly_the_loss_without_tis() -> None:
 
 
 def test_mismatch_metrics_match_hand_computation() -> None:
-    from retool.backends.losses import LossTally
+    from retool.backends.training.losses import LossTally
 
     lp = torch.tensor([-1.0, -1.0, -2.0, -0.2, -3.0])
     mu = torch.tensor([-1.0, -1.8, -1.0, -0.2, 0.0])  # the last one is padding: weight 0

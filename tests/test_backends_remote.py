@@ -26,20 +26,20 @@ import pytrio.client.training
 import tinker
 
 from retool.backends import make_training_client
-from retool.backends.base import TrainingClient
-from retool.backends.guarded import GuardedTrainingClient
-from retool.backends.reduction import (
-    ReductionCheckError,
-    batch_totals,
-    probe_datums,
-)
-from retool.backends.remote import (
+from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import AdamParams, Datum, SamplingParams
+from retool.backends.remote.common import (
     BackendUnavailableError,
     RemoteTrainingClient,
     SdkOptionError,
     StateOrderError,
 )
-from retool.backends.types import AdamParams, Datum, SamplingParams
+from retool.backends.remote.guarded import GuardedTrainingClient
+from retool.backends.training.reduction import (
+    ReductionCheckError,
+    batch_totals,
+    probe_datums,
+)
 from retool.config import Config, load_config
 from retool.retry import RetryPolicy
 from sdk_stubs import (
@@ -321,7 +321,7 @@ def test_optim_step_sends_every_adam_field(remote: Remote) -> None:
 
 
 def test_build_model_renames_aliases_and_refuses_a_field_the_sdk_lacks() -> None:
-    from retool.backends.remote import SdkOptionError, build_model
+    from retool.backends.remote.common import SdkOptionError, build_model
 
     class LrAdam:  # an SDK version with other field names: no server involved, so a local class
         model_fields: ClassVar[dict[str, Any]] = {"lr": 1e-4, "beta1": 0.9}
@@ -386,7 +386,7 @@ def test_lora_targets_a_service_cannot_train_exactly_are_refused(
 
 
 def test_whole_lora_groups_map_to_the_services_switches() -> None:
-    from retool.backends.remote import lora_flags
+    from retool.backends.remote.common import lora_flags
 
     attn_mlp = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     assert lora_flags(attn_mlp) == {"train_attn": True, "train_mlp": True, "train_unembed": False}
@@ -532,7 +532,7 @@ def test_pytrio_says_what_to_do_when_the_sdk_cannot_load_the_tokenizer(
         raise OSError(f"cannot download {model_id}: offline")
 
     monkeypatch.setattr(pytrio.client.training, "get_tokenizer", offline)
-    monkeypatch.setattr("retool.backends.pytrio_backend.local_tokenizer", lambda name: None)
+    monkeypatch.setattr("retool.backends.remote.pytrio.local_tokenizer", lambda name: None)
     with PytrioStub() as stub:
         client = make_training_client(make_cfg("pytrio", "Qwen/Qwen3-4B", base_url=stub.url))
         assert client.held_tokenizer is None
@@ -545,7 +545,7 @@ def test_pytrio_says_what_to_do_when_the_sdk_cannot_load_the_tokenizer(
 def test_local_tokenizer_never_downloads(monkeypatch: pytest.MonkeyPatch, tok_dir: Path) -> None:
     from transformers import AutoTokenizer
 
-    from retool.backends.remote import local_tokenizer
+    from retool.backends.remote.common import local_tokenizer
 
     seen: list[dict[str, Any]] = []
 
@@ -563,7 +563,7 @@ def test_local_tokenizer_never_downloads(monkeypatch: pytest.MonkeyPatch, tok_di
 
 
 def test_importing_an_sdk_keeps_the_excepthook(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from retool.backends.remote import import_sdk
+    from retool.backends.remote.common import import_sdk
 
     # pytrio installs its own sys.excepthook when imported; a module that does the same stands in for it
     # (pytrio itself is already imported by this test module).
@@ -702,7 +702,7 @@ def test_self_check_finds_the_services_denominator(
         assert (before == pytest.approx(1.0, rel=1e-5)) == (reduction == assumed)
         n_calls = len(stub.calls)
         guarded = GuardedTrainingClient(client, policy=RetryPolicy())  # as the trainer holds it
-        with caplog.at_level(logging.INFO, logger="retool.backends.reduction"):
+        with caplog.at_level(logging.INFO, logger="retool.backends.training.reduction"):
             reports = asyncio.run(guarded.check_reduction_async("ppo", PPO))
         assert [(r.loss_fn, r.mode) for r in reports] == [
             ("cross_entropy", CE_MODE[reduction]),
@@ -751,6 +751,7 @@ def test_self_check_is_a_no_op_for_other_backends() -> None:
 
 async def stub_rollouts(request: Any) -> list[list[Any]]:
     """Trajectories sampled from the remote sampler; rewards alternate so no group is degenerate."""
+    from retool.env import ReToolOutcome
     from retool.rollout import AssistantTurn, Trajectory, Transition
 
     groups = []
@@ -769,9 +770,7 @@ async def stub_rollouts(request: Any) -> list[list[Any]]:
                 problem_index=pi,
                 transitions=(Transition(AssistantTurn(prompt, s.tokens, stale, "x"), reward, True),),
                 reward=reward,
-                correct=reward > 0,
-                valid_format=True,
-                stop_reason="answer",
+                outcome=ReToolOutcome(correct=reward > 0, valid_format=True, stop_reason="answer"),
             )
             group.append(traj)
         groups.append(group)
@@ -786,8 +785,9 @@ def test_a_training_run_and_its_resume_through_the_sdk(
     from retool.backends import make_training_client
     from retool.components import Components
     from retool.data.problem import Problem
-    from retool.env import ProblemListEnv
+    from retool.env import ProblemList
     from retool.train.loop import Trainer
+    from test_train_loop import StubProtocol
 
     set_key(monkeypatch, kind)
     problems = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(4)]
@@ -806,13 +806,16 @@ def test_a_training_run_and_its_resume_through_the_sdk(
                 base_url=stub.url,
             )
             parts = Components(
-                backend=make_training_client(cfg), protocol=object(), verifier=object(), executor=object()
+                backend=make_training_client(cfg),
+                protocol=StubProtocol(),
+                verifier=object(),
+                executor=object(),
             )
             trainer = Trainer(
                 cfg,
                 tmp_path / "run",
                 resume=resume,
-                env=ProblemListEnv(problems, shuffle=False),
+                source=ProblemList(problems, shuffle=False),
                 components=parts,
                 rollout_fn=stub_rollouts,
             )

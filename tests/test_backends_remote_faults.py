@@ -5,7 +5,7 @@ the trainer does (``guard_training_client``), scripts a fault on the stub (a han
 after the call was applied, a 503 / 429) and then checks what took effect on the "service": how many
 gradient accumulations each optimizer step consumed (``stub.steps``) and under which idempotency id every
 request arrived (``stub.wire_ids``: PyTRIO's event id, Tinker's ``<model_id>:<seq_id>``; a sample's request
-id). The guarantees under test (see ``retool.backends.remote``):
+id). The guarantees under test (see ``retool.backends.remote.common``):
 
 - ``forward_backward`` / ``optim_step`` are re-sent by the SDK alone, under its own idempotency id, so a
   dropped or refused request is applied exactly once and the guard re-sends nothing;
@@ -35,11 +35,11 @@ from pytrio.config.config import configuration as pytrio_configuration
 from pytrio.errors.actor import ActorAPIError, ActorEventSubmitError
 
 from retool.backends import make_training_client
-from retool.backends.guarded import GuardedSamplingClient, GuardedTrainingClient, guard_training_client
-from retool.backends.pytrio_backend import PytrioTrainingClient
-from retool.backends.remote import RemoteCallError, RemoteSamplingClient, RemoteTrainingClient
-from retool.backends.tinker_backend import TinkerTrainingClient
-from retool.backends.types import AdamParams, Datum, SamplingParams
+from retool.backends.interface.types import AdamParams, Datum, SamplingParams
+from retool.backends.remote.common import RemoteCallError, RemoteSamplingClient, RemoteTrainingClient
+from retool.backends.remote.guarded import GuardedSamplingClient, GuardedTrainingClient, guard_training_client
+from retool.backends.remote.pytrio import PytrioTrainingClient
+from retool.backends.remote.tinker import TinkerTrainingClient
 from retool.config import load_config
 from retool.retry import Failure, RetryPolicy, RetryStats, UnsafeRetryError, classify
 from sdk_stubs import PYTRIO_KEY, TINKER_KEY, PytrioStub, StubServer, TinkerStub, learner_lp, sampled_tokens

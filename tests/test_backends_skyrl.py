@@ -23,9 +23,12 @@ import tinker
 import torch
 
 from retool.backends import make_training_client
-from retool.backends.guarded import GuardedTrainingClient
-from retool.backends.losses import token_loss
-from retool.backends.reduction import (
+from retool.backends.interface.types import AdamParams, Datum
+from retool.backends.remote.common import BackendUnavailableError
+from retool.backends.remote.guarded import GuardedTrainingClient
+from retool.backends.remote.tinker import TinkerTrainingClient
+from retool.backends.training.losses import token_loss
+from retool.backends.training.reduction import (
     GRADIENT_LOSS,
     GRADIENT_TOLERANCE,
     REDUCTION_MODES,
@@ -34,9 +37,6 @@ from retool.backends.reduction import (
     gradient_probe_batches,
     predicted_gradient_ratios,
 )
-from retool.backends.remote import BackendUnavailableError
-from retool.backends.tinker_backend import TinkerTrainingClient
-from retool.backends.types import AdamParams, Datum
 from retool.config import Config, load_config
 from retool.retry import RetryPolicy
 from retool.train.step import train_step
@@ -129,7 +129,7 @@ def test_self_check_identifies_the_per_sequence_mean_on_a_scratch_model(
 ) -> None:
     client = client_on(skyrl, tok_dir)
     guarded = GuardedTrainingClient(client, policy=RetryPolicy())  # as the trainer holds it
-    with caplog.at_level(logging.INFO, logger="retool.backends.reduction"):
+    with caplog.at_level(logging.INFO, logger="retool.backends.training.reduction"):
         reports = asyncio.run(guarded.check_reduction_async("ppo", PPO))
     assert [(r.loss_fn, r.mode) for r in reports] == [
         ("cross_entropy", "sequence_mean"),
@@ -303,7 +303,7 @@ def test_closing_unloads_the_models_and_a_missing_finish_endpoint_is_a_warning(
         for _ in range(3):
             client = client_on(stub, tok_dir)
             client.forward_backward(rl_datums(1), "importance_sampling")
-            with caplog.at_level(logging.WARNING, logger="retool.backends.tinker_backend"):
+            with caplog.at_level(logging.WARNING, logger="retool.backends.remote.tinker"):
                 close(client)  # never raises
         assert len(stub.unloaded) == 3 and stub.live == []
         assert "has no session-finish endpoint (404" in caplog.text
@@ -317,7 +317,7 @@ def test_closing_against_a_server_without_unload_is_quiet(
     with TinkerStub("sum") as stub:  # answers 404 to routes it lacks, unload_model included
         client = client_on(stub, tok_dir)
         client.forward_backward(rl_datums(1), "importance_sampling")
-        with caplog.at_level(logging.INFO, logger="retool.backends.tinker_backend"):
+        with caplog.at_level(logging.INFO, logger="retool.backends.remote.tinker"):
             close(client)
         assert stub.bodies("/api/v1/unload_model")
         assert "has no /api/v1/unload_model" in caplog.text

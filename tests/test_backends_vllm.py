@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from retool.backends.local import LocalTrainingClient
-from retool.backends.types import AdamParams, Datum, SamplingParams
+from retool.backends.interface.types import AdamParams, Datum, SamplingParams
+from retool.backends.local.client import LocalTrainingClient
 
 
 @pytest.fixture()
@@ -67,7 +67,7 @@ def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> dict[str, list[Any]]:
 def test_vllm_sampler_hands_over_adapters_and_batches(
     fake_vllm: dict[str, list[Any]], tiny_model_dir: Path, tmp_path: Path
 ) -> None:
-    from retool.backends.vllm_sampler import VllmSamplingClient, attach_vllm_sampler
+    from retool.backends.samplers.vllm import VllmSamplingClient, attach_vllm_sampler
 
     client = LocalTrainingClient(
         tiny_model_dir, lora={"rank": 4, "alpha": 8}, device="cpu", seed=0, checkpoint_dir=tmp_path
@@ -118,7 +118,7 @@ def test_vllm_sampler_hands_over_adapters_and_batches(
 
 
 def test_vllm_sampler_refuses_full_finetuning(fake_vllm: dict[str, list[Any]], tiny_model_dir: Path) -> None:
-    from retool.backends.vllm_sampler import attach_vllm_sampler
+    from retool.backends.samplers.vllm import attach_vllm_sampler
 
     client = LocalTrainingClient(tiny_model_dir, lora=None, device="cpu", seed=0)
     with pytest.raises(ValueError, match="full fine-tuning"):
@@ -130,8 +130,8 @@ def test_an_engine_setting_this_vllm_cannot_take_is_an_error(
 ) -> None:
     """Nothing is dropped on the way to vLLM: an engine without ``logprobs_mode`` (read from its
     ``EngineArgs``, or refused by ``LLM`` itself) stops the run, naming the setting."""
-    from retool.backends.remote import SdkOptionError
-    from retool.backends.vllm_sampler import attach_vllm_sampler
+    from retool.backends.remote.common import SdkOptionError
+    from retool.backends.samplers.vllm import attach_vllm_sampler
 
     client = LocalTrainingClient(
         tiny_model_dir, lora={"rank": 4, "alpha": 8}, device="cpu", seed=0, checkpoint_dir=tmp_path
@@ -175,7 +175,7 @@ def test_an_engine_setting_this_vllm_cannot_take_is_an_error(
 def test_engine_dtype_is_the_trainers_unless_set(caplog: pytest.LogCaptureFixture) -> None:
     import torch
 
-    from retool.backends.vllm_sampler import engine_dtype
+    from retool.backends.samplers.vllm import engine_dtype
 
     assert engine_dtype(torch.float32) == "float32"
     assert engine_dtype(torch.bfloat16) == "bfloat16"
@@ -188,7 +188,7 @@ def test_engine_dtype_is_the_trainers_unless_set(caplog: pytest.LogCaptureFixtur
 
 
 def test_memory_is_bytes_on_cpu_and_a_share_on_a_gpu() -> None:
-    from retool.backends.vllm_sampler import memory_settings
+    from retool.backends.samplers.vllm import memory_settings
 
     assert memory_settings("cpu", 0.5, 0.9) == {"kv_cache_memory_bytes": 2**29}
     assert memory_settings("cuda", 0.5, 0.9) == {"gpu_memory_utilization": 0.9}

@@ -137,7 +137,9 @@ def test_the_traceback_is_shown_on_request(tmp_path: Path) -> None:
         assert (
             proc.stderr.rstrip()
             .splitlines()[-1]
-            .startswith("retool.backends.remote.BackendUnavailableError: pytrio backend: no API key")
+            .startswith(
+                "retool.backends.interface.errors.BackendUnavailableError: pytrio backend: no API key"
+            )
         )
 
 
@@ -183,7 +185,7 @@ def test_a_hub_that_cannot_provide_the_model_is_one_line(monkeypatch: pytest.Mon
     OSError (what it raises after its retries, stood in for here), said as a ModelLoadError."""
     from huggingface_hub import constants
 
-    import retool.backends.local
+    import retool.backends.local.client
     from retool.backends import make_training_client
     from retool.config import load_config
     from retool.errors import ModelLoadError
@@ -194,7 +196,7 @@ def test_a_hub_that_cannot_provide_the_model_is_one_line(monkeypatch: pytest.Mon
         )
 
     monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(retool.backends.local, "LocalTrainingClient", unreachable)
+    monkeypatch.setattr(retool.backends.local.client, "LocalTrainingClient", unreachable)
     with pytest.raises(ModelLoadError) as caught:
         make_training_client(load_config("tiny", [f"model.name='{QWEN}'"]))
     assert str(caught.value) == (

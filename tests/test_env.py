@@ -13,25 +13,25 @@ from retool.data import DataError, Problem, prepare_dapo
 from retool.env import (
     AssistantTurn,
     Attempt,
-    DapoEnv,
-    EnvError,
-    EnvOptions,
-    FileEnv,
-    ProblemEnv,
-    ProblemListEnv,
+    DapoSource,
+    FileSource,
+    ProblemList,
+    ProblemSource,
     Score,
-    TaskFamilyEnv,
-    env_from_config,
-    make_env,
-    register_env,
-    registered_envs,
+    SourceError,
+    SourceOptions,
+    TaskFamilySource,
+    make_source,
+    register_source,
+    registered_sources,
+    source_from_config,
 )
 
 PROBLEMS = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(10)]
 
 
 def test_builtin_names_are_registered() -> None:
-    assert {"tasks", "dapo", "aime2025", "aime2024", "math500"} <= set(registered_envs())
+    assert {"tasks", "dapo", "aime2025", "aime2024", "math500"} <= set(registered_sources())
 
 
 def test_a_file_reads_through_the_data_stage_with_the_configured_fields(tmp_path: Path) -> None:
@@ -39,44 +39,44 @@ def test_a_file_reads_through_the_data_stage_with_the_configured_fields(tmp_path
     path.write_text(
         '{"id": "a", "q": "1+1?", "a": "2"}\n{"id": "b", "q": "2+2?", "a": "4"}\n{"id": "c", "q": "", "a": "1"}\n'
     )
-    env = env_from_config(
+    env = source_from_config(
         DataConfig(train_path=str(path), question_field="q", answer_field="a", shuffle=False)
     )
-    assert isinstance(env, FileEnv) and env.source == str(path)
+    assert isinstance(env, FileSource) and env.source == str(path)
     assert [(p.id, p.question, p.answer) for p in env.epoch(0, 0)] == [("a", "1+1?", "2"), ("b", "2+2?", "4")]
     assert env.problems("test") == env.problems("train")  # a file is one split
     with pytest.raises(DataError, match=r"missing\.jsonl"):
-        env_from_config(DataConfig(train_path=str(tmp_path / "missing.jsonl"))).problems("train")
-    with pytest.raises(EnvError, match=r"data\.train_path"):
-        env_from_config(DataConfig(train_path=""))
+        source_from_config(DataConfig(train_path=str(tmp_path / "missing.jsonl"))).problems("train")
+    with pytest.raises(SourceError, match=r"data\.train_path"):
+        source_from_config(DataConfig(train_path=""))
 
 
 def test_epochs_are_seeded_permutations() -> None:
-    env = ProblemListEnv(PROBLEMS, shuffle=True)
+    env = ProblemList(PROBLEMS, shuffle=True)
     first, again, second = env.epoch(3, 0), env.epoch(3, 0), env.epoch(3, 1)
     assert (
         first == again and first != second and sorted(p.id for p in first) == sorted(p.id for p in PROBLEMS)
     )
-    assert ProblemListEnv(PROBLEMS, shuffle=False).epoch(3, 1) == PROBLEMS
-    with pytest.raises(EnvError):
-        ProblemListEnv([]).problems("train")
+    assert ProblemList(PROBLEMS, shuffle=False).epoch(3, 1) == PROBLEMS
+    with pytest.raises(SourceError):
+        ProblemList([]).problems("train")
 
 
 def test_the_task_family_has_held_out_splits_from_the_data_section() -> None:
     cfg = load_config("tiny", ["data.task_count=30", "data.task_test_count=7", "data.task_kinds=['mul_big']"])
-    env = env_from_config(cfg)
-    assert isinstance(env, TaskFamilyEnv)
+    env = source_from_config(cfg)
+    assert isinstance(env, TaskFamilySource)
     train, test = env.problems("train"), env.problems("test")
     assert (len(train), len(test)) == (30, 7)
     assert {p.data_source for p in train + test} == {"tasks/mul_big/hard"}
     assert not {p.question for p in train} & {p.question for p in test}
     assert all(t.code.startswith("print(") for t in env.tasks("train"))
-    with pytest.raises(EnvError, match="unknown task kinds"):
-        make_env("tasks", EnvOptions(data=DataConfig(task_kinds=["nope"]))).problems("train")
+    with pytest.raises(SourceError, match="unknown task kinds"):
+        make_source("tasks", SourceOptions(data=DataConfig(task_kinds=["nope"]))).problems("train")
 
 
 def test_named_sets_prefer_the_data_dir(shared_data: Path) -> None:
-    env = make_env("math500", EnvOptions(data=DataConfig(data_dir=str(shared_data))))
+    env = make_source("math500", SourceOptions(data=DataConfig(data_dir=str(shared_data))))
     assert env.source == str(shared_data / "math500.jsonl")
     problems = env.problems("test")
     assert len(problems) > 100 and all(p.question and p.answer for p in problems[:5])
@@ -85,19 +85,19 @@ def test_named_sets_prefer_the_data_dir(shared_data: Path) -> None:
 def test_dapo_from_a_prepared_folder_or_raw(shared_data: Path, tmp_path: Path) -> None:
     raw = str(shared_data / "dapo_math_sample.jsonl")
     prepare_dapo(raw, tmp_path / "dapo", dev_size=5, seed=0)
-    prepared = make_env(str(tmp_path / "dapo"))
-    assert isinstance(prepared, DapoEnv) and len(prepared.problems("test")) == 5
-    by_name = make_env("dapo", EnvOptions(data=DataConfig(data_dir=str(tmp_path))))
+    prepared = make_source(str(tmp_path / "dapo"))
+    assert isinstance(prepared, DapoSource) and len(prepared.problems("test")) == 5
+    by_name = make_source("dapo", SourceOptions(data=DataConfig(data_dir=str(tmp_path))))
     assert by_name.source == str(tmp_path / "dapo")
     assert by_name.problems("train") == prepared.problems("train")
-    in_memory = DapoEnv(raw)  # the raw file, split by the same rule as `retool prepare dapo` (50 dev)
+    in_memory = DapoSource(raw)  # the raw file, split by the same rule as `retool prepare dapo` (50 dev)
     train_file = [json.loads(x)["id"] for x in (tmp_path / "dapo" / "train.jsonl").read_text().splitlines()]
     assert len(in_memory.problems("test")) == 50
     assert len(in_memory.problems("train")) + 50 == len(train_file) + 5
 
 
 def test_registered_envs_win_over_paths_and_score_their_own_way() -> None:
-    class Halves(ProblemEnv):
+    class Halves(ProblemSource):
         name = "halves"
 
         @property
@@ -110,8 +110,8 @@ def test_registered_envs_win_over_paths_and_score_their_own_way() -> None:
         async def score(self, attempt, verifier) -> Score:  # type: ignore[no-untyped-def]
             return Score(0.5, status=attempt.stop_reason)
 
-    register_env("halves", lambda name, options: Halves())
-    env = make_env("halves")
+    register_source("halves", lambda name, options: Halves())
+    env = make_source("halves")
     assert [p.id for p in env.problems("test")] == [p.id for p in PROBLEMS[5:]]
     score = asyncio.run(env.score(Attempt(PROBLEMS[0], "invalid", "x"), verifier=None))
     assert score == Score(0.5, status="invalid")
@@ -131,7 +131,7 @@ def test_default_score_checks_only_answers() -> None:
     verifier = Verifier()
     answered = Attempt(PROBLEMS[2], "answer", "\\boxed{4}")
     cut = Attempt(PROBLEMS[2], "max_turns", "\\boxed{4}", (AssistantTurn([1], [2], [-0.1], "x"),))
-    env = ProblemListEnv(PROBLEMS)
+    env = ProblemList(PROBLEMS)
     assert asyncio.run(env.score(answered, verifier)) == Score(1.0, True, True, "4", "ok")
     assert asyncio.run(env.score(cut, verifier)) == Score(-1.0, False, False, None, "")
     assert verifier.calls == [("\\boxed{4}", "4")]

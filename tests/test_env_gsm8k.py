@@ -9,9 +9,9 @@ import pytest
 
 from retool.data.gsm8k import GSM8KLeakError, check_no_test_leak, gsm8k_split, normalize_question
 from retool.data.readers import DataError
-from retool.env import EnvOptions, make_env
-from retool.env.base import EnvError
-from retool.env.gsm8k import Gsm8kEnv
+from retool.env import SourceOptions, make_source
+from retool.env.gsm8k import Gsm8kSource
+from retool.env.source import SourceError
 
 
 def _slice(src: Path, dst: Path, name: str, n: int, extra: list[dict[str, str]] = ()) -> None:  # type: ignore[assignment]
@@ -23,8 +23,8 @@ def _slice(src: Path, dst: Path, name: str, n: int, extra: list[dict[str, str]] 
 def test_registered_env_reads_both_real_splits(shared_data: Path) -> None:
     from retool.config import DataConfig
 
-    env = make_env("gsm8k", EnvOptions(data=DataConfig(data_dir=str(shared_data))))
-    assert isinstance(env, Gsm8kEnv)
+    env = make_source("gsm8k", SourceOptions(data=DataConfig(data_dir=str(shared_data))))
+    assert isinstance(env, Gsm8kSource)
     train, test = env.problems("train"), env.problems("test")
     assert (len(train), len(test)) == (7473, 1319) and env.leaked == []  # the shared files are disjoint
     assert train[0].answer == "72" and train[0].id == "gsm8k-train-0" and test[0].id.startswith("gsm8k-test-")
@@ -45,23 +45,23 @@ def test_a_test_question_in_train_is_filtered_or_refused(shared_data: Path, tmp_
     _slice(shared_data, tmp_path, "gsm8k_train.jsonl", 5, [disguised])
     _slice(shared_data, tmp_path, "gsm8k_test.jsonl", 3)
     assert normalize_question(disguised["question"]) == normalize_question(test_row["question"])
-    env = Gsm8kEnv(tmp_path)
+    env = Gsm8kSource(tmp_path)
     train = env.problems("train")
     assert len(train) == 5 and env.leaked == ["gsm8k-train-5"]
     assert all(normalize_question(p.question) != normalize_question(test_row["question"]) for p in train)
     with pytest.raises(GSM8KLeakError, match="gsm8k-train-5"):
-        Gsm8kEnv(tmp_path, strict=True).problems("train")
+        Gsm8kSource(tmp_path, strict=True).problems("train")
     with pytest.raises(GSM8KLeakError):
         check_no_test_leak(gsm8k_split("train", tmp_path), gsm8k_split("test", tmp_path))
 
 
 def test_missing_files_and_bad_split_are_clear(tmp_path: Path) -> None:
-    with pytest.raises(EnvError, match=r"gsm8k_train\.jsonl"):
-        Gsm8kEnv(tmp_path).problems("train")
+    with pytest.raises(SourceError, match=r"gsm8k_train\.jsonl"):
+        Gsm8kSource(tmp_path).problems("train")
     with pytest.raises(DataError, match="splits"):
         gsm8k_split("dev", tmp_path)
     (tmp_path / "gsm8k_test.jsonl").write_text(
         json.dumps({"question": "q", "answer": "no final line"}) + "\n"
     )
-    with pytest.raises(EnvError, match="row 1 is not a GSM8K problem"):
-        Gsm8kEnv(tmp_path).problems("test")
+    with pytest.raises(SourceError, match="row 1 is not a GSM8K problem"):
+        Gsm8kSource(tmp_path).problems("test")

@@ -22,8 +22,8 @@ from typing import Any
 
 import pytest
 
-from retool.backends.base import SamplingClient
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import Config
 from retool.data.problem import Problem
 from retool.sandbox.base import ExecResult, Executor
@@ -331,7 +331,7 @@ def test_evaluate_local_backend_tiny_model(tiny_model_dir: Path, tmp_path: Path)
     """The real path: local backend sampler, ChatProtocol, forkserver sandbox; results independent of how
     many problems run at once (per-problem seeds), and a rerun of a finished eval does nothing."""
     from retool.config import override_config
-    from retool.env import ProblemListEnv
+    from retool.env import ProblemList
     from retool.evaluate import evaluate
 
     cfg = _problem_cfg()
@@ -341,7 +341,7 @@ def test_evaluate_local_backend_tiny_model(tiny_model_dir: Path, tmp_path: Path)
     cfg.sandbox.workers = 1
     cfg.eval.val_n = 2
     probs = [Problem(id=f"t{i}", question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(3)]
-    kw = {"mode": "retool", "env": ProblemListEnv(probs, name="toy")}
+    kw = {"mode": "retool", "source": ProblemList(probs, name="toy")}
     a = evaluate(override_config(cfg, ["eval.concurrency=1"]), output=tmp_path / "a.jsonl", **kw)
     b = evaluate(override_config(cfg, ["eval.concurrency=3"]), output=tmp_path / "b.jsonl", **kw)
     assert a["status"] == b["status"] == "complete" and a["metrics"]["candidates"] == 6

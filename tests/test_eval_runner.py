@@ -13,7 +13,7 @@ import pytest
 from retool.components import Components
 from retool.config import Config
 from retool.data.problem import Problem
-from retool.env import AssistantTurn, ReToolGroupBuilder
+from retool.env import AssistantTurn, ReToolGroupBuilder, ReToolOutcome
 from retool.evaluate import EvalError, ResultStore, problem_seed, run_eval, summary_path_for
 from retool.rollout import RolloutRequest, Trajectory, Transition
 from retool.sandbox.base import ExecResult
@@ -40,14 +40,16 @@ def fake_trajectory(
             Transition(turns[-1], 1.0 if correct else -1.0, True),
         ),
         reward=1.0 if correct else -1.0,
-        stop_reason="sampler_error" if failed else "answer",
-        answer=problem.answer if correct else "wrong",
-        correct=correct,
-        valid_format=True,
-        codes=("print(2 + 2)",) if use_tools else (),
-        exec_results=(ExecResult(True, "4\n", "", 0, False, 0.125),) if use_tools else (),
         sample_seconds=0.01,
-        use_tools=use_tools,
+        outcome=ReToolOutcome(
+            stop_reason="sampler_error" if failed else "answer",
+            answer=problem.answer if correct else "wrong",
+            correct=correct,
+            valid_format=True,
+            codes=("print(2 + 2)",) if use_tools else (),
+            exec_results=(ExecResult(True, "4\n", "", 0, False, 0.125),) if use_tools else (),
+            use_tools=use_tools,
+        ),
     )
 
 
@@ -252,14 +254,14 @@ def test_summary_path_for() -> None:
 
 def test_named_dataset_prefers_local_dir(shared_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from retool.config import DataConfig
-    from retool.env import EnvOptions, make_env
+    from retool.env import SourceOptions, make_source
 
-    env = make_env("aime2025", EnvOptions(data=DataConfig(data_dir=str(shared_data))))
+    env = make_source("aime2025", SourceOptions(data=DataConfig(data_dir=str(shared_data))))
     problems = env.problems("test")
     assert env.source == str(shared_data / "aime2025.jsonl") and len(problems) == 30
     assert problems[0].id == "2025-I-1" and problems[0].answer == "70"
     monkeypatch.setenv("RETOOL_DATA_DIR", str(shared_data))
-    env = make_env("math500")
+    env = make_source("math500")
     problems = env.problems("test")
     assert env.source.endswith("math500.jsonl") and len(problems) == 500
     assert len({p.id for p in problems}) == 500 and "/" in problems[0].id  # MATH's unique_id paths
@@ -267,10 +269,10 @@ def test_named_dataset_prefers_local_dir(shared_data: Path, monkeypatch: pytest.
 
 def test_missing_path_is_a_data_error(tmp_path: Path) -> None:
     from retool.data import DataError
-    from retool.env import make_env
+    from retool.env import make_source
 
     with pytest.raises(DataError):
-        make_env(str(tmp_path / "nope.jsonl")).problems("test")
+        make_source(str(tmp_path / "nope.jsonl")).problems("test")
 
 
 def test_cli_refuses_mismatched_resume_before_loading_a_model(tmp_path: Path) -> None:
@@ -337,7 +339,15 @@ def test_save_transcripts_keeps_messages(tmp_path: Path) -> None:
         async def __call__(self, request: RolloutRequest) -> list[list[Trajectory]]:
             groups = await super().__call__(request)
             return [
-                [replace(t, messages=({"role": "user", "content": t.problem.question},)) for t in groups[0]]
+                [
+                    replace(
+                        t,
+                        outcome=replace(
+                            t.outcome, messages=({"role": "user", "content": t.problem.question},)
+                        ),
+                    )
+                    for t in groups[0]
+                ]
             ]
 
     run(tmp_path / "a.jsonl", problems=PROBLEMS[:1], rollout=WithMessages(), save_transcripts=True)

@@ -17,15 +17,15 @@ from typing import Any
 
 import pytest
 
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.components import Components
 from retool.config import Config, load_config
 from retool.data.problem import Problem
-from retool.env import ProblemListEnv
+from retool.env import ProblemList
 from retool.protocol import ChatProtocol
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
-from calculator_env import CalculatorEnv, SympyCalculator, calculate
+from calculator_env import CalculatorSource, SympyCalculator, calculate
 
 PROBLEMS = [
     Problem(f"m{i}", f"What is {1234 + 97 * i} * {5678 + 31 * i}?", str((1234 + 97 * i) * (5678 + 31 * i)))
@@ -127,9 +127,9 @@ def test_the_calculator_env_trains_and_evaluates_with_the_stock_trainer(
     verifier = Verifier.from_config(cfg.reward)
     # No executor at all: the environment brings its own tool.
     parts = Components(backend=ScriptedSampling(backend, policy), protocol=protocol, verifier=verifier)
-    env = CalculatorEnv(ProblemListEnv(PROBLEMS, shuffle=False))
+    source = CalculatorSource(ProblemList(PROBLEMS, shuffle=False))
     try:
-        Trainer(cfg, tmp_path / "run", env=env, components=parts).run()
+        Trainer(cfg, tmp_path / "run", source=source, components=parts).run()
         rows = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().split("\n") if x]
         assert [r["step"] for r in rows] == [1, 2, 3]
         for r in rows:
@@ -150,7 +150,13 @@ def test_the_calculator_env_trains_and_evaluates_with_the_stock_trainer(
         asyncio.run(parts.refresh_sampler())
         summary = asyncio.run(
             run_eval(
-                PROBLEMS[:2], parts, config=cfg, mode="retool", output=tmp_path / "ev.jsonl", val_n=2, env=env
+                PROBLEMS[:2],
+                parts,
+                config=cfg,
+                mode="retool",
+                output=tmp_path / "ev.jsonl",
+                val_n=2,
+                source=source,
             )
         )
         assert summary["metrics"]["average_at_n"] == 0.5  # branch 0 calculates, branch 1 guesses

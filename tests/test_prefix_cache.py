@@ -12,9 +12,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from retool.backends.local import LocalTrainingClient
-from retool.backends.prefix_cache import KV, PrefixCache
-from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.engine.prefix_cache import KV, PrefixCache
+from retool.backends.interface.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.local.client import LocalTrainingClient
 
 # Cache on vs off: the prefix's KV comes from a different forward (other shapes, other batch), so
 # float sums run in a different order: equal to rounding (~1e-6 on this model), not bitwise.
@@ -286,7 +286,7 @@ def test_requests_join_mid_decode_and_leave_when_done(uncached: LocalTrainingCli
 
 
 def test_prefill_groups_bound_padding() -> None:
-    from retool.backends.generation import PREFILL_PADDING_SLACK, _padding_groups
+    from retool.backends.engine.generation import PREFILL_PADDING_SLACK, _padding_groups
 
     lengths = [5, 400, 6, 390, 7, 1]
     groups = _padding_groups(lengths)

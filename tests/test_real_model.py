@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
 pytestmark = pytest.mark.slow
@@ -229,11 +229,11 @@ def test_rollout_on_the_real_template_keeps_continuity_and_masks_the_interpreter
         return groups[0][0]
 
     traj = asyncio.run(go())
-    assert len(traj.turns) == 2 and traj.code_calls
+    assert len(traj.turns) == 2 and traj.outcome.code_calls
     datum = build_datum(traj, advantage=1.0)
     tokens = [*datum.input_tokens, datum.target_tokens[-1]]
     # Continuity: the running token sequence is what the template renders for the conversation so far.
-    rendered = protocol.render(traj.messages, add_generation_prompt=False)
+    rendered = protocol.render(traj.outcome.messages, add_generation_prompt=False)
     decoded = protocol.decode(tokens)
     assert rendered.startswith(decoded) and str(task.answer) in decoded
     # Interpreter mask: the observation (with the template's closing and next header) has weight 0, the
@@ -259,7 +259,7 @@ def test_one_rl_step_and_an_eval_of_two_problems(parts: Any, config: Any, settin
         Env,
         EnvGroupBuilder,
         Outcome,
-        ProblemListEnv,
+        ProblemList,
         Score,
         ToolSetup,
         VerifierLike,
@@ -280,7 +280,7 @@ def test_one_rl_step_and_an_eval_of_two_problems(parts: Any, config: Any, settin
         async def group_rewards(self, outcomes: Sequence[Outcome]) -> list[float]:
             return [1.0 if b == 0 else -1.0 for b in range(len(outcomes))]
 
-    class FirstBranchWins(ProblemListEnv):
+    class FirstBranchWins(ProblemList):
         """An untrained model gets -1 everywhere and a degenerate group trains nothing: a score of 0 and a
         group reward of +1 for the first branch, -1 for the second make both groups informative, so the
         step really trains."""
@@ -299,7 +299,11 @@ def test_one_rl_step_and_an_eval_of_two_problems(parts: Any, config: Any, settin
     train = [t.to_problem() for t in generate_tasks(4, seed=3, hard_fraction=1.0, kinds=["mul_big"])]
     steps: list[int] = []
     Trainer(
-        config, out / "rl", env=FirstBranchWins(train), components=parts, on_step=lambda s, m: steps.append(s)
+        config,
+        out / "rl",
+        source=FirstBranchWins(train),
+        components=parts,
+        on_step=lambda s, m: steps.append(s),
     ).run()
     rows = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
     assert len(rows) == 1 and rows[0]["step"] == 1 and steps == [1]

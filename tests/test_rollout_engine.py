@@ -16,19 +16,22 @@ from typing import Any
 
 import pytest
 
-from retool.backends.base import SamplingClient
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import RolloutConfig, SamplingConfig
 from retool.data.problem import Problem
 from retool.env import (
     AssistantTurn,
+    Budgets,
     Env,
     EnvGroupBuilder,
     Observation,
     Outcome,
     ReToolGroupBuilder,
+    ReToolOutcome,
     StepResult,
     ToolSetup,
+    retool_outcome,
 )
 from retool.protocol import ChatProtocol
 from retool.rollout import (
@@ -248,19 +251,19 @@ def test_single_turn_answers_group_branching_and_rewards(tokenizer, protocol):
     assert [len(g) for g in groups] == [3, 3]
     assert [r["num_samples"] for r in sampler.requests] == [3, 3]  # one group request per question
     assert [[t.reward for t in g] for g in groups] == [[1.0, -1.0, -1.0], [1.0, 1.0, -1.0]]
-    assert [t.valid_format for t in groups[0]] == [True, True, False]
-    assert all(t.stop_reason == "answer" for g in groups for t in g)
+    assert [t.outcome.valid_format for t in groups[0]] == [True, True, False]
+    assert all(t.outcome.stop_reason == "answer" for g in groups for t in g)
     assert [t.group_index for t in groups[1]] == [0, 1, 2]
     assert all(t.problem is PROBLEMS[1] for t in groups[1])
     assert sorted(id(t) for t in seen) == sorted(id(t) for g in groups for t in g)
     t = groups[0][1]
-    assert t.final_text == "It is \\boxed{5}" and t.answer == "5"
+    assert t.outcome.final_text == "It is \\boxed{5}" and t.outcome.answer == "5"
     assert t.full_tokens() == [*t.turns[0].prompt_tokens, *t.turns[0].completion_tokens]
     assert t.completion_token_count == len(t.turns[0].completion_tokens)
     assert t.turns[0].completion_tokens[-1] in protocol.stop_token_ids  # the emitted stop token is kept
     # Branches share the prompt but are independent objects.
     assert groups[0][0].turns[0].prompt_tokens == groups[0][1].turns[0].prompt_tokens
-    assert groups[0][0].messages is not groups[0][1].messages
+    assert groups[0][0].outcome.messages is not groups[0][1].outcome.messages
 
 
 def test_three_turn_continuity_and_records(tokenizer, protocol):
@@ -279,11 +282,11 @@ def test_three_turn_continuity_and_records(tokenizer, protocol):
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2)
     (group,) = run(PROBLEMS[:1], sampler, protocol, executor, group_size=2)
     t = group[0]
-    assert t.stop_reason == "answer" and t.correct and t.reward == 1.0
-    assert len(t.turns) == 3 and t.code_calls == 2
-    assert t.codes == ("print(1/0)", "print(2 + 2)") and executor.calls == list(t.codes)
-    assert [r.ok for r in t.exec_results] == [False, True]
-    assert "ZeroDivisionError" in t.observations[0] and "4" in t.observations[1]
+    assert t.outcome.stop_reason == "answer" and t.outcome.correct and t.reward == 1.0
+    assert len(t.turns) == 3 and t.outcome.code_calls == 2
+    assert t.outcome.codes == ("print(1/0)", "print(2 + 2)") and executor.calls == list(t.outcome.codes)
+    assert [r.ok for r in t.outcome.exec_results] == [False, True]
+    assert "ZeroDivisionError" in t.outcome.observations[0] and "4" in t.outcome.observations[1]
     # Continuity: each prompt starts with the previous prompt + its completion.
     for prev, cur in zip(t.turns, t.turns[1:], strict=False):
         head = [*prev.prompt_tokens, *prev.completion_tokens]
@@ -299,7 +302,7 @@ def test_three_turn_continuity_and_records(tokenizer, protocol):
         n = len(turn.prompt_tokens)
         assert full[n : n + len(turn.completion_tokens)] == turn.completion_tokens
         assert len(turn.logprobs) == len(turn.completion_tokens)
-    assert [m["role"] for m in t.messages] == [
+    assert [m["role"] for m in t.outcome.messages] == [
         "system",
         "user",
         "assistant",
@@ -308,8 +311,8 @@ def test_three_turn_continuity_and_records(tokenizer, protocol):
         "tool",
         "assistant",
     ]
-    assert t.final_text == "So the answer is \\boxed{0}"
-    assert t.had_exec_error and t.had_error_then_correct
+    assert t.outcome.final_text == "So the answer is \\boxed{0}"
+    assert t.outcome.had_exec_error and t.outcome.had_error_then_correct
     assert [x.kind for x in t.turns] == ["tool", "tool", "answer"]
     # The group request asks for 2 samples; the continuations of branch 0 for 1 each.
     assert [(r["key"], r["num_samples"]) for r in sampler.requests] == [
@@ -317,14 +320,18 @@ def test_three_turn_continuity_and_records(tokenizer, protocol):
         ((0, 0, 1), 1),
         ((0, 0, 2), 1),
     ]
-    assert group[1].stop_reason == "answer" and not group[1].correct and group[1].code_calls == 0
+    assert (
+        group[1].outcome.stop_reason == "answer"
+        and not group[1].outcome.correct
+        and group[1].outcome.code_calls == 0
+    )
 
 
 def test_self_correction_needs_a_retry(tokenizer, protocol):
     script = {(0, 0, 0): call(protocol, "bad()"), (0, 0, 1): "\\boxed{0}"}
     executor = FakeExecutor({"bad()": ("NameError: name 'bad' is not defined\n", False, 0.0)})
     t = run_one(ScriptedSampler(tokenizer, protocol, script, group_size=1), protocol, executor)
-    assert t.correct and t.had_exec_error and not t.had_error_then_correct
+    assert t.outcome.correct and t.outcome.had_exec_error and not t.outcome.had_error_then_correct
 
 
 def test_max_code_calls_ends_without_executing(tokenizer, protocol):
@@ -337,9 +344,9 @@ def test_max_code_calls_ends_without_executing(tokenizer, protocol):
         max_code_calls=1,
         max_assistant_turns=6,
     )
-    assert t.stop_reason == "max_code_calls" and t.reward == -1.0 and not t.correct
-    assert executor.calls == ["print(1)"] and t.code_calls == 1 and len(t.turns) == 2
-    assert t.final_text == t.turns[-1].text
+    assert t.outcome.stop_reason == "max_code_calls" and t.reward == -1.0 and not t.outcome.correct
+    assert executor.calls == ["print(1)"] and t.outcome.code_calls == 1 and len(t.turns) == 2
+    assert t.outcome.final_text == t.turns[-1].text
 
 
 def test_max_turns_on_a_tool_call(tokenizer, protocol):
@@ -352,7 +359,7 @@ def test_max_turns_on_a_tool_call(tokenizer, protocol):
         max_code_calls=10,
         max_assistant_turns=3,
     )
-    assert t.stop_reason == "max_turns" and t.reward == -1.0
+    assert t.outcome.stop_reason == "max_turns" and t.reward == -1.0
     assert len(t.turns) == 3 and executor.calls == ["print(0)", "print(1)"]
 
 
@@ -377,8 +384,8 @@ def test_invalid_turn_ends_with_minus_one(tokenizer, protocol, text):
         executor,
         group_size=2,
     )
-    assert group[0].stop_reason == "invalid" and group[0].reward == -1.0 and executor.calls == []
-    assert group[1].stop_reason == "answer" and group[1].reward == 1.0
+    assert group[0].outcome.stop_reason == "invalid" and group[0].reward == -1.0 and executor.calls == []
+    assert group[1].outcome.stop_reason == "answer" and group[1].reward == 1.0
 
 
 def test_tokens_per_turn_is_capped_by_remaining_trajectory_budget(tokenizer, protocol):
@@ -393,7 +400,7 @@ def test_tokens_per_turn_is_capped_by_remaining_trajectory_budget(tokenizer, pro
         max_trajectory_tokens=prompt_len + 5000,
     )
     assert [r["max_tokens"] for r in sampler.requests] == [64, 64]
-    assert t.stop_reason == "answer"
+    assert t.outcome.stop_reason == "answer"
 
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=1)
     t = run_one(
@@ -422,15 +429,15 @@ def test_context_full_when_observation_does_not_fit(tokenizer, protocol):
         max_observation_tokens=400,
         max_trajectory_tokens=prompt_len + first_len + 30,
     )
-    assert t.stop_reason == "context_full" and t.reward == -1.0
-    assert executor.calls == ["print('x' * 500)"] and len(t.turns) == 1 and len(t.observations) == 1
+    assert t.outcome.stop_reason == "context_full" and t.reward == -1.0
+    assert executor.calls == ["print('x' * 500)"] and len(t.turns) == 1 and len(t.outcome.observations) == 1
     assert len(sampler.requests) == 1
 
 
 def test_context_full_before_the_first_turn(tokenizer, protocol):
     sampler = ScriptedSampler(tokenizer, protocol, {}, group_size=2)
     (group,) = run(PROBLEMS[:1], sampler, protocol, FakeExecutor(), group_size=2, max_trajectory_tokens=5)
-    assert [t.stop_reason for t in group] == ["context_full", "context_full"]
+    assert [t.outcome.stop_reason for t in group] == ["context_full", "context_full"]
     assert sampler.requests == [] and all(t.full_tokens() == [] and t.reward == -1.0 for t in group)
 
 
@@ -447,15 +454,15 @@ def test_observation_trimming_keeps_the_tail(tokenizer, protocol):
         executor,
         max_observation_tokens=64,
     )
-    obs = t.observations[0]
-    assert t.observations_trimmed == (True,)
+    obs = t.outcome.observations[0]
+    assert t.outcome.observations_trimmed == (True,)
     assert obs.rstrip().endswith("ZeroDivisionError: division by zero")
     assert "Traceback (most recent call last)" not in obs  # the head is what goes
     assert len(tokenizer.encode(obs, add_special_tokens=False)) <= 64 + 8  # a short trim marker may be added
     # The model sees the trimmed text, not the whole traceback.
     seen = tokenizer.decode(t.turns[1].prompt_tokens[len(t.turns[0].prompt_tokens) :])
     assert "ZeroDivisionError" in seen and "line 0, in f0" not in seen
-    assert t.stop_reason == "answer" and t.correct
+    assert t.outcome.stop_reason == "answer" and t.outcome.correct
 
 
 def test_sampler_failure_ends_only_that_trajectory(tokenizer, protocol):
@@ -469,15 +476,15 @@ def test_sampler_failure_ends_only_that_trajectory(tokenizer, protocol):
     }
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2, fail={(0, 1, 1)})
     g0, g1 = run(PROBLEMS[:2], sampler, protocol, FakeExecutor(), group_size=2)
-    assert [t.stop_reason for t in g0] == ["answer", "sampler_error"]
-    assert g0[1].reward == -1.0 and "scripted failure" in (g0[1].error or "")
-    assert len(g0[1].turns) == 1 and g0[1].code_calls == 1
+    assert [t.outcome.stop_reason for t in g0] == ["answer", "sampler_error"]
+    assert g0[1].reward == -1.0 and "scripted failure" in (g0[1].outcome.error or "")
+    assert len(g0[1].turns) == 1 and g0[1].outcome.code_calls == 1
     assert [t.reward for t in g1] == [1.0, 1.0]
 
     # A failed group request ends that question's whole group, and only it.
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2, fail={(0, -1, 0)})
     g0, g1 = run(PROBLEMS[:2], sampler, protocol, FakeExecutor(), group_size=2)
-    assert [t.stop_reason for t in g0] == ["sampler_error", "sampler_error"]
+    assert [t.outcome.stop_reason for t in g0] == ["sampler_error", "sampler_error"]
     assert all(t.turns == () and t.transitions == () for t in g0)
     assert [t.reward for t in g1] == [1.0, 1.0]
 
@@ -497,9 +504,9 @@ def test_executor_failure_ends_only_that_trajectory(tokenizer, protocol, schedul
         group_size=2,
         scheduling=scheduling,
     )
-    assert group[0].stop_reason == "executor_error" and group[0].reward == -1.0
-    assert "sandbox worker died" in (group[0].error or "")
-    assert group[1].stop_reason == "answer" and group[1].correct
+    assert group[0].outcome.stop_reason == "executor_error" and group[0].reward == -1.0
+    assert "sandbox worker died" in (group[0].outcome.error or "")
+    assert group[1].outcome.stop_reason == "answer" and group[1].outcome.correct
 
 
 def _overlap_run(tokenizer, protocol, scheduling: str) -> list:
@@ -517,7 +524,9 @@ def _overlap_run(tokenizer, protocol, scheduling: str) -> list:
     )
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2, events=events)
     (group,) = run(PROBLEMS[:1], sampler, protocol, executor, group_size=2, scheduling=scheduling)
-    assert [t.stop_reason for t in group] == ["answer", "answer"] and all(t.correct for t in group)
+    assert [t.outcome.stop_reason for t in group] == ["answer", "answer"] and all(
+        t.outcome.correct for t in group
+    )
     return events
 
 
@@ -551,7 +560,8 @@ def test_schedulers_produce_the_same_trajectories(tokenizer, protocol):
             PROBLEMS[:3], sampler, protocol, FakeExecutor(), group_size=3, scheduling=scheduling, seed=3
         )
         out[scheduling] = [
-            [(t.full_tokens(), t.stop_reason, t.reward, t.code_calls) for t in g] for g in groups
+            [(t.full_tokens(), t.outcome.stop_reason, t.reward, t.outcome.code_calls) for t in g]
+            for g in groups
         ]
     assert out["per_trajectory"] == out["round_sync"]
     assert sum(x[2] for g in out["round_sync"] for x in g) == 3.0  # 6 correct, 3 wrong
@@ -588,8 +598,8 @@ def test_text_only_mode_is_one_turn_without_tools(tokenizer):
     script = {(0, 0, 0): call(tool_protocol, "print(1)"), (0, 1, 0): "\\boxed{0}"}
     sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2)
     (group,) = run(PROBLEMS[:1], sampler, protocol, None, group_size=2, use_tools=False)
-    assert [t.stop_reason for t in group] == ["answer", "answer"]
-    assert [len(t.turns) for t in group] == [1, 1] and group[0].code_calls == 0
+    assert [t.outcome.stop_reason for t in group] == ["answer", "answer"]
+    assert [len(t.turns) for t in group] == [1, 1] and group[0].outcome.code_calls == 0
     assert [t.reward for t in group] == [-1.0, 1.0]
     prompt = tokenizer.decode(group[0].turns[0].prompt_tokens)
     assert "code_interpreter" not in prompt
@@ -641,7 +651,12 @@ def test_three_turns_on_real_qwen_templates(qwen_tokenizers, name, fmt):
     )
     sampler = ScriptedSampler(tok, protocol, script, group_size=1)
     t = run_one(sampler, protocol, executor)
-    assert t.stop_reason == "answer" and t.correct and t.code_calls == 2 and len(t.turns) == 3
+    assert (
+        t.outcome.stop_reason == "answer"
+        and t.outcome.correct
+        and t.outcome.code_calls == 2
+        and len(t.turns) == 3
+    )
     t.check_continuity()
     assert [x.kind for x in t.turns] == ["tool", "tool", "answer"]
     rendered = protocol.decode(t.full_tokens())
@@ -674,10 +689,15 @@ def test_real_verifier_and_real_sandbox(tokenizer, protocol):
         sampler = ScriptedSampler(tokenizer, protocol, script, group_size=2)
         (group,) = run([problem], sampler, protocol, executor, group_size=2, verifier=verifier)
     t = group[0]
-    assert [r.ok for r in t.exec_results] == [False, True]
-    assert "ZeroDivisionError" in t.observations[0] and t.observations[1].strip() == "0.5"
-    assert t.stop_reason == "answer" and t.correct and t.reward == 1.0 and t.had_error_then_correct
-    assert group[1].reward == -1.0 and not group[1].correct
+    assert [r.ok for r in t.outcome.exec_results] == [False, True]
+    assert "ZeroDivisionError" in t.outcome.observations[0] and t.outcome.observations[1].strip() == "0.5"
+    assert (
+        t.outcome.stop_reason == "answer"
+        and t.outcome.correct
+        and t.reward == 1.0
+        and t.outcome.had_error_then_correct
+    )
+    assert group[1].reward == -1.0 and not group[1].outcome.correct
 
 
 # -- the environment seam: the engine only schedules ----------------------------------------------------
@@ -711,7 +731,7 @@ class CountdownEnv(Env):
         return StepResult(-5.0, True, None)
 
     def outcome(self) -> Outcome:
-        return Outcome(stop_reason=getattr(self, "stopped", "answer"), use_tools=False)
+        return Outcome(stop_reason=getattr(self, "stopped", "answer"))  # a toy env reports no tool
 
 
 class CountdownGroup(EnvGroupBuilder):
@@ -764,7 +784,9 @@ def test_the_engine_steps_any_environment_and_adds_group_rewards(scheduling: str
                 assert [x.metrics["n"] for x in t.transitions] == steps
                 assert t.reward == sum(steps) + (10.0 if t.group_index == 0 else 0.0)
                 t.check_continuity()  # each prompt extends the previous prompt + completion
-                assert t.stop_reason == "answer" and not t.use_tools
+                # seen through the ReTool lens (the trainer's metrics), an environment without a tool made no calls
+                assert t.outcome.stop_reason == "answer" and not retool_outcome(t.outcome).use_tools
+                assert retool_outcome(t.outcome).code_calls == 0
         first_turn = [r for r in sampler.requests if r[0] in (2, 3)]
         if shared:  # one request per group for the shared first prompt, with the group's seed
             assert sorted(first_turn) == sorted((2, 3, request_seed(4, i, -1, 0)) for i in range(2))
@@ -777,7 +799,7 @@ def test_the_engine_steps_any_environment_and_adds_group_rewards(scheduling: str
 def test_a_failed_request_interrupts_the_environment_and_its_reward_counts() -> None:
     sampler = LengthSampler(fail_prompt_len=2)  # the shared first prompt of length 2 fails
     groups = asyncio.run(run_rollout(RolloutRequest([CountdownGroup(0, 2, True)], sampler, SamplingConfig())))
-    assert [(t.stop_reason, t.transitions, t.reward) for t in groups[0]] == [
+    assert [(t.outcome.stop_reason, t.transitions, t.reward) for t in groups[0]] == [
         ("sampler_error", (), -5.0 + 10.0),
         ("sampler_error", (), -5.0),
     ]
@@ -785,8 +807,10 @@ def test_a_failed_request_interrupts_the_environment_and_its_reward_counts() -> 
 
 def test_trajectories_are_immutable_and_never_default_a_reward() -> None:
     with pytest.raises(TypeError, match="reward"):
-        Trajectory(problem=PROBLEMS[0], group_index=0, stop_reason="answer")  # type: ignore[call-arg]
-    t = Trajectory(problem=PROBLEMS[0], group_index=0, stop_reason="answer", reward=1.0)
+        Trajectory(problem=PROBLEMS[0], group_index=0, outcome=ReToolOutcome(stop_reason="answer"))  # type: ignore[call-arg]
+    t = Trajectory(
+        problem=PROBLEMS[0], group_index=0, reward=1.0, outcome=ReToolOutcome(stop_reason="answer")
+    )
     with pytest.raises(dataclasses.FrozenInstanceError):
         t.reward = -1.0  # type: ignore[misc]
 
@@ -794,9 +818,7 @@ def test_trajectories_are_immutable_and_never_default_a_reward() -> None:
 def test_the_retool_env_owns_parse_execute_observe_and_score(tokenizer, protocol) -> None:
     """One ``ReToolEnv`` driven by hand: a tool call gives reward 0 and an observation that extends the
     prompt + completion token-exactly; the answer ends it with the verifier's reward."""
-    setup = ToolSetup(
-        protocol, FakeExecutor({"print(2 + 2)": ("4\n", True, 0.0)}), FakeVerifier(), RolloutConfig()
-    )
+    setup = ToolSetup(protocol, FakeExecutor({"print(2 + 2)": ("4\n", True, 0.0)}), FakeVerifier(), Budgets())
     (env,) = ReToolGroupBuilder(PROBLEMS[2], setup, 1).make_envs()
     first = env.initial_observation()
     assert list(first.prompt_tokens) == protocol.build_prompt(protocol.initial_messages(PROBLEMS[2].question))

@@ -14,10 +14,10 @@ import pytest
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from retool.backends import generation
-from retool.backends.generation import KV_SPARE_COLUMNS, _GrowingLayer
-from retool.backends.local import LocalTrainingClient, _can_pack, _PackedLinear
-from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.engine import generation
+from retool.backends.engine.generation import KV_SPARE_COLUMNS, _GrowingLayer
+from retool.backends.interface.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.local.client import LocalTrainingClient, _can_pack, _PackedLinear
 
 
 @pytest.fixture(autouse=True)

@@ -1,4 +1,4 @@
-"""Sampling many adapters of one shared base in one batch (``retool.backends.multi_lora``, as ``retool serve``
+"""Sampling many adapters of one shared base in one batch (``retool.backends.samplers.multi_lora``, as ``retool serve``
 uses it): the same tokens, and logprobs within float rounding, as each adapter (and the base) sampled alone
 at fixed seeds; rows never get another adapter's weights, nor its cached KV."""
 
@@ -10,10 +10,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from retool.backends.base import SamplingClient, run_sync
-from retool.backends.local import LocalLoraSpec, LocalTrainingClient, load_base_model
-from retool.backends.multi_lora import MultiLoraEngine, SharedBaseSamplingClient
-from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.interface.clients import SamplingClient, run_sync
+from retool.backends.interface.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.local.client import LocalLoraSpec, LocalTrainingClient, load_base_model
+from retool.backends.samplers.multi_lora import MultiLoraEngine, SharedBaseSamplingClient
 
 LORA = LocalLoraSpec(
     rank=4, alpha=8, dropout=0.0, target_modules=("q_proj", "v_proj", "o_proj", "up_proj", "lm_head")

@@ -1,4 +1,4 @@
-"""One base, many adapters (``retool.backends.local.load_base_model`` / ``share_module``, as ``retool serve``
+"""One base, many adapters (``retool.backends.local.client.load_base_model`` / ``share_module``, as ``retool serve``
 uses them): clients on a shared base hold the very base tensors, train only their own LoRA tensors, never
 change the base or each other, and cost the base once plus their adapters (counted over tensor storage)."""
 
@@ -9,9 +9,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from retool.backends.base import run_sync
-from retool.backends.local import LocalLoraSpec, LocalTrainingClient, load_base_model
-from retool.backends.types import AdamParams, Datum, SamplingParams
+from retool.backends.interface.clients import run_sync
+from retool.backends.interface.types import AdamParams, Datum, SamplingParams
+from retool.backends.local.client import LocalLoraSpec, LocalTrainingClient, load_base_model
 
 LORA = LocalLoraSpec(
     rank=4,

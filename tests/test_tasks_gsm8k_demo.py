@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from retool.data.gsm8k import GSM8KLeakError, normalize_question
 from retool.tasks.demo import DemoSettings, real_model_settings, run_demo
-from retool.tasks.gsm8k_task import coldstart_rows, gsm8k_env, held_out_problems
+from retool.tasks.gsm8k_task import coldstart_rows, gsm8k_source, held_out_problems
 
 
 def test_the_gsm8k_preset_and_fields() -> None:
@@ -53,7 +53,7 @@ def test_coldstart_rows_are_seeded(shared_data: Path) -> None:
     assert min(rows) >= 1 and max(rows) <= 7473
 
 
-def test_a_test_question_in_train_stops_the_env(shared_data: Path, tmp_path: Path) -> None:
+def test_a_test_question_in_train_stops_the_source(shared_data: Path, tmp_path: Path) -> None:
     test_q = json.loads((shared_data / "gsm8k_test.jsonl").read_text().split("\n")[0])["question"]
     (tmp_path / "gsm8k_test.jsonl").write_text((shared_data / "gsm8k_test.jsonl").read_text())
     train = (shared_data / "gsm8k_train.jsonl").read_text().split("\n")[:20]
@@ -62,9 +62,9 @@ def test_a_test_question_in_train_stops_the_env(shared_data: Path, tmp_path: Pat
     config = real_model_settings("smollm2", task="gsm8k").config
     config = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(tmp_path)})})
     with pytest.raises(GSM8KLeakError, match="never trained on"):
-        gsm8k_env(config).problems("train")
+        gsm8k_source(config).problems("train")
     clean = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(shared_data)})})
-    assert len(gsm8k_env(clean).problems("train")) == 7473
+    assert len(gsm8k_source(clean).problems("train")) == 7473
 
 
 @pytest.mark.slow

@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 from retool.data import DataError
 from retool.data.gsm8k import GSM8K_FILE, gsm8k_problems
 from retool.tasks import real_model as rm
-from retool.tasks.demo import DemoSettings, held_out, real_model_settings, run_demo, task_env
+from retool.tasks.demo import DemoSettings, held_out, real_model_settings, run_demo, task_source
 
 
 def test_missing_wheel_names_the_install_command() -> None:
@@ -75,7 +75,7 @@ def test_real_gsm8k_file_reads(shared_data: Path) -> None:
 def test_held_out_hard_split_never_repeats_a_training_question() -> None:
     settings = real_model_settings("smollm2", ["data.task_count=300", "data.task_test_count=60"])
     assert settings.config.model.system_prompt == "compact" and settings.config.lora.enabled
-    train, test, problems = held_out(settings, task_env(settings.config))
+    train, test, problems = held_out(settings, task_source(settings.config))
     assert all(t.hard for t in test) and len(test) == 60
     assert not {t.question for t in test} & {t.question for t in train}
     assert len(problems) == 60 + settings.gsm8k_problems

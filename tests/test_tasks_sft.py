@@ -96,7 +96,7 @@ def test_mix_shares(protocol) -> None:  # type: ignore[no-untyped-def]
 def test_sft_through_the_local_backend_lowers_the_loss(demo_model: Path, protocol) -> None:  # type: ignore[no-untyped-def]
     import torch
 
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)  # tiny matrices: more threads only add contention
@@ -112,7 +112,7 @@ def test_sft_through_the_local_backend_lowers_the_loss(demo_model: Path, protoco
 
 def test_two_stage_sft_draws_its_last_steps_from_the_final_examples(protocol) -> None:  # type: ignore[no-untyped-def]
     """The second stage (``final_examples``) takes over exactly for the last ``final_steps`` steps."""
-    from retool.backends.types import ForwardBackwardResult, OptimStepResult
+    from retool.backends.interface.types import ForwardBackwardResult, OptimStepResult
     from retool.config import SFTConfig
 
     tasks = generate_tasks(40, seed=1)

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from retool.env import ProblemListEnv
+from retool.env import ProblemList
 from retool.retry import TransientStatusError
 from retool.train import checkpoint as checkpoint_mod
 from retool.train import metrics as metrics_mod
@@ -222,10 +222,10 @@ def test_a_step_lost_entirely_to_infrastructure_failures_stops_the_run(tmp_path:
         groups = await scripted_rollouts(problems, sampler=sampler, group_size=group_size, seed=seed, **kw)
         step = len(seen) + 1
         seen.append(step)
-        lost = {"stop_reason": "sampler_error", "error": "ConnectionResetError: sampler died", "reward": -1.0}
+        lost = {"stop_reason": "sampler_error", "error": "ConnectionResetError: sampler died"}
         return [
             [
-                replace(traj, **lost, correct=False)
+                replace(traj, reward=-1.0, outcome=replace(traj.outcome, **lost, correct=False))
                 if step == 2 or (step == 1 and (g, b) == (0, 0))
                 else traj
                 for b, traj in enumerate(group)
@@ -239,7 +239,7 @@ def test_a_step_lost_entirely_to_infrastructure_failures_stops_the_run(tmp_path:
     trainer = Trainer(
         fake_config(steps=4, every=1),
         tmp_path / "run",
-        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        source=ProblemList(PROBLEMS, shuffle=True),
         components=fake_components(),
         rollout_fn=rollouts,
     )

@@ -10,9 +10,10 @@ from typing import Any
 
 import pytest
 
-from retool.config import FiltersConfig, load_config
+from retool.config import FiltersConfig, RolloutConfig, load_config
 from retool.data.problem import Problem
-from retool.train.collect import collect_groups, questions_for_round, round_seed
+from retool.env import ReToolOutcome
+from retool.train.collect import StepSampler, questions_for_round, rollout_seed, round_seed
 from retool.train.step import build_step_data, is_overlong, is_void
 
 
@@ -31,6 +32,10 @@ class Traj:
     stop_reason: str = "answer"
     reward_status: str = "ok"
     extra: dict = field(default_factory=dict)
+
+    @property
+    def outcome(self) -> ReToolOutcome:
+        return ReToolOutcome(stop_reason=self.stop_reason, reward_status=self.reward_status)
 
 
 def traj(
@@ -119,16 +124,28 @@ class Stream:
 
 
 def rounds_recorder(informative: set[str]) -> tuple[Any, list[tuple[list[str], int]]]:
-    """A sampler whose groups are informative exactly for the problems named in ``informative``."""
+    """A group sampler (``retool.rollout.GroupSampler``'s shape) whose groups are informative exactly for
+    the problems named in ``informative``; it notes the problem ids and the round (read off the round's
+    seed) of every round it samples."""
     calls: list[tuple[list[str], int]] = []
+    round_of = {round_seed(rollout_seed(0, 1), r): r for r in range(10)}
 
-    async def sample_round(problems: list[Problem], round_index: int) -> list[list[Traj]]:
-        calls.append(([p.id for p in problems], round_index))
-        return [
-            [traj(1.0), traj(-1.0)] if p.id in informative else [traj(-1.0), traj(-1.0)] for p in problems
-        ]
+    class Groups:
+        async def sample(self, problems: list[Problem], policy: Any, *, group_size: int, seed: int) -> Any:
+            if not problems:  # the (empty) text-only part of a round
+                return []
+            calls.append(([p.id for p in problems], round_of[seed]))
+            return [
+                [traj(1.0), traj(-1.0)] if p.id in informative else [traj(-1.0), traj(-1.0)] for p in problems
+            ]
 
-    return sample_round, calls
+    return Groups(), calls
+
+
+def sample_batch(groups: Any, stream: Any, target: int, filters: FiltersConfig) -> Any:
+    """Step 1's batch: ``target`` questions per step (groups of 2) drawn from ``stream``."""
+    rollout = RolloutConfig(questions_per_step=target, group_size=2)
+    return StepSampler(groups, None, rollout, filters, seed=0).sample(1, stream, None)
 
 
 def run(coro: Any) -> Any:
@@ -138,7 +155,7 @@ def run(coro: Any) -> Any:
 def test_without_dynamic_sampling_one_round_trains_every_group() -> None:
     sample_round, calls = rounds_recorder({"q001"})
     stream = Stream()
-    out = run(collect_groups(sample_round, stream.next_batch, 4, FiltersConfig()))
+    out = run(sample_batch(sample_round, stream, 4, FiltersConfig()))
     assert calls == [(["q000", "q001", "q002", "q003"], 0)]
     assert len(out.groups) == 4 and out.groups == out.sampled
     assert (out.rounds, out.informative) == (1, 1)
@@ -150,7 +167,7 @@ def test_dynamic_sampling_refills_until_enough_informative_groups() -> None:
     sample_round, calls = rounds_recorder(informative)
     stream = Stream()
     filters = FiltersConfig(dynamic_sampling=True, oversample=1.0, max_extra_rounds=5)
-    out = run(collect_groups(sample_round, stream.next_batch, 4, filters))
+    out = run(sample_batch(sample_round, stream, 4, filters))
     # Round 0: q000-q003 -> 2 kept (q001, q002); round 1 asks for the 2 missing: q004, q005 -> 1 kept;
     # round 2 asks for 1: q006 -> 0; round 3: q007 -> 1. Done with 4.
     assert calls == [
@@ -174,14 +191,14 @@ def test_dynamic_sampling_oversamples_caps_rounds_and_cuts_extras() -> None:
     # Everything informative: round 0 over-samples ceil(1.5 * 4) = 6 and keeps only the first 4.
     sample_round, calls = rounds_recorder({p.id for p in PROBLEMS})
     filters = FiltersConfig(dynamic_sampling=True, oversample=1.5, max_extra_rounds=2)
-    out = run(collect_groups(sample_round, Stream().next_batch, 4, filters))
+    out = run(sample_batch(sample_round, Stream(), 4, filters))
     assert [len(c[0]) for c in calls] == [6]
     assert [g is s for g, s in zip(out.groups, out.sampled[:4], strict=True)] == [True] * 4
     assert (len(out.groups), out.informative) == (4, 6)
 
     # Nothing informative: 1 + max_extra_rounds rounds, then the step trains on nothing.
     sample_round, calls = rounds_recorder(set())
-    out = run(collect_groups(sample_round, Stream().next_batch, 4, filters))
+    out = run(sample_batch(sample_round, Stream(), 4, filters))
     assert [len(c[0]) for c in calls] == [6, 6, 6] and [c[1] for c in calls] == [0, 1, 2]
     assert out.groups == [] and out.rounds == 3 and len(out.sampled) == 18
 
@@ -194,7 +211,7 @@ def test_round_seeds_and_sizes() -> None:
     assert questions_for_round(3, 1.5) == 5
     assert questions_for_round(1, 1.0) == 1
     with pytest.raises(ValueError):
-        run(collect_groups(rounds_recorder(set())[0], Stream().next_batch, 0, FiltersConfig()))
+        run(sample_batch(rounds_recorder(set())[0], Stream(), 0, FiltersConfig()))
 
 
 def test_oversample_below_one_is_rejected() -> None:
@@ -211,7 +228,7 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
     from tests.test_train_loop import PROBLEMS as LOOP_PROBLEMS
     from tests.test_train_loop import FakeClient, fake_components, fake_rollouts
 
-    from retool.env import ProblemListEnv
+    from retool.env import ProblemList
     from retool.train.loop import Trainer
 
     seen_datums: list[int] = []
@@ -237,7 +254,7 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
     trainer = Trainer(
         cfg,
         tmp_path / "run",
-        env=ProblemListEnv(LOOP_PROBLEMS, shuffle=True),
+        source=ProblemList(LOOP_PROBLEMS, shuffle=True),
         components=fake_components(CountingClient()),
         rollout_fn=fake_rollouts,
     )
@@ -259,7 +276,7 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
 
 
 def test_text_only_count() -> None:
-    from retool.train.loop import text_only_count
+    from retool.train.collect import text_only_count
 
     assert text_only_count(8, 0.0) == 0
     assert text_only_count(8, 0.25) == 2
@@ -275,7 +292,7 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
     from tests.test_train_loop import FakeClient, fake_rollouts
 
     from retool.components import Components
-    from retool.env import ProblemListEnv, ReToolGroupBuilder
+    from retool.env import ProblemList, ReToolGroupBuilder
     from retool.rollout import RolloutRequest
     from retool.train.loop import Trainer
 
@@ -287,13 +304,16 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
         use_tools = setup.tool is not None
         calls.append((len(request.groups), use_tools, setup.protocol, setup.tool))
         groups = await fake_rollouts(request)
-        return [[replace(t, use_tools=use_tools) for t in g] for g in groups]
+        return [[replace(t, outcome=replace(t.outcome, use_tools=use_tools)) for t in g] for g in groups]
 
     text_protocol, executor = object(), object()
 
     class ToolProtocol:  # the text-only protocol is the tool protocol's text-only twin
         def with_tools(self, use_tools: bool) -> object:
             return self if use_tools else text_protocol
+
+        def decode(self, tokens: list[int]) -> str:  # the trajectory records' text
+            return " ".join(map(str, tokens))
 
     tool_protocol = ToolProtocol()
     cfg = load_config(
@@ -311,7 +331,7 @@ def test_trainer_rolls_out_a_share_of_questions_text_only(tmp_path: Path) -> Non
     Trainer(
         cfg,
         tmp_path / "run",
-        env=ProblemListEnv(LOOP_PROBLEMS, shuffle=False),
+        source=ProblemList(LOOP_PROBLEMS, shuffle=False),
         components=Components(
             backend=FakeClient(), protocol=tool_protocol, verifier=object(), executor=executor
         ),

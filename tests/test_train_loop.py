@@ -9,12 +9,12 @@ from typing import Any
 
 import pytest
 
-from retool.backends.base import TrainingClient
-from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult, Sample
+from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import AdamParams, ForwardBackwardResult, OptimStepResult, Sample
 from retool.components import Components
 from retool.config import Config, load_config, override_config
 from retool.data.problem import Problem
-from retool.env import ProblemListEnv
+from retool.env import ProblemList, ReToolOutcome
 from retool.rollout import AssistantTurn, RolloutFn, RolloutRequest, Trajectory, Transition
 from retool.sandbox.base import ExecResult
 from retool.train.checkpoint import CheckpointManager
@@ -92,9 +92,7 @@ def scripted_trajectory(problem: Problem, pi: int, b: int, seed: int, sampler: A
         problem_index=pi,
         transitions=(Transition(turn, reward, True),),
         reward=reward,
-        correct=reward > 0,
-        valid_format=True,
-        stop_reason="answer",
+        outcome=ReToolOutcome(correct=reward > 0, valid_format=True, stop_reason="answer"),
     )
 
 
@@ -142,9 +140,20 @@ def fake_config(steps: int = 6, every: int = 2, keep: int = 2) -> Config:
     )
 
 
+class StubProtocol:
+    """What the trainer itself asks of the protocol when the rollouts are scripted: the records' text."""
+
+    use_tools = True
+
+    def decode(self, tokens: list[int]) -> str:
+        return " ".join(map(str, tokens))
+
+
 def fake_components(client: Any = None) -> Components:
     """A fake backend with stand-ins for the parts only the real rollout would touch."""
-    return Components(backend=client or FakeClient(), protocol=object(), verifier=object(), executor=object())
+    return Components(
+        backend=client or FakeClient(), protocol=StubProtocol(), verifier=object(), executor=object()
+    )
 
 
 def make_trainer(
@@ -155,7 +164,7 @@ def make_trainer(
         cfg,
         run_dir,
         resume=resume,
-        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        source=ProblemList(PROBLEMS, shuffle=True),
         components=fake_components(client),
         **hooks,
     )
@@ -172,7 +181,7 @@ def essentials(rows: list[dict[str, Any]]) -> list[tuple]:
 
 
 def test_problem_stream_is_deterministic_and_resumable() -> None:
-    source = ProblemListEnv(PROBLEMS, shuffle=True).epoch
+    source = ProblemList(PROBLEMS, shuffle=True).epoch
     whole = ProblemStream(source, seed=3)
     ids = [p.id for _ in range(7) for p in whole.next_batch(3)]  # 21 problems: crosses two epochs
     assert sorted(ids[:10]) == sorted(p.id for p in PROBLEMS) == sorted(ids[10:20])
@@ -264,7 +273,7 @@ def test_run_training_with_tensorboard(tmp_path: Path) -> None:
     run_training(
         cfg,
         tmp_path / "run",
-        env=ProblemListEnv(PROBLEMS),
+        source=ProblemList(PROBLEMS),
         components=fake_components(),
         rollout_fn=fake_rollouts,
     )
@@ -280,11 +289,13 @@ def test_rollout_metrics_definitions() -> None:
                 Transition(AssistantTurn([1, 2], [3, 4, 5], [-1.0] * 3, "x"), 1.0 if correct else -1.0, True),
             ),
             reward=1.0 if correct else -1.0,
-            correct=correct,
-            valid_format=correct,
-            stop_reason=stop,
-            codes=("print(1)",) * len(results),
-            exec_results=tuple(ExecResult(ok, "", "", 0 if ok else 1, False, 0.5) for ok in results),
+            outcome=ReToolOutcome(
+                correct=correct,
+                valid_format=correct,
+                stop_reason=stop,
+                codes=("print(1)",) * len(results),
+                exec_results=tuple(ExecResult(ok, "", "", 0 if ok else 1, False, 0.5) for ok in results),
+            ),
         )
 
     groups = [[traj(True, []), traj(True, [False, True]), traj(False, [True], "max_turns"), traj(False, [])]]
@@ -315,10 +326,10 @@ def test_default_components_are_built_for_the_run_folder_in_use(
     monkeypatch.setattr(
         loop,
         "build_components",
-        lambda c: seen.append(c) or Built(FakeClient(), object(), object(), object()),
+        lambda c: seen.append(c) or Built(FakeClient(), StubProtocol(), object(), object()),
     )
     cfg = override_config(fake_config(steps=1), ["train.run_dir='elsewhere'"])
-    Trainer(cfg, tmp_path / "run", env=ProblemListEnv(PROBLEMS), rollout_fn=fake_rollouts).run()
+    Trainer(cfg, tmp_path / "run", source=ProblemList(PROBLEMS), rollout_fn=fake_rollouts).run()
     assert seen[0].train.run_dir == str(tmp_path / "run") and cfg.train.run_dir == "elsewhere"
     assert seen[0].optimizer.lr == cfg.optimizer.lr
     assert closed == [True]
@@ -331,11 +342,11 @@ def test_components_passed_in_stay_open(tmp_path: Path) -> None:
         async def aclose(self) -> None:  # pragma: no cover - must not be called
             closed.append(True)
 
-    parts = Lent(FakeClient(), object(), object(), object())
+    parts = Lent(FakeClient(), StubProtocol(), object(), object())
     Trainer(
         fake_config(steps=1),
         tmp_path / "run",
-        env=ProblemListEnv(PROBLEMS),
+        source=ProblemList(PROBLEMS),
         components=parts,
         rollout_fn=fake_rollouts,
     ).run()

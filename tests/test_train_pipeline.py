@@ -1,5 +1,5 @@
 """Off-policy pipelining with fake components: the version schedule and its tags, the queue in
-checkpoints (resume with a non-empty queue), requeueing stale batches, failures in the producer, and
+checkpoints (resume with a non-empty queue), requeueing stale batches, failures in the batch sampler, and
 dynamic sampling / the text-only share with k >= 1."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from retool.config import Config, override_config
-from retool.env import ProblemListEnv
+from retool.env import ProblemList
 from retool.rollout import Trajectory
 from retool.train.checkpoint import PIPELINE_FILE, CheckpointManager
 from retool.train.loop import Trainer
@@ -61,7 +61,7 @@ def trainer(
     return Trainer(
         cfg,
         run_dir,
-        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        source=ProblemList(PROBLEMS, shuffle=True),
         components=fake_components(client or VersionedClient()),
         rollout_fn=rollout_fn,
         **kw,
@@ -192,8 +192,11 @@ def test_a_failed_batch_stops_the_run_when_the_trainer_reaches_it(tmp_path: Path
         groups = await scripted_rollouts(problems, sampler=sampler, group_size=group_size, seed=seed, **kw)
         calls.append(seed)
         if len(calls) == 4:
-            lost = {"stop_reason": "sampler_error", "error": "ConnectionResetError: gone", "reward": -1.0}
-            return [[replace(traj, **lost) for traj in group] for group in groups]
+            lost = {"stop_reason": "sampler_error", "error": "ConnectionResetError: gone"}
+            return [
+                [replace(traj, reward=-1.0, outcome=replace(traj.outcome, **lost)) for traj in group]
+                for group in groups
+            ]
         return groups
 
     cfg = config(1, steps=5, every=2)
@@ -256,7 +259,7 @@ def test_sigint_with_a_full_queue_saves_it_and_stops(tmp_path: Path) -> None:
     summary = HarnessTrainer(
         cfg,
         tmp_path / "run",
-        env=ProblemListEnv(PROBLEMS, shuffle=True),
+        source=ProblemList(PROBLEMS, shuffle=True),
         components=fake_components(VersionedClient()),
         rollout_fn=fake_rollouts,
         signals=PhaseSignals(cfg, sigint_at=["optim:3"]),
@@ -341,7 +344,7 @@ def test_a_sampler_that_is_not_refreshed_fails_the_on_policy_check(tmp_path: Pat
     """k = 0, the trainer pushing the weights every step: no mismatch, lag 0, no alarm. A sampler that
     never receives new weights still reads lag 0 (the trainer believes it published them) but its
     logprobs drift from the trainer's: offpolicy/sampler_check_failed = 1 from step 2 on. Breaking the
-    trainer's refresh (``Trainer._new_sampler`` handing out its first sampler again) fails the fresh half."""
+    trainer's refresh (``Trainer._current_policy`` handing out its first sampler again) fails the fresh half."""
     cfg = config(0, steps=4, every=0)
     rows = {}
     for name, client in (("fresh", DriftingClient()), ("stale", NeverRefreshed())):

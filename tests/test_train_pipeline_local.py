@@ -17,10 +17,10 @@ import torch
 
 from retool.components import Components, build_components
 from retool.config import Config, load_config
-from retool.env import env_from_config
+from retool.env import source_from_config
 from retool.rollout import run_rollout
 from retool.train.loop import Trainer
-from train_harness import ParityScoredEnv
+from train_harness import ParityScoredSource
 
 
 def local_config(model_dir: Path, k: int) -> Config:
@@ -123,7 +123,7 @@ def run(tmp: Path, cfg: Config, wrap: Any = None, rollout_fn: Any = run_rollout)
         Trainer(
             cfg,
             tmp / "run",
-            env=ParityScoredEnv(env_from_config(cfg)),
+            source=ParityScoredSource(source_from_config(cfg)),
             components=lent,
             rollout_fn=rollout_fn,
         ).run()

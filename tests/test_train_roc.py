@@ -12,6 +12,7 @@ import pytest
 
 from retool.config import ConfigError, FiltersConfig, load_config
 from retool.data.problem import Problem
+from retool.env import ReToolOutcome
 from retool.env.types import AssistantTurn
 from retool.rollout.types import Trajectory, Transition
 from retool.sandbox.base import ExecResult
@@ -55,12 +56,14 @@ def make(
         group_index=branch,
         transitions=turns,
         reward=1.0 if correct else -1.0,
-        stop_reason=stop,
-        correct=correct,
-        valid_format=correct if valid_format is None else valid_format,
-        exec_results=results,
-        codes=tuple("print(2)" for _ in results),
-        final_text=final_text,
+        outcome=ReToolOutcome(
+            stop_reason=stop,
+            correct=correct,
+            valid_format=correct if valid_format is None else valid_format,
+            exec_results=results,
+            codes=tuple("print(2)" for _ in results),
+            final_text=final_text,
+        ),
     )
 
 
@@ -96,10 +99,10 @@ def test_successes_with_fewest_tool_errors_then_format_problems_survive() -> Non
     for seed in range(20):
         kept = downsample_group(group, 4, 1, random.Random(seed))
         assert len(kept) == 4
-        successes = [t.group_index for t in kept if t.correct]
+        successes = [t.group_index for t in kept if t.outcome.correct]
         assert successes == [2, 4, 6]
         assert [t.group_index for t in kept] == sorted(t.group_index for t in kept)  # sampling order
-        assert sum(not t.correct for t in kept) == 1
+        assert sum(not t.outcome.correct for t in kept) == 1
 
 
 def test_failures_are_drawn_uniformly_and_reproducibly() -> None:
@@ -120,8 +123,8 @@ def test_minimum_failures_are_kept_when_successes_dominate() -> None:
     # 1 failure among 16: its share of 4 rounds to 0, the floor keeps it.
     group = [make(i, i != 9, (OK,)) for i in range(16)]
     kept = downsample_group(group, 4, 1, random.Random(0))
-    assert [t.group_index for t in kept if not t.correct] == [9] and len(kept) == 4
-    assert all(t.correct for t in downsample_group(group, 4, 0, random.Random(0)))  # floor 0: none
+    assert [t.group_index for t in kept if not t.outcome.correct] == [9] and len(kept) == 4
+    assert all(t.outcome.correct for t in downsample_group(group, 4, 0, random.Random(0)))  # floor 0: none
     # the floor asks for more failures than were sampled: all of them
     assert kept_failures(1, 15, 4, 3) == 1
     assert kept_failures(3, 13, 4, 3) == 3
@@ -189,7 +192,13 @@ def noisy_rollouts() -> Any:
         sizes.append(group_size)
         groups = await scripted_rollouts(problems, group_size=group_size, **kw)
         return [
-            [replace(t, exec_results=(FAIL, OK) if t.group_index % 3 == 0 else (OK,)) for t in g]
+            [
+                replace(
+                    t,
+                    outcome=replace(t.outcome, exec_results=(FAIL, OK) if t.group_index % 3 == 0 else (OK,)),
+                )
+                for t in g
+            ]
             for g in groups
         ]
 

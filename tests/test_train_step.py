@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from retool.backends.types import AdamParams, Datum, ForwardBackwardResult, OptimStepResult
+from retool.backends.interface.types import AdamParams, Datum, ForwardBackwardResult, OptimStepResult
 from retool.train.step import (
     NotAPrefixError,
     build_datum,
@@ -90,6 +90,7 @@ def test_mask_marks_exactly_the_sampled_tokens_after_the_shift() -> None:
 
 def test_mask_with_the_real_rollout_types() -> None:
     from retool.data.problem import Problem
+    from retool.env import ReToolOutcome
     from retool.rollout import AssistantTurn, Trajectory, Transition
 
     traj, sampled_positions, _ = three_turn_trajectory()
@@ -98,7 +99,11 @@ def test_mask_with_the_real_rollout_types() -> None:
         for t in traj.turns
     )
     real = Trajectory(
-        problem=Problem("p", "q", "1"), group_index=0, transitions=steps, reward=-1.0, stop_reason="answer"
+        problem=Problem("p", "q", "1"),
+        group_index=0,
+        transitions=steps,
+        reward=-1.0,
+        outcome=ReToolOutcome(stop_reason="answer"),
     )
     datum = build_datum(real, advantage=-0.5)
     assert {i + 1 for i, a in enumerate(datum.advantages) if a != 0.0} == sampled_positions
@@ -287,7 +292,7 @@ def test_mean_reduction_refuses_unmasked_datum() -> None:
 def test_weights_give_the_mean_gradient_on_the_local_backend(tiny_model_dir) -> None:
     """Real backend: packed, weighted forward_backward calls accumulate exactly
     mean_d( mean_{t in completion(d)} ppo_loss_t ), computed here independently with autograd."""
-    local = pytest.importorskip("retool.backends.local")
+    local = pytest.importorskip("retool.backends.local.client")
     client = local.LocalTrainingClient(
         tiny_model_dir, lora=None, device="cpu", dtype="float32", micro_batch_tokens=40
     )

@@ -10,7 +10,7 @@ worker thread) a failing generation batch on that thread.
 To make the tiny, untrained model exercise the sandbox and the verifier, tests A and B sample from a
 scripted sampler (every branch calls the tool once, then boxes an answer) over the tiny model's own
 tokenizer and chat template; training (``forward_backward`` / ``optim_step`` / checkpoints) is the real
-local backend's. Rewards come from the parity of the sampled tokens (``train_harness.ParityScoredEnv``) so
+local backend's. Rewards come from the parity of the sampled tokens (``train_harness.ParityScoredSource``) so
 that groups are mixed and real optimizer steps happen.
 """
 
@@ -28,11 +28,11 @@ from typing import Any
 import pytest
 
 from retool.backends import make_training_client
-from retool.backends.base import SamplingClient
-from retool.backends.types import Sample, SamplingParams
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.components import Components
 from retool.config import Config, load_config
-from retool.env import env_from_config
+from retool.env import source_from_config
 from retool.protocol import ChatProtocol
 from retool.reward import Verifier
 from retool.sandbox import ExecResult, ForkServerExecutor
@@ -40,7 +40,7 @@ from retool.train.checkpoint import CheckpointManager, CheckpointWriteError
 from retool.train.loop import Trainer
 from retool.train.metrics import MetricsLog
 from sandbox_helpers import server_pids
-from train_harness import ParityScoredEnv
+from train_harness import ParityScoredSource
 
 STEPS = 3
 GROUP = 4
@@ -201,7 +201,7 @@ def _trainer(
         cfg,
         run_dir,
         resume=resume,
-        env=ParityScoredEnv(env_from_config(cfg)),
+        source=ParityScoredSource(source_from_config(cfg)),
         components=Components(backend=client, protocol=protocol, verifier=verifier, executor=executor),
     )
 

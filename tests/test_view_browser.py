@@ -165,10 +165,10 @@ def test_masked_spans_are_shown_and_match_the_datum(built: Built, browser: Any) 
             assert spans[0]["start"] == 0 and spans[-1]["end"] == len(tokens)
             assert "".join(s["text"] for s in spans) == decode(tokens)  # the exact sequence, as text
             observations = [s for s in spans if s["role"] == "observation"]
-            assert len(observations) == traj.code_calls
+            assert len(observations) == traj.outcome.code_calls
             for s in observations:  # interpreter output: visibly masked
                 assert s["masked"] and not s["trained"]
-            if traj.code_calls:
+            if traj.outcome.code_calls:
                 assert "MASKED · NOT TRAINED" in page.text_content(
                     "#detail .span.masked[data-role=observation]"
                 )

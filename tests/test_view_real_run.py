@@ -14,9 +14,9 @@ from retool.view.site import build_site
 
 def test_one_real_step_gives_viewable_records(tiny_model_dir: Path, tmp_path: Path) -> None:
     from retool.components import build_components
-    from retool.env import env_from_config
+    from retool.env import source_from_config
     from retool.train.loop import Trainer
-    from train_harness import ParityScoredEnv
+    from train_harness import ParityScoredSource
 
     cfg = load_config(
         "tiny",
@@ -49,7 +49,9 @@ def test_one_real_step_gives_viewable_records(tiny_model_dir: Path, tmp_path: Pa
 
     client.forward_backward_async = spy
     # Parity rewards make the random model's groups mixed, so its datums are actually trained.
-    trainer = Trainer(cfg, tmp_path / "run", env=ParityScoredEnv(env_from_config(cfg)), components=parts)
+    trainer = Trainer(
+        cfg, tmp_path / "run", source=ParityScoredSource(source_from_config(cfg)), components=parts
+    )
     written: dict = {}
     real_write = trainer.trajectories.write_step
 

@@ -12,12 +12,12 @@ from typing import Any
 
 import pytest
 
-from retool.backends.base import TrainingClient
-from retool.backends.types import AdamParams, ForwardBackwardResult, OptimStepResult
+from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import AdamParams, ForwardBackwardResult, OptimStepResult
 from retool.components import Components
 from retool.config import ConfigError, load_config
 from retool.data.problem import Problem
-from retool.env import ProblemListEnv
+from retool.env import ProblemList, ReToolOutcome
 from retool.rollout import RolloutRequest
 from retool.rollout.records import datum_tokens, trajectory_record
 from retool.train.loop import Trainer
@@ -104,13 +104,13 @@ def test_turns_carry_code_executor_result_and_observation() -> None:
     traj = next(
         t
         for t in (make_trajectory(problem, 0, rng) for _ in range(50))
-        if t.code_calls >= 2 and t.stop_reason == "answer"
+        if t.outcome.code_calls >= 2 and t.outcome.stop_reason == "answer"
     )
     record = trajectory_record(traj, source="eval", advantage=None, decode=decode)
     tools = [t for t in record["turns"] if t["kind"] == "tool"]
-    assert [t["code"] for t in tools] == list(traj.codes)
-    assert [t["exec"]["stderr"] for t in tools] == [r.stderr for r in traj.exec_results]
-    assert [t["observation"] for t in tools] == list(traj.observations)
+    assert [t["code"] for t in tools] == list(traj.outcome.codes)
+    assert [t["exec"]["stderr"] for t in tools] == [r.stderr for r in traj.outcome.exec_results]
+    assert [t["observation"] for t in tools] == list(traj.outcome.observations)
     assert record["turns"][-1]["kind"] == "answer" and record["turns"][-1]["code"] is None
     assert json.loads(json.dumps(record)) == record  # JSON-ready as it is
 
@@ -119,24 +119,29 @@ def test_trajectories_that_ended_early() -> None:
     from retool.rollout.types import Trajectory
 
     problem = make_problems(1, 0)[0]
-    empty = Trajectory(problem=problem, group_index=0, stop_reason="context_full", reward=-1.0)
+    empty = Trajectory(
+        problem=problem, group_index=0, reward=-1.0, outcome=ReToolOutcome(stop_reason="context_full")
+    )
     record = trajectory_record(empty, source="train", advantage=0.0, decode=decode)
     assert record["spans"] == [] and record["turns"] == [] and record["tokens"]["total"] == 0
     rng = random.Random(0)
-    traj = next(t for t in (make_trajectory(problem, 0, rng) for _ in range(50)) if t.code_calls >= 1)
+    traj = next(t for t in (make_trajectory(problem, 0, rng) for _ in range(50)) if t.outcome.code_calls >= 1)
     # The executor raised on the first call: its code is recorded, no result, and the trajectory ends.
     traj = replace(
         traj,
         transitions=traj.transitions[:1],
-        exec_results=(),
-        observations=(),
-        observations_trimmed=(),
-        codes=traj.codes[:1],
-        stop_reason="executor_error",
-        error="OSError: sandbox gone",
+        outcome=replace(
+            traj.outcome,
+            exec_results=(),
+            observations=(),
+            observations_trimmed=(),
+            codes=traj.outcome.codes[:1],
+            stop_reason="executor_error",
+            error="OSError: sandbox gone",
+        ),
     )
     record = trajectory_record(traj, source="train", advantage=-1.0, decode=decode)
-    assert record["turns"][0]["code"] == traj.codes[0] and record["turns"][0]["exec"] is None
+    assert record["turns"][0]["code"] == traj.outcome.codes[0] and record["turns"][0]["exec"] is None
     assert [s["role"] for s in record["spans"]] == ["prompt", "completion"]
     assert record["error"] == "OSError: sandbox gone"
 
@@ -243,7 +248,7 @@ def run_trainer(tmp_path: Path, groups_per_step: Any) -> tuple[Path, FakeClient]
     Trainer(
         cfg,
         run,
-        env=ProblemListEnv(make_problems(6, 0)),
+        source=ProblemList(make_problems(6, 0)),
         components=Components(backend=client, protocol=CharProtocol(), verifier=object(), executor=object()),
         rollout_fn=synthetic_rollouts,
     ).run()

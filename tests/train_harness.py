@@ -1,7 +1,7 @@
 """Fault injection for training runs, from the test side: no production code reads a test switch or
 offers a hook for one.
 
-- ``ParityScoredEnv`` wraps an environment and rewards an attempt +1 / -1 by the parity of its sampled
+- ``ParityScoredSource`` wraps an environment and rewards an attempt +1 / -1 by the parity of its sampled
   tokens' sum, so an untrained tiny model (which solves nothing) still gets mixed groups and real
   optimizer steps, which is what makes a resumed run's samples depend on restored weights.
 - ``PhaseSignals`` sends SIGKILL / SIGINT to this process at ``PHASE:STEP`` points, found from outside
@@ -27,14 +27,14 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
-from retool.backends.types import AdamParams, OptimStepResult
+from retool.backends.interface.types import AdamParams, OptimStepResult
 from retool.config import Config
 from retool.data.problem import Problem
-from retool.env import Attempt, ProblemEnv, Score, Split, VerifierLike
+from retool.env import Attempt, ProblemSource, Score, Split, VerifierLike
 from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
 from retool.train.checkpoint import CheckpointManager
-from retool.train.collect import round_seed
-from retool.train.loop import Trainer, rollout_seed
+from retool.train.collect import rollout_seed, round_seed
+from retool.train.loop import Trainer
 
 logger = logging.getLogger("train_harness")
 
@@ -46,10 +46,10 @@ def parity_reward(attempt: Attempt) -> float:
     return 1.0 if total % 2 == 0 else -1.0
 
 
-class ParityScoredEnv(ProblemEnv):
+class ParityScoredSource(ProblemSource):
     """``inner``'s problems and scoring, with the reward replaced by the parity of the sampled tokens."""
 
-    def __init__(self, inner: ProblemEnv) -> None:
+    def __init__(self, inner: ProblemSource) -> None:
         self.inner = inner
         self.name, self.shuffle = inner.name, inner.shuffle
 
@@ -171,10 +171,10 @@ class HarnessTrainer(Trainer):
         self._guarded = _OptimSignal(self._guarded, self)  # type: ignore[assignment]
         return parts
 
-    async def _one_step(self, step: int, pipeline: Any, tracker: Any) -> dict[str, Any]:
+    async def _one_step(self, step: int, sampler: Any, tracker: Any) -> dict[str, Any]:
         self.current_step = step
         self.signals.fire("step", step)
-        return await super()._one_step(step, pipeline, tracker)
+        return await super()._one_step(step, sampler, tracker)
 
 
 def main(argv: list[str]) -> None:
@@ -186,14 +186,14 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
     retool_args = args.retool_args[1:] if args.retool_args[:1] == ["--"] else args.retool_args
 
-    from retool.env import env_from_config
+    from retool.env import source_from_config
     from retool.train import loop
 
     class CliTrainer(HarnessTrainer):
         def __init__(self, config: Config, run_dir: Any, resume: bool = False, **parts: Any) -> None:
             parts.setdefault("signals", PhaseSignals(config, args.kill_at, args.sigint_at))
             if args.parity:
-                parts.setdefault("env", ParityScoredEnv(env_from_config(config)))
+                parts.setdefault("source", ParityScoredSource(source_from_config(config)))
             super().__init__(config, run_dir, resume, **parts)
 
     loop.Trainer = CliTrainer  # type: ignore[misc]  # run_training looks the class up at call time

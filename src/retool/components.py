@@ -20,8 +20,8 @@ from dataclasses import dataclass
 from types import TracebackType
 
 from retool.backends import make_training_client
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.guarded import guard_training_client
+from retool.backends.interface.clients import SamplingClient, TrainingClient
+from retool.backends.remote.guarded import guard_training_client
 from retool.config import Config
 from retool.protocol import ChatProtocol
 from retool.reward import Verifier

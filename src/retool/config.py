@@ -45,10 +45,10 @@ class BackendConfig(_Section):
     device: str = "auto"  # auto | cpu | cuda
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # hf: the built-in torch sampler; vllm: a vLLM engine (GPU, or vLLM's CPU build); llamacpp: llama.cpp on CPU (xllamacpp) from the
-    # GGUF file plus the trainer's LoRA as an adapter GGUF (GGUF models with LoRA; retool.backends.llamacpp)
+    # GGUF file plus the trainer's LoRA as an adapter GGUF (GGUF models with LoRA; retool.backends.samplers.llamacpp)
     sampler: Literal["hf", "vllm", "llamacpp"] = "hf"
     llamacpp_threads: int = 2  # llama.cpp's CPU threads (sampler = "llamacpp")
-    # The vLLM sampler (sampler = "vllm", retool.backends.vllm_sampler). Its dtype: "trainer" computes in the
+    # The vLLM sampler (sampler = "vllm", retool.backends.samplers.vllm). Its dtype: "trainer" computes in the
     # trainer's own dtype, so sampled logprobs are the trainer's (vLLM's own "auto" would downcast an fp32
     # model to bf16); another dtype (bf16 serving beside an fp32 master copy) is allowed, with a warning,
     # and its mismatch shows in every step's offpolicy/kl_k3, offpolicy/ratio_outside and TIS metrics.
@@ -141,7 +141,7 @@ class SamplingConfig(_Section):
 
 
 class LossConfig(_Section):
-    # cispo, dro, gspo and stable_reinforce: local backend only (``retool.backends.losses`` has the math)
+    # cispo, dro, gspo and stable_reinforce: local backend only (``retool.backends.training.losses`` has the math)
     name: Literal["ppo", "importance_sampling", "cispo", "dro", "gspo", "stable_reinforce"] = "ppo"
     clip_low: float = 0.8  # ratio thresholds, not epsilons (ppo, cispo, gspo)
     clip_high: float = 1.28
@@ -149,7 +149,7 @@ class LossConfig(_Section):
     kl_coeff: float = Field(default=0.0, ge=0.0)  # stable_reinforce's KL-to-sampler penalty
     ratio_cap: float = Field(default=2.0, gt=0.0)  # stable_reinforce's importance-weight cap
     # Truncated importance sampling: weight each token by min(exp(trainer lp - sampler lp), tis_cap) and
-    # take the PPO ratio against the trainer's own pre-update logprob (``retool.backends.losses``).
+    # take the PPO ratio against the trainer's own pre-update logprob (``retool.backends.training.losses``).
     # 0: off (the ratio is taken against the sampler's logprob). Local backend only.
     tis_cap: float = Field(default=0.0, ge=0.0)
 
@@ -268,7 +268,7 @@ class SFTConfig(_Section):
 
 
 class RetryConfig(_Section):
-    """Timeouts and retries of calls to the training / sampling backend (``retool.backends.guarded``)."""
+    """Timeouts and retries of calls to the training / sampling backend (``retool.backends.remote.guarded``)."""
 
     guard: Literal["remote", "always", "never"] = "remote"  # remote: pytrio / tinker only
     sample_timeout: float = Field(default=900.0, ge=0)  # seconds per sample request (0: none)

@@ -10,7 +10,7 @@ Three outcomes of a failed attempt (``classify``):
   connection, HTTP 429 "too many requests"). Safe to retry any call.
 - ``UNKNOWN``: it may or may not have taken effect (the connection dropped or reset mid-request, a read
   timeout, our own per-call timeout, HTTP 408 / 5xx). Safe to retry only an *idempotent* call, or a
-  non-idempotent one behind an idempotency guard (see ``retool.backends.guarded`` for
+  non-idempotent one behind an idempotency guard (see ``retool.backends.remote.guarded`` for
   ``forward_backward`` and ``optim_step``).
 - ``PERMANENT``: anything else (4xx, bad arguments, bugs). Never retried.
 
@@ -18,7 +18,7 @@ An exception may state its outcome itself (an ``outcome`` attribute holding a ``
 ``classify`` then believes it: an adapter whose SDK re-sends requests internally knows what the last
 attempt's status cannot say (a final 429 proves nothing about the earlier attempts the SDK made), and an
 SDK may report "no HTTP answer" as ``status_code = 0``, which is no status at all (see
-``retool.backends.remote.RemoteCallError``).
+``retool.backends.remote.common.RemoteCallError``).
 
 The rule (``call_with_retry`` / ``acall_with_retry``): at most ``policy.attempts`` attempts; between them
 "full jitter" exponential backoff, ``uniform(0, min(max_backoff, backoff * 2**k))`` (a ``Retry-After``

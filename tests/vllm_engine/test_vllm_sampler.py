@@ -22,10 +22,10 @@ from typing import Any
 import pytest
 import torch
 
-from retool.backends.local import LocalTrainingClient
-from retool.backends.tinymodel import build_tiny_model
-from retool.backends.types import AdamParams, Datum, Sample, SamplingParams
-from retool.backends.vllm_sampler import VllmSamplingClient, attach_vllm_sampler, running
+from retool.backends.interface.types import AdamParams, Datum, Sample, SamplingParams
+from retool.backends.local.client import LocalTrainingClient
+from retool.backends.local.tinymodel import build_tiny_model
+from retool.backends.samplers.vllm import VllmSamplingClient, attach_vllm_sampler, running
 
 REPO = Path(__file__).resolve().parents[2]
 LORA = {"rank": 8, "alpha": 16}
@@ -257,9 +257,9 @@ def test_close_leaves_no_engine_process_and_no_shared_memory(engine: tuple[Any, 
 # -- lifetime: a subprocess with its own engine ------------------------------------------------------------
 _OWNER = r"""
 import json, os, sys, time
-from retool.backends.local import LocalTrainingClient
-from retool.backends.types import SamplingParams
-from retool.backends.vllm_sampler import attach_vllm_sampler
+from retool.backends.local.client import LocalTrainingClient
+from retool.backends.interface.types import SamplingParams
+from retool.backends.samplers.vllm import attach_vllm_sampler
 
 def main():
     client = LocalTrainingClient(sys.argv[1], lora={"rank": 8, "alpha": 16}, device="cpu", seed=0,

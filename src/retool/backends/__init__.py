@@ -1,6 +1,6 @@
 """retool.backends: one Tinker/PyTRIO-shaped training and sampling interface, with three implementations.
 
-- ``local`` (default): transformers + PEFT in this process (``retool.backends.local``).
+- ``local`` (default): transformers + PEFT in this process (``retool.backends.local.client``).
 - ``pytrio`` / ``tinker``: thin adapters over the managed services' SDKs (optional installs).
 
 ``make_training_client(config)`` picks one from ``config.backend.kind``. Heavy modules (torch,
@@ -17,10 +17,8 @@ from typing import TYPE_CHECKING, Any
 
 from huggingface_hub import constants, try_to_load_from_cache
 
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.heap import cap_mmap_threshold
-from retool.backends.tinymodel import build_tiny_model
-from retool.backends.types import (
+from retool.backends.interface.clients import SamplingClient, TrainingClient
+from retool.backends.interface.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
@@ -28,6 +26,8 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.backends.local.heap import cap_mmap_threshold
+from retool.backends.local.tinymodel import build_tiny_model
 from retool.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -56,11 +56,11 @@ __all__ = [
 # Loaded on first use: each of these imports torch (the local backend also transformers and PEFT; the
 # remote adapters torch through the loss math), which the rest of the package does not need.
 _LAZY = {
-    "LocalTrainingClient": "retool.backends.local",
-    "LocalSamplingClient": "retool.backends.local",
-    "PytrioTrainingClient": "retool.backends.pytrio_backend",
-    "TinkerTrainingClient": "retool.backends.tinker_backend",
-    "pack_micro_batches": "retool.backends.packing",
+    "LocalTrainingClient": "retool.backends.local.client",
+    "LocalSamplingClient": "retool.backends.local.client",
+    "PytrioTrainingClient": "retool.backends.remote.pytrio",
+    "TinkerTrainingClient": "retool.backends.remote.tinker",
+    "pack_micro_batches": "retool.backends.training.packing",
 }
 
 
@@ -90,7 +90,7 @@ def resolve_model_name(config: Config) -> str:
     """The model the local backend loads for ``config.model.name``.
 
     ``"tiny"`` (the ``tiny`` preset's model) means one thing everywhere: the tiny local model
-    (``retool.backends.tinymodel``, size ``demo``, seed 0), built on first use into
+    (``retool.backends.local.tinymodel``, size ``demo``, seed 0), built on first use into
     ``<train.run_dir>/tiny_model`` and loaded from there afterwards, so ``retool train`` and ``retool eval``
     with the same run folder use the same model. A folder literally named ``tiny`` in the working directory
     wins. Any other name is returned unchanged.
@@ -137,18 +137,18 @@ def make_training_client(config: Config) -> TrainingClient:
     if kind == "local":
         return _local_client(config)
     if kind == "pytrio":
-        from retool.backends.pytrio_backend import PytrioTrainingClient  # deferred: torch (see _LAZY)
+        from retool.backends.remote.pytrio import PytrioTrainingClient  # deferred: torch (see _LAZY)
 
         return PytrioTrainingClient.from_config(config)
     if kind == "tinker":
-        from retool.backends.tinker_backend import TinkerTrainingClient  # deferred: torch (see _LAZY)
+        from retool.backends.remote.tinker import TinkerTrainingClient  # deferred: torch (see _LAZY)
 
         return TinkerTrainingClient.from_config(config)
     raise ValueError(f"unknown backend kind {kind!r}; use local, pytrio or tinker")
 
 
 def _local_client(config: Config) -> TrainingClient:
-    from retool.backends.local import LocalTrainingClient  # deferred: torch, transformers (see _LAZY)
+    from retool.backends.local.client import LocalTrainingClient  # deferred: torch, transformers (see _LAZY)
 
     name = resolve_model_name(config)
     check_model_available(name, config.model.gguf_file)
@@ -177,7 +177,7 @@ def _local_client(config: Config) -> TrainingClient:
             f"not provide it ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
         ) from exc
     if config.backend.sampler == "vllm":
-        from retool.backends.vllm_sampler import attach_vllm_sampler  # deferred: vllm is optional
+        from retool.backends.samplers.vllm import attach_vllm_sampler  # deferred: vllm is optional
 
         attach_vllm_sampler(
             client,
@@ -186,7 +186,9 @@ def _local_client(config: Config) -> TrainingClient:
             gpu_memory_utilization=config.backend.vllm_gpu_memory_utilization,
         )
     elif config.backend.sampler == "llamacpp":
-        from retool.backends.llamacpp import attach_llamacpp_sampler  # deferred: xllamacpp is optional
+        from retool.backends.samplers.llamacpp import (
+            attach_llamacpp_sampler,  # deferred: xllamacpp is optional
+        )
 
         attach_llamacpp_sampler(client, threads=config.backend.llamacpp_threads)
     return client

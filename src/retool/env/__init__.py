@@ -1,27 +1,46 @@
-"""retool.env: the environments -- where the problems come from and how one trajectory interacts.
+"""retool.env: the environments and the problem sources -- how one trajectory interacts, where problems come from.
 
 - ``types``: the interaction seam, ``Env`` (``initial_observation()``, ``step(action) -> StepResult``,
   ``interrupt``, ``outcome``), ``EnvGroupBuilder`` (a problem's group, optional group rewards),
-  ``Observation``, ``StepResult``, ``Outcome``, ``AssistantTurn``, ``STOP_REASONS``.
-- ``retool``: ``ReToolEnv`` (parse -> execute -> observe -> budgets -> score), ``ReToolGroupBuilder``,
-  ``ToolSetup`` (protocol, tool or None for text-only, verifier, budgets), the ``Tool`` shape.
+  ``Observation``, ``StepResult``, ``Outcome`` (why it stopped, how it was scored), ``AssistantTurn``,
+  ``STOP_REASONS``.
 - ``scoring``: ``Attempt``, ``Score``, ``score_final_answer`` (the chapter's reward), ``VerifierLike``.
-- ``base``: ``ProblemEnv`` (``problems(split)``, ``epoch(seed, epoch)``, ``score(attempt, verifier)``,
-  ``group_builder(problem, setup, group_size)``), ``ProblemListEnv`` (a fixed list), ``EnvError``.
-- ``files``: ``FileEnv`` (a JSONL / JSON / parquet file or Hub id), the named evaluation sets, ``DapoEnv``.
-- ``gsm8k``: ``Gsm8kEnv`` (GSM8K train for training, test for evaluation, the leak check).
-- ``synthetic``: ``TaskFamilyEnv`` (the synthetic task family, ``tasks``).
-- ``registry``: ``make_env(name_or_path, options)``, ``env_from_config(config)``, ``register_env``.
+- ``source``: ``ProblemSource`` (the dataset role: ``problems(split)``, ``epoch(seed, epoch)``,
+  ``score(attempt, verifier)``, ``group_builder(problem, setup, group_size)``), ``EnvSetup`` (what one
+  mode's environments share; it makes their groups), ``ProblemList`` (a fixed list), ``SourceError``.
+  It imports no environment kind.
+- ``retool``: the ReTool environments: ``ToolSetup`` (protocol, tool or None for text-only, verifier,
+  ``Budgets``; an ``EnvSetup``), ``ReToolEnv`` (parse -> execute -> observe -> budgets -> score),
+  ``ReToolGroupBuilder``, ``ReToolOutcome`` (the outcome with the tool's calls; ``retool_outcome``), the
+  ``Tool`` shape.
+- ``files``: ``FileSource`` (a JSONL / JSON / parquet file or Hub id), the named evaluation sets, ``DapoSource``.
+- ``gsm8k``: ``Gsm8kSource`` (GSM8K train for training, test for evaluation, the leak check).
+- ``synthetic``: ``TaskFamilySource`` (the synthetic task family, ``tasks``).
+- ``registry``: ``make_source(name_or_path, options)``, ``source_from_config(config)``, ``register_source``.
 
-The trainer and the evaluator take a ``ProblemEnv``; names are resolved here, never inside them.
+The trainer and the evaluator take a ``ProblemSource``; names are resolved here, never inside them.
 """
 
-from retool.env.base import SPLITS, EnvError, ProblemEnv, ProblemListEnv, Split
-from retool.env.files import DapoEnv, FileEnv
-from retool.env.registry import EnvOptions, env_from_config, make_env, register_env, registered_envs
-from retool.env.retool import ReToolEnv, ReToolGroupBuilder, Tool, ToolSetup
+from retool.env.files import DapoSource, FileSource
+from retool.env.registry import (
+    SourceOptions,
+    make_source,
+    register_source,
+    registered_sources,
+    source_from_config,
+)
+from retool.env.retool import (
+    Budgets,
+    ReToolEnv,
+    ReToolGroupBuilder,
+    ReToolOutcome,
+    Tool,
+    ToolSetup,
+    retool_outcome,
+)
 from retool.env.scoring import Attempt, Score, Scorer, VerifierLike, score_final_answer
-from retool.env.synthetic import TaskFamilyEnv
+from retool.env.source import SPLITS, EnvSetup, ProblemList, ProblemSource, SourceError, Split
+from retool.env.synthetic import TaskFamilySource
 from retool.env.types import (
     STOP_REASONS,
     AssistantTurn,
@@ -37,29 +56,33 @@ __all__ = [
     "STOP_REASONS",
     "AssistantTurn",
     "Attempt",
-    "DapoEnv",
+    "Budgets",
+    "DapoSource",
     "Env",
-    "EnvError",
     "EnvGroupBuilder",
-    "EnvOptions",
-    "FileEnv",
+    "EnvSetup",
+    "FileSource",
     "Observation",
     "Outcome",
-    "ProblemEnv",
-    "ProblemListEnv",
+    "ProblemList",
+    "ProblemSource",
     "ReToolEnv",
     "ReToolGroupBuilder",
+    "ReToolOutcome",
     "Score",
     "Scorer",
+    "SourceError",
+    "SourceOptions",
     "Split",
     "StepResult",
-    "TaskFamilyEnv",
+    "TaskFamilySource",
     "Tool",
     "ToolSetup",
     "VerifierLike",
-    "env_from_config",
-    "make_env",
-    "register_env",
-    "registered_envs",
+    "make_source",
+    "register_source",
+    "registered_sources",
+    "retool_outcome",
     "score_final_answer",
+    "source_from_config",
 ]

@@ -1,4 +1,4 @@
-"""Environments over stored problems: a local file or Hub dataset, the named evaluation sets, and DAPO.
+"""Problem sources over stored problems: a local file or Hub dataset, the named evaluation sets, and DAPO.
 
 Every one reads through ``retool.data`` (which strips, validates and counts rows) and keeps what it read,
 so a split is loaded once per run. Scoring is the default check of the final answer.
@@ -14,7 +14,7 @@ from pathlib import Path
 from retool.data.dapo import DAPO_HUB_ID, load_dapo, split_dev
 from retool.data.evalsets import load_problems
 from retool.data.problem import Problem
-from retool.env.base import EnvError, ProblemEnv, Split
+from retool.env.source import ProblemSource, SourceError, Split
 
 logger = logging.getLogger(__name__)
 
@@ -32,13 +32,13 @@ def _load(source: str, fields: Mapping[str, str]) -> list[Problem]:
     try:
         problems = load_problems(source, **fields)
     except (OSError, ValueError, LookupError) as exc:  # a DataError (missing file, bad name) passes as is
-        raise EnvError(f"cannot load problems from {source!r}: {exc}") from exc
+        raise SourceError(f"cannot load problems from {source!r}: {exc}") from exc
     if not problems:
-        raise EnvError(f"{source}: no problems")
+        raise SourceError(f"{source}: no problems")
     return problems
 
 
-class FileEnv(ProblemEnv):
+class FileSource(ProblemSource):
     """A JSONL / JSON / parquet file or a Hub dataset id (``retool.data.load_problems``); one split:
     train and test are the same problems. ``fields`` names the question / answer / id columns."""
 
@@ -66,9 +66,9 @@ class FileEnv(ProblemEnv):
 _LOCAL_FIELDS = {"math500": {"question_field": "problem", "id_field": "unique_id"}}
 
 
-def named_set_env(
+def named_set_source(
     name: str, data_dir: str | Path | None, fields: Mapping[str, str] | None = None, *, shuffle: bool = True
-) -> FileEnv:
+) -> FileSource:
     """An evaluation set by name (aime2025, aime2024, math500): ``<data_dir>/<name>.jsonl`` (or
     ``.parquet``) when present, else the Hub. Explicit ``fields`` override the set's own column names."""
     folder = data_dir_of(data_dir)
@@ -79,10 +79,10 @@ def named_set_env(
             if candidate.is_file():
                 path, own = str(candidate), dict(_LOCAL_FIELDS.get(name, {}))
                 break
-    return FileEnv(path, {**own, **(fields or {})}, shuffle=shuffle, name=name)
+    return FileSource(path, {**own, **(fields or {})}, shuffle=shuffle, name=name)
 
 
-class DapoEnv(ProblemEnv):
+class DapoSource(ProblemSource):
     """DAPO-Math-17k with its dev split: a folder ``retool prepare dapo`` wrote (``train.jsonl`` /
     ``dev.jsonl``), or the raw dataset (a local file or Hub id), split in memory by the same rule."""
 
@@ -122,13 +122,13 @@ class DapoEnv(ProblemEnv):
                 len(self._splits["test"]),
             )
         if not self._splits[split]:
-            raise EnvError(f"DAPO from {self._source}: no {split} problems")
+            raise SourceError(f"DAPO from {self._source}: no {split} problems")
         return list(self._splits[split])
 
 
-def dapo_env(data_dir: str | Path | None, *, shuffle: bool = True) -> DapoEnv:
+def dapo_source(data_dir: str | Path | None, *, shuffle: bool = True) -> DapoSource:
     """DAPO by name: ``<data_dir>/dapo`` when ``retool prepare dapo`` wrote it there, else the Hub."""
     folder = data_dir_of(data_dir)
-    if folder is not None and DapoEnv.is_prepared(folder / "dapo"):
-        return DapoEnv(str(folder / "dapo"), shuffle=shuffle)
-    return DapoEnv(DAPO_HUB_ID, shuffle=shuffle)
+    if folder is not None and DapoSource.is_prepared(folder / "dapo"):
+        return DapoSource(str(folder / "dapo"), shuffle=shuffle)
+    return DapoSource(DAPO_HUB_ID, shuffle=shuffle)

@@ -1,8 +1,8 @@
-"""GSM8K as an environment (``gsm8k``): the train split for RL and SFT, the test split for evaluation only.
+"""GSM8K as a problem source (``gsm8k``): the train split for RL and SFT, the test split for evaluation only.
 
 Both splits are read from the local files (``retool.data.gsm8k``). The train split is checked against the
 test split when it is first read: a train problem whose normalised question is a test question is never
-trained on, and with ``strict`` the environment refuses to start instead of filtering it out.
+trained on, and with ``strict`` the source refuses to start instead of filtering it out.
 """
 
 from __future__ import annotations
@@ -13,12 +13,12 @@ from pathlib import Path
 from retool.data.gsm8k import check_no_test_leak, gsm8k_split, overlapping_ids
 from retool.data.problem import Problem
 from retool.data.readers import DataError
-from retool.env.base import EnvError, ProblemEnv, Split
+from retool.env.source import ProblemSource, SourceError, Split
 
 logger = logging.getLogger(__name__)
 
 
-class Gsm8kEnv(ProblemEnv):
+class Gsm8kSource(ProblemSource):
     """GSM8K's two files: ``train`` (7,473 problems) to train on, ``test`` (1,319) to evaluate on."""
 
     def __init__(
@@ -44,7 +44,7 @@ class Gsm8kEnv(ProblemEnv):
         try:
             problems = gsm8k_split(split, self.data_dir)
         except DataError as exc:
-            raise EnvError(str(exc)) from None
+            raise SourceError(str(exc)) from None
         if split == "train":
             test = self.problems("test")
             if self.strict:
@@ -61,5 +61,5 @@ class Gsm8kEnv(ProblemEnv):
             self._splits[split] = self._read(split)
             logger.info("gsm8k: %d %s problems", len(self._splits[split]), split)
         if not self._splits[split]:
-            raise EnvError(f"gsm8k: no {split} problems")
+            raise SourceError(f"gsm8k: no {split} problems")
         return list(self._splits[split])

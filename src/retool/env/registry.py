@@ -1,9 +1,9 @@
-"""Environments by name: what ``data.train_path`` and ``retool eval --dataset`` resolve through.
+"""Problem sources by name: what ``data.train_path`` and ``retool eval --dataset`` resolve through.
 
-A name registered here builds its environment with ``factory(name, options)``; anything else is a path
+A name registered here builds its source with ``factory(name, options)``; anything else is a path
 (or a Hub id): a folder ``retool prepare dapo`` wrote is DAPO with its dev split, any other path a file
 of problems. Built in: ``tasks`` (the synthetic family), ``gsm8k`` (train / test), ``dapo``, ``aime2025``, ``aime2024``,
-``math500``. ``register_env`` adds more (e.g. from a user's own module) before a run is built.
+``math500``. ``register_source`` adds more (e.g. from a user's own module) before a run is built.
 """
 
 from __future__ import annotations
@@ -14,14 +14,14 @@ from pathlib import Path
 
 from retool.config import Config, DataConfig
 from retool.data.evalsets import NAMED_SETS
-from retool.env.base import EnvError, ProblemEnv
-from retool.env.files import DapoEnv, FileEnv, dapo_env, named_set_env
-from retool.env.gsm8k import Gsm8kEnv
-from retool.env.synthetic import TaskFamilyEnv
+from retool.env.files import DapoSource, FileSource, dapo_source, named_set_source
+from retool.env.gsm8k import Gsm8kSource
+from retool.env.source import ProblemSource, SourceError
+from retool.env.synthetic import TaskFamilySource
 
 
 @dataclass(frozen=True)
-class EnvOptions:
+class SourceOptions:
     """What a factory may read besides the name: the ``[data]`` section, and field names given
     explicitly (e.g. ``retool eval --question-field``), which win over a set's own."""
 
@@ -29,37 +29,37 @@ class EnvOptions:
     fields: Mapping[str, str] = field(default_factory=dict)
 
 
-EnvFactory = Callable[[str, EnvOptions], ProblemEnv]
+SourceFactory = Callable[[str, SourceOptions], ProblemSource]
 
-_FACTORIES: dict[str, EnvFactory] = {}
+_FACTORIES: dict[str, SourceFactory] = {}
 
 
-def register_env(name: str, factory: EnvFactory) -> None:
-    """Make ``name`` (as ``data.train_path`` or ``--dataset``) build its environment with ``factory``."""
+def register_source(name: str, factory: SourceFactory) -> None:
+    """Make ``name`` (as ``data.train_path`` or ``--dataset``) build its source with ``factory``."""
     _FACTORIES[name] = factory
 
 
-def registered_envs() -> list[str]:
+def registered_sources() -> list[str]:
     return sorted(_FACTORIES)
 
 
-def make_env(source: str, options: EnvOptions | None = None) -> ProblemEnv:
-    """The environment ``source`` names: a registered name, a prepared DAPO folder, or a file / Hub id."""
-    opts = options or EnvOptions()
+def make_source(source: str, options: SourceOptions | None = None) -> ProblemSource:
+    """The problem source ``source`` names: a registered name, a prepared DAPO folder, or a file / Hub id."""
+    opts = options or SourceOptions()
     if not source:
-        raise EnvError(
-            "no problems named: set data.train_path to a file or to one of " + ", ".join(registered_envs())
+        raise SourceError(
+            "no problems named: set data.train_path to a file or to one of " + ", ".join(registered_sources())
         )
     factory = _FACTORIES.get(source)
     if factory is not None:
         return factory(source, opts)
-    if Path(source).is_dir() and DapoEnv.is_prepared(source):
-        return DapoEnv(source, shuffle=opts.data.shuffle, name=source)
-    return FileEnv(source, opts.fields, shuffle=opts.data.shuffle)
+    if Path(source).is_dir() and DapoSource.is_prepared(source):
+        return DapoSource(source, shuffle=opts.data.shuffle, name=source)
+    return FileSource(source, opts.fields, shuffle=opts.data.shuffle)
 
 
-def env_from_config(config: Config | DataConfig) -> ProblemEnv:
-    """The training environment of a run: ``data.train_path`` with the ``[data]`` section's options."""
+def source_from_config(config: Config | DataConfig) -> ProblemSource:
+    """The training problem source of a run: ``data.train_path`` with the ``[data]`` section's options."""
     data = config.data if isinstance(config, Config) else config
     # Only names changed from the defaults: a default name leaves the reader its own fallbacks.
     default = DataConfig()
@@ -68,12 +68,12 @@ def env_from_config(config: Config | DataConfig) -> ProblemEnv:
         for key in ("question_field", "answer_field")
         if getattr(data, key) != getattr(default, key)
     }
-    return make_env(data.train_path, EnvOptions(data=data, fields=fields))
+    return make_source(data.train_path, SourceOptions(data=data, fields=fields))
 
 
-def _tasks(name: str, options: EnvOptions) -> ProblemEnv:
+def _tasks(name: str, options: SourceOptions) -> ProblemSource:
     d = options.data
-    return TaskFamilyEnv(
+    return TaskFamilySource(
         count=d.task_count,
         test_count=d.task_test_count,
         seed=d.seed,
@@ -84,20 +84,20 @@ def _tasks(name: str, options: EnvOptions) -> ProblemEnv:
     )
 
 
-def _named_set(name: str, options: EnvOptions) -> ProblemEnv:
-    return named_set_env(name, options.data.data_dir, options.fields, shuffle=options.data.shuffle)
+def _named_set(name: str, options: SourceOptions) -> ProblemSource:
+    return named_set_source(name, options.data.data_dir, options.fields, shuffle=options.data.shuffle)
 
 
-def _dapo(name: str, options: EnvOptions) -> ProblemEnv:
-    return dapo_env(options.data.data_dir, shuffle=options.data.shuffle)
+def _dapo(name: str, options: SourceOptions) -> ProblemSource:
+    return dapo_source(options.data.data_dir, shuffle=options.data.shuffle)
 
 
-def _gsm8k(name: str, options: EnvOptions) -> ProblemEnv:
-    return Gsm8kEnv(options.data.data_dir, shuffle=options.data.shuffle, name=name)
+def _gsm8k(name: str, options: SourceOptions) -> ProblemSource:
+    return Gsm8kSource(options.data.data_dir, shuffle=options.data.shuffle, name=name)
 
 
-register_env("tasks", _tasks)
-register_env("gsm8k", _gsm8k)
-register_env("dapo", _dapo)
+register_source("tasks", _tasks)
+register_source("gsm8k", _gsm8k)
+register_source("dapo", _dapo)
 for _name in NAMED_SETS:
-    register_env(_name, _named_set)
+    register_source(_name, _named_set)

@@ -3,7 +3,7 @@
 ``ReToolEnv.step`` owns the whole interaction (SPEC §4, chapter 8.4.6): decode the sampled tokens, parse
 them with the protocol's tool format, run a tool call, fit what came back into an observation, build the
 next prompt token-exactly (``ChatProtocol.build_next_prompt``), enforce the budgets, and score the
-attempt when it ends. Budgets (``RolloutConfig``):
+attempt when it ends. Budgets (``Budgets``, from the ``[rollout]`` section):
 
 - code calls (``max_code_calls``): a tool call past it ends the trajectory with ``max_code_calls``;
 - assistant turns (``max_assistant_turns``): a tool call on the last allowed turn ends it with ``max_turns``;
@@ -17,11 +17,17 @@ The tool is anything with ``arun(code) -> ExecResult`` and ``format_tool_content
 ``Executor`` is one; ``examples/`` has others). With no tool the environment is text-only: the protocol
 registers none and the first turn is the answer. A tool that raises ends the trajectory with
 ``executor_error`` (an infrastructure failure); a failing program is an ordinary observation.
+
+``ToolSetup`` is what every environment of one mode shares (protocol, tool, verifier, budgets) and makes
+the groups (``ToolSetup.group_builder``): a problem source asks it for a problem's group. A finished
+environment reports a ``ReToolOutcome``: the generic ``Outcome`` and the tool's calls, results and
+observations.
 """
 
 from __future__ import annotations
 
 import copy
+import dataclasses
 import functools
 import logging
 import time
@@ -48,8 +54,6 @@ from retool.sandbox.base import ExecResult
 
 logger = logging.getLogger(__name__)
 
-_BUDGETS = ("max_code_calls", "max_assistant_turns", "max_tokens_per_turn", "max_trajectory_tokens")
-
 
 class Tool(Protocol):
     """What the environment calls with the code of a tool call (``retool.sandbox.Executor`` has it)."""
@@ -60,14 +64,44 @@ class Tool(Protocol):
 
 
 @dataclass(frozen=True)
+class Budgets:
+    """How far one trajectory may go (module docstring): code calls, assistant turns and tokens."""
+
+    max_code_calls: int = 4
+    max_assistant_turns: int = 6
+    max_tokens_per_turn: int = 1024
+    max_observation_tokens: int = 512
+    max_trajectory_tokens: int = 8192
+
+    @classmethod
+    def from_config(cls, rollout: RolloutConfig) -> Budgets:
+        """The budgets of the ``[rollout]`` section (its scheduler settings are the rollout engine's)."""
+        return cls(
+            max_code_calls=rollout.max_code_calls,
+            max_assistant_turns=rollout.max_assistant_turns,
+            max_tokens_per_turn=rollout.max_tokens_per_turn,
+            max_observation_tokens=rollout.max_observation_tokens,
+            max_trajectory_tokens=rollout.max_trajectory_tokens,
+        )
+
+    def check(self) -> None:
+        """Refuse budgets that are not positive (no code calls at all is allowed)."""
+        for name in ("max_code_calls", "max_assistant_turns", "max_tokens_per_turn", "max_trajectory_tokens"):
+            value = getattr(self, name)
+            if value < 1 and not (name == "max_code_calls" and value == 0):
+                raise ValueError(f"rollout.{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
 class ToolSetup:
-    """What every environment of a run shares: the chat protocol, the tool (None: text-only), the verifier
-    and the budgets. ``protocol.use_tools`` must match whether there is a tool."""
+    """What every environment of one mode shares: the chat protocol, the tool (None: text-only), the
+    verifier and the budgets. ``protocol.use_tools`` must match whether there is a tool. It makes the
+    groups of its mode (``group_builder``), so whoever holds a setup gets environments bound to it."""
 
     protocol: ChatProtocol
     tool: Tool | None
     verifier: VerifierLike
-    budgets: RolloutConfig
+    budgets: Budgets
 
     def check(self) -> None:
         """Refuse a protocol that disagrees with the tool, and budgets that are not positive."""
@@ -78,10 +112,14 @@ class ToolSetup:
                 f"use_tools={use_tools} (this one has use_tools={self.protocol.use_tools}), otherwise the "
                 f"prompt would {'not register' if use_tools else 'register'} the tool"
             )
-        for name in _BUDGETS:
-            value = getattr(self.budgets, name)
-            if value < 1 and not (name == "max_code_calls" and value == 0):
-                raise ValueError(f"rollout.{name} must be positive, got {value}")
+        self.budgets.check()
+
+    def group_builder(
+        self, problem: Problem, group_size: int, problem_index: int = 0, scorer: Scorer | None = None
+    ) -> ReToolGroupBuilder:
+        """``group_size`` ReTool environments of ``problem`` with this setup, scored by ``scorer`` (default:
+        the verifier's check of the final answer)."""
+        return ReToolGroupBuilder(problem, self, group_size, problem_index=problem_index, scorer=scorer)
 
     @functools.cached_property
     def stop(self) -> tuple[str, ...] | tuple[int, ...]:
@@ -97,6 +135,55 @@ class ToolSetup:
     @functools.cached_property
     def stop_ids(self) -> frozenset[int]:
         return frozenset(int(i) for i in self.protocol.stop_token_ids)
+
+
+@dataclass(frozen=True)
+class ReToolOutcome(Outcome):
+    """A finished ReTool environment's report: the generic ``Outcome`` and its tool calls."""
+
+    codes: tuple[str, ...] = ()  # the code of each tool call, in order
+    exec_results: tuple[ExecResult, ...] = ()
+    observations: tuple[str, ...] = ()  # tool content shown to the model (after trimming)
+    observations_trimmed: tuple[bool, ...] = ()
+    exec_seconds: float = 0.0  # wall time of the tool calls, as seen by the environment
+    use_tools: bool = True
+
+    @property
+    def code_calls(self) -> int:
+        """Tool calls made (executed, or attempted when the executor itself failed)."""
+        return len(self.codes)
+
+    @property
+    def exec_errors(self) -> int:
+        """Executions that failed (error or timeout)."""
+        return sum(1 for r in self.exec_results if not r.ok or r.timed_out)
+
+    @property
+    def had_exec_error(self) -> bool:
+        return self.exec_errors > 0
+
+    @property
+    def exec_latencies(self) -> list[float]:
+        return [r.latency for r in self.exec_results]
+
+    @property
+    def had_error_then_correct(self) -> bool:
+        """Self-correction: an execution failed, the model called the tool again, and the answer is correct."""
+        if not self.correct:
+            return False
+        for i, result in enumerate(self.exec_results):
+            if (not result.ok or result.timed_out) and i + 1 < self.code_calls:
+                return True
+        return False
+
+
+def retool_outcome(outcome: Outcome) -> ReToolOutcome:
+    """``outcome`` with its tool calls: a ReTool environment's own, or (an environment with no tool, such
+    as a caller's own ``Env``) the same outcome with none. What tool metrics and records read."""
+    if isinstance(outcome, ReToolOutcome):
+        return outcome
+    generic = {f.name: getattr(outcome, f.name) for f in dataclasses.fields(Outcome)}
+    return ReToolOutcome(**generic, use_tools=False)
 
 
 @dataclass
@@ -239,9 +326,9 @@ class ReToolEnv(Env):
     async def interrupt(self, reason: Interrupt, error: str | None = None) -> StepResult:
         return await self._finish(reason, error, None)
 
-    def outcome(self) -> Outcome:
+    def outcome(self) -> ReToolOutcome:
         state, score = self._state, self._state.score or UNCHECKED
-        return Outcome(
+        return ReToolOutcome(
             stop_reason=state.stop_reason,
             error=state.error,
             final_text=state.turns[-1].text if state.turns else "",

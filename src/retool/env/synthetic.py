@@ -1,4 +1,4 @@
-"""The synthetic task family as an environment (``tasks``): seeded train and held-out test splits.
+"""The synthetic task family as a problem source (``tasks``): seeded train and held-out test splits.
 
 Problems come from ``retool.data.synthetic``; the demo's cold-start SFT also needs each problem's kind
 and canonical code, which ``tasks(split)`` keeps.
@@ -11,12 +11,12 @@ from collections.abc import Sequence
 
 from retool.data.problem import Problem
 from retool.data.synthetic import Task, generate_tasks
-from retool.env.base import EnvError, ProblemEnv, Split
+from retool.env.source import ProblemSource, SourceError, Split
 
 logger = logging.getLogger(__name__)
 
 
-class TaskFamilyEnv(ProblemEnv):
+class TaskFamilySource(ProblemSource):
     """``count`` train and ``test_count`` held-out test problems of the family, seeded by ``seed``."""
 
     def __init__(
@@ -54,7 +54,7 @@ class TaskFamilyEnv(ProblemEnv):
                     split=split,
                 )
             except ValueError as exc:  # unknown kinds, bad fractions
-                raise EnvError(f"synthetic tasks: {exc}") from exc
+                raise SourceError(f"synthetic tasks: {exc}") from exc
             logger.info("synthetic tasks: %d %s problems (seed %d)", self.counts[split], split, self.seed)
         return list(self._tasks[split])
 

@@ -18,10 +18,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Literal
 
-from retool.backends.types import Sample
+from retool.backends.interface.types import Sample
 from retool.data.problem import Problem
 from retool.protocol.chat import Message
-from retool.sandbox.base import ExecResult
 
 StopReasonName = Literal[
     "answer", "invalid", "max_turns", "max_code_calls", "context_full", "sampler_error", "executor_error"
@@ -107,22 +106,18 @@ class StepResult:
 
 @dataclass(frozen=True)
 class Outcome:
-    """What a finished environment reports beyond its transitions (the trajectory record keeps it)."""
+    """What a finished environment reports beyond its transitions: why it stopped and how its attempt
+    was scored (the trajectory record keeps it). An environment with more to report (a tool's calls:
+    ``retool.env.retool.ReToolOutcome``) returns a subclass."""
 
     stop_reason: str
     error: str | None = None  # the exception text for sampler_error / executor_error
-    final_text: str = ""
+    final_text: str = ""  # the text of the last assistant turn
     messages: tuple[Message, ...] = ()
-    codes: tuple[str, ...] = ()  # the code of each tool call, in order
-    exec_results: tuple[ExecResult, ...] = ()
-    observations: tuple[str, ...] = ()  # tool content shown to the model (after trimming)
-    observations_trimmed: tuple[bool, ...] = ()
     correct: bool = False
     valid_format: bool = False
     answer: str | None = None
     reward_status: str = ""  # the verifier's status (ok | timeout | error | no_answer), "" if not scored
-    exec_seconds: float = 0.0  # wall time of the tool calls, as seen by the environment
-    use_tools: bool = True
 
 
 class Env(abc.ABC):

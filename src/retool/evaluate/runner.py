@@ -1,4 +1,4 @@
-"""The eval run loop: text-only vs ReTool on an environment's problems, one resumable record per problem.
+"""The eval run loop: text-only vs ReTool on a problem source's problems, one resumable record per problem.
 
 Both modes go through the same rollout engine with the same problems, sampling settings, budgets and
 verifier; ``text-only`` only turns the tool off (no tool registered, one assistant turn). Each problem
@@ -7,8 +7,8 @@ not depend on which other problems ran beside it; that is what lets a resumed ev
 uninterrupted one.
 
 ``run_eval`` takes ready ``Components`` (what tests drive with fakes); ``evaluate`` builds them from a
-``Config`` with ``retool.components.build_components`` (any backend) and takes its problems from an
-environment (``retool.env``, the test split). Settings and resume checks live in
+``Config`` with ``retool.components.build_components`` (any backend) and takes its problems from a
+problem source (``retool.env``, the test split). Settings and resume checks live in
 ``retool.evaluate.settings``, the records in ``retool.evaluate.store``.
 """
 
@@ -24,11 +24,11 @@ from pathlib import Path
 from typing import Literal, TypedDict
 
 from retool.backends import resolve_model_name
-from retool.backends.base import SamplingClient
+from retool.backends.interface.clients import SamplingClient
 from retool.components import Components, build_components
 from retool.config import Config
 from retool.data.problem import Problem
-from retool.env import EnvOptions, ProblemEnv, ProblemListEnv, ToolSetup, make_env
+from retool.env import ProblemList, ProblemSource, SourceOptions, make_source
 from retool.evaluate.metrics import summarize
 from retool.evaluate.settings import (
     RESUME_IGNORED,
@@ -47,7 +47,7 @@ from retool.evaluate.store import (
     problem_record,
 )
 from retool.jsonl import JsonObject
-from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
+from retool.rollout import GroupSampler, RolloutFn, Trajectory, run_rollout
 
 logger = logging.getLogger(__name__)
 
@@ -161,32 +161,18 @@ class _Session:
 
 @dataclass(frozen=True)
 class _Plan:
-    """How every problem of one eval is rolled out: same parts, sampling, budgets; its own seed."""
+    """How every problem of one eval is rolled out: the same groups sampler (parts, sampling, budgets)
+    and policy for all; each problem its own seed."""
 
-    components: Components
+    groups: GroupSampler
     sampler: SamplingClient
-    config: Config
-    mode: str
     val_n: int
     seed: int
-    rollout_fn: RolloutFn
-    env: ProblemEnv
 
     async def rollout(self, problem: Problem) -> tuple[list[Trajectory], int]:
         """``val_n`` candidates for ``problem`` alone (so they do not depend on the problems beside it)."""
-        parts = self.components
-        tool = parts.executor if self.mode == "retool" else None
-        setup = ToolSetup(parts.protocol, tool, parts.verifier, self.config.rollout)
         pseed = problem_seed(self.seed, problem.id)
-        request = RolloutRequest(
-            [self.env.group_builder(problem, setup, self.val_n)],
-            self.sampler,
-            self.config.sampling,
-            seed=pseed,
-            scheduling=self.config.rollout.scheduling,
-            max_inflight_samples=self.config.rollout.max_inflight_samples,
-        )
-        groups = await self.rollout_fn(request)
+        groups = await self.groups.sample([problem], self.sampler, group_size=self.val_n, seed=pseed)
         return groups[0], pseed
 
 
@@ -203,7 +189,7 @@ async def run_eval(
     concurrency: int | None = None,
     save_transcripts: bool | None = None,
     rollout_fn: RolloutFn = run_rollout,
-    env: ProblemEnv | None = None,
+    source: ProblemSource | None = None,
     bootstrap_resamples: int = 2000,
     on_progress: Callable[[int, int], None] | None = None,
 ) -> EvalSummary:
@@ -225,8 +211,11 @@ async def run_eval(
     _check_request(problems, mode, val_n)
     if components.sampler is None:
         raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
-    env = env if env is not None else ProblemListEnv(problems, shuffle=False)
-    plan = _Plan(components, components.sampler, config, mode, val_n, seed, rollout_fn, env)
+    source = source if source is not None else ProblemList(problems, shuffle=False)
+    groups = GroupSampler.from_parts(
+        source, components, config, tools=mode == "retool", rollout_fn=rollout_fn
+    )
+    plan = _Plan(groups, components.sampler, val_n, seed)
     settings = _settings(problems, components, config, mode, val_n, seed, identity or EvalIdentity())
     store = ResultStore(output)
     previous = check_resumable(store, settings)
@@ -345,12 +334,12 @@ async def evaluate_async(
     *,
     mode: str,
     output: str | Path,
-    env: ProblemEnv | None = None,
+    source: ProblemSource | None = None,
     checkpoint: str | None = None,
     dataset_fields: Mapping[str, str] | None = None,
 ) -> EvalSummary:
-    """Evaluate ``config.model`` (optionally at ``checkpoint``) on the test split of ``env`` (default: the
-    environment ``config.eval.dataset`` names, with ``dataset_fields`` as explicit column names).
+    """Evaluate ``config.model`` (optionally at ``checkpoint``) on the test split of ``source`` (default: the
+    problem source ``config.eval.dataset`` names, with ``dataset_fields`` as explicit column names).
 
     Everything else comes from ``config.eval`` (val_n, seed, limit, concurrency, save_transcripts) and
     ``config.sampling``; see ``run_eval``.
@@ -359,16 +348,16 @@ async def evaluate_async(
         raise EvalError(f"unknown mode {mode!r} (use one of: {', '.join(MODES)})")
     e = config.eval
     config = _resolve_model(config)
-    if env is None:
-        env = make_env(e.dataset, EnvOptions(data=config.data, fields=dict(dataset_fields or {})))
-    all_problems = env.problems("test")
+    if source is None:
+        source = make_source(e.dataset, SourceOptions(data=config.data, fields=dict(dataset_fields or {})))
+    all_problems = source.problems("test")
     fingerprint = dataset_fingerprint(all_problems)
     checkpoint = _resolve_checkpoint(checkpoint)
     identity: EvalIdentity = {
         "model": config.model.name,
         "checkpoint": checkpoint,
-        "dataset": env.name,
-        "dataset_source": env.source,
+        "dataset": source.name,
+        "dataset_source": source.source,
         "dataset_fingerprint": fingerprint,
         "limit": e.limit,
     }
@@ -381,7 +370,7 @@ async def evaluate_async(
         seed=e.seed,
         tool_format="",
         checkpoint=checkpoint,
-        dataset=env.name,
+        dataset=source.name,
         fingerprint=fingerprint,
         limit=e.limit,
     )
@@ -390,7 +379,7 @@ async def evaluate_async(
     try:
         selected = all_problems[: e.limit] if e.limit is not None else all_problems
         return await run_eval(
-            selected, parts, config=config, mode=mode, output=output, identity=identity, env=env
+            selected, parts, config=config, mode=mode, output=output, identity=identity, source=source
         )
     finally:
         await parts.aclose()
@@ -401,13 +390,18 @@ def evaluate(
     *,
     mode: str,
     output: str | Path,
-    env: ProblemEnv | None = None,
+    source: ProblemSource | None = None,
     checkpoint: str | None = None,
     dataset_fields: Mapping[str, str] | None = None,
 ) -> EvalSummary:
     """Synchronous ``evaluate_async`` (for scripts and the CLI)."""
     return asyncio.run(
         evaluate_async(
-            config, mode=mode, output=output, env=env, checkpoint=checkpoint, dataset_fields=dataset_fields
+            config,
+            mode=mode,
+            output=output,
+            source=source,
+            checkpoint=checkpoint,
+            dataset_fields=dataset_fields,
         )
     )

@@ -17,6 +17,7 @@ from pathlib import Path
 from typing import TypedDict, cast
 
 from retool.data.problem import Problem
+from retool.env.retool import retool_outcome
 from retool.errors import UserError
 from retool.jsonl import JsonObject, read_jsonl_objects
 from retool.protocol.chat import Message
@@ -173,28 +174,29 @@ class ResultStore:
 
 def candidate_record(traj: Trajectory, save_transcript: bool = False) -> CandidateRecord:
     """One trajectory as a JSON-ready candidate (see ``retool.evaluate.metrics`` for the keys)."""
-    results = list(traj.exec_results or [])
+    outcome = retool_outcome(traj.outcome)
+    results = outcome.exec_results
     record: CandidateRecord = {
         "index": int(traj.group_index),
-        "answer": traj.answer,
-        "correct": bool(traj.correct),
-        "valid_format": bool(traj.valid_format),
+        "answer": outcome.answer,
+        "correct": bool(outcome.correct),
+        "valid_format": bool(outcome.valid_format),
         "reward": float(traj.reward),
-        "code_calls": _count(traj.code_calls),
+        "code_calls": outcome.code_calls,
         "turns": len(traj.turns),
-        "stop_reason": str(traj.stop_reason),
+        "stop_reason": str(outcome.stop_reason),
         "exec_latencies": [round(float(r.latency), 6) for r in results],
         "exec_errors": sum(1 for r in results if not r.ok and not r.timed_out),
         "exec_timeouts": sum(1 for r in results if r.timed_out),
-        "self_corrected": bool(traj.had_error_then_correct),
+        "self_corrected": bool(outcome.had_error_then_correct),
         "completion_tokens": int(traj.completion_token_count),
         "total_tokens": len(traj.full_tokens()),
         "sample_seconds": round(float(traj.sample_seconds), 4),
-        "exec_seconds": round(float(traj.exec_seconds), 4),
-        "final_text_tail": (traj.final_text or "")[-400:],
+        "exec_seconds": round(float(outcome.exec_seconds), 4),
+        "final_text_tail": outcome.final_text[-400:],
     }
     if save_transcript:
-        record["messages"] = traj.messages
+        record["messages"] = outcome.messages
     return record
 
 
@@ -218,12 +220,6 @@ def problem_record(
 def read_problem_records(path: str | Path) -> list[ProblemRecord]:
     """Every record of a finished eval's records file, in file order (``ResultStore.load`` resumes one)."""
     return [cast(ProblemRecord, obj) for obj in read_jsonl_objects(path)]
-
-
-def _count(value: int | Sequence[object] | None) -> int:
-    if isinstance(value, int):
-        return value
-    return len(value or ())
 
 
 def attach_eval_transcripts(

@@ -1,7 +1,8 @@
 """The rollout scheduler: many environments sampled by one policy, per trajectory or round by round.
 
 Owns ``run_rollout(request)``, the one rollout function the trainer and the evaluator call. The engine knows
-nothing of tools, parsing, budgets or rewards: each trajectory is one ``retool.env.Env``, which shows an
+nothing of tools, parsing, budgets or rewards (it imports the environment seam, ``retool.env.types``, and no
+environment kind): each trajectory is one ``retool.env.Env``, which shows an
 ``Observation`` (prompt tokens and stop condition), takes a sampled action in ``step`` and returns a
 ``StepResult`` (reward, done, next observation). The engine samples, steps, and records the transitions
 into an immutable ``Trajectory``. A group's environments (``EnvGroupBuilder.make_envs``) that show the
@@ -31,13 +32,9 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Literal, Protocol, TypeVar
 
-from retool.backends.types import Sample, SamplingParams
-from retool.config import RolloutConfig, SamplingConfig
-from retool.data.problem import Problem
-from retool.env.retool import ReToolGroupBuilder, Tool, ToolSetup
-from retool.env.scoring import Scorer, VerifierLike
+from retool.backends.interface.types import Sample, SamplingParams
+from retool.config import SamplingConfig
 from retool.env.types import Env, EnvGroupBuilder, Interrupt, Observation, StepResult
-from retool.protocol import ChatProtocol
 from retool.rollout.types import Trajectory, Transition
 
 logger = logging.getLogger(__name__)
@@ -223,13 +220,13 @@ class _Scheduler:
         outcomes = [run.env.outcome() for run in runs]
         extra = await builder.group_rewards(outcomes)
         group = [
-            Trajectory.of(
-                builder.problem,
-                run.branch,
-                builder.problem_index,
-                tuple(run.transitions),
-                outcome,
+            Trajectory(
+                problem=builder.problem,
+                group_index=run.branch,
+                problem_index=builder.problem_index,
+                transitions=tuple(run.transitions),
                 reward=run.reward + bonus,
+                outcome=outcome,
                 sample_seconds=run.sample_seconds,
             )
             for run, outcome, bonus in zip(runs, outcomes, extra, strict=True)
@@ -294,52 +291,3 @@ async def run_rollout(request: RolloutRequest) -> list[list[Trajectory]]:
     if request.scheduling == "round_sync":
         return await scheduler.run_round_sync()
     return await scheduler.run_per_trajectory()
-
-
-def retool_groups(
-    problems: Sequence[Problem], setup: ToolSetup, group_size: int, scorer: Scorer | None = None
-) -> list[EnvGroupBuilder]:
-    """The default ReTool group of each problem (the problem's index is its position)."""
-    return [
-        ReToolGroupBuilder(p, setup, group_size, problem_index=i, scorer=scorer)
-        for i, p in enumerate(problems)
-    ]
-
-
-async def run_group_rollouts(
-    problems: Sequence[Problem],
-    *,
-    sampler: Policy,
-    protocol: ChatProtocol,
-    executor: Tool | None,
-    verifier: VerifierLike,
-    rollout: RolloutConfig,
-    sampling: SamplingConfig,
-    group_size: int,
-    seed: int = 0,
-    use_tools: bool = True,
-    on_trajectory: OnTrajectory | None = None,
-    scorer: Scorer | None = None,
-) -> list[list[Trajectory]]:
-    """``rollout`` of the default ReTool environments of ``problems``, from loose parts (scripts, tests,
-    benchmarks; the trainer and the evaluator build their own ``RolloutRequest``).
-
-    ``executor`` is the tool (None only with ``use_tools=False``: text-only); ``scorer`` defaults to the
-    verifier's check of the final answer.
-    """
-    if group_size < 1:
-        raise ValueError(f"group_size must be at least 1, got {group_size}")
-    if use_tools and executor is None:
-        raise ValueError("run_group_rollouts(use_tools=True) needs an executor")
-    setup = ToolSetup(protocol, executor if use_tools else None, verifier, rollout)
-    setup.check()
-    request = RolloutRequest(
-        retool_groups(problems, setup, group_size, scorer),
-        sampler,
-        sampling,
-        seed,
-        rollout.scheduling,
-        rollout.max_inflight_samples,
-        on_trajectory,
-    )
-    return await run_rollout(request)

@@ -31,7 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Literal, TypedDict
 
-from retool.backends.types import Datum
+from retool.backends.interface.types import Datum
+from retool.env.retool import ReToolOutcome, retool_outcome
 from retool.protocol.chat import Message
 from retool.rollout.types import Trajectory, trajectory_tokens
 from retool.sandbox.base import ExecResult
@@ -197,10 +198,10 @@ def _exec_json(result: ExecResult) -> ExecRecord:
     }
 
 
-def _turn_records(traj: Trajectory) -> list[TurnRecord]:
+def _turn_records(traj: Trajectory, outcome: ReToolOutcome) -> list[TurnRecord]:
     """Each assistant turn with the call it made, what the executor answered and what the model saw."""
-    codes, results = traj.codes, traj.exec_results
-    observations, trimmed = traj.observations, traj.observations_trimmed
+    codes, results = outcome.codes, outcome.exec_results
+    observations, trimmed = outcome.observations, outcome.observations_trimmed
     out: list[TurnRecord] = []
     call = 0  # executed calls happen in turn order, one per tool turn (only the last may go unexecuted)
     for index, turn in enumerate(traj.turns):
@@ -263,7 +264,7 @@ def trajectory_record(
     tokens, _, sampled = trajectory_tokens(traj)
     trained, mask_source, weight = _trained_flags(traj, tokens, sampled, source, datum)
     spans = build_spans(traj, trained) if tokens else []
-    problem = traj.problem
+    problem, outcome = traj.problem, retool_outcome(traj.outcome)
     return {
         "version": RECORD_VERSION,
         "source": source,
@@ -277,23 +278,23 @@ def trajectory_record(
         "question": problem.question,
         "reference": problem.answer,
         "data_source": problem.data_source or "",
-        "answer": traj.answer,
-        "correct": traj.correct,
-        "valid_format": traj.valid_format,
+        "answer": outcome.answer,
+        "correct": outcome.correct,
+        "valid_format": outcome.valid_format,
         "reward": float(traj.reward),
-        "reward_status": traj.reward_status,
+        "reward_status": outcome.reward_status,
         "advantage": None if advantage is None else float(advantage),
-        "stop_reason": traj.stop_reason,
-        "error": traj.error,
-        "code_calls": traj.code_calls,
-        "exec_errors": traj.exec_errors,
+        "stop_reason": outcome.stop_reason,
+        "error": outcome.error,
+        "code_calls": outcome.code_calls,
+        "exec_errors": outcome.exec_errors,
         "sample_seconds": round(traj.sample_seconds, 4),
-        "exec_seconds": round(traj.exec_seconds, 4),
+        "exec_seconds": round(outcome.exec_seconds, 4),
         "mask_source": mask_source,
         "datum_weight": weight,
         "tokens": _token_counts(traj, tokens, sampled, spans),
-        "messages": list(traj.messages),
-        "turns": _turn_records(traj),
+        "messages": list(outcome.messages),
+        "turns": _turn_records(traj, outcome),
         "spans": [s.to_json(tokens, decode) for s in spans],
     }
 

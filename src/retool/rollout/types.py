@@ -3,9 +3,10 @@
 A ``Transition`` is one step of an environment (``retool.env.Env``): the assistant turn (exactly what
 the sampler saw and emitted, never re-encoded text, so the training stage can rebuild the token
 sequence), the step's reward and whether it ended the trajectory. A ``Trajectory`` adds the
-environment's ``Outcome`` (tool calls, execution results and latencies, observations, why it stopped, the
-verifier's check), the total reward (the steps' rewards plus the group's) and the sampling time. It is
-built once, by the engine, when the trajectory ends; nothing writes into it afterwards.
+environment's ``Outcome`` as the environment reported it (why it stopped, the verifier's check; a ReTool
+environment's also its tool calls, results and observations), the total reward (the steps' rewards plus
+the group's) and the sampling time. It is built once, by the engine, when the trajectory ends; nothing
+writes into it afterwards.
 """
 
 from __future__ import annotations
@@ -16,8 +17,6 @@ from dataclasses import dataclass, field
 
 from retool.data.problem import Problem
 from retool.env.types import STOP_REASONS, AssistantTurn, ContinuityError, Outcome, check_continuity
-from retool.protocol.chat import Message
-from retool.sandbox.base import ExecResult
 
 __all__ = [
     "STOP_REASONS",
@@ -42,9 +41,11 @@ class Transition:
 
 @dataclass(frozen=True, kw_only=True)
 class Trajectory:
-    """One branch of one question, from the first prompt to its stop reason and reward.
+    """One branch of one question, from the first prompt to its environment's outcome and reward.
 
     ``reward`` has no default: a trajectory is only ever built with the reward its environment returned.
+    ``outcome`` is the environment's own report (``Env.outcome()``: why it stopped, how it was scored; a
+    ReTool environment's carries its tool calls, ``retool.env.retool.ReToolOutcome``).
     """
 
     problem: Problem
@@ -52,61 +53,11 @@ class Trajectory:
     problem_index: int = 0
     transitions: tuple[Transition, ...] = ()
     reward: float
-    stop_reason: str
-    error: str | None = None  # the exception text for sampler_error / executor_error
-    final_text: str = ""
-    messages: tuple[Message, ...] = ()
-    codes: tuple[str, ...] = ()  # the code of each call, in order
-    exec_results: tuple[ExecResult, ...] = ()
-    observations: tuple[str, ...] = ()  # tool content shown to the model (after trimming)
-    observations_trimmed: tuple[bool, ...] = ()
-    correct: bool = False
-    valid_format: bool = False
-    answer: str | None = None
-    reward_status: str = ""  # the verifier's status (ok | timeout | error | no_answer), "" if not scored
+    outcome: Outcome
     sample_seconds: float = 0.0  # time spent in sampler requests that produced this trajectory's turns
-    exec_seconds: float = 0.0  # wall time of this trajectory's executions, as seen by the environment
-    use_tools: bool = True
     # The policy version (optimizer steps taken) of the weights that sampled it; set by the trainer, which
     # may train on it a few versions later (``train.max_steps_off_policy``). None outside training.
     policy_version: int | None = None
-
-    @classmethod
-    def of(
-        cls,
-        problem: Problem,
-        group_index: int,
-        problem_index: int,
-        transitions: tuple[Transition, ...],
-        outcome: Outcome,
-        *,
-        reward: float,
-        sample_seconds: float = 0.0,
-    ) -> Trajectory:
-        """The record of a finished environment: its transitions, its outcome and its total ``reward`` (every
-        step's, an interrupt's included, plus the group's)."""
-        return cls(
-            problem=problem,
-            group_index=group_index,
-            problem_index=problem_index,
-            transitions=transitions,
-            reward=reward,
-            sample_seconds=sample_seconds,
-            stop_reason=outcome.stop_reason,
-            error=outcome.error,
-            final_text=outcome.final_text,
-            messages=outcome.messages,
-            codes=outcome.codes,
-            exec_results=outcome.exec_results,
-            observations=outcome.observations,
-            observations_trimmed=outcome.observations_trimmed,
-            correct=outcome.correct,
-            valid_format=outcome.valid_format,
-            answer=outcome.answer,
-            reward_status=outcome.reward_status,
-            exec_seconds=outcome.exec_seconds,
-            use_tools=outcome.use_tools,
-        )
 
     def with_policy_version(self, version: int | None) -> Trajectory:
         return dataclasses.replace(self, policy_version=version)
@@ -114,11 +65,6 @@ class Trajectory:
     @property
     def turns(self) -> tuple[AssistantTurn, ...]:
         return tuple(t.turn for t in self.transitions)
-
-    @property
-    def code_calls(self) -> int:
-        """Tool calls made (executed, or attempted when the executor itself failed)."""
-        return len(self.codes)
 
     # -- token views -------------------------------------------------------------------------------
     def full_tokens(self) -> list[int]:
@@ -145,50 +91,6 @@ class Trajectory:
     @property
     def num_turns(self) -> int:
         return len(self.turns)
-
-    @property
-    def exec_errors(self) -> int:
-        """Executions that failed (error or timeout)."""
-        return sum(1 for r in self.exec_results if not r.ok or r.timed_out)
-
-    @property
-    def had_exec_error(self) -> bool:
-        return self.exec_errors > 0
-
-    @property
-    def exec_latencies(self) -> list[float]:
-        return [r.latency for r in self.exec_results]
-
-    @property
-    def had_error_then_correct(self) -> bool:
-        """Self-correction: an execution failed, the model called the tool again, and the answer is correct."""
-        if not self.correct:
-            return False
-        for i, result in enumerate(self.exec_results):
-            if (not result.ok or result.timed_out) and i + 1 < self.code_calls:
-                return True
-        return False
-
-    def summary(self) -> Message:
-        """A JSON-friendly digest (for logs and per-problem eval records)."""
-        return {
-            "problem_id": self.problem.id,
-            "problem_index": self.problem_index,
-            "group_index": self.group_index,
-            "stop_reason": self.stop_reason,
-            "reward": self.reward,
-            "correct": self.correct,
-            "valid_format": self.valid_format,
-            "answer": self.answer,
-            "turns": self.num_turns,
-            "code_calls": self.code_calls,
-            "exec_errors": self.exec_errors,
-            "completion_tokens": self.completion_token_count,
-            "total_tokens": len(self.full_tokens()),
-            "sample_seconds": self.sample_seconds,
-            "exec_seconds": self.exec_seconds,
-            "error": self.error,
-        }
 
 
 class NotAPrefixError(ValueError):

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from fastapi import Request
 
-from retool.backends.types import Datum, SamplingParams
+from retool.backends.interface.types import Datum, SamplingParams
 from retool.jsonl import JsonObject
 from retool.serve.state import ServeError
 

@@ -35,7 +35,7 @@ import msgpack
 from fastapi import APIRouter, Request, Response
 from pydantic import BaseModel, ValidationError
 
-from retool.backends.types import AdamParams
+from retool.backends.interface.types import AdamParams
 from retool.jsonl import JsonObject
 from retool.serve.common import build_datum, prompt_request, read_json_object, sampling_params, score_prompt
 from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config

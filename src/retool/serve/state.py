@@ -7,9 +7,9 @@
   arrived (both SDKs pipeline requests and rely on that order).
 - One base, many adapters (``share_base``, the default): each base model's weights are loaded once, frozen,
   and every client on it (training runs, samplers of saved paths, the base sampler) is a module tree over
-  those same tensors plus its own LoRA tensors (``retool.backends.local.share_module``), so N clients cost
+  those same tensors plus its own LoRA tensors (``retool.backends.local.client.share_module``), so N clients cost
   the base plus N adapters and optimizer states. Their samplers (a run's saved or temporary weights, saved
-  paths, the base) all run on one engine per base model (``retool.backends.multi_lora``): requests for
+  paths, the base) all run on one engine per base model (``retool.backends.samplers.multi_lora``): requests for
   different adapters and the base decode in one batch, each row through its own adapter (no merged copy
   of the adapted weights); ``--base-per-client`` restores a full copy per client, each sampling alone.
 - Samplers: a sampler per saved path, built on first use from the files (so paths still load after a
@@ -18,11 +18,11 @@
 - ``ServeState``: the registry of the above, plus ``Storage`` (``retool.serve.storage``) and the limits
   every request is checked against.
 
-Loss semantics (what the APIs expose): per-token losses are the local backend's (``retool.backends.losses``:
+Loss semantics (what the APIs expose): per-token losses are the local backend's (``retool.backends.training.losses``:
 cross_entropy, importance_sampling, ppo, cispo, dro, gspo, stable_reinforce). Tinker's reduction is the
 documented sum; PyTRIO's is the sum divided by the batch's active-token count the SDK sends
 (``total_active_tokens``; for dro the advantage-token count, which the SDK counts as "dro's denominator"),
-one of the denominators ``retool.backends.reduction`` recognises. The wire layers turn that into per-token
+one of the denominators ``retool.backends.training.reduction`` recognises. The wire layers turn that into per-token
 weights. ``custom``: the SDKs' client-side custom losses (``forward_backward_custom``) arrive as a forward and
 a cross_entropy backward and just work; Tinker's server-side custom loss graphs are refused with a 400.
 
@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
 
-from retool.backends.base import SamplingClient
-from retool.backends.types import (
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
@@ -61,11 +61,11 @@ from retool.backends.types import (
 from retool.config import Config
 from retool.serve.storage import CheckpointMeta, LoraRequest, Storage, StorageError, new_id
 
-if TYPE_CHECKING:  # deferred: backends.local imports torch; only its types are named here
+if TYPE_CHECKING:  # deferred: backends.local.client imports torch; only its types are named here
     import torch
 
-    from retool.backends.local import LocalLoraSpec, LocalTrainingClient
-    from retool.backends.multi_lora import MultiLoraEngine
+    from retool.backends.local.client import LocalLoraSpec, LocalTrainingClient
+    from retool.backends.samplers.multi_lora import MultiLoraEngine
 
 logger = logging.getLogger(__name__)
 T = TypeVar("T")
@@ -272,7 +272,7 @@ class ServeState:
         # One frozen copy of each base model's weights, shared by every client built on it (``share_base``)
         self.share_base = share_base
         self._bases: dict[str, torch.nn.Module] = {}
-        # The samplers of each shared base batch together on one engine (``retool.backends.multi_lora``)
+        # The samplers of each shared base batch together on one engine (``retool.backends.samplers.multi_lora``)
         self._engines: dict[str, MultiLoraEngine] = {}
 
     # -- models ----------------------------------------------------------------------------------
@@ -340,7 +340,7 @@ class ServeState:
 
     def _new_client(self, model: ServedModel, lora: LoraRequest | None) -> LocalTrainingClient:
         """A ``LocalTrainingClient`` on ``model`` (LoRA as asked; ``None``: plain weights, for sampling)."""
-        from retool.backends.local import LocalLoraSpec  # deferred: imports torch
+        from retool.backends.local.client import LocalLoraSpec  # deferred: imports torch
 
         cfg = self.config
         spec = None
@@ -357,7 +357,10 @@ class ServeState:
     def _build(
         self, model: ServedModel, spec: LocalLoraSpec | None, lora: LoraRequest | None
     ) -> LocalTrainingClient:
-        from retool.backends.local import LocalTrainingClient, load_base_model  # deferred: imports torch
+        from retool.backends.local.client import (  # deferred: imports torch
+            LocalTrainingClient,
+            load_base_model,
+        )
 
         cfg = self.config
         base = None
@@ -546,7 +549,7 @@ class ServeState:
             return None
         engine = self._engines.get(served.path)
         if engine is None:
-            from retool.backends.multi_lora import MultiLoraEngine  # deferred: imports torch
+            from retool.backends.samplers.multi_lora import MultiLoraEngine  # deferred: imports torch
 
             made = await asyncio.to_thread(MultiLoraEngine, base, owner)
             engine = self._engines.setdefault(served.path, made)
@@ -686,7 +689,7 @@ _CONFIG_NAMES = {
 def loss_config(loss_fn: str, given: Mapping[str, object] | None) -> dict[str, float]:
     """The SDKs' loss config in the local backend's names, checked against what ``loss_fn`` reads, with
     Tinker's documented clip thresholds (0.8 / 1.2) where a clipped loss was given none."""
-    from retool.backends.losses import LOSS_CONFIG_KEYS  # deferred: losses imports torch
+    from retool.backends.training.losses import LOSS_CONFIG_KEYS  # deferred: losses imports torch
 
     out: dict[str, float] = {}
     reads = {k for k, v in _CONFIG_NAMES.items() if v in LOSS_CONFIG_KEYS[loss_fn]}

@@ -2,7 +2,7 @@
 
 Everything lives under one root folder (``--root``, default ``runs/serve``)::
 
-    <root>/checkpoints/<run_id>/<kind>/<name>/   a saved state (``retool.backends.local`` format)
+    <root>/checkpoints/<run_id>/<kind>/<name>/   a saved state (``retool.backends.local.client`` format)
                                                  + ``serve.json`` (base model name, LoRA settings)
 
 ``kind`` is ``state`` (weights + optimizer, for ``load_state``) or ``sampler_weights`` (for samplers).

@@ -33,8 +33,8 @@ from typing import Any, Protocol
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
-from retool.backends.base import SamplingClient
-from retool.backends.types import AdamParams, Datum, Sample
+from retool.backends.interface.clients import SamplingClient
+from retool.backends.interface.types import AdamParams, Datum, Sample
 from retool.jsonl import JsonObject, JsonValue
 from retool.serve.common import (
     PromptScores,

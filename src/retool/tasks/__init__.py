@@ -8,6 +8,6 @@
   ``retool.tasks.cli``: the commands.
 
 The synthetic task family itself is data (``retool.data.synthetic``, the environment ``tasks``) and the
-generic tiny model builder a backend concern (``retool.backends.tinymodel``); nothing below this package
+generic tiny model builder a backend concern (``retool.backends.local.tinymodel``); nothing below this package
 imports it.
 """

@@ -31,7 +31,7 @@ def _quiet_library_progress() -> None:
         "retool.evaluate.runner",
         "retool.train.progress",
         "retool.train.loop",
-        "retool.backends.local",
+        "retool.backends.local.client",
         "retool.protocol.formats",
         "retool.train.checkpoint",
     ):

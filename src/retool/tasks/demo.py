@@ -28,21 +28,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from retool.backends.heap import release_free_memory
-from retool.backends.tinymodel import ModelSize
+from retool.backends.local.heap import release_free_memory
+from retool.backends.local.tinymodel import ModelSize
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, apply_overrides, load_config, override_config
 from retool.data.gsm8k import gsm8k_problems
 from retool.data.problem import Problem
 from retool.data.synthetic import Task, generate_tasks
-from retool.env import ProblemEnv, TaskFamilyEnv, env_from_config
+from retool.env import ProblemSource, TaskFamilySource, source_from_config
 from retool.evaluate.runner import run_eval
 from retool.evaluate.settings import setting_value, settings_differences
 from retool.evaluate.store import EvalSummary, summary_path_for
 from retool.jsonl import JsonObject, JsonValue
 from retool.sandbox import Executor, strict_support
 from retool.tasks.gsm8k_task import TASK as GSM8K_TASK
-from retool.tasks.gsm8k_task import coldstart_examples, gsm8k_env, held_out_problems
+from retool.tasks.gsm8k_task import coldstart_examples, gsm8k_source, held_out_problems
 from retool.tasks.model import build_demo_model
 from retool.tasks.real_model import DemoFields, real_model, resolve_model_path
 from retool.tasks.report import (
@@ -63,7 +63,7 @@ from retool.train.metrics import MetricsRecord
 from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
 
 if TYPE_CHECKING:
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
 
 logger = logging.getLogger(__name__)
 
@@ -212,26 +212,26 @@ def with_available_isolation(config: Config) -> Config:
     return config.model_copy(update={"sandbox": config.sandbox.model_copy(update={"isolation": "none"})})
 
 
-def demo_env(settings: DemoSettings, config: Config) -> ProblemEnv:
-    """The environment RL trains on: the synthetic task family, or GSM8K's train split (``task``)."""
+def demo_source(settings: DemoSettings, config: Config) -> ProblemSource:
+    """The problems RL trains on: the synthetic task family, or GSM8K's train split (``task``)."""
     if settings.task == GSM8K_TASK:
-        env = gsm8k_env(config)
-        env.problems("train")  # the leak check, before any model loads
-        return env
-    return task_env(config)
+        source = gsm8k_source(config)
+        source.problems("train")  # the leak check, before any model loads
+        return source
+    return task_source(config)
 
 
-def task_env(config: Config) -> TaskFamilyEnv:
-    env = env_from_config(config)
-    if not isinstance(env, TaskFamilyEnv):
+def task_source(config: Config) -> TaskFamilySource:
+    source = source_from_config(config)
+    if not isinstance(source, TaskFamilySource):
         raise ConfigError(
-            f"the demo trains on the synthetic tasks (data.train_path = 'tasks'), not {env.name!r}"
+            f"the demo trains on the synthetic tasks (data.train_path = 'tasks'), not {source.name!r}"
         )
-    return env
+    return source
 
 
 def local_backend(parts: Components) -> LocalTrainingClient:
-    from retool.backends.local import LocalTrainingClient  # deferred: torch and transformers (~3 s)
+    from retool.backends.local.client import LocalTrainingClient  # deferred: torch and transformers (~3 s)
 
     if not isinstance(parts.backend, LocalTrainingClient):
         raise ConfigError("the demo runs on the local backend (backend.kind = 'local')")
@@ -573,16 +573,16 @@ def set_torch_threads(config: Config) -> None:
         torch.set_num_threads(config.backend.cpu_threads)
 
 
-def held_out(settings: DemoSettings, env: ProblemEnv) -> tuple[list[Task], list[Task], list[Problem]]:
+def held_out(settings: DemoSettings, source: ProblemSource) -> tuple[list[Task], list[Task], list[Problem]]:
     """The train tasks, the held-out test tasks and the evaluation set (test tasks, plus the GSM8K slice
     for real models; the GSM8K task: no tasks, and a seeded slice of GSM8K's test split). With
     ``test_hard_fraction`` the test split is drawn with that hard share and held out against the actual
     train split (``generate_tasks`` holds a split out against a train stream of the same share)."""
-    if not isinstance(env, TaskFamilyEnv):
+    if not isinstance(source, TaskFamilySource):
         return [], [], held_out_problems(settings.gsm8k_problems, settings.data_dir, settings.seed)
-    train = env.tasks("train")
+    train = source.tasks("train")
     if settings.test_hard_fraction is None:
-        test = env.tasks("test")
+        test = source.tasks("test")
     else:
         d = settings.config.data
         seen = {t.question for t in train if t.hard}
@@ -617,8 +617,8 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     t_all = time.perf_counter()
     elapsed_before = sum(float(e["seconds"]) for k, e in phases.data.items() if k != "tasks")
 
-    env = demo_env(settings, config)
-    train, test, problems = held_out(settings, env)
+    source = demo_source(settings, config)
+    train, test, problems = held_out(settings, source)
     if train:
         write_tasks(out / "tasks" / "train.jsonl", train)
         write_tasks(out / "tasks" / "test.jsonl", test)
@@ -631,7 +631,7 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
         clock.done("reuse_sft")
     else:
         model_sft, evals = _sft_phase(settings, config, out, train, problems, clock)
-    evals["rl"] = _rl_phase(settings, config, env, model_sft, problems, clock)
+    evals["rl"] = _rl_phase(settings, config, source, model_sft, problems, clock)
 
     result.table = table_rows(evals)
     result.gain = demo_gain(out / "eval")
@@ -804,7 +804,7 @@ def _rl_detail(config: Config) -> str:
 def _rl_phase(
     settings: DemoSettings,
     config: Config,
-    env: ProblemEnv,
+    source: ProblemSource,
     model_sft: Path,
     problems: Sequence[Problem],
     clock: _Clock,
@@ -829,7 +829,7 @@ def _rl_phase(
             rl_config,
             out / "rl",
             resume=resume,
-            env=env,
+            source=source,
             components=parts,
             on_step=lambda step, metrics: emit("rl_step", {"step": step, "steps": steps, "metrics": metrics}),
         ).run()
@@ -857,8 +857,8 @@ def run_sft(
     out.mkdir(parents=True, exist_ok=True)
     set_torch_threads(settings.config)
     config = with_available_isolation(settings.config)
-    env = task_env(config)
-    train = env.tasks("train")
+    source = task_source(config)
+    train = source.tasks("train")
     if model is None:
         emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
         model = build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)
@@ -873,7 +873,7 @@ def run_sft(
         result: JsonObject = {"sft": report.as_dict(), "model": str(out / "model_sft")}
         if evaluate:
             only = dataclasses.replace(settings, eval_modes=("retool",))
-            test = env.problems("test")
+            test = source.problems("test")
             summary = evaluate_modes(parts, test, only, sft_config, out / "eval", "sft")["retool"]
             keys = ("format_rate", "average_at_n", "pass_at_n", "hard_tool_call_rate", "easy_accuracy")
             result["eval"] = {k: summary[k] for k in (*keys, "hard_accuracy")}

@@ -2,7 +2,7 @@
 
 Owns what differs from the synthetic task family, and nothing of the pipeline itself (``retool.tasks.demo``):
 
-- the RL environment: GSM8K's train split (``retool.env.gsm8k``), checked against the test split so that no
+- the problem source RL trains on: GSM8K's train split (``retool.env.gsm8k``), checked against the test split so that no
   test question is ever trained on (``strict``: a leak stops the run instead of being filtered);
 - the held-out problems: a seeded slice of GSM8K's test split (the whole split with ``n >= 1319``);
 - the cold-start trajectories: a seeded sample of train rows whose annotated solutions become tool
@@ -24,7 +24,7 @@ from retool.config import Config
 from retool.data.gsm8k import TRAIN_FILE, default_data_dir, gsm8k_problems, gsm8k_split
 from retool.data.problem import Problem
 from retool.data.readers import DataError
-from retool.env.gsm8k import Gsm8kEnv
+from retool.env.gsm8k import Gsm8kSource
 from retool.jsonl import JsonObject
 from retool.tasks.coldstart import ConvertReport, convert_file, read_examples, write_examples, write_rejects
 from retool.tasks.sft import SFTExample
@@ -35,9 +35,9 @@ TASK = "gsm8k"
 COLDSTART_DIR = "coldstart"
 
 
-def gsm8k_env(config: Config) -> Gsm8kEnv:
+def gsm8k_source(config: Config) -> Gsm8kSource:
     """GSM8K's train split to train on, refusing to start if any train question is a test question."""
-    return Gsm8kEnv(config.data.data_dir, shuffle=config.data.shuffle, strict=True)
+    return Gsm8kSource(config.data.data_dir, shuffle=config.data.shuffle, strict=True)
 
 
 def held_out_problems(n: int, data_dir: str | None, seed: int) -> list[Problem]:

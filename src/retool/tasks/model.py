@@ -14,7 +14,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from retool.backends.tinymodel import ModelSize, build_tiny_model, build_tokenizer
+from retool.backends.local.tinymodel import ModelSize, build_tiny_model, build_tokenizer
 from retool.data.synthetic import Task
 from retool.protocol import ChatProtocol
 

@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, TypedDict
 from retool.errors import ModelLoadError, UserError
 
 if TYPE_CHECKING:  # only the name of a type: the tiny model's module imports torch
-    from retool.backends.tinymodel import ModelSize
+    from retool.backends.local.tinymodel import ModelSize
 
 
 class DemoFields(TypedDict, total=False):

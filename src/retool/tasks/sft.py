@@ -20,8 +20,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from retool.backends.base import TrainingClient
-from retool.backends.types import AdamParams, Datum
+from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import AdamParams, Datum
 from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.jsonl import JsonObject

@@ -2,8 +2,13 @@
 
 - ``step``: datums with the interpreter feedback mask, group advantages, degenerate groups, mean-reduction
   weights, micro-batches, one optimizer step.
-- ``loop``: ``Trainer`` / ``run_training`` (sampler refresh, rollouts, training, metrics, checkpoints, resume).
-- ``datasource``: the problem stream over an environment's epochs, with a resumable position.
+- ``loop``: ``Trainer`` / ``run_training``: one RL step in ``Trainer._one_step`` (sample, build datums,
+  train, log), checkpoints, resume.
+- ``pipeline``: ``BatchSampler``, the trainer's sampler of each step's batch (ahead of training with
+  ``train.max_steps_off_policy``); ``collect``: ``StepSampler``, one step's batch (rounds, dynamic
+  sampling, the text-only share, RoC); ``roc``: Resample-on-Correct.
+- ``datasource``: the problem stream over a problem source's epochs, with a resumable position;
+  ``ProblemFeed``.
 - ``checkpoint``: atomic checkpoints, keep-last-K, metrics repair on resume.
 - ``metrics``: per-step metrics and ``metrics.jsonl``; ``trackers``: TensorBoard / SwanLab / W&B;
   ``progress``: the live display.

@@ -1,38 +1,42 @@
-"""Which groups a step trains on: one sampling round (the chapter), or DAPO's dynamic sampling.
+"""One step's batch: which groups a step trains on, sampled round by round (``StepSampler``).
 
-Dynamic sampling over-samples questions, drops the groups whose rewards are all equal (every advantage
-is zero, so they carry no gradient) and samples further rounds until ``target`` informative groups are
-collected or ``max_extra_rounds`` extra rounds are spent; then the step trains on what it has. Extra
-informative groups of the last round are dropped (in sampling order), so every step trains on at most
-``target`` groups, as in DAPO.
+``StepSampler.sample(step, feed, policy)`` draws a round of questions from the feed, rolls each out as a
+group with the policy (``retool.rollout.GroupSampler``: the last ``rollout.text_only_share`` of a round's
+questions text-only, the rest with the tool) and keeps what the filters let through:
+
+- one round (the chapter), every group kept; or DAPO's dynamic sampling: over-sample questions, drop the
+  groups whose rewards are all equal (every advantage is zero, so they carry no gradient) and sample
+  further rounds until ``questions_per_step`` informative groups are collected or ``max_extra_rounds``
+  extra rounds are spent; then the step trains on what it has. Extra informative groups of the last
+  round are dropped (in sampling order), so every step trains on at most ``questions_per_step`` groups,
+  as in DAPO.
+- with ``filters.roc`` (Resample-on-Correct, ``retool.train.roc``) every sampled group is oversampled and
+  down-sampled to the group size before the informative check; ``sampled`` keeps the whole oversampled
+  groups (the policy's picture), ``groups`` the down-sampled ones.
 
 Every sampled group still counts in the step's task / tool / environment metrics: they describe the
-policy, and the kept groups alone would be a biased sample of it.
+policy, and the kept groups alone would be a biased sample of it. A round whose trajectories were all
+lost to a dead sampler or sandbox stops the run (``raise_if_step_lost``) instead of burning steps.
 
-With ``filters.roc`` (Resample-on-Correct, ``retool.train.roc``) every sampled group is oversampled and
-down-sampled to the group size before the informative check; ``sampled`` keeps the whole oversampled
-groups (the policy's picture), ``groups`` the down-sampled ones.
-
-Rounds draw their problems from the run's ``ProblemStream`` (so a resumed run draws the same ones) and
-their sampling seed from ``(step seed, round)``.
+Seeds: a step samples with ``rollout_seed(train.seed, step)``, round r with ``round_seed(that, r)``
+(the text-only share with that seed ``^ 0x5EED``), so a redone or resumed step samples alike; rounds
+draw their problems from the run's feed, so a resumed run draws the same ones.
 """
 
 from __future__ import annotations
 
+import asyncio
 import math
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from retool.config import FiltersConfig
+from retool.config import FiltersConfig, RolloutConfig
 from retool.data.problem import Problem
-from retool.rollout.types import Trajectory
-from retool.train.roc import resample_on_correct, tool_error_metrics
+from retool.rollout import GroupSampler, Policy, Trajectory
+from retool.train.datasource import ProblemFeed
+from retool.train.metrics import raise_if_step_lost
+from retool.train.roc import resample_on_correct, sampled_group_size, tool_error_metrics
 from retool.train.step import is_degenerate
-
-# (problems, round index) -> one group of trajectories per problem, rewards final.
-SampleRound = Callable[[list[Problem], int], Awaitable[list[list[Trajectory]]]]
-# how many problems -> the next problems of the run's stream
-NextProblems = Callable[[int], list[Problem]]
 
 
 @dataclass
@@ -78,9 +82,22 @@ class Collected:
         }
 
 
+def rollout_seed(base_seed: int, step: int) -> int:
+    """The sampling seed of a step: fixed by the run seed and the step, so a redone step samples alike."""
+    return (base_seed * 1_000_003 + step * 7919) % (2**31 - 1)
+
+
 def round_seed(step_seed: int, round_index: int) -> int:
     """Round 0 keeps the step's seed (dynamic sampling off samples exactly as before); later rounds differ."""
     return step_seed if round_index == 0 else (step_seed + 1_000_033 * round_index) % (2**31 - 1)
+
+
+def text_only_count(n_questions: int, share: float) -> int:
+    """How many of a round's questions go text-only: ``share`` of them, rounded, at least one when
+    ``share > 0`` and the round has two or more questions (a round of one stays in tool mode)."""
+    if share <= 0.0 or n_questions < 2:
+        return 0
+    return min(n_questions - 1, max(1, round(share * n_questions)))
 
 
 def questions_for_round(missing: int, oversample: float) -> int:
@@ -91,57 +108,85 @@ def _rewards(group: Sequence[Trajectory]) -> list[float]:
     return [float(t.reward) for t in group]
 
 
-def _down_sample(
-    out: Collected,
-    groups: list[list[Trajectory]],
-    filters: FiltersConfig,
-    size: int,
-    seed: int,
-    round_index: int,
-) -> list[list[Trajectory]]:
-    """A round's groups as trained (down-sampled under RoC); counts what RoC left out in ``out``."""
-    kept = resample_on_correct(groups, filters, size, seed, round_index)
-    out.roc_dropped += sum(len(g) for g in groups) - sum(len(g) for g in kept)
-    return kept
+class StepSampler:
+    """Samples one step's batch with a policy (module docstring): ``tools`` rolls out the tool-mode
+    questions, ``text`` the text-only share (needed only when ``rollout.text_only_share > 0``)."""
 
+    def __init__(
+        self,
+        tools: GroupSampler,
+        text: GroupSampler | None,
+        rollout: RolloutConfig,
+        filters: FiltersConfig,
+        *,
+        seed: int,
+    ) -> None:
+        self.tools, self.text = tools, text
+        self.rollout, self.filters, self.seed = rollout, filters, seed
 
-async def collect_groups(
-    sample_round: SampleRound,
-    next_problems: NextProblems,
-    target: int,
-    filters: FiltersConfig,
-    *,
-    group_size: int = 0,
-    seed: int = 0,
-) -> Collected:
-    """Sample this step's groups; with ``filters.dynamic_sampling`` keep only informative ones; with
-    ``filters.roc`` down-sample each group to ``group_size`` (draws seeded by ``seed`` and the round)."""
-    if target < 1:
-        raise ValueError(f"questions per step must be >= 1, got {target}")
-    if filters.roc and group_size < 1:
-        raise ValueError(f"filters.roc needs the group size to keep, got {group_size}")
-    out = Collected(groups=[])
-    if not filters.dynamic_sampling:
-        problems = next_problems(target)
-        groups = await sample_round(problems, 0)
-        out.groups = _down_sample(out, groups, filters, group_size, seed, 0)
+    async def sample(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
+        """This step's groups, rewards final; with ``filters.dynamic_sampling`` only informative ones;
+        with ``filters.roc`` each down-sampled to the group size."""
+        target, group_size = self.rollout.questions_per_step, self.rollout.group_size
+        if target < 1:
+            raise ValueError(f"questions per step must be >= 1, got {target}")
+        if self.filters.roc and group_size < 1:
+            raise ValueError(f"filters.roc needs the group size to keep, got {group_size}")
+        if self.filters.dynamic_sampling:
+            return await self._dynamic_rounds(step, feed, policy)
+        out = Collected(groups=[])
+        problems = feed.next_batch(target)
+        groups = await self._sample_round(step, 0, problems, policy)
+        out.groups = self._down_sample(out, groups, step, 0)
         out.sampled, out.problems = list(groups), list(problems)
         out.informative = sum(not is_degenerate(_rewards(g)) for g in out.groups)
         return out
 
-    kept: list[list[Trajectory]] = []
-    for round_index in range(1 + filters.max_extra_rounds):
-        missing = target - len(kept)
-        if missing <= 0:
-            break
-        problems = next_problems(questions_for_round(missing, filters.oversample))
-        groups = await sample_round(problems, round_index)
-        out.rounds = round_index + 1
-        out.sampled.extend(groups)
-        out.problems.extend(problems)
-        trained = _down_sample(out, groups, filters, group_size, seed, round_index)
-        good = [g for g in trained if not is_degenerate(_rewards(g))]
-        out.informative += len(good)
-        kept.extend(good)
-    out.groups = kept[:target]
-    return out
+    async def _dynamic_rounds(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
+        """DAPO's dynamic sampling: rounds until ``questions_per_step`` informative groups (or no rounds left)."""
+        target, filters = self.rollout.questions_per_step, self.filters
+        out = Collected(groups=[])
+        kept: list[list[Trajectory]] = []
+        for round_index in range(1 + filters.max_extra_rounds):
+            missing = target - len(kept)
+            if missing <= 0:
+                break
+            problems = feed.next_batch(questions_for_round(missing, filters.oversample))
+            groups = await self._sample_round(step, round_index, problems, policy)
+            out.rounds = round_index + 1
+            out.sampled.extend(groups)
+            out.problems.extend(problems)
+            trained = self._down_sample(out, groups, step, round_index)
+            good = [g for g in trained if not is_degenerate(_rewards(g))]
+            out.informative += len(good)
+            kept.extend(good)
+        out.groups = kept[:target]
+        return out
+
+    async def _sample_round(
+        self, step: int, round_index: int, problems: list[Problem], policy: Policy
+    ) -> list[list[Trajectory]]:
+        """One group per problem, in order: the round's last questions text-only under
+        ``rollout.text_only_share``, the others with the tool (oversampled under RoC)."""
+        seed = round_seed(rollout_seed(self.seed, step), round_index)
+        split = len(problems) - text_only_count(len(problems), self.rollout.text_only_share)
+        size = sampled_group_size(self.rollout.group_size, self.filters)
+        if split < len(problems) and self.text is None:
+            raise ValueError("rollout.text_only_share > 0 needs a text-only group sampler")
+        text = self.text or self.tools  # with no text-only sampler the text part is empty
+        tool_groups, text_groups = await asyncio.gather(
+            self.tools.sample(problems[:split], policy, group_size=size, seed=seed),
+            text.sample(problems[split:], policy, group_size=size, seed=seed ^ 0x5EED),
+        )
+        groups = [*tool_groups, *text_groups]
+        raise_if_step_lost(groups, step)
+        return groups
+
+    def _down_sample(
+        self, out: Collected, groups: list[list[Trajectory]], step: int, round_index: int
+    ) -> list[list[Trajectory]]:
+        """A round's groups as trained (down-sampled under RoC); counts what RoC left out in ``out``."""
+        seed = rollout_seed(self.seed, step)
+        kept = resample_on_correct(groups, self.filters, self.rollout.group_size, seed, round_index)
+        out.roc_dropped += sum(len(g) for g in groups) - sum(len(g) for g in kept)
+        return kept

@@ -1,15 +1,18 @@
 """The order training sees its problems in, with a resumable position.
 
 A data source is a function ``(seed, epoch) -> Iterable[Problem]``: the problems of one epoch, in the
-order to train on them (an environment's ``ProblemEnv.epoch``, see ``retool.env``). ``ProblemStream``
+order to train on them (a problem source's ``ProblemSource.epoch``, see ``retool.env``). ``ProblemStream``
 walks epochs one after another and remembers ``(epoch, index)``; resuming rebuilds the epoch's iterable
 from the same seed and skips ``index`` problems, so no problem is repeated or skipped across a restart.
+``ProblemFeed`` is what a step's sampling draws from: problems sent back for sampling again first (see
+``retool.train.pipeline``), then the stream.
 """
 
 from __future__ import annotations
 
+import collections
 import itertools
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
 
 from retool.data.problem import Problem
@@ -73,3 +76,24 @@ class ProblemStream:
             batch.append(item)
             self.position.index += 1
         return batch
+
+
+class ProblemFeed:
+    """The problems batches draw, in order: requeued problems first, then the run's stream."""
+
+    def __init__(self, stream: ProblemStream, replay: Sequence[Problem] = ()) -> None:
+        self.stream = stream
+        self.replay: collections.deque[Problem] = collections.deque(replay)
+
+    def next_batch(self, n: int) -> list[Problem]:
+        out: list[Problem] = []
+        while self.replay and len(out) < n:
+            out.append(self.replay.popleft())
+        if len(out) < n:
+            out.extend(self.stream.next_batch(n - len(out)))
+        return out
+
+    @property
+    def position(self) -> DataPosition:
+        """The stream's position (a copy)."""
+        return DataPosition(**asdict(self.stream.position))

@@ -1,4 +1,4 @@
-"""The ReTool RL loop: refresh the sampler, roll out groups, train one step, log, checkpoint, repeat.
+"""The ReTool RL loop: one step after another, each one read top to bottom in ``Trainer._one_step``.
 
 ``Trainer`` owns the run folder::
 
@@ -8,15 +8,18 @@
     RUN_DIR/tensorboard/ swanlog/ wandb/  the tracker's files (``retool.train.trackers``)
     RUN_DIR/checkpoints/      see ``retool.train.checkpoint``
 
-It trains on an environment (``retool.env.ProblemEnv``: which problems, how a trajectory is scored) with
+It trains on a problem source (``retool.env.ProblemSource``: which problems, how a trajectory is scored) with
 components (``retool.components.Components``: backend, protocol, executor, verifier); by default both
 are built from the config, through the same functions every other command uses.
 
-Sampling and training run as a pipeline (``retool.train.pipeline``): a producer task samples each step's
-batch on the sampler of the policy version the schedule names and the trainer takes it from a queue. With
-``train.max_steps_off_policy = 0`` (the default) batch t is sampled from the weights step t starts with,
-after the previous step finished: the synchronous loop. With k >= 1 the batches of steps t+1..t+k are
-sampled while step t trains, k versions behind.
+One RL step (``_one_step``): hand the batch sampler the policy over the current weights and take this
+step's batch of groups (``BatchSampler.submit`` / ``batch_for``: ``retool.train.pipeline``, whose
+``StepSampler`` rolls the groups out and filters them, ``retool.train.collect``); build the datums,
+dropping what the filters leave out (``build_step_data``, ``retool.train.step``); write the trajectories;
+train (``train_step``); log the metrics line and checkpoint when due. The batch sampler owns its
+background work: with ``train.max_steps_off_policy = 0`` (the default) batch t is sampled from the
+weights step t starts with, after the previous step finished: the synchronous loop. With k >= 1 the
+batches of steps t+1..t+k are sampled while step t trains, k versions behind.
 
 Exactness of resume: a step's problems come from a ``ProblemStream`` whose position is checkpointed;
 sampling seeds derive from ``(train.seed, step)``; weights, optimizer and RNG come back from the
@@ -43,14 +46,13 @@ from types import FrameType
 from typing import TypedDict, Unpack
 
 from retool.backends import adam_params_from_config
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.guarded import guard_training_client
+from retool.backends.interface.clients import SamplingClient, TrainingClient
+from retool.backends.remote.guarded import guard_training_client
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, dump_config, load_config
-from retool.data.problem import Problem
-from retool.env import ProblemEnv, ToolSetup, env_from_config
+from retool.env import ProblemSource, retool_outcome, source_from_config
 from retool.jsonl import as_number
-from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
+from retool.rollout import GroupSampler, RolloutFn, run_rollout
 from retool.train.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -58,27 +60,18 @@ from retool.train.checkpoint import (
     restore_rng,
     write_text_atomic,
 )
-from retool.train.collect import Collected, collect_groups, round_seed
-from retool.train.datasource import DataPosition, ProblemStream
+from retool.train.collect import StepSampler
+from retool.train.datasource import DataPosition, ProblemFeed, ProblemStream
 from retool.train.metrics import (
     MetricsLog,
     MetricsRecord,
     fault_counters,
-    raise_if_step_lost,
     rollout_metrics,
     scalars_of,
 )
-from retool.train.pipeline import (
-    Batch,
-    PipelineState,
-    ProblemFeed,
-    RolloutPipeline,
-    pipeline_metrics,
-    requeue_stale,
-)
+from retool.train.pipeline import Batch, BatchSampler, PipelineState, pipeline_metrics, requeue_stale
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
-from retool.train.roc import sampled_group_size
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
 from retool.train.trackers import Tracker, checkpoint_entry, open_tracker
 
@@ -103,23 +96,10 @@ class TrainSummary:
     last_metrics: MetricsRecord = field(default_factory=dict)
 
 
-def text_only_count(n_questions: int, share: float) -> int:
-    """How many of a round's questions go text-only: ``share`` of them, rounded, at least one when
-    ``share > 0`` and the round has two or more questions (a round of one stays in tool mode)."""
-    if share <= 0.0 or n_questions < 2:
-        return 0
-    return min(n_questions - 1, max(1, round(share * n_questions)))
-
-
-def rollout_seed(base_seed: int, step: int) -> int:
-    """The sampling seed of a step: fixed by the run seed and the step, so a redone step samples alike."""
-    return (base_seed * 1_000_003 + step * 7919) % (2**31 - 1)
-
-
 class Trainer:
     """One training run of ``config`` in ``run_dir`` (``resume``: continue it from its latest checkpoint).
 
-    ``env``: the problems and how trajectories are scored (default ``env_from_config(config)``);
+    ``source``: the problems and how trajectories are scored (default ``source_from_config(config)``);
     ``components``: backend, protocol, executor, verifier (default ``build_components`` for this run
     folder, closed when the run ends; components passed in belong to the caller and stay open);
     ``rollout_fn``: the rollout function (default ``retool.rollout.run_rollout``); ``tracker``: the
@@ -133,7 +113,7 @@ class Trainer:
         run_dir: str | Path,
         resume: bool = False,
         *,
-        env: ProblemEnv | None = None,
+        source: ProblemSource | None = None,
         components: Components | None = None,
         rollout_fn: RolloutFn = run_rollout,
         tracker: Tracker | None = None,
@@ -142,7 +122,7 @@ class Trainer:
         self.config = config
         self.run_dir = Path(run_dir)
         self.resume = resume
-        self.env = env
+        self.source = source
         self.components = components
         self._owns_components = False
         self._guarded: TrainingClient | None = None  # the backend behind retries (``[retry]``)
@@ -179,9 +159,9 @@ class Trainer:
         return cfg.model_copy(update={"train": cfg.train.model_copy(update={"run_dir": str(self.run_dir)})})
 
     def _build_components(self) -> Components:
-        if self.env is None:
-            self.env = env_from_config(self.config)
-        self.env.problems("train")  # read the data first: a bad path fails before any process starts
+        if self.source is None:
+            self.source = source_from_config(self.config)
+        self.source.problems("train")  # read the data first: a bad path fails before any process starts
         if self.components is None:
             self.components = build_components(self._run_config())
             self._owns_components = True
@@ -256,12 +236,12 @@ class Trainer:
             raise
         return start_step, position, queued, tracker
 
-    def _pipeline(
+    def _batch_sampler(
         self, start_step: int, position: DataPosition, queued: PipelineState | None
-    ) -> RolloutPipeline:
-        """The producer of this run's batches, with the batches a checkpoint restored (stale ones requeued)."""
-        cfg = self.config
-        assert self.env is not None
+    ) -> BatchSampler:
+        """The sampler of this run's batches, holding the batches a checkpoint restored (stale ones requeued)."""
+        cfg, parts, source = self.config, self.components, self.source
+        assert parts is not None and source is not None
         k = cfg.train.max_steps_off_policy
         batches = [b for b in queued.batches if b.step <= cfg.train.steps] if queued is not None else []
         if batches and [b.step for b in batches] != list(
@@ -271,12 +251,16 @@ class Trainer:
                 f"the checkpoint of step {start_step} holds batches of steps {[b.step for b in batches]}"
             )
         batches, replay, self._requeued = requeue_stale(batches, queued.replay if queued else [], k)
-        stream = ProblemStream(self.env.epoch, seed=position.seed, position=position)
         # The stream resumes after the last batch the checkpoint kept, not after the requeued ones.
-        if batches:
-            stream = ProblemStream(self.env.epoch, seed=position.seed, position=batches[-1].position)
-        return RolloutPipeline(
-            self._collect,
+        resume_at = batches[-1].position if batches else position
+        stream = ProblemStream(source.epoch, seed=position.seed, position=resume_at)
+        tools = GroupSampler.from_parts(source, parts, cfg, rollout_fn=self._rollout_fn)
+        text = None  # the text-only share's parts: the tool protocol's text-only twin, no executor
+        if cfg.rollout.text_only_share > 0:
+            text_parts = parts.for_mode(False)
+            text = GroupSampler.from_parts(source, text_parts, cfg, tools=False, rollout_fn=self._rollout_fn)
+        return BatchSampler(
+            StepSampler(tools, text, cfg.rollout, cfg.filters, seed=cfg.train.seed),
             ProblemFeed(stream, replay),
             max_steps_off_policy=k,
             first_step=start_step + 1,
@@ -291,54 +275,54 @@ class Trainer:
         installed = _install_signals(self._on_signal)
         step = start_step
         last: MetricsRecord = {}
-        pipeline: RolloutPipeline | None = None
+        sampler: BatchSampler | None = None
         try:
-            pipeline = self._pipeline(start_step, position, queued)
-            pipeline.start()
+            sampler = self._batch_sampler(start_step, position, queued)
+            sampler.start()
             while step < cfg.train.steps and not self._stop_requested:
                 step += 1
-                last = await self._one_step(step, pipeline, tracker)
+                last = await self._one_step(step, sampler, tracker)
                 progress.update(step, last)
                 if self._on_step is not None:
                     self._on_step(step, last)
         finally:
-            if pipeline is not None:
-                await pipeline.aclose()
+            if sampler is not None:
+                await sampler.aclose()
             progress.close()
             tracker.close()
             _restore_signals(installed)
             await self._close_components()
         return TrainSummary(self.run_dir, start_step, step, self._stop_requested, last)
 
-    async def _new_sampler(self) -> SamplingClient:
-        """A sampler over the current weights: a frozen one when later steps sample while this one trains
-        (the local backend's own sampler is a live view of its weights)."""
+    async def _current_policy(self) -> SamplingClient:
+        """A sampling client over the current weights: a frozen one when later steps sample while this one
+        trains (the local backend's own sampling client is a live view of its weights)."""
         backend = self._backend
         if self.config.train.max_steps_off_policy > 0:
             return await backend.frozen_sampling_client_async()
         return await backend.sampling_client_async()
 
-    async def _one_step(self, step: int, pipeline: RolloutPipeline, tracker: Tracker) -> MetricsRecord:
-        """Publish the current weights, take this step's batch, train, record, and checkpoint when due;
-        returns the step's metrics."""
-        cfg = self.config
-        t_step = time.perf_counter()
-        t0 = time.perf_counter()
-        pipeline.publish(step - 1, await self._new_sampler())  # version step - 1: the weights now
+    async def _one_step(self, step: int, sampler: BatchSampler, tracker: Tracker) -> MetricsRecord:
+        """One RL step, top to bottom: sample this step's groups, build the datums (the filters drop what
+        they leave out), train, log; checkpoint when due. Returns the step's metrics line."""
+        cfg, parts = self.config, self.components
+        assert parts is not None
+        t_step = t0 = time.perf_counter()
+        # 1. Sample: the policy over the current weights (version step - 1) goes to the batch sampler, which
+        # returns this step's groups (sampled now, or while earlier steps trained: k >= 1).
+        sampler.submit(step - 1, await self._current_policy())
         times = {"time/refresh": time.perf_counter() - t0}
-        t0 = time.perf_counter()
-        queued = pipeline.ready()
-        batch = await pipeline.take(step)
-        collected = batch.collected
+        t0, queued = time.perf_counter(), sampler.ready()
+        batch = await sampler.batch_for(step)
         times["time/wait"] = time.perf_counter() - t0  # the trainer idle, waiting for its batch
         times["time/rollout"] = batch.seconds
+        # 2. Filter and build the datums; every sampled group is recorded, the datums mark the trained ones.
+        filters = cfg.filters
         data = build_step_data(
-            collected.groups, drop_void=cfg.filters.void_turn, drop_overlong=cfg.filters.overlong
+            batch.collected.groups, drop_void=filters.void_turn, drop_overlong=filters.overlong
         )
-        assert self.components is not None
-        # Every sampled group may be shown; the datums mark which of them were trained.
-        decode = getattr(self.components.protocol, "decode", None)
-        self.trajectories.write_step(step, collected.sampled, data.datums, decode)
+        self.trajectories.write_step(step, batch.collected.sampled, data.datums, parts.protocol.decode)
+        # 3. Train: forward-backward over micro-batches, one optimizer step.
         result = await train_step(
             self._backend,
             data.datums,
@@ -347,18 +331,23 @@ class Trainer:
             adam=adam_params_from_config(cfg),
             micro_batch_tokens=cfg.backend.micro_batch_tokens,
         )
-        faults = fault_counters(self._backend, self.components.executor, self.components.verifier)
+        # 4. Log: the metrics line (checkpointed with the step when one is due), the tracker.
+        faults = fault_counters(self._backend, parts.executor, parts.verifier)
         record = _step_record(step, batch, data, result, times, faults)
         record.update(pipeline_metrics(batch, step - 1, queued, self._requeued))
         self._check_sampler(step, record)
-        every = cfg.checkpoint.every
-        if (every > 0 and step % every == 0) or step == cfg.train.steps or self._stop_requested:
-            await self._checkpoint(step, pipeline, record, t_step)
+        if self._checkpoint_due(step):
+            await self._checkpoint(step, sampler, record, t_step)
         else:
             record["time/step"] = time.perf_counter() - t_step
         self.metrics.append(record)
         tracker.log(scalars_of(record), step)
         return record
+
+    def _checkpoint_due(self, step: int) -> bool:
+        """Every ``checkpoint.every`` steps, after the last one, and when a signal asked the run to stop."""
+        every = self.config.checkpoint.every
+        return (every > 0 and step % every == 0) or step == self.config.train.steps or self._stop_requested
 
     def _check_sampler(self, step: int, record: MetricsRecord) -> None:
         """A step trained on-policy (lag 0) measures how far the sampler's logprobs are from the trainer's
@@ -380,52 +369,8 @@ class Trainer:
                 tol,
             )
 
-    async def _collect(self, step: int, feed: ProblemFeed, sampler: SamplingClient) -> Collected:
-        """This step's groups, rolled out and scored by the environment (``collect_groups`` decides
-        how many rounds: one, or more under dynamic sampling). With ``rollout.text_only_share`` the last
-        questions of each round go text-only (no tool registered, no executor)."""
-        cfg = self.config
-        parts, env = self.components, self.env
-        assert parts is not None and env is not None
-        per_question = sampled_group_size(cfg.rollout.group_size, cfg.filters)  # oversampled under RoC
-
-        async def rollout(problems: list[Problem], seed: int, mode: Components) -> list[list[Trajectory]]:
-            if not problems:
-                return []
-            setup = ToolSetup(mode.protocol, mode.executor, mode.verifier, cfg.rollout)
-            request = RolloutRequest(
-                [env.group_builder(p, setup, per_question, i) for i, p in enumerate(problems)],
-                sampler,
-                cfg.sampling,
-                seed=seed,
-                scheduling=cfg.rollout.scheduling,
-                max_inflight_samples=cfg.rollout.max_inflight_samples,
-            )
-            return await self._rollout_fn(request)
-
-        async def sample_round(problems: list[Problem], round_index: int) -> list[list[Trajectory]]:
-            seed = round_seed(rollout_seed(cfg.train.seed, step), round_index)
-            split = len(problems) - text_only_count(len(problems), cfg.rollout.text_only_share)
-            text_mode = parts.for_mode(False) if split < len(problems) else parts
-            tool_groups, text_groups = await asyncio.gather(
-                rollout(problems[:split], seed, parts), rollout(problems[split:], seed ^ 0x5EED, text_mode)
-            )
-            groups = [*tool_groups, *text_groups]
-            # A round lost entirely to a dead sampler or sandbox stops the run instead of burning steps.
-            raise_if_step_lost(groups, step)
-            return groups
-
-        return await collect_groups(
-            sample_round,
-            feed.next_batch,
-            cfg.rollout.questions_per_step,
-            cfg.filters,
-            group_size=cfg.rollout.group_size,
-            seed=rollout_seed(cfg.train.seed, step),
-        )
-
     async def _checkpoint(
-        self, step: int, pipeline: RolloutPipeline, record: MetricsRecord, t_step: float
+        self, step: int, sampler: BatchSampler, record: MetricsRecord, t_step: float
     ) -> None:
         """Save weights, optimizer, RNG, data position and the batches sampled for later steps (after
         waiting for those the schedule has started: see ``retool.train.pipeline``), atomically."""
@@ -435,7 +380,7 @@ class Trainer:
             backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
         except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
             raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
-        queued, position = await pipeline.drain(step + pipeline.k)
+        queued, position = await sampler.drain(step + sampler.k)
         extra = checkpoint_entry(self._open_tracker)  # a resume reopens the tracker run
         if queued.batches or queued.replay:  # a synchronous run's checkpoint stays as it always was
             self.checkpoints.write_pipeline(tmp, step, queued)
@@ -496,7 +441,9 @@ def _step_record(
     n_trained_trajs = data.n_trajectories or 1
     record["filter/void_rate"] = data.n_void / n_trained_trajs
     record["filter/overlong_rate"] = data.n_overlong / n_trained_trajs
-    record["sampling/text_only_groups"] = float(sum(1 for g in sampled if g and not g[0].use_tools))
+    record["sampling/text_only_groups"] = float(
+        sum(1 for g in sampled if g and not retool_outcome(g[0].outcome).use_tools)
+    )
     record["tokens/trained"] = float(sum(1 for d in data.datums for w in d.weights if w != 0.0))
     record.update(times)
     record["time/train"] = result.seconds
@@ -512,7 +459,7 @@ def _step_record(
 class TrainerParts(TypedDict, total=False):
     """What ``run_training`` may inject into its ``Trainer`` (the keyword-only parameters)."""
 
-    env: ProblemEnv | None
+    source: ProblemSource | None
     components: Components | None
     rollout_fn: RolloutFn
     tracker: Tracker | None

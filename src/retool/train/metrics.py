@@ -21,7 +21,7 @@ Definitions (all over the step's trajectories unless said otherwise):
   scored -1). Since the trainer's components started (``fault_counters``): ``sandbox_worker_failures``
   (calls lost to a dead sandbox worker), ``sandbox_worker_restarts``, ``verifier_worker_restarts``,
   ``remote_calls`` / ``remote_retries`` / ``remote_timeouts`` / ``remote_failures`` /
-  ``remote_replays`` (guarded backend calls, see ``retool.backends.guarded``).
+  ``remote_replays`` (guarded backend calls, see ``retool.backends.remote.guarded``).
 - policy: ``ratio_mean/min/max``, ``clip_fraction``, ``loss``, ``grad_norm``, ``lr`` (from the backend),
   ``response_length`` (mean sampled tokens per trajectory).
 - stop: share of each stop reason.
@@ -40,21 +40,17 @@ import math
 import os
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Protocol
 
-from retool.backends.base import TrainingClient
+from retool.backends.interface.clients import TrainingClient
+from retool.env.retool import ReToolOutcome, retool_outcome
 from retool.jsonl import JsonValue, read_jsonl_objects
 from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
+from retool.sandbox.base import ExecResult
 from retool.train.checkpoint import RunWriteError
 from retool.train.roc import tool_error_metrics
 from retool.train.step import trajectory_tokens
 
 logger = logging.getLogger(__name__)
-
-
-def _n_calls(traj: Trajectory) -> int:
-    calls = getattr(traj, "code_calls", 0)
-    return len(calls) if isinstance(calls, list | tuple) else int(calls or 0)
 
 
 def _rate(num: float, den: float) -> float:
@@ -65,24 +61,7 @@ def _rate(num: float, den: float) -> float:
 MetricsRecord = dict[str, JsonValue]
 
 
-class ExecOutcome(Protocol):
-    """What ``_status`` reads of an execution result (``ExecResult``, or a result-like object)."""
-
-    ok: bool
-    timed_out: bool
-
-
 _INFRA_STOPS = frozenset({"sampler_error", "executor_error"})
-
-
-def _status(result: ExecOutcome) -> str:
-    """An execution's outcome (``ExecResult.status``; derived for result-like objects without it)."""
-    status = getattr(result, "status", None)
-    if isinstance(status, str):
-        return status
-    if result.timed_out:
-        return "timeout"
-    return "ok" if result.ok else "error"
 
 
 class StepLostError(RuntimeError):
@@ -96,13 +75,13 @@ def raise_if_step_lost(groups: Sequence[Sequence[Trajectory]], step: int) -> Non
     lost trajectories means the sampler or the sandbox is down, and going on would only burn steps that
     train nothing. Raised before the step trains or checkpoints, so a resume redoes it.
     """
-    trajs = [t for g in groups for t in g]
-    if not trajs or not all(t.stop_reason in _INFRA_STOPS for t in trajs):
+    outcomes = [t.outcome for g in groups for t in g]
+    if not outcomes or not all(o.stop_reason in _INFRA_STOPS for o in outcomes):
         return
-    reasons = sorted({t.stop_reason for t in trajs})
-    first = next((t.error for t in trajs if getattr(t, "error", None)), "no error text")
+    reasons = sorted({o.stop_reason for o in outcomes})
+    first = next((o.error for o in outcomes if o.error), "no error text")
     raise StepLostError(
-        f"step {step}: all {len(trajs)} trajectories ended in infrastructure failures ({', '.join(reasons)}); "
+        f"step {step}: all {len(outcomes)} trajectories ended in infrastructure failures ({', '.join(reasons)}); "
         f"first error: {first}. Nothing of this step was trained or saved; fix the cause and resume"
     )
 
@@ -127,46 +106,63 @@ def fault_counters(client: TrainingClient, executor: object, verifier: object) -
 def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
     """Task, tool, environment, stop-reason and token metrics of one step's trajectories."""
     trajs = [t for g in groups for t in g]
+    outcomes = [retool_outcome(t.outcome) for t in trajs]
     n = len(trajs)
     m: dict[str, float] = {}
-    rewards = [float(t.reward) for t in trajs]
-    m["task/reward_mean"] = _rate(sum(rewards), n)
-    m["task/correct_rate"] = _rate(sum(bool(t.correct) for t in trajs), n)
-    m["task/format_rate"] = _rate(sum(bool(t.valid_format) for t in trajs), n)
+    m["task/reward_mean"] = _rate(sum(float(t.reward) for t in trajs), n)
+    m["task/correct_rate"] = _rate(sum(o.correct for o in outcomes), n)
+    m["task/format_rate"] = _rate(sum(o.valid_format for o in outcomes), n)
     m["task/trajectories"] = float(n)
-
-    calls = [_n_calls(t) for t in trajs]
-    with_code = [c > 0 for c in calls]
-    m["tool/code_share"] = _rate(sum(with_code), n)
-    m["tool/mean_code_calls"] = _rate(sum(calls), n)
-    m["tool/correct_without_code_rate"] = _rate(
-        sum(bool(t.correct) and not wc for t, wc in zip(trajs, with_code, strict=True)), n
-    )
-    m["tool/correct_with_code_rate"] = _rate(
-        sum(bool(t.correct) and wc for t, wc in zip(trajs, with_code, strict=True)), n
-    )
-    self_corrected = sum(bool(getattr(t, "had_error_then_correct", False)) for t in trajs)
-    hit_error = sum(any(not r.ok for r in getattr(t, "exec_results", []) or []) for t in trajs)
-    m["tool/self_correction_rate"] = _rate(self_corrected, n)
-    m["tool/self_correction_given_error"] = _rate(self_corrected, hit_error)
+    m.update(_tool_metrics(outcomes))
     m.update(tool_error_metrics(trajs))
-
-    results = [r for t in trajs for r in (getattr(t, "exec_results", []) or [])]
-    k = len(results)
-    m["env/exec_calls"] = float(k)
-    m["env/exec_success_rate"] = _rate(sum(r.ok and not r.timed_out for r in results), k)
-    m["env/exec_timeout_rate"] = _rate(sum(bool(r.timed_out) for r in results), k)
-    m["env/exec_error_rate"] = _rate(sum(_status(r) == "error" for r in results), k)
-    m["env/exec_memory_limit_rate"] = _rate(sum(_status(r) == "memory_limit" for r in results), k)
-    m["env/exec_mean_latency"] = _rate(sum(float(r.latency) for r in results), k)
-    m["env/exec_max_latency"] = max((float(r.latency) for r in results), default=0.0)
-
+    m.update(_exec_metrics([r for o in outcomes for r in o.exec_results]))
     for reason in STOP_REASONS:
-        m[f"stop/{reason}"] = _rate(sum(t.stop_reason == reason for t in trajs), n)
-    m["faults/trajectories_lost"] = float(sum(t.stop_reason in _INFRA_STOPS for t in trajs))
-    m["faults/verify_errors"] = float(sum(getattr(t, "reward_status", "") == "error" for t in trajs))
-    m["faults/verify_timeouts"] = float(sum(getattr(t, "reward_status", "") == "timeout" for t in trajs))
+        m[f"stop/{reason}"] = _rate(sum(o.stop_reason == reason for o in outcomes), n)
+    m["faults/trajectories_lost"] = float(sum(o.stop_reason in _INFRA_STOPS for o in outcomes))
+    m["faults/verify_errors"] = float(sum(o.reward_status == "error" for o in outcomes))
+    m["faults/verify_timeouts"] = float(sum(o.reward_status == "timeout" for o in outcomes))
+    m.update(_token_metrics(trajs))
+    m["time/sample"] = sum(float(t.sample_seconds) for t in trajs)
+    m["time/execute"] = sum(float(o.exec_seconds) for o in outcomes)
+    return m
 
+
+def _tool_metrics(outcomes: Sequence[ReToolOutcome]) -> dict[str, float]:
+    """How often the tool was called, and how the calls went for correct answers (``tool/*``)."""
+    n = len(outcomes)
+    with_code = [o.code_calls > 0 for o in outcomes]
+    self_corrected = sum(o.had_error_then_correct for o in outcomes)
+    hit_error = sum(any(not r.ok for r in o.exec_results) for o in outcomes)
+    return {
+        "tool/code_share": _rate(sum(with_code), n),
+        "tool/mean_code_calls": _rate(sum(o.code_calls for o in outcomes), n),
+        "tool/correct_without_code_rate": _rate(
+            sum(o.correct and not wc for o, wc in zip(outcomes, with_code, strict=True)), n
+        ),
+        "tool/correct_with_code_rate": _rate(
+            sum(o.correct and wc for o, wc in zip(outcomes, with_code, strict=True)), n
+        ),
+        "tool/self_correction_rate": _rate(self_corrected, n),
+        "tool/self_correction_given_error": _rate(self_corrected, hit_error),
+    }
+
+
+def _exec_metrics(results: Sequence[ExecResult]) -> dict[str, float]:
+    """This step's executions (``env/*``): how they ended and how long they took."""
+    k = len(results)
+    return {
+        "env/exec_calls": float(k),
+        "env/exec_success_rate": _rate(sum(r.ok and not r.timed_out for r in results), k),
+        "env/exec_timeout_rate": _rate(sum(bool(r.timed_out) for r in results), k),
+        "env/exec_error_rate": _rate(sum(r.status == "error" for r in results), k),
+        "env/exec_memory_limit_rate": _rate(sum(r.status == "memory_limit" for r in results), k),
+        "env/exec_mean_latency": _rate(sum(float(r.latency) for r in results), k),
+        "env/exec_max_latency": max((float(r.latency) for r in results), default=0.0),
+    }
+
+
+def _token_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
+    """Prompt, completion, observation and total tokens of the step, and the mean response length."""
     prompt = completion = observation = total = 0
     for t in trajs:
         if not t.turns:
@@ -178,14 +174,13 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
         completion += done
         observation += len(tokens) - first_prompt - done
         total += len(tokens)
-    m["tokens/prompt"] = float(prompt)
-    m["tokens/completion"] = float(completion)
-    m["tokens/observation"] = float(observation)
-    m["tokens/total"] = float(total)
-    m["policy/response_length"] = _rate(completion, n)
-    m["time/sample"] = sum(float(getattr(t, "sample_seconds", 0.0) or 0.0) for t in trajs)
-    m["time/execute"] = sum(float(getattr(t, "exec_seconds", 0.0) or 0.0) for t in trajs)
-    return m
+    return {
+        "tokens/prompt": float(prompt),
+        "tokens/completion": float(completion),
+        "tokens/observation": float(observation),
+        "tokens/total": float(total),
+        "policy/response_length": _rate(completion, len(trajs)),
+    }
 
 
 class MetricsLog:

@@ -1,22 +1,27 @@
-"""Off-policy pipelining: sample the batches of the next steps while this one trains, within a staleness bound.
+"""The trainer's sampler: ``BatchSampler`` owns sampling each step's batch, ahead of training within a staleness bound.
+
+The trainer calls it, it never calls the trainer: when step t starts, ``submit(t - 1, policy)`` hands it
+the policy over the current weights, and ``await batch_for(t)`` returns the step's batch (sampled now, or
+already while earlier steps trained). A checkpoint asks it for the batches it holds (``drain``);
+``aclose`` stops it. The work of one batch is ``retool.train.collect.StepSampler``'s.
 
 Policy versions. Version v is the weights after v optimizer steps (a resumed run starts at the version of
-its checkpoint). The trainer publishes version t - 1 (a sampler over those weights, frozen: see
+its checkpoint). The trainer submits version t - 1 (a sampler over those weights, frozen: see
 ``TrainingClient.frozen_sampling_client_async``) when step t starts, before it trains.
 
 Batches. The batch of step t is everything sampling does for that step (``retool.train.collect``: one
-round, or the rounds of dynamic sampling) on one sampler; every trajectory in it is tagged with the
-sampler's version (``Trajectory.policy_version``). One producer task samples the batches in step order,
-one after another, each one on the sampler of version
+round, or the rounds of dynamic sampling) on one policy; every trajectory in it is tagged with the
+policy's version (``Trajectory.policy_version``). One background task samples the batches in step order,
+one after another, each one on the policy of version
 
     v(t) = max(t - 1 - k, v0)          k = train.max_steps_off_policy, v0 = the version the run started at
 
 and puts it in a queue; the trainer takes batch t when it starts step t. Every version is therefore
 trained on with lag ``t - 1 - v(t) = min(k, t - 1 - v0)``: k steps behind once the pipeline is full.
 While step t trains, batches t+1..t+k are sampled (they need versions up to t - 1). ``k = 0`` is the
-synchronous loop: batch t waits for version t - 1, published when step t starts.
+synchronous loop: batch t waits for version t - 1, submitted when step t starts.
 
-Staleness policy: pacing, not discarding. The producer never samples a batch before its version exists
+Staleness policy: pacing, not discarding. The sampler never samples a batch before its version exists
 and never from a newer one, so in a run no batch is older than k versions, none is discarded and the run
 is deterministic (the same samples whatever the timing). The one way to meet a batch older than k is a
 resume with a smaller ``train.max_steps_off_policy`` than the checkpoint was written with: such restored
@@ -24,10 +29,10 @@ batches are *requeued*: their trajectories are dropped, every problem they drew 
 the front of the problem feed, and they are sampled again from the resumed weights (counted in
 ``offpolicy/requeued_groups``).
 
-Problems. Batches draw their problems, in step order, from a ``ProblemFeed``: the requeued problems first,
-then the run's ``ProblemStream``. With the same k a run trains on the same problems in the same order as
-the synchronous loop does (they diverge only where rewards, and so dynamic sampling's extra rounds,
-differ).
+Problems. Batches draw their problems, in step order, from a ``ProblemFeed`` (``retool.train.datasource``):
+the requeued problems first, then the run's ``ProblemStream``. With the same k a run trains on the same
+problems in the same order as the synchronous loop does (they diverge only where rewards, and so dynamic
+sampling's extra rounds, differ).
 
 Resume. A checkpoint of step c first waits for batches c+1..c+k (all sampled by versions <= c - 1,
 which exist) and stores them with the feed's position after them (``PipelineState``); a resume puts them
@@ -41,42 +46,17 @@ the batches before it and the feed's position before it, and a resume samples it
 from __future__ import annotations
 
 import asyncio
-import collections
 import logging
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 
-from retool.backends.base import SamplingClient
 from retool.data.problem import Problem
-from retool.train.collect import Collected
-from retool.train.datasource import DataPosition, ProblemStream
+from retool.rollout import Policy
+from retool.train.collect import Collected, StepSampler
+from retool.train.datasource import DataPosition, ProblemFeed
 
 logger = logging.getLogger(__name__)
-
-# (step, problem feed, sampler) -> the step's batch of groups, rewards final
-CollectFn = Callable[[int, "ProblemFeed", SamplingClient], Awaitable[Collected]]
-
-
-class ProblemFeed:
-    """The problems batches draw, in order: requeued problems first, then the run's stream."""
-
-    def __init__(self, stream: ProblemStream, replay: Sequence[Problem] = ()) -> None:
-        self.stream = stream
-        self.replay: collections.deque[Problem] = collections.deque(replay)
-
-    def next_batch(self, n: int) -> list[Problem]:
-        out: list[Problem] = []
-        while self.replay and len(out) < n:
-            out.append(self.replay.popleft())
-        if len(out) < n:
-            out.extend(self.stream.next_batch(n - len(out)))
-        return out
-
-    @property
-    def position(self) -> DataPosition:
-        """The stream's position (a copy)."""
-        return DataPosition(**asdict(self.stream.position))
 
 
 @dataclass
@@ -135,16 +115,17 @@ def requeue_stale(
     return keep, [*problems, *stale[-1].replay], groups
 
 
-class RolloutPipeline:
-    """The producer task and the queue of sampled batches between it and the trainer (module docstring).
+class BatchSampler:
+    """Samples each step's batch on the policy version the schedule names, in a background task, and
+    keeps the sampled batches until the trainer takes them (module docstring).
 
-    ``collect(step, feed, sampler)`` samples one step's batch. Batches ``first_step..last_step`` are
-    produced, minus the ``restored`` ones already sampled (consecutive, from ``first_step``).
+    ``steps`` samples one batch; batches ``first_step..last_step`` are sampled, minus the ``restored``
+    ones a checkpoint held (consecutive, from ``first_step``).
     """
 
     def __init__(
         self,
-        collect: CollectFn,
+        steps: StepSampler,
         feed: ProblemFeed,
         *,
         max_steps_off_policy: int,
@@ -152,7 +133,7 @@ class RolloutPipeline:
         last_step: int,
         restored: Sequence[Batch] = (),
     ) -> None:
-        self._collect = collect
+        self.steps = steps
         self.feed = feed
         self.k = max_steps_off_policy
         self.start_version = first_step - 1
@@ -162,9 +143,9 @@ class RolloutPipeline:
         # Where the feed stood after the last batch the trainer took: a checkpoint resumes from there when
         # none of the batches after it could be stored (checkpoints come after a step, so after a take).
         self._taken: tuple[DataPosition, list[Problem]] = (feed.position, list(feed.replay))
-        self._samplers: dict[int, SamplingClient] = {}
-        self._published = -1  # the newest version published
-        self._error: BaseException | None = None  # what stopped the producer, at step ``self._next``
+        self._policies: dict[int, Policy] = {}
+        self._submitted = -1  # the newest version submitted
+        self._error: BaseException | None = None  # what stopped the sampling, at step ``self._next``
         self._changed = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
 
@@ -173,16 +154,17 @@ class RolloutPipeline:
         return max(step - 1 - self.k, self.start_version)
 
     def start(self) -> None:
+        """Start the background task that samples the batches in step order."""
         if self._task is None:
-            self._task = asyncio.get_running_loop().create_task(self._produce(), name="retool-rollouts")
+            self._task = asyncio.get_running_loop().create_task(self._sample_ahead(), name="retool-rollouts")
 
-    def publish(self, version: int, sampler: SamplingClient) -> None:
-        """Make ``sampler`` (over the weights of ``version``) available; forget versions no batch needs."""
-        self._samplers[version] = sampler
-        self._published = max(self._published, version)
+    def submit(self, version: int, policy: Policy) -> None:
+        """Make ``policy`` (over the weights of ``version``) available; forget versions no batch needs."""
+        self._policies[version] = policy
+        self._submitted = max(self._submitted, version)
         needed = self.version_for(self._next)
-        for old in [v for v in self._samplers if v < needed]:
-            del self._samplers[old]  # a frozen copy of old weights is freed with it
+        for old in [v for v in self._policies if v < needed]:
+            del self._policies[old]  # a frozen copy of old weights is freed with it
         self._notify()
 
     def ready(self) -> int:
@@ -197,25 +179,26 @@ class RolloutPipeline:
         self._changed.clear()
 
     async def _progress(self, what: str) -> None:
-        """Wait for the producer to move on; refuse to wait for a batch whose weights do not exist yet
+        """Wait for the sampling to move on; refuse to wait for a batch whose weights do not exist yet
         (only the trainer, which is the one waiting, would make them: a schedule bug, not a slow sampler)."""
         needed = self.version_for(self._next)
-        if self._error is None and self._next <= self.last_step and needed > self._published:
+        if self._error is None and self._next <= self.last_step and needed > self._submitted:
             raise RuntimeError(
                 f"waiting for {what}, but batch {self._next} needs policy version {needed} and only versions "
-                f"up to {self._published} are published"
+                f"up to {self._submitted} are submitted"
             )
         await self._changes()
 
-    async def _produce(self) -> None:
+    async def _sample_ahead(self) -> None:
+        """The background task: each batch in step order, as soon as its policy version is submitted."""
         try:
             while self._next <= self.last_step:
                 step = self._next
                 version = self.version_for(step)
-                while version not in self._samplers:
+                while version not in self._policies:
                     await self._changes()
                 t0 = time.perf_counter()
-                collected = await self._collect(step, self.feed, self._samplers[version])
+                collected = await self.steps.sample(step, self.feed, self._policies[version])
                 collected = collected.with_policy_version(version)
                 self._batches[step] = Batch(
                     step,
@@ -231,13 +214,13 @@ class RolloutPipeline:
             self._error = exc
             self._notify()
 
-    async def take(self, step: int) -> Batch:
+    async def batch_for(self, step: int) -> Batch:
         """Wait for the batch of ``step`` and remove it from the queue (raises what stopped its sampling)."""
         while step not in self._batches:
             if self._error is not None and step >= self._next:
                 raise self._error
             if step < self._next or self._task is None:
-                raise RuntimeError(f"no batch for step {step}: the pipeline is at step {self._next}")
+                raise RuntimeError(f"no batch for step {step}: the sampler is at step {self._next}")
             await self._progress(f"the batch of step {step}")
         batch = self._batches.pop(step)
         self._taken = (batch.position, list(batch.replay))
@@ -255,7 +238,7 @@ class RolloutPipeline:
         return PipelineState(self.k, kept, list(replay)), DataPosition(**asdict(position))
 
     async def aclose(self) -> None:
-        """Stop the producer (sampling in flight is cancelled; its batch is lost, never half-stored)."""
+        """Stop the sampling (a batch in flight is cancelled: lost, never half-stored)."""
         task, self._task = self._task, None
         if task is not None and not task.done():
             task.cancel()
@@ -263,7 +246,7 @@ class RolloutPipeline:
                 await task
             except asyncio.CancelledError:
                 pass
-        self._samplers.clear()
+        self._policies.clear()
 
 
 def pipeline_metrics(batch: Batch, trainer_version: int, queued: int, requeued: int) -> dict[str, float]:

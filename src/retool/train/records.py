@@ -13,7 +13,7 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Literal, cast
 
-from retool.backends.types import Datum
+from retool.backends.interface.types import Datum
 from retool.jsonl import JsonObject
 from retool.rollout.records import RECORD_VERSION, Decode, TrajectoryRecord, datum_tokens, trajectory_record
 from retool.rollout.types import Trajectory, trajectory_tokens

@@ -23,6 +23,7 @@ import random
 from collections.abc import Sequence
 
 from retool.config import FiltersConfig
+from retool.env.retool import retool_outcome
 from retool.reward.extract import BOXED_MARKER
 from retool.rollout.types import Trajectory
 
@@ -37,8 +38,9 @@ def sampled_group_size(group_size: int, filters: FiltersConfig) -> int:
 def tool_errors(traj: Trajectory) -> int:
     """Tool errors of one trajectory: executions that failed or timed out, an executor that died on a
     call (``executor_error``), and turns the parser could not read as a call or an answer."""
-    failed = sum(1 for r in traj.exec_results if not r.ok or r.timed_out)
-    died = int(traj.stop_reason == "executor_error")
+    outcome = retool_outcome(traj.outcome)
+    failed = sum(1 for r in outcome.exec_results if not r.ok or r.timed_out)
+    died = int(outcome.stop_reason == "executor_error")
     unparsable = sum(1 for turn in traj.turns if turn.kind == "invalid")
     return failed + died + unparsable
 
@@ -46,7 +48,8 @@ def tool_errors(traj: Trajectory) -> int:
 def format_problems(traj: Trajectory) -> int:
     """Answer-format problems: no answer in a valid format, and more than one ``\\boxed{}`` in the final
     text (the prompt asks for exactly one)."""
-    return int(not traj.valid_format) + int(traj.final_text.count(BOXED_MARKER) > 1)
+    outcome = traj.outcome
+    return int(not outcome.valid_format) + int(outcome.final_text.count(BOXED_MARKER) > 1)
 
 
 def kept_failures(n_failures: int, n_successes: int, size: int, min_failures: int) -> int:
@@ -67,8 +70,8 @@ def downsample_group(
         return list(group)
     order = list(range(len(group)))
     rng.shuffle(order)  # the uniform draw of failures, and the tie-break among equal successes
-    failures = [i for i in order if not group[i].correct]
-    successes = [i for i in order if group[i].correct]
+    failures = [i for i in order if not group[i].outcome.correct]
+    successes = [i for i in order if group[i].outcome.correct]
     n_fail = kept_failures(len(failures), len(successes), size, min_failures)
     # sorted() is stable: equally clean successes keep their shuffled order
     successes.sort(key=lambda i: (tool_errors(group[i]), format_problems(group[i])))
@@ -90,8 +93,8 @@ def resample_on_correct(
 
 def tool_error_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
     """Share of correct / wrong trajectories with at least one tool error, and tool errors per trajectory."""
-    correct = [t for t in trajs if t.correct]
-    wrong = [t for t in trajs if not t.correct]
+    correct = [t for t in trajs if t.outcome.correct]
+    wrong = [t for t in trajs if not t.outcome.correct]
 
     def share(ts: list[Trajectory]) -> float:
         return sum(tool_errors(t) > 0 for t in ts) / len(ts) if ts else 0.0

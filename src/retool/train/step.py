@@ -21,9 +21,9 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from retool.backends.base import TrainingClient
-from retool.backends.packing import pack_micro_batches as backend_pack
-from retool.backends.types import AdamParams, Datum, ForwardBackwardResult, LossName
+from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import AdamParams, Datum, ForwardBackwardResult, LossName
+from retool.backends.training.packing import pack_micro_batches as backend_pack
 from retool.rollout.types import (
     NotAPrefixError as NotAPrefixError,
 )  # re-exported: the datum builder raises it
@@ -101,8 +101,8 @@ def is_void(traj: Trajectory) -> bool:
     ``\\boxed{}`` (the verifier found no answer) is void. Such turns are full of low-probability tokens;
     SimpleTIR leaves the whole trajectory out of the update to avoid the gradient spikes they cause.
     """
-    reason = getattr(traj, "stop_reason", "")
-    return reason == "invalid" or (reason == "answer" and getattr(traj, "reward_status", "") == "no_answer")
+    reason = traj.outcome.stop_reason
+    return reason == "invalid" or (reason == "answer" and traj.outcome.reward_status == "no_answer")
 
 
 def is_overlong(traj: Trajectory) -> bool:
@@ -110,10 +110,10 @@ def is_overlong(traj: Trajectory) -> bool:
 
     Its reward judges an unfinished attempt, not the policy's answer (DAPO's overlong filtering).
     """
-    if getattr(traj, "stop_reason", "") == "context_full":
+    if traj.outcome.stop_reason == "context_full":
         return True
-    turns = getattr(traj, "turns", None) or []
-    return bool(turns) and getattr(turns[-1], "sampler_stop", "stop") == "length"
+    turns = traj.turns
+    return bool(turns) and turns[-1].sampler_stop == "length"
 
 
 @dataclass
@@ -267,7 +267,7 @@ async def train_step(
 
     ``datums`` must already carry their reduction weights (``build_step_data``). A client that says
     ``one_call_per_step`` (a remote service whose reduction divides the step's gradient by the datums it
-    accumulated, ``retool.backends.reduction``) gets the whole step in one call; the service batches it.
+    accumulated, ``retool.backends.training.reduction``) gets the whole step in one call; the service batches it.
     """
     start = time.perf_counter()
     if not datums:

@@ -94,7 +94,7 @@ class ForwardBackwardResult:
 
     The ``ratio_*`` / ``clip_fraction`` figures describe the ratio the PPO clip sees. The mismatch figures
     compare the trainer's logprob ``lp`` with the sampler's ``mu`` on the ``mismatch_tokens`` trained
-    tokens of an RL loss (``retool.backends.losses``): mean and max ``|lp - mu|``, the k3 estimate of
+    tokens of an RL loss (``retool.backends.training.losses``): mean and max ``|lp - mu|``, the k3 estimate of
     KL(sampler || trainer), the share of tokens with ``exp(lp - mu)`` outside [0.5, 2] and, with truncated
     importance sampling, the share whose weight was cut to the cap.
     """
@@ -133,3 +133,19 @@ class ForwardBackwardResult:
 class OptimStepResult:
     grad_norm: float
     lr: float
+
+
+# How a managed service normalises a summed loss (``retool.backends.training.reduction`` finds out which).
+ReductionMode = Literal["sum", "samples", "active_tokens", "advantage_tokens", "sequence_mean"]
+
+
+@dataclass(frozen=True)
+class ReductionReport:
+    """What the probe found for one loss: the matched mode and the numbers it was read from."""
+
+    loss_fn: str
+    mode: ReductionMode
+    denominator: int  # on the probe batch; 0 for ``sequence_mean`` (one per datum)
+    local_loss: float  # NaN when identified from gradient norms
+    server_loss: float  # NaN when identified from gradient norms
+    detail: str = ""  # what was measured, in words

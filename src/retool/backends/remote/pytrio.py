@@ -23,7 +23,7 @@ SDK facts this relies on (pytrio 0.2.9, read from its code):
   clear error instead of the SDK's.
 - Checkpoint names must match ``^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$``.
 
-Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote``):
+Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote.common``):
 
 - Training calls (``forward_backward``, ``optim_step``, ``save_state``, the sampler refresh's weight save)
   are *events* on one ordered queue per training run (``transport/actor/training_run/coordinator.py``).
@@ -54,7 +54,7 @@ Faults: what the SDK does, and so what the adapter guarantees (see ``retool.back
 
 Reduction: the SDK sends ``total_samples``, ``total_active_tokens`` and ``total_advantage_tokens`` with
 every chunk and the server picks the denominator (undocumented). The adapter starts from
-``active_tokens`` and the startup self-check (``retool.backends.reduction``) replaces the assumption with
+``active_tokens`` and the startup self-check (``retool.backends.training.reduction``) replaces the assumption with
 the measured one. Use one ``forward_backward`` per call's worth of datums: the normalisation is per call.
 """
 
@@ -68,9 +68,9 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-from retool.backends.reduction import ReductionMode
-from retool.backends.remote import (
-    BackendUnavailableError,
+from retool.backends.interface.errors import BackendUnavailableError, sdk_label
+from retool.backends.interface.types import ReductionMode
+from retool.backends.remote.common import (
     PendingCall,
     RemoteTrainingClient,
     StateOrderError,
@@ -78,7 +78,6 @@ from retool.backends.remote import (
     import_sdk,
     local_tokenizer,
     resolve,
-    sdk_label,
 )
 from retool.retry import Failure
 

@@ -45,13 +45,13 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from retool.backends.generation import GenRequest
-from retool.backends.local import LocalSamplingClient
-from retool.backends.remote import SdkOptionError, sdk_label
-from retool.backends.types import Sample
+from retool.backends.engine.generation import GenRequest
+from retool.backends.interface.errors import SdkOptionError, sdk_label
+from retool.backends.interface.types import Sample
+from retool.backends.local.client import LocalSamplingClient
 
 if TYPE_CHECKING:
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
 
 logger = logging.getLogger(__name__)
 

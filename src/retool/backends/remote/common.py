@@ -25,7 +25,7 @@ How our ``Datum`` maps onto the services' loss inputs:
 - PPO thresholds go to ``loss_fn_config`` as ``clip_low_threshold`` / ``clip_high_threshold`` (ratios).
 - Only these keys are sent: the real SDKs forward any other key to the service without checking it.
 - Every advantage / CE weight is multiplied by the denominator the service divides by (see
-  ``retool.backends.reduction``), so the gradient the loop gets is the one its weights describe (the mean
+  ``retool.backends.training.reduction``), so the gradient the loop gets is the one its weights describe (the mean
   over trained datums) whatever the service does with the sum. The adapter starts from the SDK's
   documented or assumed mode and adopts the one the startup self-check measures. Under a per-sequence
   mean (``sequence_mean``) each datum gets its own factor (its weight sum times the step's datum count),
@@ -40,7 +40,7 @@ the service's own metrics are passed through in ``extra`` under ``server/``, and
 not mostly cancellation.
 
 Faults (timeouts, retries, idempotency). The trainer wraps these adapters in
-``retool.backends.guarded.GuardedTrainingClient``, which bounds every call by a per-call timeout and
+``retool.backends.remote.guarded.GuardedTrainingClient``, which bounds every call by a per-call timeout and
 retries transient failures by ``retool.retry``'s rule. What the adapters contribute:
 
 - Every SDK call runs on a daemon thread of its own (``retool.retry.to_thread_with_timeout``), never in
@@ -62,7 +62,7 @@ retries transient failures by ``retool.retry``'s rule. What the adapters contrib
   guard applies its third rule: only the SDK re-sends ``forward_backward`` / ``optim_step``; an outcome
   still unknown after that stops the step (``optim_step`` refuses the doubtful gradient) and the run
   resumes from its last checkpoint. Sampling, checkpoints and sampler refreshes are re-sent by the guard.
-  The SDK facts behind this are in ``pytrio_backend`` and ``tinker_backend``.
+  The SDK facts behind this are in ``retool.backends.remote.pytrio`` and ``retool.backends.remote.tinker``.
 """
 
 from __future__ import annotations
@@ -84,9 +84,19 @@ from typing import TYPE_CHECKING, Any, TypeVar, TypeVarTuple
 
 import torch
 
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.losses import LOSS_NAMES, LossTally, clip_thresholds, tis_cap, token_loss
-from retool.backends.reduction import (
+from retool.backends.interface.clients import SamplingClient, TrainingClient
+from retool.backends.interface.errors import BackendUnavailableError, SdkOptionError, sdk_label
+from retool.backends.interface.types import (
+    AdamParams,
+    Datum,
+    ForwardBackwardResult,
+    LossName,
+    OptimStepResult,
+    Sample,
+    SamplingParams,
+)
+from retool.backends.training.losses import LOSS_NAMES, LossTally, clip_thresholds, tis_cap, token_loss
+from retool.backends.training.reduction import (
     IGNORE_INDEX,
     REDUCTION_MODES,
     BatchTotals,
@@ -100,16 +110,6 @@ from retool.backends.reduction import (
     sequence_mean,
     verify_reduction,
 )
-from retool.backends.types import (
-    AdamParams,
-    Datum,
-    ForwardBackwardResult,
-    LossName,
-    OptimStepResult,
-    Sample,
-    SamplingParams,
-)
-from retool.errors import UserError
 from retool.retry import Failure, classify, retry_after_of, status_code_of, to_thread_with_timeout
 
 # The losses this adapter folds the training loop's weights into and mirrors locally for its metrics.
@@ -133,15 +133,6 @@ __all__ = [
     "StateOrderError",
     "resolve",
 ]
-
-
-class BackendUnavailableError(UserError, RuntimeError):
-    """The SDK of a managed backend is not installed or not configured (the message says how to fix it)."""
-
-
-class SdkOptionError(BackendUnavailableError):
-    """A setting the installed SDK (or the service behind it) cannot take; the message names it and the
-    SDK version."""
 
 
 class StateOrderError(RuntimeError):
@@ -242,15 +233,6 @@ def resolve(obj: object, expect: str | None = None) -> Any:
     if expect is not None and not hasattr(obj, expect):
         raise TypeError(f"SDK returned {type(obj).__name__}, expected an object with .{expect}")
     return obj
-
-
-def sdk_label(sdk: object) -> str:
-    """``"pytrio 0.2.9"``: the SDK's distribution and installed version, for messages."""
-    name = getattr(sdk, "__name__", type(sdk).__name__).split(".")[0]
-    try:
-        return f"{name} {importlib.metadata.version(name)}"
-    except importlib.metadata.PackageNotFoundError:
-        return f"{name} (version unknown)"
 
 
 def check_sdk_kwargs(fn: Callable[..., object], sdk: str, **kwargs: object) -> None:
@@ -445,7 +427,7 @@ class RemoteTrainingClient(TrainingClient):
     rl_weights = False  # send a 0/1 weight mask with RL datums (and so can adopt ``sequence_mean``)
     default_reduction: ReductionMode = "sum"
     server_loss_key = ""  # the service's name for the (normalised) loss in ``ForwardBackwardOutput.metrics``
-    # The retry guard's idempotency declarations (``retool.backends.guarded``): no request id this layer
+    # The retry guard's idempotency declarations (``retool.backends.remote.guarded``): no request id this layer
     # sends is deduplicated by either service, and neither can discard an accumulated gradient (so no
     # ``zero_grad_async`` either). The guard's rule for that case applies; see the module docstring.
     dedupes_request_ids = False
@@ -633,7 +615,7 @@ class RemoteTrainingClient(TrainingClient):
         self, loss_fn: str, loss_config: dict[str, float] | None = None
     ) -> list[ReductionReport]:
         """Verify (once per client) how the service normalises ``loss_fn`` and adopt it, or raise
-        ``ReductionCheckError`` (``retool.backends.reduction``)."""
+        ``ReductionCheckError`` (``retool.backends.training.reduction``)."""
         if self.reduction_verified:
             return []
         reports = await asyncio.to_thread(verify_reduction, self, loss_fn, loss_config)
@@ -649,7 +631,7 @@ class RemoteTrainingClient(TrainingClient):
 
     def reduction_scales(self, wire: Sequence[WireDatum], totals: BatchTotals, loss_fn: str) -> list[float]:
         """Factor per datum applied to advantages / CE weights so the service's reduction yields the loop's
-        sum (``retool.backends.reduction.datum_scales``)."""
+        sum (``retool.backends.training.reduction.datum_scales``)."""
         mode = self.reduction_for(loss_fn)
         if mode == "sequence_mean" and loss_fn == "cross_entropy":
             raise UnweightableLossError(
@@ -867,7 +849,7 @@ class RemoteTrainingClient(TrainingClient):
     def probe_gradient_norms(
         self, forward: Datum, build: Callable[[list[float]], list[list[Datum]]], loss_fn: str
     ) -> list[float]:
-        """The gradient check's measurements (``retool.backends.reduction.verify_by_gradients``), on a
+        """The gradient check's measurements (``retool.backends.training.reduction.verify_by_gradients``), on a
         scratch model: the adapter's own model and optimizer state are never touched."""
         try:
             scratch = self.scratch_sdk_client()

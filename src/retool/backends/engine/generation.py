@@ -17,13 +17,13 @@ are explicit per row. When a training call is queued on the same worker, the job
 the sequences in flight finish and queues itself behind the training call.
 
 Prefill: a new sequence prefills only what no cache holds. Sources, longest first: the prefix cache
-(``retool.backends.prefix_cache``; the previous turn of the same trajectory, a group sibling finished
+(``retool.backends.engine.prefix_cache``; the previous turn of the same trajectory, a group sibling finished
 earlier, a system prompt seen before), then the common prefix of the sequences admitted together (run
 once, and stored). Identical prompts admitted together (a group) are prefilled once and their KV
 repeated. When a sequence finishes, the KV of its prompt and completion goes into the prefix cache.
 
 Adapters (``GenRequest.adapter``): an engine over one base model shared by several LoRA adapters
-(``retool.backends.multi_lora``) decodes the rows of every adapter in one batch. Each row names its
+(``retool.backends.samplers.multi_lora``) decodes the rows of every adapter in one batch. Each row names its
 adapter (``None``: the plain base); before every forward the engine hands ``select_adapters`` the adapter
 of each row, in batch order. Rows of different adapters are never deduplicated or prefix-shared, and the
 prefix cache keeps their KV apart (its ``space``).
@@ -51,8 +51,8 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
-from retool.backends.prefix_cache import KV, PrefixCache
-from retool.backends.types import Sample, SamplingParams, StopReason
+from retool.backends.engine.prefix_cache import KV, PrefixCache
+from retool.backends.interface.types import Sample, SamplingParams, StopReason
 
 logger = logging.getLogger(__name__)
 
@@ -77,7 +77,7 @@ class GenRequest:
 
 
 class SamplingStats(Protocol):
-    """Where the engine reports its work (``retool.backends.local.BackendStats``)."""
+    """Where the engine reports its work (``retool.backends.local.client.BackendStats``)."""
 
     def add_prefill(self, computed: int, seconds: float) -> None: ...
 

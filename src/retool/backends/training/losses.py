@@ -59,7 +59,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from retool.backends.types import ForwardBackwardResult
+from retool.backends.interface.types import ForwardBackwardResult
 
 DEFAULT_CLIP_LOW = 0.8
 DEFAULT_CLIP_HIGH = 1.28

@@ -11,13 +11,13 @@ import asyncio
 from collections.abc import Coroutine, Sequence
 from typing import Any, TypeVar
 
-from retool.backends.reduction import ReductionReport
-from retool.backends.types import (
+from retool.backends.interface.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
     LossName,
     OptimStepResult,
+    ReductionReport,
     Sample,
     SamplingParams,
 )
@@ -88,7 +88,7 @@ class TrainingClient(abc.ABC):
         self, loss_fn: str, loss_config: dict[str, float] | None = None
     ) -> list[ReductionReport]:
         """Hook the trainer calls once per run, before training: a backend whose service normalises the
-        loss its own way measures how (``retool.backends.reduction``) and adopts it, or raises. The loss
+        loss its own way measures how (``retool.backends.training.reduction``) and adopts it, or raises. The loss
         is computed here by default, so there is nothing to check."""
         return []
 
@@ -96,7 +96,7 @@ class TrainingClient(abc.ABC):
     def one_call_per_step(self) -> bool:
         """True when an optimizer step must reach the backend as one ``forward_backward`` call (a service
         whose reduction divides the step's gradient by the datums it accumulated,
-        ``retool.backends.reduction``); ``retool.train.step.train_step`` reads it."""
+        ``retool.backends.training.reduction``); ``retool.train.step.train_step`` reads it."""
         return False
 
     def fault_counters(self) -> dict[str, float]:

@@ -14,7 +14,7 @@ every byte. An entry whose tokens are a prefix of a newly stored one is dropped 
 every request the old one could). Least recently used entries are evicted beyond ``max_bytes``.
 
 Namespaces: ``space`` (default ``None``) keeps apart entries whose KV came from different weights that
-share one cache (the LoRA adapters of one shared-base engine, ``retool.backends.multi_lora``): a lookup
+share one cache (the LoRA adapters of one shared-base engine, ``retool.backends.samplers.multi_lora``): a lookup
 only ever finds entries stored under its own space.
 
 Validity: KV computed with old weights must never serve a request after the weights change. The owner

@@ -51,14 +51,13 @@ import logging
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
-from retool.backends.types import Datum, Tokenizer
+from retool.backends.interface.types import Datum, ReductionMode, ReductionReport, Tokenizer
 
 logger = logging.getLogger(__name__)
 
 IGNORE_INDEX = -100
-ReductionMode = Literal["sum", "samples", "active_tokens", "advantage_tokens", "sequence_mean"]
 REDUCTION_MODES: tuple[ReductionMode, ...] = (
     "sum",
     "samples",
@@ -182,18 +181,6 @@ def match_reduction(
 
 
 @dataclass(frozen=True)
-class ReductionReport:
-    """What the probe found for one loss: the matched mode and the numbers it was read from."""
-
-    loss_fn: str
-    mode: ReductionMode
-    denominator: int  # on the probe batch; 0 for ``sequence_mean`` (one per datum)
-    local_loss: float  # NaN when identified from gradient norms
-    server_loss: float  # NaN when identified from gradient norms
-    detail: str = ""  # what was measured, in words
-
-
-@dataclass(frozen=True)
 class LossProbe:
     """One forward pass scored two ways: by the service and here (for the reduction self-check)."""
 
@@ -205,7 +192,7 @@ class LossProbe:
 
 
 class ProbedService(Protocol):
-    """What the self-check needs of a remote adapter (``retool.backends.remote.RemoteTrainingClient``)."""
+    """What the self-check needs of a remote adapter (``retool.backends.remote.common.RemoteTrainingClient``)."""
 
     sdk_name: str
 

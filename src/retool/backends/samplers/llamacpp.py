@@ -45,16 +45,16 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
-from retool.backends.generation import GenRequest
-from retool.backends.local import LocalSamplingClient
-from retool.backends.types import Sample
+from retool.backends.engine.generation import GenRequest
+from retool.backends.interface.types import Sample
+from retool.backends.local.client import LocalSamplingClient
 from retool.jsonl import JsonValue
 
 if TYPE_CHECKING:
     import numpy as np
     import numpy.typing as npt
 
-    from retool.backends.local import LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
 
 logger = logging.getLogger(__name__)
 

@@ -11,9 +11,9 @@ and does not optimise while sampling, so this is on-policy; with LoRA dropout 0 
 logprobs match the sampler's to float precision (ratio 1).
 
 Concurrent ``sample_async`` calls are gathered for a few milliseconds and handed together to the
-continuous-batching engine of ``retool.backends.generation``: up to ``sample_batch_size`` sequences
+continuous-batching engine of ``retool.backends.engine.generation``: up to ``sample_batch_size`` sequences
 decode together, new ones join at step boundaries and finished ones leave at once. Its prefix cache
-(``retool.backends.prefix_cache``, ``prefix_cache_mb``, LRU) lets a request that extends a sequence
+(``retool.backends.engine.prefix_cache``, ``prefix_cache_mb``, LRU) lets a request that extends a sequence
 already run (a trajectory's next turn, a group's shared prompt) prefill only its new tokens. The cache is
 emptied whenever the weights change (``optim_step``, ``load_state``, ``mark_weights_changed``) or the
 sampling module does (the merged LoRA view switched on or off): KV computed with old weights never
@@ -71,12 +71,10 @@ import torch
 from safetensors.torch import load_file, load_model, save_model
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from retool.backends.base import SamplingClient, TrainingClient, run_sync
-from retool.backends.generation import ContinuousGenerator, GenRequest
-from retool.backends.losses import LOSS_NAMES, LossTally, token_loss
-from retool.backends.packing import pack_micro_batches, padding_efficiency
-from retool.backends.prefix_cache import PrefixCache
-from retool.backends.types import (
+from retool.backends.engine.generation import ContinuousGenerator, GenRequest
+from retool.backends.engine.prefix_cache import PrefixCache
+from retool.backends.interface.clients import SamplingClient, TrainingClient, run_sync
+from retool.backends.interface.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
@@ -85,6 +83,8 @@ from retool.backends.types import (
     Sample,
     SamplingParams,
 )
+from retool.backends.training.losses import LOSS_NAMES, LossTally, token_loss
+from retool.backends.training.packing import pack_micro_batches, padding_efficiency
 
 logger = logging.getLogger(__name__)
 
@@ -201,7 +201,7 @@ class BackendStats:
         self.prefill_tokens += sum(len(r.prompt) for r in requests)
         self.prompt_tokens += sum(len(r.prompt) for r in requests)
 
-    # The local engine's reports (``retool.backends.generation.SamplingStats``).
+    # The local engine's reports (``retool.backends.engine.generation.SamplingStats``).
     def add_prefill(self, computed: int, seconds: float) -> None:
         self.prefill_tokens += computed
         self.prefill_seconds += seconds
@@ -395,11 +395,13 @@ class LocalSamplingClient(SamplingClient):
     """Batched sampler over the owning trainer's current weights (a live view; see the module docstring).
 
     Concurrent requests are gathered for ``gather_ms`` and handed to ``engine`` (continuous batching,
-    ``retool.backends.generation``) together; samplers without an engine (external engines: vLLM,
+    ``retool.backends.engine.generation``) together; samplers without an engine (external engines: vLLM,
     llama.cpp) override ``_run_batch``, which runs each gathered batch on the worker thread.
     """
 
-    adapter: Hashable = None  # the adapter its rows name on a shared engine (``retool.backends.multi_lora``)
+    adapter: Hashable = (
+        None  # the adapter its rows name on a shared engine (``retool.backends.samplers.multi_lora``)
+    )
 
     def __init__(
         self, owner: LocalTrainingClient, gather_ms: float = 5.0, engine: ContinuousGenerator | None = None
@@ -718,7 +720,7 @@ class LocalTrainingClient(TrainingClient):
 
     @property
     def prefix_cache(self) -> PrefixCache:
-        """The live sampler's prefix cache (``retool.backends.prefix_cache``)."""
+        """The live sampler's prefix cache (``retool.backends.engine.prefix_cache``)."""
         return self.engine.cache
 
     @property
@@ -1028,7 +1030,7 @@ class LocalTrainingClient(TrainingClient):
 
     async def zero_grad_async(self) -> None:
         """Discard the gradient accumulated since the last ``optim_step`` (the guard of
-        ``retool.backends.guarded`` replays a step's ``forward_backward`` calls after it). Queued on the
+        ``retool.backends.remote.guarded`` replays a step's ``forward_backward`` calls after it). Queued on the
         worker thread, so it runs after any call still in flight there."""
         await self._on_worker(self._zero_grad)
 

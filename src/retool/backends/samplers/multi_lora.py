@@ -5,7 +5,7 @@
 for each group of rows sampling through the same adapter, that adapter's ``scale * B(A x)`` to those rows
 only (the multi-LoRA trick of Punica / S-LoRA / PEFT's ``adapter_names``, here over adapters that live in
 different clients' PEFT models). Rows of the base itself (``adapter=None``) get no delta. One
-``ContinuousGenerator`` (``retool.backends.generation``) on one thread decodes the rows of every adapter
+``ContinuousGenerator`` (``retool.backends.engine.generation``) on one thread decodes the rows of every adapter
 together: before each forward it hands the engine each row's adapter (``_select``), so requests of eight
 clients with eight adapters share decode steps as eight requests of one adapter do. With three or more
 adapters on a linear, their rows' A and scaled B are stacked once per batch composition and applied by
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from retool.backends.local import (
+from retool.backends.local.client import (
     BackendStats,
     LocalSamplingClient,
     LocalTrainingClient,

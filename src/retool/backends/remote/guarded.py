@@ -44,14 +44,14 @@ from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from retool.backends.base import SamplingClient, TrainingClient
-from retool.backends.reduction import ReductionReport
-from retool.backends.types import (
+from retool.backends.interface.clients import SamplingClient, TrainingClient
+from retool.backends.interface.types import (
     AdamParams,
     Datum,
     ForwardBackwardResult,
     LossName,
     OptimStepResult,
+    ReductionReport,
     Sample,
     SamplingParams,
 )

@@ -25,7 +25,7 @@ SDK facts this relies on (tinker 0.38.0, read from its code):
   text; ``stop=None`` keeps EOS as a stop while an explicit list replaces it (so the adapter appends EOS to
   any stop list). Paths look like ``tinker://<run>/weights/<name>``.
 
-Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote``):
+Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote.common``):
 
 - Every training request carries ``seq_id``, reserved once per call from the training client's counter
   (``lib/public_interfaces/training_client.py``: ``seq_id=request_id + 1``); the service orders a model's
@@ -87,16 +87,15 @@ from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
 
-from retool.backends.reduction import ReductionMode
-from retool.backends.remote import (
-    BackendUnavailableError,
+from retool.backends.interface.errors import BackendUnavailableError, sdk_label
+from retool.backends.interface.types import ReductionMode
+from retool.backends.remote.common import (
     PendingCall,
     RemoteTrainingClient,
     check_sdk_kwargs,
     import_sdk,
     local_tokenizer,
     resolve,
-    sdk_label,
 )
 from retool.retry import Failure, status_code_of
 
