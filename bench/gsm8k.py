@@ -259,7 +259,7 @@ def demo_lines(demos: dict[int, dict[str, Any]]) -> str:
         ev = rep["evals"]
         conv = rep["sft"].get("conversion", {})
         lines.append(
-            f"| {seed} | {t['total'] / 60:.1f} min | {rep['machine'].get('peak_rss_gib', 0):.1f} GiB "
+            f"| {seed} | {t['total'] / 60:.1f} min | {rep['machine'].get('peak_rss_gib', 0):.1f} GiB | "
             + " | ".join(
                 f"{t.get(k, 0) / 60:.1f} min" for k in ("eval_base", "sft", "eval_sft", "rl", "eval_rl")
             )

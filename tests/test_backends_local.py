@@ -361,6 +361,31 @@ def test_micro_batches_accumulate_to_full_batch_gradient(tiny_model_dir: Path, l
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-8)
 
 
+def test_training_forwards_autocast_when_asked_and_sampling_never(tiny_model_dir: Path) -> None:
+    from retool.backends.local.client import autocast_dtype
+
+    c = LocalTrainingClient(tiny_model_dir, lora=None, device="cpu", seed=0)
+    datums = _synthetic_datums(3, [12, 20], c.vocab_size)
+    fp32 = c.forward(datums, "cross_entropy")
+    c.train_autocast = torch.bfloat16
+    bf16 = c.forward(datums, "cross_entropy")
+    c.forward_backward(datums, "cross_entropy")
+    grads = _grads(c)
+    _zero(c)
+    prompt = _prompt(c, "Solve the problem.")
+    greedy = c.sample(prompt, 1, SamplingParams(max_tokens=8, temperature=0.0))[0]
+    c.train_autocast = None
+    assert bf16.loss != fp32.loss and bf16.loss == pytest.approx(fp32.loss, rel=2e-2)  # bf16 rounding only
+    assert all(g.dtype == torch.float32 for g in grads) and any(g.abs().sum() > 0 for g in grads)
+    assert c.sample(prompt, 1, SamplingParams(max_tokens=8, temperature=0.0))[0].logprobs == greedy.logprobs
+    assert autocast_dtype("off", torch.device("cpu")) is None
+    assert autocast_dtype("bfloat16", torch.device("cpu")) is torch.bfloat16
+    native = torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+    assert autocast_dtype("auto", torch.device("cpu")) is (torch.bfloat16 if native else None)
+    with pytest.raises(ValueError, match="off, bfloat16 or auto"):
+        autocast_dtype("fp8", torch.device("cpu"))
+
+
 def test_optim_step_changes_weights_and_clips(tiny_model_dir: Path) -> None:
     c = LocalTrainingClient(tiny_model_dir, lora=None, device="cpu", seed=0)
     datums = _synthetic_datums(2, [12, 18], c.vocab_size)

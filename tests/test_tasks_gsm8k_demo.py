@@ -133,3 +133,16 @@ def test_the_gsm8k_demo_end_to_end_on_smollm2(shared_data: Path, tmp_path: Path)
     assert result.gain["average_at_n"]["problems"] == 3
     evals: dict[str, Any] = report["evals"]
     assert set(evals) == {"base", "sft", "rl"}
+
+
+def test_the_rl_curriculum_keeps_short_train_solutions_only(shared_data: Path) -> None:
+    from retool.data.annotated import ParseFailure, parse_solution
+
+    config = real_model_settings("smollm2", task="gsm8k").config
+    config = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(shared_data)})})
+    rows = [json.loads(x) for x in (shared_data / "gsm8k_train.jsonl").read_text().splitlines()]
+    steps = [0 if isinstance(p := parse_solution(r["answer"]), ParseFailure) else len(p.steps) for r in rows]
+    short = gsm8k_source(config, max_solution_steps=2).problems("train")
+    assert [p.id for p in short] == [f"gsm8k-train-{i}" for i, n in enumerate(steps) if 1 <= n <= 2]
+    assert {p.question for p in short} <= {r["question"] for r in rows}
+    assert len(gsm8k_source(config, 2).problems("test")) == 1319  # the test split is never filtered

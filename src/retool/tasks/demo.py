@@ -112,8 +112,9 @@ class DemoSettings:
     ``base_eval_problems`` (zero-shot eval of the model before SFT on every k-th held-out problem, in
     ``base_eval_modes``).
     ``task``: ``synthetic`` (the task family) or ``gsm8k`` (``retool.tasks.gsm8k_task``, real models only:
-    cold start from ``coldstart_rows`` annotated GSM8K train solutions, RL on GSM8K's train split, the
-    held-out set ``gsm8k_problems`` test problems). ``eval_temperature``: the evaluations' sampling
+    cold start from ``coldstart_rows`` annotated GSM8K train solutions, RL on GSM8K's train split (only
+    problems solved in at most ``rl_max_solution_steps`` annotated steps, when > 0), the held-out set
+    ``gsm8k_problems`` test problems). ``eval_temperature``: the evaluations' sampling
     temperature (None: ``[sampling]``'s, as in RL; 0: greedy).
     ``resume``: continue the run in ``out`` (finished phases skipped, RL from its last checkpoint, an
     evaluation from its JSONL); the settings must match its ``settings.json``.
@@ -132,6 +133,7 @@ class DemoSettings:
     base_eval_modes: tuple[str, ...] = ("retool",)
     task: str = "synthetic"
     coldstart_rows: int = 0
+    rl_max_solution_steps: int = 0
     eval_temperature: float | None = None
     resume: bool = False
 
@@ -215,7 +217,7 @@ def with_available_isolation(config: Config) -> Config:
 def demo_source(settings: DemoSettings, config: Config) -> ProblemSource:
     """The problems RL trains on: the synthetic task family, or GSM8K's train split (``task``)."""
     if settings.task == GSM8K_TASK:
-        source = gsm8k_source(config)
+        source = gsm8k_source(config, settings.rl_max_solution_steps)
         source.problems("train")  # the leak check, before any model loads
         return source
     return task_source(config)
@@ -307,6 +309,22 @@ def gsm8k_cold_start(parts: Components, settings: DemoSettings, config: Config, 
     )
     report.conversion = conversion
     return report
+
+
+def _cold_start(
+    settings: DemoSettings, parts: Components, train: Sequence[Task], config: Config, emit: Event
+) -> SFTReport:
+    """The task's cold-start SFT, its forwards autocast as ``sft.autocast`` says (the SFT phase only)."""
+    from retool.backends.local.client import autocast_dtype  # deferred: torch (~2 s)
+
+    client = local_backend(parts)
+    client.train_autocast = autocast_dtype(config.sft.autocast, client.device)
+    try:
+        if settings.task == GSM8K_TASK:
+            return gsm8k_cold_start(parts, settings, config, emit)
+        return cold_start_sft(parts, train, config, emit)
+    finally:
+        client.train_autocast = None
 
 
 def save_hf(client: LocalTrainingClient, folder: Path) -> Path:
@@ -711,10 +729,7 @@ def _sft_phase(
                 clock.done("eval_base")
             emit("phase", {"phase": "sft", "detail": _trainable(client)})
             clock.measure(parts)
-            if settings.task == GSM8K_TASK:
-                report = gsm8k_cold_start(parts, settings, sft_config, emit)
-            else:
-                report = cold_start_sft(parts, train, sft_config, emit)
+            report = _cold_start(settings, parts, train, sft_config, emit)
             save_hf(client, model_sft)
             clock.result.sft = report.as_dict()
             (out / "sft_report.json").write_text(json.dumps(clock.result.sft, indent=2) + "\n")

@@ -21,10 +21,12 @@ from pathlib import Path
 
 from retool.components import Components
 from retool.config import Config
+from retool.data.annotated import ParseFailure, parse_solution
 from retool.data.gsm8k import TRAIN_FILE, default_data_dir, gsm8k_problems, gsm8k_split
 from retool.data.problem import Problem
 from retool.data.readers import DataError
 from retool.env.gsm8k import Gsm8kSource
+from retool.env.source import Split
 from retool.jsonl import JsonObject
 from retool.tasks.coldstart import ConvertReport, convert_file, read_examples, write_examples, write_rejects
 from retool.tasks.sft import SFTExample
@@ -35,9 +37,42 @@ TASK = "gsm8k"
 COLDSTART_DIR = "coldstart"
 
 
-def gsm8k_source(config: Config) -> Gsm8kSource:
-    """GSM8K's train split to train on, refusing to start if any train question is a test question."""
+def gsm8k_source(config: Config, max_solution_steps: int = 0) -> Gsm8kSource:
+    """GSM8K's train split to train on, refusing to start if any train question is a test question;
+    with ``max_solution_steps``, only problems whose reference solution has at most that many annotated
+    steps (the test split is never filtered)."""
+    if max_solution_steps > 0:
+        return ShortSolutionSource(config.data.data_dir, max_solution_steps, shuffle=config.data.shuffle)
     return Gsm8kSource(config.data.data_dir, shuffle=config.data.shuffle, strict=True)
+
+
+class ShortSolutionSource(Gsm8kSource):
+    """GSM8K whose train split keeps the problems solved in at most ``max_steps`` annotated steps: an RL
+    curriculum for a model that solves few long ones (a group whose every answer fails teaches nothing)."""
+
+    def __init__(self, data_dir: str | None, max_steps: int, *, shuffle: bool = True) -> None:
+        super().__init__(data_dir, shuffle=shuffle, strict=True, name=f"gsm8k (<= {max_steps} steps)")
+        self.max_steps = max_steps
+
+    def _read(self, split: Split) -> list[Problem]:
+        problems = super()._read(split)
+        if split != "train":
+            return problems
+        steps = solution_steps(train_file(self.data_dir))
+        return [p for p in problems if 0 < steps.get(p.id, 0) <= self.max_steps]
+
+
+def solution_steps(path: Path) -> dict[str, int]:
+    """Annotated steps of each train solution (0: none parsed), by problem id (``gsm8k-train-<row>``)."""
+    out: dict[str, int] = {}
+    with path.open(encoding="utf-8") as fh:
+        for i, line in enumerate(ln for ln in fh if ln.strip()):
+            row = json.loads(line)
+            parsed = parse_solution(str(row.get("answer", "")))
+            out[f"gsm8k-train-{row.get('idx', i)}"] = (
+                0 if isinstance(parsed, ParseFailure) else len(parsed.steps)
+            )
+    return out
 
 
 def held_out_problems(n: int, data_dir: str | None, seed: int) -> list[Problem]:
@@ -50,7 +85,7 @@ def held_out_problems(n: int, data_dir: str | None, seed: int) -> list[Problem]:
     return gsm8k_problems(n, data_dir, seed=seed)
 
 
-def train_file(data_dir: str | None) -> Path:
+def train_file(data_dir: str | Path | None) -> Path:
     folder = Path(data_dir) if data_dir is not None else default_data_dir()
     path = folder / TRAIN_FILE if folder is not None else None
     if path is None or not path.is_file():

@@ -45,6 +45,7 @@ class DemoFields(TypedDict, total=False):
     base_eval_modes: tuple[str, ...]
     task: str
     coldstart_rows: int
+    rl_max_solution_steps: int
     eval_temperature: float | None
     resume: bool
 
@@ -100,10 +101,11 @@ SMOLLM2_GSM8K_FIELDS: DemoFields = {
     "out": "runs/demo-smollm2-gsm8k",
     "task": "gsm8k",
     "gsm8k_problems": 100,
-    "base_eval_problems": 100,
+    "base_eval_problems": 50,  # the base model rambles to the token budget: the costliest samples
     "base_eval_modes": ("text-only", "retool"),
     "eval_modes": ("text-only", "retool"),
-    "coldstart_rows": 400,
+    "coldstart_rows": 800,
+    "rl_max_solution_steps": 3,  # 63% of train: where the cold-started model solves any
     "eval_temperature": 0.0,
 }
 
