@@ -11,6 +11,12 @@ instance of it, the same settings), the +1/-1 boxed-answer reward by this projec
 same learning rate and betas (constant schedule), PPO-clip with the same thresholds, fp32, the same torch
 threads; TRL's defaults that differ are set to match (``bench/_peers.py``, ``trl_grpo_args``).
 
+``--task gsm8k``: the same on GSM8K instead of the synthetic tasks: the start is cold-started on GSM8K's
+annotated train solutions turned into tool trajectories in the Hermes format of the Qwen2.5 template (one
+call per annotated step, so the start calls the tool several times per problem), both arms train on the
+short-solution train problems of the ``demo-smollm2-gsm8k`` preset (4 questions x 8 samples, LoRA r16 on
+every linear, its budgets) and the held-out evaluation is a GSM8K test slice, greedy.
+
 Arms (``--arms``): ``trl``; ``retool`` (the preset); and retool-rl with one feature off each, for the
 decomposition: ``no-skip`` (dynamic sampling off), ``no-prefix`` (prefix cache off), ``round-sync``
 (round-synchronous rollouts), ``subprocess`` (a fresh Python process per tool call). Each arm is its own
@@ -33,6 +39,7 @@ import os
 import subprocess
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 from types import SimpleNamespace
 from typing import Any
@@ -56,8 +63,8 @@ def require_trl() -> str:
 # -- the starting checkpoint --------------------------------------------------------------------------
 
 
-def prepare(work: Path, sft_steps: int, log: Any = print) -> Path:
-    """SmolLM2 with the Qwen2.5 tool template, cold-start SFT'd (merged): made once, reused."""
+def prepare(work: Path, sft_steps: int | None, task: str = "synthetic", log: Any = print) -> Path:
+    """SmolLM2 with the Qwen2.5 tool template, cold-start SFT'd (merged) on ``task``: made once, reused."""
     import shutil  # deferred: preparation only
 
     from transformers import AutoTokenizer
@@ -66,7 +73,8 @@ def prepare(work: Path, sft_steps: int, log: Any = print) -> Path:
     from _models import smollm2_folder
     from retool.tasks.demo import real_model_settings, run_sft
 
-    sft = work / "sft" / "model_sft"
+    folder = work / ("sft" if task == "synthetic" else f"sft-{task}")
+    sft = folder / "model_sft"
     if (sft / "config.json").is_file():
         return sft
     base = smollm2_folder(work)
@@ -76,19 +84,20 @@ def prepare(work: Path, sft_steps: int, log: Any = print) -> Path:
         tok = AutoTokenizer.from_pretrained(str(tpl))
         tok.chat_template = qwen2_5_chat_template
         tok.save_pretrained(str(tpl))
-    log(f"cold-start SFT of {tpl} ({sft_steps} steps; once)")
-    settings = real_model_settings(
-        "smollm2", [f"model.name={tpl}", f"sft.steps={sft_steps}"], out=str(work / "sft")
-    )
+    log(f"cold-start SFT of {tpl} ({task}, {sft_steps or 'the preset'}'s steps; once)")
+    steps = [f"sft.steps={sft_steps}"] if sft_steps else []
+    settings = real_model_settings("smollm2", [f"model.name={tpl}", *steps], task=task, out=str(folder))
     run_sft(settings, model=tpl, evaluate=False)
     return sft
 
 
-def job_config(model: Path, threads: int, completion: int, prompt_tokens: int, extra: list[str]) -> Any:
+def job_config(
+    model: Path, threads: int, completion: int, prompt_tokens: int, extra: list[str], task: str = "synthetic"
+) -> Any:
     from _peers import retool_overrides
     from retool.config import load_config, override_config
 
-    cfg = load_config("demo-smollm2")
+    cfg = load_config("demo-smollm2" if task == "synthetic" else f"demo-smollm2-{task}")
     cfg = override_config(
         cfg, [f"model.name={model}", f"backend.cpu_threads={threads}", "backend.prefix_cache_mb=768"]
     )
@@ -113,7 +122,7 @@ def retool_worker(job: dict[str, Any]) -> None:
 
     from retool.components import build_components
     from retool.config import Config
-    from retool.tasks.demo import local_backend, save_hf, task_source, with_available_isolation
+    from retool.tasks.demo import local_backend, save_hf, with_available_isolation
     from retool.train.loop import Trainer
 
     torch.set_num_threads(job["threads"])
@@ -121,7 +130,7 @@ def retool_worker(job: dict[str, Any]) -> None:
     cfg = with_available_isolation(Config.model_validate(job["config"]))
     out = Path(job["out"])
     with build_components(cfg) as parts:
-        source = task_source(cfg)
+        source = training_source(cfg, job.get("task", "synthetic"))
         _emit("ready", {})
         if not _wait_go():
             return
@@ -386,11 +395,22 @@ class Arm:
         self.stderr.close()
 
 
-def problem_order(cfg: Any, n: int) -> list[dict[str, str]]:
-    """The first ``n`` training problems in retool-rl's order (its data stream, seed and epoch 0)."""
-    from retool.tasks.demo import task_source
+def training_source(cfg: Any, task: str) -> Any:
+    """The problems both arms train on: the synthetic task family, or GSM8K's short-solution train
+    problems (the ``demo-smollm2-gsm8k`` demo's curriculum)."""
+    from retool.tasks.demo import DemoSettings, demo_source
+    from retool.tasks.real_model import REAL_MODELS
 
-    problems = task_source(cfg).epoch(cfg.data.seed, 0)[:n]
+    fields = REAL_MODELS["smollm2"].task(task)[1]
+    settings = DemoSettings(
+        config=cfg, task=task, rl_max_solution_steps=fields.get("rl_max_solution_steps", 0)
+    )
+    return demo_source(settings, cfg)
+
+
+def problem_order(cfg: Any, n: int, task: str = "synthetic") -> list[dict[str, str]]:
+    """The first ``n`` training problems in retool-rl's order (its data stream, seed and epoch 0)."""
+    problems = training_source(cfg, task).epoch(cfg.data.seed, 0)[:n]
     return [{"question": p.question, "answer": str(p.answer)} for p in problems]
 
 
@@ -413,7 +433,8 @@ def main() -> None:
     ap.add_argument("--completion-tokens", type=int, default=256, help="TRL's max_completion_length")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every arm")
     ap.add_argument("--heldout", type=int, default=16, help="held-out hard problems (x 2 samples)")
-    ap.add_argument("--sft-steps", type=int, default=20)
+    ap.add_argument("--sft-steps", type=int, default=None, help="(default: 20; gsm8k: the preset's)")
+    ap.add_argument("--task", choices=["synthetic", "gsm8k"], default="synthetic")
     ap.add_argument("--start", help="an HF folder to start from instead of the SFT'd model (smoke runs)")
     ap.add_argument("--work", default=str(ROOT / "runs" / "peers"))
     ap.add_argument("--write", action="store_true", help="write docs/results/peers.md")
@@ -436,11 +457,12 @@ def run_bench(args: argparse.Namespace) -> None:
     trl_version = require_trl()
     work = Path(args.work)
     t_all = time.perf_counter()
-    sft = Path(args.start) if args.start else prepare(work, args.sft_steps)
-    base_cfg = job_config(sft, args.threads, args.completion_tokens, 0, [])
+    sft_steps = args.sft_steps or (20 if args.task == "synthetic" else None)
+    sft = Path(args.start) if args.start else prepare(work, sft_steps, args.task)
+    base_cfg = job_config(sft, args.threads, args.completion_tokens, 0, [], args.task)
     per_step = base_cfg.rollout.questions_per_step
     # Dynamic sampling draws up to one extra round: the order holds enough problems for TRL's plain walk.
-    problems = problem_order(base_cfg, per_step * args.steps)
+    problems = problem_order(base_cfg, per_step * args.steps, args.task)
     plen = prompt_length(sft, base_cfg, problems)
     run = work / time.strftime("run-%Y%m%d-%H%M%S")
     run.mkdir(parents=True)
@@ -482,10 +504,11 @@ def finish_report(result: dict[str, Any], run: Path, to_docs: bool) -> None:
         a = SimpleNamespace(**result["args"])
         sft = Path(result["start"])
         # The evaluation's trajectory budget: the job's (prompt + completion budget), as in training.
-        cfg = job_config(sft, a.threads, a.completion_tokens, int(result["prompt_tokens"]), [])
+        task = getattr(a, "task", "synthetic")
+        cfg = job_config(sft, a.threads, a.completion_tokens, int(result["prompt_tokens"]), [], task)
         names = [n for n in result["records"] if n in ("trl", "retool")]
         t = time.perf_counter()
-        result["accuracy"] = heldout_accuracy(sft, run, cfg, a.heldout, names)
+        result["accuracy"] = heldout_accuracy(sft, run, cfg, a.heldout, names, task)
         result["total_s"] = result.get("total_s", 0.0) + time.perf_counter() - t
         (run / "result.json").write_text(json.dumps(result, indent=1))
     write_report(result, run, to_docs)
@@ -507,8 +530,11 @@ def start_arm(
         extra = ["filters.dynamic_sampling=false"]
     steps = args.steps if name in ("trl", "retool") else min(args.steps, args.ablation_steps)
     # train.steps too: the trainer runs its own loop, and would go on past the bench's steps.
-    cfg = job_config(sft, args.threads, args.completion_tokens, plen, [*extra, f"train.steps={steps}"])
+    cfg = job_config(
+        sft, args.threads, args.completion_tokens, plen, [*extra, f"train.steps={steps}"], args.task
+    )
     job = {
+        "task": args.task,
         "config": cfg.model_dump(mode="json"),
         "threads": args.threads,
         "steps": steps,
@@ -520,9 +546,12 @@ def start_arm(
     return Arm(name, job, run)
 
 
-def heldout_accuracy(sft: Path, run: Path, cfg: Any, n: int, arms: list[str]) -> dict[str, dict[str, float]]:
-    """Average@2 / tool use of the SFT start and each arm's end model on ``n`` held-out hard problems,
-    by this project's evaluator (the same sampler, sandbox and verifier for all)."""
+def heldout_accuracy(
+    sft: Path, run: Path, cfg: Any, n: int, arms: list[str], task: str = "synthetic"
+) -> dict[str, dict[str, float]]:
+    """Average@2 / tool use of the SFT start and each arm's end model on ``n`` held-out hard problems
+    (``gsm8k``: a GSM8K test slice of ``n``, greedy, one answer each), by this project's evaluator (the
+    same sampler, sandbox and verifier for all)."""
     from retool.components import build_components
     from retool.tasks.demo import (
         DemoSettings,
@@ -537,7 +566,13 @@ def heldout_accuracy(sft: Path, run: Path, cfg: Any, n: int, arms: list[str]) ->
         cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"enabled": False})})
     )
     settings = DemoSettings(config=cfg, test_hard_fraction=1.0, eval_modes=("retool",), plots=False)
-    _, _, problems = held_out(settings, task_source(cfg))
+    rate = "hard_tool_call_rate"
+    if task == "synthetic":
+        _, _, problems = held_out(settings, task_source(cfg))
+    else:
+        settings = replace(settings, task=task, gsm8k_problems=n, eval_temperature=0.0)
+        _, _, problems = held_out(settings, training_source(cfg, task))
+        rate = "tool_call_rate"
     out: dict[str, dict[str, float]] = {}
     for label, model in [("sft", sft), *[(a, run / a / "model") for a in arms]]:
         eval_cfg = phase_config(cfg, model, run / "eval" / label)
@@ -545,7 +580,8 @@ def heldout_accuracy(sft: Path, run: Path, cfg: Any, n: int, arms: list[str]) ->
             s = evaluate_modes(parts, problems[:n], settings, eval_cfg, run / "eval", label, ["retool"])[
                 "retool"
             ]
-        out[label] = {k: float(s[k]) for k in ("average_at_n", "format_rate", "hard_tool_call_rate")}  # type: ignore[literal-required]
+        out[label] = {k: float(s[k]) for k in ("average_at_n", "format_rate", rate)}  # type: ignore[literal-required]
+        out[label]["hard_tool_call_rate"] = out[label][rate]  # the report's column: calls on the held-out set
         print(f"held-out {label}: {out[label]}", flush=True)
     return out
 
@@ -605,24 +641,35 @@ def report(result: dict[str, Any]) -> str:
 
     versions = installed("torch", "transformers", "peft", "trl")
     a, records = SimpleNamespace(**result["args"]), result["records"]
+    task = getattr(a, "task", "synthetic")
+    cfg = job_config(Path(result["start"]), a.threads, a.completion_tokens, 0, [], task)
+    r = cfg.rollout
+    job_what = (
+        f"{a.sft_steps or 20} steps on the synthetic tasks"
+        if task == "synthetic"
+        else f"{cfg.sft.steps} steps x {cfg.sft.batch_size} GSM8K train trajectories, a call per annotated step"
+    )
     walls = {name: [r["wall_s"] for r in recs] for name, recs in records.items()}
     steps = max(len(v) for v in records.values())
     lines = [
         "# Against a peer: TRL GRPOTrainer vs retool train, the same job side by side",
         "",
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python bench/peers.py"
+        f"{' --task gsm8k' if task != 'synthetic' else ''}"
         f" --steps {a.steps} --ablation-steps {a.ablation_steps} --arms {a.arms} --completion-tokens"
         f" {a.completion_tokens} --threads {a.threads} --heldout {a.heldout}`"
         f" (bench total {result.get('total_s', 0) / 60:.1f} min).",
         f"Machine: {result['machine']}; load average at the end"
         f" {' '.join(f'{x:.1f}' for x in os.getloadavg())}. Versions: {versions}.",
         "",
-        "Job: SmolLM2-135M-Instruct (fp32) with the Qwen2.5 tool template, this project's cold-start SFT"
-        f" ({a.sft_steps} steps) merged; a fresh LoRA r16 (q/k/v/o) per arm; the same problems in the same"
-        f" order, 4 questions x 4 samples; prompts <= {result['prompt_tokens']} tokens, the same tokens in"
-        f" both; completion budget {a.completion_tokens} tokens (retool-rl also 128 per turn); 2 code calls,"
-        " 3 turns, 64-token observations; each arm its own forkserver sandbox (strict), this project's"
-        " verifier; AdamW lr 1e-3 (0.9, 0.95), constant, clip-norm 1; PPO clip 0.8 / 1.28, one update per"
+        f"Job: SmolLM2-135M-Instruct (fp32) with the Qwen2.5 tool template, this project's cold-start SFT"
+        f" ({job_what}) merged; a fresh LoRA r{cfg.lora.rank} ({'/'.join(m[0] for m in cfg.lora.target_modules)})"
+        f" per arm; the same problems in the same order, {r.questions_per_step} questions x {r.group_size}"
+        f" samples; prompts <= {result['prompt_tokens']} tokens, the same tokens in both; completion budget"
+        f" {a.completion_tokens} tokens (retool-rl also {r.max_tokens_per_turn} per turn); {r.max_code_calls}"
+        f" code calls, {r.max_assistant_turns} turns, {r.max_observation_tokens}-token observations; each arm"
+        " its own forkserver sandbox (strict), this project's verifier; AdamW lr"
+        f" {cfg.optimizer.lr:g} (0.9, 0.95), constant, clip-norm 1; PPO clip 0.8 / 1.28, one update per"
         f" batch, no KL; {a.threads} torch threads; rounds alternating, one arm at a time. CPU s: the"
         " arm's process (sandbox children not counted). Trained tok: loss-bearing sampled tokens (TRL: every"
         " row; retool-rl: the rows of groups that train); sampled tok/s: over the rollout's wall time (tool"
@@ -646,11 +693,16 @@ def report(result: dict[str, Any]) -> str:
             "",
         ]
     accuracy = result.get("accuracy", {})
+    heldout_what = (
+        f"{a.heldout} hard synthetic problems x 2 samples"
+        if task == "synthetic"
+        else f"{a.heldout} GSM8K test problems, greedy, one answer each"
+    )
     lines += [
-        f"Held-out after the steps: {a.heldout} hard synthetic problems x 2 samples, by this project's"
-        " evaluator for every model (same sampler, sandbox, verifier):",
+        f"Held-out after the steps: {heldout_what}, by this project's evaluator for every model (same"
+        " sampler, sandbox, verifier):",
         "",
-        "| model | Average@2 | format | tool use (hard) |",
+        f"| model | Average@{cfg.eval.val_n if task != 'synthetic' else 2} | format | tool use |",
         "|---|---|---|---|",
         *[
             f"| {k} | {100 * v['average_at_n']:.1f}% | {100 * v['format_rate']:.1f}% |"

@@ -312,7 +312,12 @@ def gsm8k_cold_start(parts: Components, settings: DemoSettings, config: Config, 
 
 
 def _cold_start(
-    settings: DemoSettings, parts: Components, train: Sequence[Task], config: Config, emit: Event
+    settings: DemoSettings,
+    parts: Components,
+    train: Sequence[Task],
+    config: Config,
+    emit: Event,
+    on_examples: Callable[[int], None] | None = None,
 ) -> SFTReport:
     """The task's cold-start SFT, its forwards autocast as ``sft.autocast`` says (the SFT phase only)."""
     from retool.backends.local.client import autocast_dtype  # deferred: torch (~2 s)
@@ -322,7 +327,7 @@ def _cold_start(
     try:
         if settings.task == GSM8K_TASK:
             return gsm8k_cold_start(parts, settings, config, emit)
-        return cold_start_sft(parts, train, config, emit)
+        return cold_start_sft(parts, train, config, emit, on_examples)
     finally:
         client.train_autocast = None
 
@@ -862,7 +867,8 @@ def run_sft(
     on_event: Event | None = None,
     evaluate: bool = True,
 ) -> JsonObject:
-    """Cold-start SFT of ``model`` (default: a freshly built tiny model) on the task family.
+    """Cold-start SFT of ``model`` (default: a freshly built tiny model) on the task family, or (the
+    ``gsm8k`` task, a real model) on GSM8K's annotated train solutions.
 
     Writes ``<out>/model_sft`` (HF folder), ``sft_report.json`` and, if ``evaluate``, the retool-mode
     evaluation of the result on the held-out split: protocol-validity (format) rate and accuracy.
@@ -872,8 +878,10 @@ def run_sft(
     out.mkdir(parents=True, exist_ok=True)
     set_torch_threads(settings.config)
     config = with_available_isolation(settings.config)
-    source = task_source(config)
-    train = source.tasks("train")
+    source = demo_source(settings, config)
+    train = source.tasks("train") if isinstance(source, TaskFamilySource) else []
+    if model is None and settings.task != "synthetic":
+        raise ValueError(f"the {settings.task} task fine-tunes a real model: give one")
     if model is None:
         emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
         model = build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)
@@ -883,14 +891,15 @@ def run_sft(
         def announce(n: int) -> None:
             emit("phase", {"phase": "sft", "detail": f"{n} trajectories, {config.sft.steps} steps"})
 
-        report = cold_start_sft(parts, train, sft_config, emit, on_examples=announce)
+        report = _cold_start(settings, parts, train, sft_config, emit, on_examples=announce)
         save_hf(local_backend(parts), out / "model_sft")
         result: JsonObject = {"sft": report.as_dict(), "model": str(out / "model_sft")}
         if evaluate:
             only = dataclasses.replace(settings, eval_modes=("retool",))
-            test = source.problems("test")
+            _, _, test = held_out(settings, source) if not train else ([], [], source.problems("test"))
             summary = evaluate_modes(parts, test, only, sft_config, out / "eval", "sft")["retool"]
-            keys = ("format_rate", "average_at_n", "pass_at_n", "hard_tool_call_rate", "easy_accuracy")
-            result["eval"] = {k: summary[k] for k in (*keys, "hard_accuracy")}
+            keys = ("format_rate", "average_at_n", "pass_at_n", "tool_call_rate", "hard_tool_call_rate")
+            keys += ("easy_accuracy", "hard_accuracy", "gsm8k_accuracy")
+            result["eval"] = {k: summary[k] for k in keys if k in summary}
     (out / "sft_report.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
