@@ -898,8 +898,8 @@ def run_sft(
             only = dataclasses.replace(settings, eval_modes=("retool",))
             _, _, test = held_out(settings, source) if not train else ([], [], source.problems("test"))
             summary = evaluate_modes(parts, test, only, sft_config, out / "eval", "sft")["retool"]
-            keys = ("format_rate", "average_at_n", "pass_at_n", "tool_call_rate", "hard_tool_call_rate")
-            keys += ("easy_accuracy", "hard_accuracy", "gsm8k_accuracy")
+            keys: tuple[str, ...] = ("format_rate", "average_at_n", "pass_at_n", "tool_call_rate")
+            keys += ("hard_tool_call_rate", "easy_accuracy", "hard_accuracy", "gsm8k_accuracy")
             result["eval"] = {k: summary[k] for k in keys if k in summary}
     (out / "sft_report.json").write_text(json.dumps(result, indent=2) + "\n")
     return result
