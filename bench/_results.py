@@ -173,7 +173,7 @@ def write_printed(
     printed = rec.text.strip() if markdown else f"```text\n{rec.text.strip()}\n```"
     body = "\n\n".join(part for part in (load, note.strip(), printed) if part)
     path = write_result(name, title, body, packages)
-    print(f"written to {path.relative_to(REPO)}", file=sys.stderr)
+    print(f"written to {path}", file=sys.stderr)
     for page in render_pages():
-        print(f"refilled {page.relative_to(REPO)}", file=sys.stderr)
+        print(f"refilled {page}", file=sys.stderr)
     return path

@@ -23,14 +23,18 @@ then say what it means without restating it.
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from pathlib import Path
 
+import pytest
+
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "bench"))
 
-from _results import BLOCK, pages, quoted, render  # noqa: E402  (bench/ is not a package)
+import _results  # noqa: E402  (bench/ is not a package)
+from _results import BLOCK, pages, quoted, recording, render, write_printed  # noqa: E402
 
 
 def test_every_generated_block_is_its_results_file() -> None:
@@ -48,7 +52,9 @@ def test_every_generated_block_is_its_results_file() -> None:
 def test_results_files_hold_only_what_a_bench_printed() -> None:
     # A reading belongs on the page that quotes the file, in words; the file stays the bench's output.
     for path in sorted((REPO / "docs" / "results").iterdir()):
-        assert "by hand" not in path.read_text(), f"{path.name} was edited by hand; rerun its bench with --write"
+        assert "by hand" not in path.read_text(), (
+            f"{path.name} was edited by hand; rerun its bench with --write"
+        )
 
 
 def test_render_refills_a_stale_block(tmp_path: Path) -> None:
@@ -60,6 +66,40 @@ def test_render_refills_a_stale_block(tmp_path: Path) -> None:
     fresh = render(stale)
     assert "hand-typed" not in fresh and quoted(source) in fresh
     assert fresh.startswith("intro\n") and fresh.endswith("after\n")
+
+
+def test_a_bench_writes_what_it_printed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    page = tmp_path / "page.md"
+    page.write_text("intro\n<!-- generated: docs/results/x.md -->\nold\n<!-- /generated -->\n")
+    monkeypatch.setattr(_results, "REPO", tmp_path)
+    monkeypatch.setattr(_results, "RESULTS", tmp_path / "docs" / "results")
+    monkeypatch.setattr(_results, "pages", lambda: [page])
+    with recording(False) as off:
+        print("not copied")
+    assert off.text == ""
+    with recording() as rec:
+        print("| k | step s |\n| 1 | 9.3 |")
+    assert rec.text == "| k | step s |\n| 1 | 9.3 |\n" and rec.load_end
+    path = write_printed("x.md", "A bench", rec)
+    text = path.read_text()
+    assert text.startswith("# A bench\n\nWritten by `python ") and "Load average" in text
+    assert text.endswith("```text\n| k | step s |\n| 1 | 9.3 |\n```\n")
+    assert quoted(path) in page.read_text() and "old" not in page.read_text()
+
+
+def test_the_real_model_demo_bench_reads_a_finished_run(tmp_path: Path) -> None:
+    import real_model_demo
+
+    report = {
+        "settings": {"seed": 0, "config": {"model": {"name": "smollm2"}, "train": {"steps": 12}}},
+        "timings": {"total": 700.0, "rl_share": 0.4},
+        "machine": {"cpu": "a CPU", "cpus": 2, "peak_rss_gib": 9.5, "torch_threads": 2},
+    }
+    (tmp_path / "report.json").write_text(json.dumps(report))
+    (tmp_path / "report.md").write_text("| model | mode |\n|---|---|\n| rl | retool |\n")
+    text = real_model_demo.summary(tmp_path, wall=720.0)
+    assert "smollm2, seed 0, 12 RL steps" in text and "peak RSS 9.5 GiB" in text and "720 s" in text
+    assert text.endswith("| rl | retool |\n")
 
 
 def test_the_readme_is_a_front_door() -> None:
