@@ -11,16 +11,28 @@ body. A page quotes one with a generated block, whose text is that file without 
 ``render_pages()`` rewrites every such block from its file (a bench calls it after writing); the suite
 checks that each block still equals its file (``tests/test_docs_results.py``), so a figure in the README
 is always the one a bench wrote.
+
+Most benches print a plain-text report; with ``--write`` they run inside ``recording()``, which copies
+what they print, and ``write_printed()`` turns that copy into the results file (the report verbatim, with
+the machine's load average at the start and the end of the run: a busy 2-core machine moves the absolute
+numbers, and the reader should know how busy it was).
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import io
+import os
 import re
 import shlex
 import sys
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
 from importlib import metadata
 from pathlib import Path
+from typing import TextIO
 
 from _machine import machine  # bench/, on sys.path when run as a script
 
@@ -84,3 +96,84 @@ def render_pages() -> list[Path]:
             page.write_text(new)
             changed.append(page)
     return changed
+
+
+def load_average() -> str:
+    """The 1 / 5 / 15-minute load averages, as ``a b c``."""
+    try:
+        return " ".join(f"{x:.1f}" for x in os.getloadavg())
+    except OSError:
+        return "n/a"
+
+
+class _Tee(io.TextIOBase):
+    """Writes go to the terminal and to the recording alike."""
+
+    def __init__(self, terminal: TextIO, copy: io.StringIO) -> None:
+        self.terminal, self.copy = terminal, copy
+
+    def write(self, text: str) -> int:
+        self.copy.write(text)
+        return self.terminal.write(text)
+
+    def flush(self) -> None:
+        self.terminal.flush()
+
+
+@dataclass
+class Recording:
+    """What a bench printed to stdout while ``recording()`` ran, and the load around it."""
+
+    load_start: str = field(default_factory=load_average)
+    load_end: str = ""
+    started: float = field(default_factory=time.monotonic)
+    seconds: float = 0.0
+    buffer: io.StringIO = field(default_factory=io.StringIO)
+
+    @property
+    def text(self) -> str:
+        return self.buffer.getvalue()
+
+
+@contextlib.contextmanager
+def recording(enabled: bool = True, stderr: bool = False) -> Iterator[Recording]:
+    """Copy everything printed to stdout (and to stderr with ``stderr``) inside the block, still printed
+    as before; with ``enabled`` false nothing is copied, so a bench without ``--write`` behaves exactly as
+    it did."""
+    rec = Recording()
+    original = sys.stdout, sys.stderr
+    if enabled:
+        sys.stdout = _Tee(original[0], rec.buffer)
+        if stderr:
+            sys.stderr = _Tee(original[1], rec.buffer)
+    try:
+        yield rec
+    finally:
+        sys.stdout, sys.stderr = original
+        rec.load_end = load_average()
+        rec.seconds = time.monotonic() - rec.started
+
+
+def write_printed(
+    name: str,
+    title: str,
+    rec: Recording,
+    note: str = "",
+    packages: tuple[str, ...] = (),
+    markdown: bool = False,
+) -> Path:
+    """``docs/results/NAME`` holding what the bench printed (verbatim: in a text block, or as it is when
+    the bench prints ``markdown``) after the load line and an optional ``note`` (what the run's settings
+    mean); then every page's blocks refilled."""
+    cores = os.cpu_count()
+    load = (
+        f"Load average (1 / 5 / 15 min) on the {cores} cores: {rec.load_start} at the start, "
+        f"{rec.load_end} at the end; the bench ran {rec.seconds / 60:.1f} min."
+    )
+    printed = rec.text.strip() if markdown else f"```text\n{rec.text.strip()}\n```"
+    body = "\n\n".join(part for part in (load, note.strip(), printed) if part)
+    path = write_result(name, title, body, packages)
+    print(f"written to {path}", file=sys.stderr)
+    for page in render_pages():
+        print(f"refilled {page}", file=sys.stderr)
+    return path

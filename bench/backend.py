@@ -7,6 +7,9 @@ Prints, side by side in one run:
   in arrival order.
 
 Usage: python bench/backend.py [--size test|demo] [--device cpu|cuda] [--samples 16] [--tokens 48] [--threads 1]
+       [--write]
+
+``--write`` also writes what it printed to docs/results/backend.md and refills the pages that quote it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from _results import recording, write_printed  # bench/, on sys.path when run as a script
+
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -30,7 +35,17 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, default=48, help="max_tokens per sequence")
     ap.add_argument("--datums", type=int, default=32, help="datums per forward_backward")
     ap.add_argument("--threads", type=int, default=1, help="torch CPU threads (1 is fastest on a busy CPU)")
+    ap.add_argument("--write", action="store_true", help="also write docs/results/backend.md")
     args = ap.parse_args()
+    with recording(args.write) as rec:
+        run(args)
+    if args.write:
+        write_printed("backend.md", "The local backend on a tiny model: `bench/backend.py`", rec)
+
+
+def run(args: argparse.Namespace) -> None:
+    """Sampling one at a time vs gathered, forward_backward packed vs one datum per micro-batch, and the
+    packers' padding efficiency; prints all three."""
 
     import torch
 

@@ -40,6 +40,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's retool, not another
 
 from _machine import machine
+from _results import recording, write_printed
 
 REPO = Path(__file__).resolve().parents[1]
 RANK = 8
@@ -464,11 +465,16 @@ def main() -> int:
     r.add_argument("--skyrl", required=True)
     r.add_argument("--model", type=Path, required=True)
     r.add_argument("--server-pid", type=int, default=None)
+    r.add_argument("--write", action="store_true", help="also write docs/results/interop_skyrl.md")
     args = parser.parse_args()
     if args.cmd == "model":
         print(build_model(args.work, args.sft_steps))
         return 0
-    return run(args.work, args.skyrl, args.model, args.server_pid)
+    with recording(args.write) as rec:
+        status = run(args.work, args.skyrl, args.model, args.server_pid)
+    if args.write:
+        write_printed("interop_skyrl.md", "SkyRL's Tinker API server: `bench/interop_skyrl.sh`", rec)
+    return status
 
 
 if __name__ == "__main__":

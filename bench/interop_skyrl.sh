@@ -15,6 +15,7 @@
 #   SKYRL_PORT    the server's port on 127.0.0.1 (default: a free one)
 #   PYTHON        this project's Python (default: python)
 #   SFT_STEPS     cold-start SFT steps for the model (default 300)
+#   WRITE         set (WRITE=1): also write the tables to docs/results/interop_skyrl.md (bench/_results.py)
 #
 # SkyRL's own gaps, worked around here only (nothing of this is in the project's code):
 #   1. skyrl 0.4.0 starts its engine as `uv run <flags> -m skyrl.tinker.engine ...`, the flags parsed
@@ -176,6 +177,6 @@ trap stop_server EXIT
 # -- 5. the runs and the tables ------------------------------------------------------------------------------
 status=0
 "$PY" "$REPO/bench/interop_skyrl.py" run "$WORK" --skyrl "http://127.0.0.1:$PORT" --model "$MODEL" \
-    --server-pid "$SERVER" || status=$?
+    --server-pid "$SERVER" ${WRITE:+--write} || status=$?
 say "interop_skyrl.sh: $(( $(date +%s) - START )) s in all (exit $status)"
 exit $status

@@ -22,7 +22,9 @@ take similar time, the case where k = 1 can at best halve the step.
 
 Prints one row per k: mean step wall time over the steady steps (after the first k + 1, which fill the
 pipeline), the speedup over k = 0, the time the trainer waited for its batch, the batch's own sampling
-time, the training time, the mean lag and mismatch; with the machine and its load average.
+time, the training time, the mean lag and mismatch; with the machine and its load average. ``--write``
+also writes what it printed to docs/results/pipeline.md (``--scale`` other than 1: pipeline_scaleS.md) and
+refills the pages that quote it.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from pathlib import Path
 from typing import Any
 
 from _machine import machine  # bench/, on sys.path when run as a script
+from _results import recording, write_printed
 from retool.backends.interface.clients import SamplingClient, TrainingClient
 from retool.backends.interface.types import (
     AdamParams,
@@ -239,7 +242,18 @@ def main(argv: list[str] | None = None) -> int:
         "--scale", type=float, default=1.0, help="multiply every latency (e.g. 0.4 for a quick run)"
     )
     ap.add_argument("--out", type=Path, default=None, help="keep the runs here (default: a temp folder)")
+    ap.add_argument("--write", action="store_true", help="also write docs/results/pipeline.md")
     args = ap.parse_args(argv)
+    with recording(args.write) as rec:
+        rc = run(args)
+    if args.write:
+        name = "pipeline.md" if args.scale == 1 else f"pipeline_scale{args.scale:g}.md"
+        write_printed(name, "Off-policy pipelining: `bench/pipeline.py`", rec)
+    return rc
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every k's arm against the fake remote backend; prints the machine, the latencies and the table."""
     for name in ("sample", "fb", "optim", "refresh"):
         setattr(args, name, getattr(args, name) * args.scale)
     ks = [int(k) for k in args.ks.split(",") if k.strip()]

@@ -34,7 +34,11 @@ vLLM when installed). Every single-turn row starts from an empty prefix cache (d
 
 Usage: nice -n 10 python bench/real_model.py [--model smollm2|PATH] [--batches 8,32,64] [--tokens 64]
        [--rounds 3] [--threads 1] [--samplers shared,llamacpp,multiturn] [--llamacpp-threads 2]
-       [--questions 4] [--turn-tokens 32] [--mt-threads 1,2]
+       [--questions 4] [--turn-tokens 32] [--mt-threads 1,2] [--write [NAME]]
+
+``--write`` also writes what it printed to docs/results/NAME (default: ``real_model_`` and the rows
+measured, e.g. ``real_model_multiturn.md``; one file per set of rows, as each answers its own question) and
+refills the pages that quote it.
 """
 
 from __future__ import annotations
@@ -46,6 +50,8 @@ import statistics
 import tempfile
 import time
 from typing import Any
+
+from _results import recording, write_printed  # bench/, on sys.path when run as a script
 
 
 def _load_avg() -> str:
@@ -72,8 +78,19 @@ def main() -> None:
     ap.add_argument("--mt-threads", default="1,2", help="multiturn: torch thread counts to compare")
     ap.add_argument("--skip-train", action="store_true", help="no forward+backward row")
     ap.add_argument("--vllm-kv-gib", type=float, default=1.0, help="vLLM rows: the engine's KV cache (GiB)")
+    ap.add_argument(
+        "--write", nargs="?", const="", default=None, metavar="NAME", help="also write docs/results/NAME"
+    )
     args = ap.parse_args()
+    with recording(args.write is not None) as rec:
+        run(args)
+    if args.write is not None:
+        name = args.write or "real_model_" + "_".join(args.samplers.split(",")) + ".md"
+        write_printed(name, f"A real model on CPU: `bench/real_model.py --samplers {args.samplers}`", rec)
 
+
+def run(args: argparse.Namespace) -> None:
+    """Load the model with a perturbed LoRA, then measure the rows ``--samplers`` asks for; prints each."""
     import torch
 
     from retool.backends.interface.types import SamplingParams

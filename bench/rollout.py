@@ -11,6 +11,7 @@ The workload is a pure function of the seed, so both schedulers get exactly the 
     python bench/rollout.py --questions 4 --group 4 --per-token-ms 1
 
 Prints the wall time of each scheduler and their ratio (target: per-trajectory >= 1.5x faster).
+``--write`` also writes what it printed to docs/results/rollout.md and refills the pages that quote it.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from _results import recording, write_printed  # bench/, on sys.path when run as a script
 from retool.backends.interface.clients import SamplingClient
 from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
@@ -253,9 +255,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--per-token-ms", type=float, default=2.0)
     parser.add_argument("--base-ms", type=float, default=50.0)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--write", action="store_true", help="also write docs/results/rollout.md")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    return asyncio.run(main_async(args))
+    with recording(args.write) as rec:
+        rc = asyncio.run(main_async(args))
+    if args.write:
+        write_printed("rollout.md", "Rollout scheduling: `bench/rollout.py`", rec)
+    return rc
 
 
 if __name__ == "__main__":

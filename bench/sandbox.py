@@ -5,7 +5,9 @@ determinant). For each executor and task: p50/p90 latency of sequential calls (o
 executions per second with 2 workers (2 calls in flight). Prints the ratios and the issue-3 targets:
 sympy task p50 >= 20x lower and throughput >= 10x higher for the fork-server; print(1) no slower.
 
-    python bench/sandbox.py [--n-seq 20] [--n-par 16] [--isolation strict]
+    python bench/sandbox.py [--n-seq 20] [--n-par 16] [--isolation strict] [--write]
+
+``--write`` also writes what it printed to docs/results/sandbox.md and refills the pages that quote it.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import sys
 import time
 from collections.abc import Callable
 
+from _results import recording, write_printed  # bench/, on sys.path when run as a script
 from retool.sandbox import (
     ExecResult,
     Executor,
@@ -72,8 +75,18 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--n-par", type=int, default=12, help="calls with 2 in flight (throughput), subprocess")
     ap.add_argument("--par-factor", type=int, default=4, help="the fork-server does n-par x this many")
     ap.add_argument("--isolation", default="strict", choices=["strict", "none"])
+    ap.add_argument("--write", action="store_true", help="also write docs/results/sandbox.md")
     args = ap.parse_args(argv)
+    # stderr too: the start-up times and an isolation fallback are part of what the file must show.
+    with recording(args.write, stderr=True) as rec:
+        rc = run(args)
+    if args.write:
+        write_printed("sandbox.md", "Sandbox executors: `bench/sandbox.py`", rec)
+    return rc
 
+
+def run(args: argparse.Namespace) -> int:
+    """Both executors on both tasks; prints the table, the ratios and the targets (0 when all are met)."""
     makers: dict[str, Callable[[], Executor]] = {
         "subprocess": lambda: SubprocessExecutor(timeout=30, max_concurrency=2),
         f"forkserver-{args.isolation}": lambda: ForkServerExecutor(

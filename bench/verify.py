@@ -1,10 +1,11 @@
 """Verifier throughput and worst-case latency, in one run (well under a minute on 2 cores).
 
-    python bench/verify.py [--seconds 4] [--workers 2] [--timeout 2]
+    python bench/verify.py [--seconds 4] [--workers 2] [--timeout 2] [--write]
 
 Prints checks/s for math-verify in-process (unbounded, the chapter's way) and through the
 ``retool.reward.Verifier`` pool (sequential and concurrent), their ratio, and the latency of each hostile
 answer through the pool (soft in-worker timeout, and the hard kill path with the soft alarm disabled).
+``--write`` also writes what it printed to docs/results/verify.md and refills the pages that quote it.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import asyncio
 import logging
 import time
 
+from _results import recording, write_printed  # bench/, on sys.path when run as a script
 from retool.reward import Verifier, answers_equivalent
 
 PAIRS = [
@@ -68,9 +70,17 @@ def main() -> None:
     parser.add_argument("--seconds", type=float, default=4.0, help="time per throughput measurement")
     parser.add_argument("--workers", type=int, default=2)
     parser.add_argument("--timeout", type=float, default=2.0, help="per-check timeout for the hostile inputs")
+    parser.add_argument("--write", action="store_true", help="also write docs/results/verify.md")
     args = parser.parse_args()
     logging.basicConfig(level=logging.ERROR)  # the verifier warns on every timeout; the table says it all
+    with recording(args.write) as rec:
+        run(args)
+    if args.write:
+        write_printed("verify.md", "Verifier throughput and hostile answers: `bench/verify.py`", rec)
 
+
+def run(args: argparse.Namespace) -> None:
+    """Throughput in-process and through the pool, then each hostile answer's latency; prints both."""
     answers_equivalent("1", "1")  # import and warm sympy before timing
     in_rate, in_n = rate(answers_equivalent, args.seconds)
 

@@ -1,6 +1,6 @@
 """Viewer responsiveness: a synthetic 2,000-trajectory run rendered in headless Chromium.
 
-    python bench/viewer.py [--trajectories 2000] [--chars 300 2500] [--out DIR]
+    python bench/viewer.py [--trajectories 2000] [--chars 300 2500] [--out DIR] [--write]
 
 Writes the run with the real ``TrajectoryLog`` (records of chapter-like size: 2-4 turns, a few thousand
 tokens each), builds the site with ``retool.view.site.build_site``, opens it and reports, from the
@@ -11,7 +11,8 @@ page's own clock:
 - filter: a filter change to the next painted frame, over several filters; goal < 200 ms;
 - open: a trajectory picked to its turns rendered (its chunk loaded on first use).
 
-A measurement, not a test: nothing here fails on a slow machine.
+A measurement, not a test: nothing here fails on a slow machine. ``--write`` also writes what it printed to
+docs/results/viewer.md and refills the pages that quote it.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))  # the tests' run writer and browser
+from _results import recording, write_printed  # bench/, on sys.path when run as a script
 from headless_browser import launch, open_site
 from retool.view.site import build_site
 from synthetic_runs import write_training_run
@@ -79,8 +81,17 @@ def main() -> None:
     parser.add_argument("--trajectories", type=int, default=2000)
     parser.add_argument("--chars", type=int, nargs=2, default=(300, 2500), help="reasoning text per turn")
     parser.add_argument("--out", type=Path, default=None, help="keep the run and the site here")
+    parser.add_argument("--write", action="store_true", help="also write docs/results/viewer.md")
     args = parser.parse_args()
+    with recording(args.write) as rec:
+        run(args)
+    if args.write:
+        name = "viewer.md" if args.trajectories == 2000 else f"viewer_{args.trajectories}.md"
+        write_printed(name, "The trajectory viewer in headless Chromium: `bench/viewer.py`", rec)
 
+
+def run(args: argparse.Namespace) -> None:
+    """Write the synthetic run, build its site, and time it in the browser; prints the figures."""
     group_size, questions = 8, 2
     steps = max(1, args.trajectories // (group_size * questions))
     with tempfile.TemporaryDirectory(prefix="retool-view-bench-") as tmp:
