@@ -134,6 +134,41 @@ def test_packer_uses_fewest_batches_and_least_padding(seed: int) -> None:
         assert len(b) == 1 or len(b) * max(lengths[i] for i in b) <= area
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_a_batch_cost_buys_tighter_micro_batches_at_the_least_total_cost(seed: int) -> None:
+    """With ``batch_cost`` the packer minimises padded area + cost per micro-batch: never worse than the
+    fewest-batches packing by that measure, and better where padding costs more than a micro-batch."""
+    import itertools
+    import random
+
+    rng = random.Random(seed)
+    lengths = [rng.choice([29, 29, 29, 53, 55, 65, 67, 75, 96, 120]) for _ in range(8)]
+    area, cost = 1024, 64
+
+    def total(batches: list[list[int]]) -> int:
+        return sum(cost + len(b) * max(lengths[i] for i in b) for b in batches)
+
+    packed = pack_micro_batches(lengths, area, batch_cost=cost)
+    assert sorted(i for b in packed for i in b) == list(range(len(lengths)))
+    assert all(len(b) * max(lengths[i] for i in b) <= area for b in packed)
+    assert total(packed) <= total(pack_micro_batches(lengths, area))
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
+    cuts = [
+        [order[a:b] for a, b in itertools.pairwise([0, *chosen, len(order)])]
+        for k in range(len(order))
+        for chosen in itertools.combinations(range(1, len(order)), k)
+    ]
+    fitting = [c for c in cuts if all(len(b) * max(lengths[i] for i in b) <= area for b in c)]
+    assert total(packed) == min(total(c) for c in fitting)  # the best contiguous cut, found exhaustively
+
+
+def test_a_long_short_batch_is_cut_in_two_when_padding_costs_more() -> None:
+    lengths = [96, 75, 67, 65, 55, 53, 29, 29]
+    assert len(pack_micro_batches(lengths, 1024)) == 1  # 8 x 96 fits: one batch, 299 tokens of padding
+    cut = pack_micro_batches(lengths, 1024, batch_cost=64)  # padding costs more than two more batches
+    assert len(cut) == 3 and padding_efficiency(lengths, cut) > 0.9
+
+
 def test_pack_micro_batches_errors() -> None:
     with pytest.raises(ValueError):
         pack_micro_batches([1, 2], 0)

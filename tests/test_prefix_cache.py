@@ -296,14 +296,16 @@ def test_prefill_groups_bound_padding() -> None:
         assert len(g) == 1 or area <= PREFILL_PADDING_SLACK * sum(lengths[i] for i in g)
 
 
+@pytest.mark.parametrize("lean", [True, False], ids=["lean-decode", "model-forward"])
 def test_a_failed_forward_fails_its_requests_and_the_engine_serves_on(
-    uncached: LocalTrainingClient, monkeypatch: pytest.MonkeyPatch
+    uncached: LocalTrainingClient, monkeypatch: pytest.MonkeyPatch, lean: bool
 ) -> None:
+    monkeypatch.setattr(uncached.engine, "lean_decode", lean)
     prompt = _encode(uncached, "What is 5*5?")
     params = SamplingParams(max_tokens=6, seed=3)
     want = uncached.sample(prompt, 2, params)
-    model = uncached.sampling_model()
-    real_forward = model.forward
+    head = uncached.sampling_model().lm_head  # every forward ends there, whichever path decodes
+    real_forward = head.forward
     calls = {"n": 0}
 
     def flaky(*args, **kwargs):  # type: ignore[no-untyped-def]
@@ -312,9 +314,10 @@ def test_a_failed_forward_fails_its_requests_and_the_engine_serves_on(
             raise RuntimeError("simulated device error")
         return real_forward(*args, **kwargs)
 
-    monkeypatch.setattr(model, "forward", flaky)
+    monkeypatch.setattr(head, "forward", flaky)
     with pytest.raises(RuntimeError, match="simulated device error"):
         uncached.sample(prompt, 2, params)
+    assert calls["n"] == 3
     assert [s.tokens for s in uncached.sample(prompt, 2, params)] == [s.tokens for s in want]
 
 

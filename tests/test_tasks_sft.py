@@ -124,11 +124,11 @@ def test_two_stage_sft_draws_its_last_steps_from_the_final_examples(protocol) ->
         def __init__(self) -> None:
             self.batches: list[list[tuple[int, ...]]] = []
 
-        def forward_backward(self, datums, loss_fn, loss_config=None):  # type: ignore[no-untyped-def]
+        async def forward_backward_async(self, datums, loss_fn, loss_config=None):  # type: ignore[no-untyped-def]
             self.batches.append([(*d.input_tokens, d.target_tokens[-1]) for d in datums])
             return ForwardBackwardResult(loss=1.0, trained_tokens=1)
 
-        def optim_step(self, adam):  # type: ignore[no-untyped-def]
+        async def optim_step_async(self, adam):  # type: ignore[no-untyped-def]
             return OptimStepResult(grad_norm=0.0, lr=adam.lr)
 
     rec = Recorder()

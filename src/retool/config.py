@@ -59,9 +59,16 @@ class BackendConfig(_Section):
     vllm_gpu_memory_utilization: float = Field(default=0.5, gt=0.0, le=1.0)
     base_url: str | None = None  # remote services; credentials come from their usual env variables
     micro_batch_tokens: int = 8192  # padded area (rows x longest row) of one micro-batch
+    # The fixed cost of one micro-batch's forward and backward, in padded tokens: > 0 packs micro-batches
+    # by least padded area plus this much per micro-batch (tighter batches where padding costs more);
+    # 0 packs the fewest micro-batches (retool.backends.training.packing).
+    micro_batch_overhead: int = Field(default=0, ge=0)
     sample_batch_size: int = 32  # sequences generated together by the local sampler
     # torch CPU threads of the local backend (0: torch's default; 1 is fastest on a busy CPU)
     cpu_threads: int = 0
+    # Processes the local backend trains in (CPU, data parallel: each runs a share of every batch on the
+    # same shared weights; retool.backends.local.data_parallel). 1: this process only; 0: one per available core.
+    processes: int = Field(default=1, ge=0)
     # Memory cap (MiB) of the local sampler's prefix cache: KV of sequences already run, reused by any
     # request that extends them (a trajectory's next turn, a group's prompt); LRU; 0 turns it off.
     prefix_cache_mb: float = Field(default=1024.0, ge=0.0)

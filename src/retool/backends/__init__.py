@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import importlib
 import logging
+from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -148,13 +150,21 @@ def make_training_client(config: Config) -> TrainingClient:
 
 
 def _local_client(config: Config) -> TrainingClient:
-    from retool.backends.local.client import LocalTrainingClient  # deferred: torch, transformers (see _LAZY)
+    # deferred: torch, transformers (see _LAZY)
+    from retool.backends.local.client import LocalTrainingClient
+    from retool.backends.local.data_parallel import DataParallelTrainingClient, resolve_processes
 
     name = resolve_model_name(config)
     check_model_available(name, config.model.gguf_file)
     cap_mmap_threshold(config.backend.mmap_threshold_mb)  # before the model's first allocations
+    processes = resolve_processes(config.backend.processes, config.backend.device)
+    # More than one process: the data-parallel client (same keywords; backends.local.data_parallel).
+    build: Callable[..., LocalTrainingClient] = LocalTrainingClient
+    if processes > 1:
+        mmap_mb = config.backend.mmap_threshold_mb  # the replicas cap theirs too
+        build = partial(DataParallelTrainingClient, processes=processes, mmap_threshold_mb=mmap_mb)
     try:
-        client = LocalTrainingClient(
+        client = build(
             name,
             lora=config.lora if config.lora.enabled else None,
             device=config.backend.device,
@@ -162,6 +172,7 @@ def _local_client(config: Config) -> TrainingClient:
             seed=config.train.seed,
             gguf_file=config.model.gguf_file,
             micro_batch_tokens=config.backend.micro_batch_tokens,
+            micro_batch_overhead=config.backend.micro_batch_overhead,
             sample_batch_size=config.backend.sample_batch_size,
             checkpoint_dir=Path(config.train.run_dir) / "checkpoints",
             max_context=config.model.max_context,

@@ -50,6 +50,7 @@ class _Printer:
         self._bar_start = 0.0
         self._bar_last = -1.0
         self._last_event = self.t0  # a new bar's work began at the previous event (phase start, last bar)
+        self._evals: dict[str, dict[str, tuple[int, int]]] = {}  # model -> mode -> (done, total) problems
 
     def _line(self, text: str) -> None:
         self._end_bar()
@@ -95,9 +96,11 @@ class _Printer:
             self._line(f"   {data['phase']} done in {data['seconds']:.1f}s{resumed}")
         elif kind == "sft_step":
             self.bar("sft", data["step"], data["steps"], "sft step", f"loss {data['loss']:.3f}")
-        elif kind == "eval_progress":
-            label = f"eval {data['model']} {data['mode']}"
-            self.bar(f"eval/{data['model']}/{data['mode']}", data["done"], data["total"], label)
+        elif kind == "eval_progress":  # the modes of one model run side by side: one bar for them all
+            counts = self._evals.setdefault(data["model"], {})
+            counts[data["mode"]] = (data["done"], data["total"])
+            done, total = (sum(c[k] for c in counts.values()) for k in (0, 1))
+            self.bar(f"eval/{data['model']}", done, total, f"eval {data['model']} {' + '.join(counts)}")
         elif kind == "rl_step":
             m = data.get("metrics", {})
             self.bar(

@@ -13,11 +13,12 @@ policy therefore sometimes skips the tool on hard problems and fails; RL has som
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import math
 import random
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 from retool.backends.interface.clients import TrainingClient
@@ -214,22 +215,40 @@ def train_sft(
     final_examples: Sequence[SFTExample] = (),
     final_steps: int = 0,
 ) -> SFTReport:
-    """Cross-entropy SFT through ``client.forward_backward(..., "cross_entropy")`` + ``optim_step``.
+    """Cross-entropy SFT through ``client.forward_backward_async(..., "cross_entropy")`` + ``optim_step_async``.
 
     The loss per batch is the mean over assistant tokens (weights scaled by 1 / assistant tokens).
     Learning rate: linear warm-up then cosine decay to 10%, over all ``steps``. With ``final_examples``
     the last ``final_steps`` steps draw their batches from those instead (a second stage, same schedule).
+    All steps run in one event loop: a loop per call (the sync methods) cost ~1.5 ms a call, 3% of a tiny
+    model's step.
     """
     if not examples:
         raise ValueError("no SFT examples")
     if final_steps and not final_examples:
         raise ValueError("final_steps > 0 needs final_examples")
-    rng = random.Random(f"retool-sft-order/{seed}")
-    order: list[int] = []
     report = SFTReport(steps=steps, examples=len(examples) + len(final_examples))
     for ex in [*examples, *final_examples]:
         report.styles[ex.style] = report.styles.get(ex.style, 0) + 1
     start = time.perf_counter()
+    batches = _sft_batches(examples, final_examples, steps, final_steps, batch_size, seed)
+    asyncio.run(_train_steps(client, batches, steps, lr, warmup, report, on_step))
+    report.seconds = time.perf_counter() - start
+    return report
+
+
+def _sft_batches(
+    examples: Sequence[SFTExample],
+    final_examples: Sequence[SFTExample],
+    steps: int,
+    final_steps: int,
+    batch_size: int,
+    seed: int,
+) -> Iterator[list[SFTExample]]:
+    """Each step's batch: epochs of shuffled ``examples``, then of ``final_examples`` for the last
+    ``final_steps`` steps."""
+    rng = random.Random(f"retool-sft-order/{seed}")
+    order: list[int] = []
     pool = examples
     for step in range(steps):
         if final_steps and step == steps - final_steps:
@@ -238,21 +257,31 @@ def train_sft(
             fresh = list(range(len(pool)))
             rng.shuffle(fresh)
             order += fresh
-        batch = [pool[i] for i in order[:batch_size]]
+        yield [pool[i] for i in order[:batch_size]]
         del order[:batch_size]
+
+
+async def _train_steps(
+    client: TrainingClient,
+    batches: Iterator[list[SFTExample]],
+    steps: int,
+    lr: float,
+    warmup: int,
+    report: SFTReport,
+    on_step: Callable[[int, float], None] | None,
+) -> None:
+    for step, batch in enumerate(batches):
         n_tokens = sum(sum(ex.weights[1:]) for ex in batch)
         datums = [ex.to_datum(1.0 / n_tokens) for ex in batch]
-        result = client.forward_backward(datums, "cross_entropy")
+        result = await client.forward_backward_async(datums, "cross_entropy")
         frac = (
             (step + 1) / warmup
             if step < warmup
             else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
         )
-        client.optim_step(
+        await client.optim_step_async(
             AdamParams(lr=lr * frac, beta1=0.9, beta2=0.98, weight_decay=0.0, grad_clip_norm=1.0)
         )
         report.losses.append(float(result.loss))
         if on_step is not None:
             on_step(step, float(result.loss))
-    report.seconds = time.perf_counter() - start
-    return report

@@ -51,6 +51,7 @@ import torch
 from transformers import DynamicCache
 from transformers.cache_utils import DynamicLayer
 
+from retool.backends.engine.decode_step import DecodeStep, lean_decoder
 from retool.backends.engine.prefix_cache import KV, PrefixCache
 from retool.backends.interface.types import Sample, SamplingParams, StopReason
 
@@ -446,6 +447,8 @@ class ContinuousGenerator:
         self.max_context, self.device, self.batch_limit = max_context, device, batch_limit
         self.cache, self.stats, self._executor = cache, stats, executor
         self.share_prefix = True  # run the common prefix of sequences admitted together once
+        self.lean_decode = True  # decode steps through ``retool.backends.decode_step`` where it applies
+        self._lean: DecodeStep | None = None
         self.peak_rows = 0  # most sequences decoded together (observability)
         self.queue_seconds = 0.0  # time rows waited in the inbox before a step boundary admitted them
         self.admitted_rows = 0
@@ -487,6 +490,8 @@ class ContinuousGenerator:
             self.cache.validate((self._tag_fn(), id(model)))
             if self._cache_key is None:
                 self._cache_key = _cache_kwarg(model)
+            # Adapters switch inside the model's modules per row: those batches keep the model's forward.
+            self._lean = lean_decoder(model) if self._select is None and self.lean_decode else None
             with torch.no_grad():
                 while True:
                     batch = self._admit(model, batch)
@@ -695,6 +700,11 @@ class ContinuousGenerator:
         ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
         batch.mask = torch.cat([batch.mask, ones], dim=1)
         batch.last_pos = batch.last_pos + 1
+        if self._lean is not None:  # the model's own modules without transformers' per-call machinery
+            cache = _growing(batch.cache)
+            logits = self._lean(chosen[:, None], batch.mask, batch.last_pos, _layers(cache))
+            batch.logits = logits[:, -1, :].float()
+            return batch
         if self._select is not None:
             self._select([r.adapter for r in batch.rows])
         out = model(

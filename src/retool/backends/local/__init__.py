@@ -6,6 +6,8 @@
 - ``tinymodel``: the tiny chat model built here (tokenizer, chat template, random Qwen2).
 - ``gguf_export``: a GGUF file written from a Hugging Face Qwen2 folder (the offline GGUF path).
 - ``heap``: how this process hands freed memory back to the OS (glibc's mmap threshold, ``malloc_trim``).
+- ``data_parallel``: ``DataParallelTrainingClient``, a ``LocalTrainingClient`` whose training calls run on
+  several processes of one CPU machine (``backend.processes``; shared-memory weights).
 
 Imports the interface, the training math and the engine; never a sampler or a remote adapter.
 """

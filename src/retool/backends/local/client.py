@@ -557,6 +557,32 @@ class FrozenSamplingClient(LocalSamplingClient):
         return self.model
 
 
+@dataclass
+class DatumsPass:
+    """A forward(-backward) pass over some datums, before it becomes a ``ForwardBackwardResult``: the loss
+    tally, the sum of the trained tokens' logprobs, each datum's token logprobs and the micro-batches (as
+    indices of the datums). Passes over disjoint shares of a call merge into the pass over the call."""
+
+    tally: LossTally
+    lp_sum: float
+    token_logprobs: list[list[float]]
+    batches: list[list[int]]
+    seconds: float = 0.0  # CPU seconds the pass took in its process (the slowest share's, once merged)
+
+    @classmethod
+    def merge(cls, parts: Sequence[tuple[list[int], DatumsPass]], size: int) -> DatumsPass:
+        """The pass over ``size`` datums from passes over shares of them: (the share's indices, its pass)."""
+        whole = cls(LossTally(), 0.0, [[] for _ in range(size)], [])
+        for rows, part in parts:
+            whole.tally.merge(part.tally)
+            whole.lp_sum += part.lp_sum
+            for local, i in enumerate(rows):
+                whole.token_logprobs[i] = part.token_logprobs[local]
+            whole.batches += [[rows[k] for k in batch] for batch in part.batches]
+            whole.seconds = max(whole.seconds, part.seconds)
+        return whole
+
+
 class LocalTrainingClient(TrainingClient):
     """A transformers model + optional PEFT LoRA + AdamW in this process. See the module docstring."""
 
@@ -574,6 +600,7 @@ class LocalTrainingClient(TrainingClient):
         seed: int = 0,
         gguf_file: str | None = None,
         micro_batch_tokens: int = 8192,
+        micro_batch_overhead: int = 0,
         sample_batch_size: int = 32,
         checkpoint_dir: str | Path = "checkpoints",
         max_context: int | None = None,
@@ -598,6 +625,7 @@ class LocalTrainingClient(TrainingClient):
         self.model_path, self.gguf_file = split_model_path(model_path, gguf_file)
         self.lora = _lora_spec(lora)
         self.micro_batch_tokens = int(micro_batch_tokens)
+        self.micro_batch_overhead = int(micro_batch_overhead)  # packing's batch_cost (0: fewest batches)
         self.sample_batch_size = int(sample_batch_size)
         self.checkpoint_dir = Path(checkpoint_dir)
         if self.micro_batch_tokens <= 0 or self.sample_batch_size <= 0:
@@ -954,13 +982,38 @@ class LocalTrainingClient(TrainingClient):
                 "this client shares its base weights with others and has no LoRA: it cannot train"
             )
         self._validate_datums(datums, loss_fn)
-        lengths = [len(d) for d in datums]
-        batches = pack_micro_batches(lengths, self.micro_batch_tokens)
         self.model.train()
-        tally = LossTally()
-        lp_sum = 0.0
-        per_datum: list[list[float]] = [[] for _ in datums]
-        for rows in batches:
+        run = self._run_datums(datums, loss_fn, loss_config, backward)
+        if backward:
+            self._pending_grads = True
+        lengths = [len(d) for d in datums]
+        padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in run.batches)
+        self.stats.add_training(sum(lengths), padded, time.perf_counter() - t0, backward)
+        tally = run.tally
+        result = tally.result(
+            {
+                "micro_batches": float(len(run.batches)),
+                "padding_efficiency": padding_efficiency(lengths, run.batches),
+                "logprob_mean": run.lp_sum / tally.trained if tally.trained else 0.0,
+            }
+        )
+        result.token_logprobs = run.token_logprobs
+        return result
+
+    def _run_datums(
+        self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, backward: bool
+    ) -> DatumsPass:
+        """Forward (and backward, accumulating gradients) over ``datums`` in micro-batches; what it
+        measured. ``retool.backends.local.data_parallel`` splits a call's datums between processes here."""
+        lengths = [len(d) for d in datums]
+        start = time.thread_time()
+        run = DatumsPass(
+            LossTally(),
+            0.0,
+            [[] for _ in datums],
+            pack_micro_batches(lengths, self.micro_batch_tokens, self.micro_batch_overhead or None),
+        )
+        for rows in run.batches:
             t = self._micro_batch_tensors(datums, rows)
             autocast = torch.autocast(
                 self.device.type,
@@ -972,24 +1025,13 @@ class LocalTrainingClient(TrainingClient):
                 tl = token_loss(loss_fn, lp, t["w"], t["old"], t["adv"], loss_config, t.get("ratio_mask"))
                 if backward:
                     tl.loss.sum().backward()
-            sel = tally.add(tl)
-            lp_sum += float(lp.detach()[sel].sum())
+            sel = run.tally.add(tl)
+            run.lp_sum += float(lp.detach()[sel].sum())
             rows_lp = lp.detach().float().cpu()
             for r, i in enumerate(rows):
-                per_datum[i] = rows_lp[r, : lengths[i]].tolist()
-        if backward:
-            self._pending_grads = True
-        padded = sum(len(rows) * max(lengths[i] for i in rows) for rows in batches)
-        self.stats.add_training(sum(lengths), padded, time.perf_counter() - t0, backward)
-        result = tally.result(
-            {
-                "micro_batches": float(len(batches)),
-                "padding_efficiency": padding_efficiency(lengths, batches),
-                "logprob_mean": lp_sum / tally.trained if tally.trained else 0.0,
-            }
-        )
-        result.token_logprobs = per_datum
-        return result
+                run.token_logprobs[i] = rows_lp[r, : lengths[i]].tolist()
+        run.seconds = time.thread_time() - start
+        return run
 
     async def forward_backward_async(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None
@@ -1021,6 +1063,9 @@ class LocalTrainingClient(TrainingClient):
                 betas=(adam.beta1, adam.beta2),
                 eps=adam.eps,
                 weight_decay=adam.weight_decay,
+                # One kernel for all parameters on CPU: 3x faster than torch's per-parameter loop there
+                # (0.45M parameters: 2.4 -> 0.8 ms a step with the clip); elsewhere torch's default.
+                fused=True if self.device.type == "cpu" else None,
             )
         return self.optimizer
 

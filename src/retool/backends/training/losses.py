@@ -145,6 +145,17 @@ class LossTally:
         if truncated is not None:
             self.truncated += int(truncated[sel].sum())
 
+    def merge(self, other: LossTally) -> None:
+        """Add ``other``'s counts: the tally of a call whose datums were split between processes."""
+        for name in ("loss", "trained", "clipped", "ratio_sum", "measured", "diff_sum", "k3_sum"):
+            setattr(self, name, getattr(self, name) + getattr(other, name))
+        self.outside += other.outside
+        self.truncated += other.truncated
+        self.ratio_min = min(self.ratio_min, other.ratio_min)
+        self.ratio_max = max(self.ratio_max, other.ratio_max)
+        self.diff_max = max(self.diff_max, other.diff_max)
+        self.extra.update(other.extra)
+
     def result(self, extra: dict[str, float] | None = None) -> ForwardBackwardResult:
         n = self.trained
         return ForwardBackwardResult(

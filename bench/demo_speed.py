@@ -1,0 +1,142 @@
+"""Benchmark: how long `retool demo` takes end to end, and how much of the machine it uses.
+
+Each run is the command a user types, ``python -m retool demo --out DIR``, in a fresh process: wall time
+from start to exit, CPU time of the whole process tree (the demo, its replicas, its sandbox and verifier
+processes: ``getrusage(RUSAGE_CHILDREN)``, what ``/usr/bin/time`` reports as "Percent of CPU"), peak
+memory of the largest process, the machine's load average before and after (other jobs inflate every
+figure: compare runs taken together), and the demo's own phase split (``phases.json``) and gain.
+
+    python bench/demo_speed.py                          # this checkout, one run
+    python bench/demo_speed.py --runs 2 --src /path/to/other/checkout/src --write
+                                                        # interleaved with another checkout (before/after)
+
+``--src PATH`` (repeatable) adds an arm that runs the demo from another source tree (``PYTHONPATH``); the
+arms alternate run by run. ``--write`` writes ``docs/results/demo_speed.md`` and refills the pages' blocks.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _results import render_pages, write_result  # bench/, on sys.path when run as a script
+
+REPO = Path(__file__).resolve().parents[1]
+PHASES = ("model", "sft", "eval_sft", "rl", "eval_rl")
+
+
+def revision(src: Path) -> str:
+    """The short commit of the checkout ``src`` lies in (with ``+`` when it has uncommitted changes)."""
+    git = ["git", "-C", str(src)]
+    try:
+        rev = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: an exported tree, named so
+        return src.parent.name if src.name == "src" else src.name
+    return rev.stdout.strip() + ("+" if dirty.stdout.strip() else "")
+
+
+def run_once(src: Path, out: Path, overrides: list[str]) -> dict[str, Any]:
+    """One `retool demo` in a fresh process from source tree ``src``; its figures."""
+    shutil.rmtree(out, ignore_errors=True)
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
+    command = [sys.executable, "-m", "retool", "demo", "--out", str(out)]
+    for item in overrides:
+        command += ["--set", item]
+    load_before = os.getloadavg()[0]
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    started = time.perf_counter()
+    with open(out.parent / f"{out.name}.log", "w") as log:
+        proc = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
+    wall = time.perf_counter() - started
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    row: dict[str, Any] = {
+        "revision": revision(src),
+        "exit": proc.returncode,
+        "wall_s": round(wall, 1),
+        "cpu_s": round(cpu, 1),
+        "cpu_percent": round(100 * cpu / wall),
+        "peak_rss_mb": round(after.ru_maxrss / 1024),
+        "load_before": round(load_before, 2),
+        "load_after": round(os.getloadavg()[0], 2),
+    }
+    phases = out / "phases.json"
+    if phases.is_file():
+        row["phases"] = {k: v["seconds"] for k, v in json.loads(phases.read_text()).items()}
+    report = out / "report.json"
+    if report.is_file():
+        gain = json.loads(report.read_text())["gain"]
+        row["gain"] = gain["average_at_n"]["gain"]
+        row["ci95"] = gain["average_at_n"]["ci95"]
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = [
+        "| run | code | wall | CPU | peak RSS | load before / after | "
+        + " | ".join(PHASES)
+        + " | gain [95% CI] |",
+        "|" + "---|" * (6 + len(PHASES)),
+    ]
+    for k, r in enumerate(rows):
+        ph = r.get("phases", {})
+        gain = (
+            f"{100 * r['gain']:+.1f} [{100 * r['ci95'][0]:+.1f}, {100 * r['ci95'][1]:+.1f}]"
+            if "gain" in r
+            else "-"
+        )
+        minutes, seconds = divmod(r["wall_s"], 60)
+        lines.append(
+            f"| {k + 1} | {r['revision']} | {int(minutes)} min {seconds:04.1f} s | {r['cpu_percent']}% "
+            f"| {r['peak_rss_mb']} MB | {r['load_before']:.2f} / {r['load_after']:.2f} | "
+            + " | ".join(f"{ph[p]:.1f} s" if p in ph else "-" for p in PHASES)
+            + f" | {gain} |"
+        )
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--out", type=Path, default=Path("runs/bench-demo-speed"))
+    parser.add_argument("--runs", type=int, default=1, help="runs of each arm (alternating)")
+    parser.add_argument(
+        "--src", type=Path, action="append", default=[], help="another source tree to time too"
+    )
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="a demo override")
+    parser.add_argument("--write", action="store_true", help="write docs/results/demo_speed.md")
+    args = parser.parse_args(argv)
+    arms = [*args.src, REPO / "src"]
+    args.out.mkdir(parents=True, exist_ok=True)
+    rows = []
+    for run in range(args.runs):
+        for arm, src in enumerate(arms):
+            row = run_once(src.resolve(), args.out / f"run{run}-arm{arm}", args.set)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    text = table(rows)
+    print(text)
+    (args.out / "demo_speed.json").write_text(json.dumps(rows, indent=2) + "\n")
+    if args.write:
+        write_result("demo_speed.md", "`retool demo` end to end: `bench/demo_speed.py`", text)
+        for page in render_pages():
+            print(f"refilled {page}", file=sys.stderr)
+    return 0 if all(r["exit"] == 0 for r in rows) else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
