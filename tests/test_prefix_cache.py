@@ -356,10 +356,12 @@ def test_a_waiting_training_call_goes_before_new_requests(uncached: LocalTrainin
 
     async def run() -> None:
         sampler = await uncached.sampling_client_async()
+        uncached.engine.peak_rows = 0
         long_run = asyncio.ensure_future(
             tagged("long", sampler.sample_async(prompt, 1, SamplingParams(max_tokens=150, seed=1)))
         )
-        await asyncio.sleep(0.1)  # decoding now
+        while uncached.engine.peak_rows < 1:  # until it decodes (a fixed sleep lost the race on a busy CPU)
+            await asyncio.sleep(0.005)
         cancelled = asyncio.ensure_future(uncached.forward_async([datum], "cross_entropy"))
         await asyncio.sleep(0)
         cancelled.cancel()

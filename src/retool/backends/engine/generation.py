@@ -447,7 +447,7 @@ class ContinuousGenerator:
         self.max_context, self.device, self.batch_limit = max_context, device, batch_limit
         self.cache, self.stats, self._executor = cache, stats, executor
         self.share_prefix = True  # run the common prefix of sequences admitted together once
-        self.lean_decode = True  # decode steps through ``retool.backends.engine.decode_step`` where it applies
+        self.lean_decode = True  # decode steps through ``engine.decode_step`` where it applies
         self._lean: DecodeStep | None = None
         self.peak_rows = 0  # most sequences decoded together (observability)
         self.queue_seconds = 0.0  # time rows waited in the inbox before a step boundary admitted them
