@@ -26,7 +26,7 @@ from pathlib import Path
 SRC = Path(__file__).resolve().parents[1] / "src" / "retool"
 
 LAYERS: list[tuple[str, ...]] = [
-    ("errors", "jsonl"),  # the user-facing error type; the one JSONL reader
+    ("errors", "jsonl", "child"),  # the user-facing error type; the one JSONL reader; child interpreters
     ("config", "retry"),  # the typed config; how remote calls are bounded and retried
     ("data", "protocol", "sandbox", "reward", "backends"),  # the foundations, independent of each other
     ("env", "components"),  # the environments (problems, the interaction, the reward); a run's parts

@@ -30,18 +30,16 @@ import os
 import queue
 import resource
 import signal
-import socket
-import subprocess
 import sys
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
-from pathlib import Path
 from types import FrameType, TracebackType
 from typing import Literal
 
+from retool.child import start_child
 from retool.config import Config, RewardConfig
 from retool.reward.equivalence import check_equivalence
 from retool.reward.extract import extract_last_boxed
@@ -172,31 +170,12 @@ _WORKER_BOOT = "import sys; from retool.reward.verifier import _worker_main; _wo
 
 
 class _Worker:
-    """One worker: a fresh ``python -c`` interpreter (never a fork of the caller) on a socketpair.
-
-    A plain exec, rather than ``multiprocessing`` spawn/forkserver, because those re-import the caller's
-    ``__main__`` in every child (a trainer script's top-level imports, or a crash for scripts without an
-    ``if __name__ == "__main__"`` guard) and share one process-wide forkserver with other stages.
-    """
+    """One worker: a fresh ``python -c`` interpreter (never a fork of the caller) on a socketpair
+    (``retool.child``, which says why not ``multiprocessing``)."""
 
     def __init__(self, memory_limit_mb: int | None, hard_timeout: float) -> None:
-        parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        # The child must import this very copy of retool, whatever sys.path tricks the parent used.
-        src = str(Path(__file__).resolve().parents[2])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
         boot = _WORKER_BOOT.format(mem=repr(memory_limit_mb), hard=repr(float(hard_timeout)))
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", boot, str(child_sock.fileno())],
-                pass_fds=(child_sock.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=env,
-                close_fds=True,
-            )
-        finally:
-            child_sock.close()
-        self.conn: Connection = Connection(parent_sock.detach())
+        self.process, self.conn = start_child(boot)
         self.ready = False
 
     @property

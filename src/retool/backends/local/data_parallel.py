@@ -37,9 +37,7 @@ import math
 import mmap
 import os
 import signal
-import socket
 import subprocess
-import sys
 import tempfile
 import threading
 import time
@@ -56,6 +54,7 @@ from retool.backends.interface.types import Datum
 from retool.backends.local.client import DatumsPass, LocalTrainingClient, resolve_device
 from retool.backends.local.heap import cap_mmap_threshold
 from retool.backends.training.packing import split_for_workers
+from retool.child import start_child
 
 _GRAD_ALIGN = 64  # bytes: every gradient in a replica's buffer starts on a cache line
 _START_TIMEOUT = 300.0  # seconds a replica may take to import torch and load the model
@@ -215,22 +214,7 @@ class _Replica:
 
     def __init__(self, rank: int = 0) -> None:
         self.rank = rank  # given when a client adopts it (a spare has none yet)
-        parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        # The child must import this very copy of retool, whatever sys.path tricks the parent used.
-        src = str(Path(__file__).resolve().parents[3])
-        env["PYTHONPATH"] = os.pathsep.join(p for p in (src, env.get("PYTHONPATH", "")) if p)
-        try:
-            self.process = subprocess.Popen(
-                [sys.executable, "-c", _BOOT, str(child_sock.fileno())],
-                pass_fds=(child_sock.fileno(),),
-                stdin=subprocess.DEVNULL,
-                env=env,
-                close_fds=True,
-            )
-        finally:
-            child_sock.close()
-        self.conn = Connection(parent_sock.detach())
+        self.process, self.conn = start_child(_BOOT)
 
     def send(self, message: object) -> None:
         try:
