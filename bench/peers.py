@@ -519,7 +519,44 @@ def write_report(result: dict[str, Any], run: Path, to_docs: bool) -> None:
     print(text)
     (run / "peers.md").write_text(text)
     if to_docs:
+        from _results import render_pages, write_result  # deferred: --write only
+
         (ROOT / "docs" / "results" / "peers.md").write_text(text)
+        title = "Against a peer: TRL GRPOTrainer vs retool train (`bench/peers.py`)"
+        write_result("peers_summary.md", title, summary(result), packages=("peft", "trl"))
+        render_pages()
+
+
+def summary(result: dict[str, Any]) -> str:
+    """The README's excerpt of a finished run: step time of each arm against retool-rl's, and the
+    held-out accuracy both reach (the whole table: ``docs/results/peers.md``)."""
+    a, records = SimpleNamespace(**result["args"]), result["records"]
+    walls = {name: [r["wall_s"] for r in recs] for name, recs in records.items()}
+    task = getattr(a, "task", "synthetic")
+    lines = [
+        f"The same RL job ({task} task, SmolLM2-135M-Instruct from one SFT start, {a.threads} torch threads"
+        f" each, rounds alternating) for {a.steps} steps in each trainer; the whole table, with what could"
+        " not be made equal: [docs/results/peers.md](docs/results/peers.md).",
+        "",
+        "| arm | what | steps | mean step s | x retool |",
+        "|---|---|---|---|---|",
+        *[f"| {n} | {WHAT.get(n, n)} | {k} | {s:.1f} | {x:.2f} |" for n, k, s, x in decompose(walls)],
+    ]
+    accuracy = result.get("accuracy", {})
+    if accuracy:
+        lines += [
+            "",
+            "Held-out after the steps (this project's evaluator for every model):",
+            "",
+            "| model | Average@N | format | tool use |",
+            "|---|---|---|---|",
+            *[
+                f"| {k} | {100 * v['average_at_n']:.1f}% | {100 * v['format_rate']:.1f}% |"
+                f" {100 * v['hard_tool_call_rate']:.1f}% |"
+                for k, v in accuracy.items()
+            ],
+        ]
+    return "\n".join(lines)
 
 
 def start_arm(

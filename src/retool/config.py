@@ -69,6 +69,9 @@ class BackendConfig(_Section):
     # Processes the local backend trains in (CPU, data parallel: each runs a share of every batch on the
     # same shared weights; retool.backends.local.data_parallel). 1: this process only; 0: one per available core.
     processes: int = Field(default=1, ge=0)
+    # With processes > 1, the live sampler generates on every process (each on its core, the same shared
+    # weights; retool.backends.local.replica_sampling); false: on this process alone.
+    sample_on_replicas: bool = True
     # Memory cap (MiB) of the local sampler's prefix cache: KV of sequences already run, reused by any
     # request that extends them (a trajectory's next turn, a group's prompt); LRU; 0 turns it off.
     prefix_cache_mb: float = Field(default=1024.0, ge=0.0)

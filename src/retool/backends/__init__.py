@@ -162,7 +162,12 @@ def _local_client(config: Config) -> TrainingClient:
     build: Callable[..., LocalTrainingClient] = LocalTrainingClient
     if processes > 1:
         mmap_mb = config.backend.mmap_threshold_mb  # the replicas cap theirs too
-        build = partial(DataParallelTrainingClient, processes=processes, mmap_threshold_mb=mmap_mb)
+        build = partial(
+            DataParallelTrainingClient,
+            processes=processes,
+            mmap_threshold_mb=mmap_mb,
+            sample_on_replicas=config.backend.sample_on_replicas,
+        )
     try:
         client = build(
             name,

@@ -37,6 +37,7 @@ import math
 import mmap
 import os
 import signal
+import socket
 import subprocess
 import tempfile
 import threading
@@ -46,13 +47,22 @@ import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from multiprocessing.connection import Connection
+from multiprocessing.reduction import recv_handle, send_handle
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from retool.backends.interface.types import Datum
 from retool.backends.local.client import DatumsPass, LocalTrainingClient, resolve_device
 from retool.backends.local.heap import cap_mmap_threshold
+from retool.backends.local.replica_sampling import (
+    ReplicaEngine,
+    ReplicaError,
+    SplitSamplingClient,
+    WeightsGate,
+    serve_sampling,
+)
 from retool.backends.training.packing import split_for_workers
 from retool.child import start_child
 
@@ -205,10 +215,6 @@ class SharedWeights:
             p.grad = view.clone() if p.grad is None else p.grad.add_(view)
 
 
-class ReplicaError(RuntimeError):
-    """A replica process failed: it raised (its traceback is in the message) or it died."""
-
-
 class _Replica:
     """Rank 0's handle on one replica process."""
 
@@ -313,36 +319,55 @@ class DataParallelTrainingClient(LocalTrainingClient):
     docstring). Sampling, the optimizer and checkpoints stay in this process."""
 
     def __init__(
-        self, model_path: str | Path, *, processes: int = 2, mmap_threshold_mb: float = 0.0, **kwargs: object
+        self,
+        model_path: str | Path,
+        *,
+        processes: int = 2,
+        mmap_threshold_mb: float = 0.0,
+        sample_on_replicas: bool = True,
+        **kwargs: object,
     ) -> None:
         """``mmap_threshold_mb``: the replicas' ``retool.backends.local.heap.cap_mmap_threshold`` (this
-        process sets its own, as ``retool.backends.make_training_client`` does); 0 leaves glibc's."""
+        process sets its own, as ``retool.backends.make_training_client`` does); 0 leaves glibc's.
+        ``sample_on_replicas``: the live sampler generates on every process
+        (``retool.backends.local.replica_sampling``), not on this one alone."""
         if processes < 2:
             raise ValueError(f"a data-parallel client needs >= 2 processes, got {processes}")
         if kwargs.get("shared_base") is not None:
             raise ValueError("a data-parallel client cannot train on a shared base model")
         self.processes = processes
         self._mmap_threshold_mb = mmap_threshold_mb
+        self._gate = WeightsGate()
+        self._replica_engines: list[ReplicaEngine] = []  # their sampling links, once they are ready
+        self._ready: threading.Thread | None = None
+        self._ready_error: BaseException | None = None
+        self._pinned = False
         self._replicas = [_replica(rank) for rank in range(1, processes)]  # their imports overlap our load
         self._finalizer = weakref.finalize(self, _stop_all, self._replicas)
         try:
             super().__init__(model_path, **kwargs)  # type: ignore[arg-type]  # LocalTrainingClient's own keywords
             if self.device.type != "cpu":
                 raise ValueError(f"backend.processes > 1 trains on CPU only, not on {self.device}")
-            self._start_replicas(model_path, kwargs)
+            self._start_replicas(model_path, kwargs, sample_on_replicas)
         except BaseException:
             self._finalizer()
             raise
+        if sample_on_replicas:
+            self._sampler = SplitSamplingClient(
+                self, lambda: self._replica_engines, self._gate, self._gather_ms
+            )
         # A client never closed nor used leaves no file behind either: the names go when it does.
         weakref.finalize(self, _unlink_all, list(self._shared_files))
 
-    def _start_replicas(self, model_path: str | Path, kwargs: dict[str, object]) -> None:
-        """Hand each replica the model and the shared weights; their answers are awaited at the first
-        training call (``_await_replicas``), so their start-up overlaps whatever this process does first."""
+    def _start_replicas(self, model_path: str | Path, kwargs: dict[str, object], sample: bool) -> None:
+        """Hand each replica the model and the shared weights (and, with ``sample``, the end of a sampling
+        link); a thread awaits their answers, so their start-up overlaps whatever this process does first
+        (the first training call waits for it: ``_await_replicas``)."""
         folder = Path("/dev/shm") if Path("/dev/shm").is_dir() else Path(tempfile.gettempdir())
         self._shared, self._shared_files = SharedWeights.create(self.model, len(self._replicas), folder)
         own = {**kwargs, "lora": self.lora, "seed": self.seed, "num_threads": self.num_threads}
         self._cores = core_per_rank(self.processes)
+        links: list[Connection] = []
         try:
             for replica in self._replicas:
                 core = self._cores[replica.rank] if self._cores else None
@@ -350,20 +375,39 @@ class DataParallelTrainingClient(LocalTrainingClient):
                 replica.send(
                     ("init", replica.rank, core, self._mmap_threshold_mb, str(model_path), own, slots, files)
                 )
+                if sample:
+                    links.append(_open_sampling_link(replica))
         except BaseException:
             self._unlink_shared_files()
             raise
+        self._ready = threading.Thread(
+            target=self._wait_ready, args=(links,), name="retool-dp-ready", daemon=True
+        )
+        self._ready.start()
 
-    def _await_replicas(self) -> None:
-        if not self._shared_files:
-            return
+    def _wait_ready(self, links: list[Connection]) -> None:
+        """Thread: every replica's answer to its init; then their engines take sampling requests."""
         try:
             for replica in self._replicas:
                 replica.receive(timeout=_START_TIMEOUT)
+            self._replica_engines = [
+                ReplicaEngine(link, r.rank, self.stats) for link, r in zip(links, self._replicas, strict=True)
+            ]
+        except BaseException as exc:
+            self._ready_error = exc
         finally:
             self._unlink_shared_files()
-        if self._cores:  # this process's other threads (event loop, sandbox clients) stay free to move
+
+    def _await_replicas(self) -> None:
+        """Worker thread, before a training share is dealt out: the replicas are up (or their failure
+        raised here); this thread is pinned to its core."""
+        if self._ready is not None:
+            self._ready.join()
+        if self._ready_error is not None:
+            raise self._ready_error
+        if self._cores and not self._pinned:  # this process's other threads stay free to move
             os.sched_setaffinity(0, {self._cores[0]})  # called on the worker thread: pins that thread
+            self._pinned = True
 
     def _unlink_shared_files(self) -> None:
         """Every process has mapped them (or failed): the names can go."""
@@ -371,6 +415,14 @@ class DataParallelTrainingClient(LocalTrainingClient):
             with contextlib.suppress(OSError):
                 path.unlink()
         self._shared_files = []
+
+    def _optim_step(self, adam: Any) -> Any:
+        with self._gate.changing():  # no replica decodes across the change (replica_sampling)
+            return super()._optim_step(adam)
+
+    def _load_state(self, path: str) -> None:
+        with self._gate.changing():
+            super()._load_state(path)
 
     def _run_datums(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, backward: bool
@@ -403,8 +455,21 @@ class DataParallelTrainingClient(LocalTrainingClient):
 
     async def close_async(self) -> None:
         await super().close_async()
+        for engine in self._replica_engines:
+            engine.close()
         self._finalizer()
         self._unlink_shared_files()
+
+
+def _open_sampling_link(replica: _Replica) -> Connection:
+    """A socket pair for the replica's sampling service; its end goes over the training pipe."""
+    ours, theirs = socket.socketpair()
+    try:
+        replica.send(("link",))
+        send_handle(replica.conn, theirs.fileno(), replica.process.pid)
+    finally:
+        theirs.close()
+    return Connection(ours.detach())
 
 
 # ------------------------------------------------------------------------------------------ replica side
@@ -439,6 +504,7 @@ def replica_main(fd: int) -> None:
 
 
 def _serve(conn: Connection, client: LocalTrainingClient, shared: SharedWeights) -> None:
+    waiting = [0]  # training shares queued for the worker thread (the sampling engine yields to them)
     while True:
         try:
             message = conn.recv()
@@ -446,17 +512,34 @@ def _serve(conn: Connection, client: LocalTrainingClient, shared: SharedWeights)
             return
         if message is None:
             return
-        _, datums, loss_fn, loss_config, backward, autocast = message
+        if message[0] == "link":
+            link = Connection(recv_handle(conn))
+            args = (link, client, lambda: waiting[0] > 0)
+            threading.Thread(target=serve_sampling, args=args, name="retool-sampling", daemon=True).start()
+            continue
+        waiting[0] += 1
         try:
-            client.train_autocast = autocast
-            client.model.train()
-            part = client._run_datums(datums, loss_fn, loss_config, backward)
-            if backward:
-                shared.put_grads(client.model)
-            reply: tuple[str, object] = ("ok", part)
+            reply = client._executor.submit(_run_share, client, shared, message, waiting).result()
         except Exception:
             reply = ("error", traceback.format_exc())
         try:
             conn.send(reply)
         except OSError:
             return
+
+
+def _run_share(
+    client: LocalTrainingClient, shared: SharedWeights, message: tuple[Any, ...], waiting: list[int]
+) -> tuple[str, object]:
+    """Worker thread (where this replica's sampling engine runs too): one share of a training call."""
+    waiting[0] -= 1
+    _, datums, loss_fn, loss_config, backward, autocast = message
+    try:
+        client.train_autocast = autocast
+        client.model.train()
+        part = client._run_datums(datums, loss_fn, loss_config, backward)
+        if backward:
+            shared.put_grads(client.model)
+        return ("ok", part)
+    except Exception:
+        return ("error", traceback.format_exc())
