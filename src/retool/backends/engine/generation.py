@@ -105,7 +105,7 @@ def _stop_sets(params: SamplingParams, eos_ids: set[int]) -> tuple[set[int], lis
     return ids, strings
 
 
-def _cache_kwarg(model: torch.nn.Module) -> str:
+def cache_kwarg(model: torch.nn.Module) -> str:
     """transformers >= 5.2x names the cache argument ``cache``; older versions ``past_key_values``."""
     params = inspect.signature(model.forward).parameters
     if "cache" in params:
@@ -116,7 +116,7 @@ def _cache_kwarg(model: torch.nn.Module) -> str:
     return "past_key_values"
 
 
-def _output_cache(out: object) -> DynamicCache:
+def output_cache(out: object) -> DynamicCache:
     for key in ("cache", "past_key_values"):
         value = out.get(key) if hasattr(out, "get") else getattr(out, key, None)
         if value is not None:
@@ -305,7 +305,7 @@ class _GrowingLayer(DynamicLayer):
         return self.keys, self.values
 
 
-def _layers(cache: DynamicCache) -> list[Any]:
+def cache_layers(cache: DynamicCache) -> list[Any]:
     """The cache's layers, all full KV layers (typed ``Any``: their ``keys`` / ``values`` are declared
     optional until the first forward fills them, which every cache here has had)."""
     layers = list(cache.layers)
@@ -317,7 +317,7 @@ def _layers(cache: DynamicCache) -> list[Any]:
 
 def _growing(cache: DynamicCache) -> DynamicCache:
     """``cache`` with every layer appending in place (``_GrowingLayer``), ready for decode steps."""
-    for i, layer in enumerate(_layers(cache)):
+    for i, layer in enumerate(cache_layers(cache)):
         if type(layer) is not _GrowingLayer:
             cache.layers[i] = _GrowingLayer.adopt(layer)
     return cache
@@ -346,7 +346,7 @@ class _Batch:
     def select(self, keep: list[int]) -> _Batch:
         """The rows ``keep`` (repeats allowed: a group's copies of one prefilled prompt)."""
         index = torch.tensor(keep, dtype=torch.long, device=self.mask.device)
-        for layer in _layers(self.cache):
+        for layer in cache_layers(self.cache):
             layer.keys, layer.values = layer.keys[index], layer.values[index]
         rows = [self.rows[i] for i in keep] if self.rows else []
         batch = _Batch(rows, self.cache, self.mask[index], self.last_pos[index], self.logits[index])
@@ -356,7 +356,7 @@ class _Batch:
     def extend(self, other: _Batch) -> _Batch:
         """Both batches' rows in one, the shorter KV padded on the left."""
         width = max(self.mask.shape[1], other.mask.shape[1])
-        for mine, theirs in zip(_layers(self.cache), _layers(other.cache), strict=True):
+        for mine, theirs in zip(cache_layers(self.cache), cache_layers(other.cache), strict=True):
             mine.keys = torch.cat([_pad_left(mine.keys, width), _pad_left(theirs.keys, width)])
             mine.values = torch.cat([_pad_left(mine.values, width), _pad_left(theirs.values, width)])
         pad = torch.nn.functional.pad
@@ -374,7 +374,7 @@ class _Batch:
         used = self.mask.any(0).nonzero()
         first = int(used[0]) if len(used) else 0
         if first > 0:
-            for layer in _layers(self.cache):
+            for layer in cache_layers(self.cache):
                 layer.keys, layer.values = layer.keys[:, :, first:], layer.values[:, :, first:]
             self.mask = self.mask[:, first:]
 
@@ -383,7 +383,7 @@ class _Batch:
         cols = self.mask[row].nonzero().squeeze(-1)
         return [
             (layer.keys[row].index_select(1, cols), layer.values[row].index_select(1, cols))
-            for layer in _layers(self.cache)
+            for layer in cache_layers(self.cache)
         ]
 
 
@@ -489,7 +489,7 @@ class ContinuousGenerator:
             model.eval()
             self.cache.validate((self._tag_fn(), id(model)))
             if self._cache_key is None:
-                self._cache_key = _cache_kwarg(model)
+                self._cache_key = cache_kwarg(model)
             # Adapters switch inside the model's modules per row: those batches keep the model's forward.
             self._lean = lean_decoder(model) if self._select is None and self.lean_decode else None
             with torch.no_grad():
@@ -636,8 +636,8 @@ class ContinuousGenerator:
         )
         computed = sum(len(it.tokens) - it.cached for it in items)
         self.stats.add_prefill(computed, time.perf_counter() - t0)
-        cache = _output_cache(out)
-        _layers(cache)  # refuse a cache layout the batch cannot merge, before any row depends on it
+        cache = output_cache(out)
+        cache_layers(cache)  # refuse a cache layout the batch cannot merge, before any row depends on it
         return _Batch([], cache, mask, pos[:, -1:], out.logits[:, -1, :].float())
 
     def _padded_cache(self, items: list[_Prefill], width: int) -> DynamicCache:
@@ -702,7 +702,7 @@ class ContinuousGenerator:
         batch.last_pos = batch.last_pos + 1
         if self._lean is not None:  # the model's own modules without transformers' per-call machinery
             cache = _growing(batch.cache)
-            logits = self._lean(chosen[:, None], batch.mask, batch.last_pos, _layers(cache))
+            logits = self._lean(chosen[:, None], batch.mask, batch.last_pos, cache_layers(cache))
             batch.logits = logits[:, -1, :].float()
             return batch
         if self._select is not None:
@@ -714,6 +714,6 @@ class ContinuousGenerator:
             use_cache=True,
             **{self._cache_key or "past_key_values": _growing(batch.cache)},
         )
-        batch.cache = _output_cache(out)
+        batch.cache = output_cache(out)
         batch.logits = out.logits[:, -1, :].float()
         return batch

@@ -83,6 +83,7 @@ from retool.backends.interface.types import (
     Sample,
     SamplingParams,
 )
+from retool.backends.local.shared_prefix import shared_input_prefix, target_logprobs
 from retool.backends.training.losses import LOSS_NAMES, LossTally, token_loss
 from retool.backends.training.packing import pack_micro_batches, padding_efficiency
 
@@ -589,6 +590,9 @@ class LocalTrainingClient(TrainingClient):
     # Training forwards under torch.autocast to this dtype (None: the model's own dtype). Sampling never
     # autocasts, so only a loss without a sampler ratio should set it (``autocast_dtype``: SFT).
     train_autocast: torch.dtype | None = None
+    # A micro-batch's shared input prefix runs once (``retool.backends.local.shared_prefix``; off only to
+    # compare).
+    share_train_prefix: bool = True
 
     def __init__(
         self,
@@ -967,11 +971,12 @@ class LocalTrainingClient(TrainingClient):
             out["ratio_mask"] = ratio_mask
         return {k: v.to(self.device) for k, v in out.items()}
 
-    def target_logprobs(self, ids: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor) -> torch.Tensor:
-        """Float32 logprob of each target token under the current weights (with grad if enabled)."""
-        logits = self.model(input_ids=ids, attention_mask=mask).logits.float()
-        # gather - logsumexp avoids materialising a second [B, T, V] log_softmax tensor
-        return logits.gather(-1, tgt[..., None]).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+    def target_logprobs(
+        self, ids: torch.Tensor, mask: torch.Tensor, tgt: torch.Tensor, shared: int = 0
+    ) -> torch.Tensor:
+        """Float32 logprob of each target token under the current weights (with grad if enabled); the
+        first ``shared`` input positions, the same in every row, run once (``local.shared_prefix``)."""
+        return target_logprobs(self.model, ids, mask, tgt, shared)
 
     def _forward_backward(
         self, datums: Sequence[Datum], loss_fn: str, loss_config: dict[str, float] | None, backward: bool
@@ -1015,13 +1020,14 @@ class LocalTrainingClient(TrainingClient):
         )
         for rows in run.batches:
             t = self._micro_batch_tensors(datums, rows)
+            shared = shared_input_prefix(datums, rows) if self.share_train_prefix else 0
             autocast = torch.autocast(
                 self.device.type,
                 dtype=self.train_autocast or self.dtype,
                 enabled=self.train_autocast is not None,
             )
             with torch.set_grad_enabled(backward), autocast:
-                lp = self.target_logprobs(t["ids"], t["mask"], t["tgt"])
+                lp = self.target_logprobs(t["ids"], t["mask"], t["tgt"], shared)
                 tl = token_loss(loss_fn, lp, t["w"], t["old"], t["adv"], loss_config, t.get("ratio_mask"))
                 if backward:
                     tl.loss.sum().backward()
