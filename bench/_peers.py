@@ -162,6 +162,10 @@ def retool_overrides(cfg: Config, completion_budget: int, prompt_tokens: int) ->
 ABLATIONS: dict[str, tuple[str, list[str]]] = {
     "no-skip": ("group skipping off (dynamic sampling off, all-equal groups still skipped)", []),
     "no-prefix": ("prefix cache off", ["backend.prefix_cache_mb=0"]),
+    "no-train-prefix": (
+        "shared-prefix training off (each row's prompt forward and backward)",
+        ["backend.share_train_prefix=false"],
+    ),
     "round-sync": ("round-synchronous rollouts", ["rollout.scheduling=round_sync"]),
     "subprocess": ("sandbox: a subprocess per call", ["sandbox.backend=subprocess"]),
 }

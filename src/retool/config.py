@@ -72,6 +72,9 @@ class BackendConfig(_Section):
     # With processes > 1, the live sampler generates on every process (each on its core, the same shared
     # weights; retool.backends.local.replica_sampling); false: on this process alone.
     sample_on_replicas: bool = True
+    # The prefix every row of a training micro-batch shares (the system prompt; within a group the question)
+    # runs once, forward and backward (retool.backends.local.shared_prefix); false: once per row.
+    share_train_prefix: bool = True
     # Memory cap (MiB) of the local sampler's prefix cache: KV of sequences already run, reused by any
     # request that extends them (a trajectory's next turn, a group's prompt); LRU; 0 turns it off.
     prefix_cache_mb: float = Field(default=1024.0, ge=0.0)

@@ -183,6 +183,7 @@ def _local_client(config: Config) -> TrainingClient:
             max_context=config.model.max_context,
             num_threads=config.backend.cpu_threads or None,
             prefix_cache_mb=config.backend.prefix_cache_mb,
+            share_train_prefix=config.backend.share_train_prefix,
         )
     except OSError as exc:
         if Path(name).expanduser().exists():  # a local model that fails to load: not a "where is it" error

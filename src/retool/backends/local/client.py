@@ -590,9 +590,6 @@ class LocalTrainingClient(TrainingClient):
     # Training forwards under torch.autocast to this dtype (None: the model's own dtype). Sampling never
     # autocasts, so only a loss without a sampler ratio should set it (``autocast_dtype``: SFT).
     train_autocast: torch.dtype | None = None
-    # A micro-batch's shared input prefix runs once (``retool.backends.local.shared_prefix``; off only to
-    # compare).
-    share_train_prefix: bool = True
 
     def __init__(
         self,
@@ -614,6 +611,7 @@ class LocalTrainingClient(TrainingClient):
         merge_lora_for_sampling: bool = True,
         prefix_cache_mb: float = DEFAULT_PREFIX_CACHE_MB,
         shared_base: torch.nn.Module | None = None,
+        share_train_prefix: bool = True,
     ) -> None:
         if num_threads:
             # On a busy CPU one thread is often several times faster for tiny models.
@@ -630,6 +628,8 @@ class LocalTrainingClient(TrainingClient):
         self.lora = _lora_spec(lora)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.micro_batch_overhead = int(micro_batch_overhead)  # packing's batch_cost (0: fewest batches)
+        # A micro-batch's shared input prefix runs once (``retool.backends.local.shared_prefix``).
+        self.share_train_prefix = bool(share_train_prefix)
         self.sample_batch_size = int(sample_batch_size)
         self.checkpoint_dir = Path(checkpoint_dir)
         if self.micro_batch_tokens <= 0 or self.sample_batch_size <= 0:
