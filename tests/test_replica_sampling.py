@@ -21,6 +21,7 @@ from retool.backends.local.client import LocalTrainingClient
 from retool.backends.local.data_parallel import DataParallelTrainingClient, ReplicaError
 from retool.backends.local.replica_sampling import Affinity, SplitSamplingClient, WeightsGate, plan_batch
 
+LORA = {"rank": 4, "alpha": 8, "target_modules": ["q_proj", "v_proj"]}
 KW: dict = {"lora": None, "device": "cpu", "seed": 0, "micro_batch_tokens": 256, "num_threads": 1}
 
 
@@ -56,10 +57,20 @@ def test_affinity_sends_a_continuation_to_the_engine_of_its_sequence() -> None:
     assert load == [4, 4]
 
 
-def test_a_split_batch_draws_what_one_process_draws_on_both_processes(tiny_model_dir: Path) -> None:
-    one = LocalTrainingClient(tiny_model_dir, **KW)
-    dp = DataParallelTrainingClient(tiny_model_dir, processes=2, **KW)
+@pytest.mark.parametrize("lora", [None, LORA], ids=["full", "lora"])
+def test_a_split_batch_draws_what_one_process_draws_on_both_processes(
+    tiny_model_dir: Path, lora: dict | None
+) -> None:
+    one = LocalTrainingClient(tiny_model_dir, **{**KW, "lora": lora})
+    dp = DataParallelTrainingClient(tiny_model_dir, processes=2, **{**KW, "lora": lora})
     try:
+        with torch.no_grad():  # LoRA B starts at zero: give the adapters weight (the merged views)
+            for (name, p), q in zip(one.model.named_parameters(), dp.model.parameters(), strict=True):
+                if "lora_B" in name:
+                    p.normal_(0, 0.1)
+                q.copy_(p)
+        one.mark_weights_changed()
+        dp.mark_weights_changed()
         assert isinstance(dp._sampler, SplitSamplingClient)
         dp._ready.join()  # type: ignore[union-attr]  # the replicas are up: batches split from now on
         prompts = _prompts(one.vocab_size, 8)
