@@ -148,3 +148,17 @@ def test_a_dead_replica_fails_its_batches_with_an_error_that_names_it(tiny_model
         assert len(samples) == 4
     finally:
         dp.close()
+
+
+def test_with_sampling_on_replicas_off_rank_0_samples_alone_and_still_trains(tiny_model_dir: Path) -> None:
+    dp = DataParallelTrainingClient(tiny_model_dir, processes=2, sample_on_replicas=False, **KW)
+    try:
+        assert not isinstance(dp._sampler, SplitSamplingClient)
+        samples = asyncio.run(_sample_all(dp, _prompts(dp.vocab_size, 2)))
+        assert len(samples) == 4
+        seq = list(range(5, 25))
+        datum = Datum(seq[:-1], seq[1:], [0.0] * 19, [1.0] * 19, [1.0 / 19] * 19)
+        assert dp.forward_backward([datum, datum], "cross_entropy").extra["micro_batches"] >= 2
+        assert dp._replica_engines == []
+    finally:
+        dp.close()

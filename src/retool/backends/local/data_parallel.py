@@ -9,7 +9,9 @@ processes each running half of every batch take half the time.
 - **One set of weights.** Every parameter lives in one shared-memory file that every process maps; the
   modules of each process are views of it. Rank 0's optimizer updates it in place, so the replicas see
   the new weights at once and can never drift; nothing is broadcast, and checkpoints, LoRA and the
-  optimizer stay rank 0's business alone.
+  optimizer stay rank 0's business alone. The replicas sample from those weights too
+  (``retool.backends.local.replica_sampling``: each runs a generation engine rank 0's sampler deals
+  requests to).
 - **Gradients add up.** Losses are sums over tokens and datums (Tinker semantics: the caller puts its
   normalisation into the weights), so the gradient of a call is the sum of its shares' gradients. A
   replica writes the gradient of its share into its own shared buffer; rank 0 adds it to its own before
@@ -53,7 +55,7 @@ from typing import Any
 
 import torch
 
-from retool.backends.interface.types import Datum
+from retool.backends.interface.types import AdamParams, Datum, OptimStepResult
 from retool.backends.local.client import DatumsPass, LocalTrainingClient, resolve_device
 from retool.backends.local.heap import cap_mmap_threshold
 from retool.backends.local.replica_sampling import (
@@ -316,7 +318,8 @@ def _stop_all(replicas: list[_Replica]) -> None:
 
 class DataParallelTrainingClient(LocalTrainingClient):
     """A ``LocalTrainingClient`` whose ``forward_backward`` runs on ``processes`` processes (see the module
-    docstring). Sampling, the optimizer and checkpoints stay in this process."""
+    docstring), and whose live sampler generates on all of them (``replica_sampling``; off with
+    ``sample_on_replicas=False``). The optimizer and checkpoints stay in this process."""
 
     def __init__(
         self,
@@ -390,9 +393,9 @@ class DataParallelTrainingClient(LocalTrainingClient):
         try:
             for replica in self._replicas:
                 replica.receive(timeout=_START_TIMEOUT)
-            self._replica_engines = [
-                ReplicaEngine(link, r.rank, self.stats) for link, r in zip(links, self._replicas, strict=True)
-            ]
+            if links:  # sampling on the replicas too
+                pairs = zip(links, self._replicas, strict=True)
+                self._replica_engines = [ReplicaEngine(link, r.rank, self.stats) for link, r in pairs]
         except BaseException as exc:
             self._ready_error = exc
         finally:
@@ -416,7 +419,7 @@ class DataParallelTrainingClient(LocalTrainingClient):
                 path.unlink()
         self._shared_files = []
 
-    def _optim_step(self, adam: Any) -> Any:
+    def _optim_step(self, adam: AdamParams) -> OptimStepResult:
         with self._gate.changing():  # no replica decodes across the change (replica_sampling)
             return super()._optim_step(adam)
 

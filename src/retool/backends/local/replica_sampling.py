@@ -32,22 +32,15 @@ import concurrent.futures
 import contextlib
 import functools
 import itertools
-import logging
 import threading
 from collections.abc import Awaitable, Callable, Iterator, Sequence
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING
 
 import numpy as np
 
-from retool.backends.engine.generation import GenRequest
+from retool.backends.engine.generation import ContinuousGenerator, GenRequest
 from retool.backends.interface.types import Sample
 from retool.backends.local.client import BackendStats, LocalSamplingClient, LocalTrainingClient
-
-if TYPE_CHECKING:
-    from retool.backends.engine.generation import ContinuousGenerator
-
-logger = logging.getLogger(__name__)
 
 _SAMPLING_FIELDS = (
     "sample_seconds",
@@ -255,6 +248,8 @@ class SplitSamplingClient(LocalSamplingClient):
         self._replicas = replicas  # empty until they are ready
         self._gate = gate
         self._affinity = Affinity()
+        # Rows this process's engine has in flight: a balancing estimate, updated by the event loop and the
+        # engine's thread without a lock (a lost update only skews one placement).
         self._local_rows = 0
 
     def _start_batch(self, requests: list[GenRequest]) -> Awaitable[list[Sample]]:
