@@ -628,8 +628,7 @@ class LocalTrainingClient(TrainingClient):
         self.lora = _lora_spec(lora)
         self.micro_batch_tokens = int(micro_batch_tokens)
         self.micro_batch_overhead = int(micro_batch_overhead)  # packing's batch_cost (0: fewest batches)
-        # A micro-batch's shared input prefix runs once (``retool.backends.local.shared_prefix``).
-        self.share_train_prefix = bool(share_train_prefix)
+        self.share_train_prefix = bool(share_train_prefix)  # shared prefixes run once (local.shared_prefix)
         self.sample_batch_size = int(sample_batch_size)
         self.checkpoint_dir = Path(checkpoint_dir)
         if self.micro_batch_tokens <= 0 or self.sample_batch_size <= 0:
