@@ -11,8 +11,10 @@ import os
 import socket
 import subprocess
 import sys
+from collections.abc import Iterator
 from multiprocessing.connection import Connection
 from pathlib import Path
+from typing import Any
 
 
 def start_child(boot: str) -> tuple[subprocess.Popen[bytes], Connection]:
@@ -33,3 +35,15 @@ def start_child(boot: str) -> tuple[subprocess.Popen[bytes], Connection]:
     finally:
         child_sock.close()
     return process, Connection(parent_sock.detach())
+
+
+def messages(conn: Connection) -> Iterator[Any]:
+    """The messages arriving on ``conn`` until the other side sends ``None`` (stop) or goes away."""
+    while True:
+        try:
+            message = conn.recv()
+        except (EOFError, OSError):
+            return
+        if message is None:
+            return
+        yield message

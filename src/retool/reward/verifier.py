@@ -39,7 +39,7 @@ from multiprocessing.connection import Connection
 from types import FrameType, TracebackType
 from typing import Literal
 
-from retool.child import start_child
+from retool.child import messages, start_child
 from retool.config import Config, RewardConfig
 from retool.reward.equivalence import check_equivalence
 from retool.reward.extract import extract_last_boxed
@@ -135,14 +135,7 @@ def _worker_main(fd: int, memory_limit_mb: int | None, hard_timeout: float) -> N
     # This is the worker's main thread, the only place a signal-based timeout is legal.
     signal.signal(signal.SIGALRM, on_alarm)
     conn.send(("ready", os.getpid()))
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        request_id, pred, ref, soft_timeout = message
+    for request_id, pred, ref, soft_timeout in messages(conn):
         arm_cpu_limit()
         try:
             try:

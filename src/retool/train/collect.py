@@ -180,7 +180,8 @@ class StepSampler:
         if split < slots and self.text is None:
             raise ValueError("rollout.text_only_share > 0 needs a text-only group sampler")
         size = sampled_group_size(self.rollout.group_size, filters)
-        done: dict[tuple[int, int], list[Trajectory]] = {}
+        out = Collected(groups=[])  # counts what RoC leaves out as the slots down-sample
+        done: dict[tuple[int, int], tuple[list[Trajectory], list[Trajectory]]] = {}
 
         async def run_slot(i: int) -> None:
             sampler = self.tools if i < split else (self.text or self.tools)
@@ -189,15 +190,15 @@ class StepSampler:
                 seed = seed if i < split else seed ^ 0x5EED
                 groups = await sampler.sample([problems[r * slots + i]], policy, group_size=size, seed=seed)
                 raise_if_step_lost(groups, step)
-                done[(r, i)] = groups[0]
-                if not is_degenerate(_rewards(self._down_sample(Collected([]), groups, step, r)[0])):
+                trained = self._down_sample(out, groups, step, r)[0]
+                done[(r, i)] = (groups[0], trained)
+                if not is_degenerate(_rewards(trained)):
                     return
 
         await asyncio.gather(*(run_slot(i) for i in range(slots)))
-        out = Collected(groups=[])
         for r, i in sorted(done):
-            trained = self._down_sample(out, [done[(r, i)]], step, r)[0]
-            out.sampled.append(done[(r, i)])
+            sampled, trained = done[(r, i)]
+            out.sampled.append(sampled)
             out.problems.append(problems[r * slots + i])
             if not is_degenerate(_rewards(trained)):
                 out.informative += 1

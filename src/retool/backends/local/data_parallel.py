@@ -66,7 +66,7 @@ from retool.backends.local.replica_sampling import (
     serve_sampling,
 )
 from retool.backends.training.packing import split_for_workers
-from retool.child import start_child
+from retool.child import messages, start_child
 
 _GRAD_ALIGN = 64  # bytes: every gradient in a replica's buffer starts on a cache line
 _START_TIMEOUT = 300.0  # seconds a replica may take to import torch and load the model
@@ -508,13 +508,7 @@ def replica_main(fd: int) -> None:
 
 def _serve(conn: Connection, client: LocalTrainingClient, shared: SharedWeights) -> None:
     waiting = [0]  # training shares queued for the worker thread (the sampling engine yields to them)
-    while True:
-        try:
-            message = conn.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
+    for message in messages(conn):
         if message[0] == "link":
             link = Connection(recv_handle(conn))
             args = (link, client, lambda: waiting[0] > 0)

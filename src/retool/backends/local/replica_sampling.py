@@ -41,6 +41,7 @@ import numpy as np
 from retool.backends.engine.generation import ContinuousGenerator, GenRequest
 from retool.backends.interface.types import Sample
 from retool.backends.local.client import BackendStats, LocalSamplingClient, LocalTrainingClient
+from retool.child import messages
 
 _SAMPLING_FIELDS = (
     "sample_seconds",
@@ -315,22 +316,16 @@ def serve_sampling(link: Connection, client: LocalTrainingClient, training_waits
     send_lock = threading.Lock()
 
     def reply(batch: int, future: concurrent.futures.Future[list[Sample]]) -> None:
+        payload: list[Sample] | str
         try:
-            message: tuple[str, int, object, dict[str, float]] = ("ok", batch, future.result(), {})
+            kind, payload = "ok", future.result()
         except Exception as exc:  # the caller gets it, as for a failed training share
-            message = ("error", batch, f"{type(exc).__name__}: {exc}", {})
+            kind, payload = "error", f"{type(exc).__name__}: {exc}"
         counters = {k: float(getattr(client.stats, k)) for k in _SAMPLING_FIELDS}
         with send_lock, contextlib.suppress(OSError):
-            link.send((message[0], message[1], message[2], counters))
+            link.send((kind, batch, payload, counters))
 
-    while True:
-        try:
-            message = link.recv()
-        except (EOFError, OSError):
-            return
-        if message is None:
-            return
-        _, batch, version, requests = message
+    for _, batch, version, requests in messages(link):
         if version != client._weights_version:  # nothing of the old version is in flight (the gate)
             client._executor.submit(setattr, client, "_weights_version", version).result()
         engine.submit(requests).add_done_callback(functools.partial(reply, batch))
