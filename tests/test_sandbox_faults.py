@@ -64,8 +64,8 @@ def _kill_server_mid_call(ex: ForkServerExecutor, min_descendants: int) -> tuple
     "isolation", ["none", pytest.param("strict", marks=[pytest.mark.bwrap, needs_strict])]
 )
 def test_server_killed_mid_call_fails_that_call_only_and_is_respawned(isolation: str) -> None:
-    # none: server -> child; strict: bwrap -> (bwrap init ->) server -> child
-    depth = 1 if isolation == "none" else 3
+    # none: server -> child; strict: bwrap -> server (pid 1 of its namespace) -> child
+    depth = 1 if isolation == "none" else 2
     with ForkServerExecutor(timeout=90.0, workers=1, isolation=isolation, preimport=[]) as ex:
         error, old_pid = _kill_server_mid_call(ex, depth)
         assert isinstance(error, SandboxWorkerError), error

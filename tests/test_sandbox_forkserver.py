@@ -203,10 +203,29 @@ def test_close_strict_leaves_no_process(tmp_path, monkeypatch):
     assert ex.isolation == "strict"
     assert ex.run("import os\nif os.fork() == 0:\n    os.setsid(); import time; time.sleep(30)\nprint(1)").ok
     tree = server_pids(ex) + descendant_pids(*server_pids(ex))
-    assert len(tree) >= 2  # bwrap + the server (+ bwrap's init)
+    assert len(tree) >= 2  # bwrap + the server
     ex.close()
     assert not any(_alive(p) for p in tree)
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "isolation", ["none", pytest.param("strict", marks=[pytest.mark.bwrap, needs_strict])]
+)
+def test_the_code_cpu_time_reaches_the_caller(isolation):
+    """The model's code runs in the caller's process tree, reaped link by link, so ``time`` and
+    ``getrusage`` count it (strict: bwrap's reaper process was never waited for, and the CPU time was lost)."""
+    import resource
+
+    def children_cpu() -> float:
+        usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+        return usage.ru_utime + usage.ru_stime
+
+    before = children_cpu()
+    with ForkServerExecutor(timeout=30.0, workers=1, isolation=isolation, preimport=[]) as ex:
+        spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6:\n    pass\nprint(1)"
+        assert ex.run(spin).ok
+    assert children_cpu() - before >= 0.5
 
 
 def test_strict_unavailable_falls_back_loudly(monkeypatch, caplog):
