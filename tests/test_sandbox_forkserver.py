@@ -223,7 +223,9 @@ def test_the_code_cpu_time_reaches_the_caller(isolation):
 
     before = children_cpu()
     with ForkServerExecutor(timeout=30.0, workers=1, isolation=isolation, preimport=[]) as ex:
-        spin = "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6:\n    pass\nprint(1)"
+        spin = (
+            "import time\nt = time.process_time()\nwhile time.process_time() - t < 0.6:\n    pass\nprint(1)"
+        )
         assert ex.run(spin).ok
     assert children_cpu() - before >= 0.5
 
