@@ -207,3 +207,54 @@ STEP_HEADER = (
     "| arm | step | wall s | CPU s | sampled tok | sampled tok/s | trained tok | trained tok/s | reward | "
     "calls / traj | stop reasons |\n|---|---|---|---|---|---|---|---|---|---|---|"
 )
+
+
+def learning_over_seeds(results: Sequence[Mapping[str, Any]]) -> str:
+    """Held-out accuracy of the SFT start and of both trainers' end models, one row per seed (one finished
+    ``bench/peers.py --seed S`` run each), then each trainer's mean gain over the start with its spread over
+    the seeds, and the step time of each. The runs must be the same job (steps, budgets, held-out set)."""
+    if not results:
+        raise ValueError("no runs to compare")
+    keys = ("steps", "completion_tokens", "threads", "heldout", "task")
+    jobs = {tuple(r["args"].get(k) for k in keys) for r in results}
+    if len(jobs) > 1:
+        raise ValueError(f"the runs are not the same job ({', '.join(keys)} differ: {sorted(jobs)})")
+    seeds = [int(r["args"].get("seed", 0)) for r in results]
+    if len(set(seeds)) < len(seeds):
+        raise ValueError(f"two runs share a seed: {seeds}")
+    rows, gains = [], {"trl": [], "retool": []}
+    walls: dict[str, list[float]] = {"trl": [], "retool": []}
+    for seed, r in sorted(zip(seeds, results, strict=True)):
+        acc = r.get("accuracy") or {}
+        if not all(m in acc for m in ("sft", "trl", "retool")):
+            raise ValueError(f"seed {seed}: the run has no held-out accuracy of sft, trl and retool")
+        a = {m: 100 * float(acc[m]["average_at_n"]) for m in ("sft", "trl", "retool")}
+        for m in ("trl", "retool"):
+            gains[m].append(a[m] - a["sft"])
+            walls[m] += [float(s["wall_s"]) for s in r["records"][m]]
+        rows.append(
+            f"| {seed} | {a['sft']:.1f}% | {a['trl']:.1f}% | {a['retool']:.1f}% | {a['trl'] - a['sft']:+.1f} |"
+            f" {a['retool'] - a['sft']:+.1f} |"
+        )
+
+    def spread(values: list[float]) -> str:
+        sd = statistics.stdev(values) if len(values) > 1 else float("nan")
+        return f"{statistics.mean(values):+.1f} (sd {sd:.1f})"
+
+    trl_s, retool_s = statistics.mean(walls["trl"]), statistics.mean(walls["retool"])
+    first = results[0]["args"]
+    return "\n".join(
+        [
+            f"The same job from the same SFT start and problems, {len(results)} seeds (each trainer's sampling"
+            f" and LoRA initialisation), {first['steps']} steps per trainer per seed; held-out: "
+            f"{first['heldout']} problems x 2 samples per model, this project's evaluator.",
+            "",
+            "| seed | sft | trl | retool | trl gain, points | retool gain, points |",
+            "|---|---|---|---|---|---|",
+            *rows,
+            "",
+            f"Mean gain over the start (sd over seeds): TRL {spread(gains['trl'])}, retool-rl"
+            f" {spread(gains['retool'])} points. Mean step: TRL {trl_s:.1f} s, retool-rl {retool_s:.1f} s"
+            f" ({trl_s / retool_s:.2f}x).",
+        ]
+    )

@@ -31,6 +31,8 @@ Needs TRL beside the project: ``pip install 'retool-rl[peers]'`` (``trl==1.16.0`
     python bench/peers.py                      # 3 steps per arm, every arm (~30-40 min on 2 cores)
     python bench/peers.py --steps 2 --arms trl,retool --heldout 8
     python bench/peers.py --write              # also docs/results/peers.md
+    python bench/peers.py --arms trl,retool --seed 1 --heldout 48   # another draw of both trainers
+    python bench/peers.py --learning RUN0,RUN1,RUN2 --write         # their held-out gains over seeds
 """
 
 from __future__ import annotations
@@ -128,7 +130,7 @@ def retool_worker(job: dict[str, Any]) -> None:
     from retool.train.loop import Trainer
 
     torch.set_num_threads(job["threads"])
-    torch.manual_seed(0)
+    torch.manual_seed(job.get("seed", 0))
     cfg = with_available_isolation(Config.model_validate(job["config"]))
     out = Path(job["out"])
     with build_components(cfg) as parts:
@@ -180,7 +182,7 @@ def trl_worker(job: dict[str, Any]) -> None:
     from retool.tasks.demo import with_available_isolation
 
     torch.set_num_threads(job["threads"])
-    torch.manual_seed(0)
+    torch.manual_seed(job.get("seed", 0))
     cfg = with_available_isolation(Config.model_validate(job["config"]))
     trainer, stats = build_trl_trainer(cfg, job)
     _emit("ready", {"prompt_match": stats["prompt_match"]})
@@ -231,7 +233,8 @@ def build_trl_trainer(cfg: Any, job: dict[str, Any]) -> tuple[Any, dict[str, Any
         "close": lambda: (executor.close(), verifier.close()),
     }
     args = GRPOConfig(
-        output_dir=str(Path(job["out"]) / "trl"), **trl_grpo_args(cfg, job["completion"], job["steps"])
+        output_dir=str(Path(job["out"]) / "trl"),
+        **trl_grpo_args(cfg, job["completion"], job["steps"], job.get("seed", 0)),
     )
     lora = LoraConfig(
         r=cfg.lora.rank,
@@ -435,6 +438,13 @@ def main() -> None:
     ap.add_argument("--completion-tokens", type=int, default=256, help="TRL's max_completion_length")
     ap.add_argument("--threads", type=int, default=2, help="torch threads of every arm")
     ap.add_argument("--heldout", type=int, default=16, help="held-out hard problems (x 2 samples)")
+    ap.add_argument(
+        "--seed", type=int, default=0, help="both arms' sampling and LoRA seed (the problems stay the same)"
+    )
+    ap.add_argument(
+        "--learning",
+        help="comma-separated run folders (one per --seed): the held-out gain of each trainer over seeds",
+    )
     ap.add_argument("--sft-steps", type=int, default=None, help="(default: 20; gsm8k: the preset's)")
     ap.add_argument("--task", choices=["synthetic", "gsm8k"], default="synthetic")
     ap.add_argument("--start", help="an HF folder to start from instead of the SFT'd model (smoke runs)")
@@ -442,6 +452,10 @@ def main() -> None:
     ap.add_argument("--write", action="store_true", help="write docs/results/peers.md")
     ap.add_argument("--report", help="redraw the report of a finished run folder (its result.json)")
     args = ap.parse_args()
+    if args.learning:
+        runs = [Path(r) for r in args.learning.split(",") if r]
+        write_learning([json.loads((r / "result.json").read_text()) for r in runs], args.write)
+        return
     if args.report:
         run = Path(args.report)
         finish_report(json.loads((run / "result.json").read_text()), run, args.write)
@@ -516,6 +530,21 @@ def finish_report(result: dict[str, Any], run: Path, to_docs: bool) -> None:
     write_report(result, run, to_docs)
 
 
+def write_learning(results: list[dict[str, Any]], to_docs: bool) -> None:
+    """The held-out gain of each trainer over seeds (finished ``--seed`` runs); with ``to_docs``
+    ``docs/results/peers_learning.md`` and the pages' blocks."""
+    from _peers import learning_over_seeds
+
+    text = learning_over_seeds(results)
+    print(text)
+    if to_docs:
+        from _results import render_pages, write_result  # deferred: --write only
+
+        title = "Against a peer: learning per step over seeds (`bench/peers.py --learning`)"
+        write_result("peers_learning.md", title, text, packages=("peft", "trl"))
+        render_pages()
+
+
 def write_report(result: dict[str, Any], run: Path, to_docs: bool) -> None:
     text = report(result)
     print(text)
@@ -569,9 +598,9 @@ def start_arm(
         extra = ["filters.dynamic_sampling=false"]
     steps = args.steps if name in ("trl", "retool") else min(args.steps, args.ablation_steps)
     # train.steps too: the trainer runs its own loop, and would go on past the bench's steps.
-    cfg = job_config(
-        sft, args.threads, args.completion_tokens, plen, [*extra, f"train.steps={steps}"], args.task
-    )
+    # train.seed: retool-rl's sampling seeds (the problems' order is data.seed's, the same for every seed).
+    overrides = [*extra, f"train.steps={steps}", f"train.seed={args.seed}"]
+    cfg = job_config(sft, args.threads, args.completion_tokens, plen, overrides, args.task)
     job = {
         "task": args.task,
         "config": cfg.model_dump(mode="json"),
@@ -581,6 +610,7 @@ def start_arm(
         "problems": problems,
         "out": str(run / name),
         "save": name in ("trl", "retool"),
+        "seed": args.seed,
     }
     return Arm(name, job, run)
 
@@ -696,7 +726,8 @@ def report(result: dict[str, Any]) -> str:
         f"Measured {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())} by `python bench/peers.py"
         f"{' --task gsm8k' if task != 'synthetic' else ''}"
         f" --steps {a.steps} --ablation-steps {a.ablation_steps} --arms {a.arms} --completion-tokens"
-        f" {a.completion_tokens} --threads {a.threads} --heldout {a.heldout}`"
+        f" {a.completion_tokens} --threads {a.threads} --heldout {a.heldout}"
+        f"{f' --seed {a.seed}' if getattr(a, 'seed', 0) else ''}`"
         f" (bench total {result.get('total_s', 0) / 60:.1f} min).",
         f"Machine: {result['machine']}; load average at the end"
         f" {' '.join(f'{x:.1f}' for x in os.getloadavg())}. Versions: {versions}.",

@@ -116,3 +116,28 @@ def test_retool_overrides_budget_and_decomposition() -> None:
     # Each arm against retool-rl over the steps both ran: no-prefix ran one step only.
     rows = _peers.decompose({"retool": [10.0, 20.0], "trl": [35.0, 70.0], "no-prefix": [12.0]})
     assert rows == [("retool", 2, 15.0, 1.0), ("trl", 2, 52.5, 3.5), ("no-prefix", 1, 12.0, 1.2)]
+
+
+def _run(seed: int, sft: float, trl: float, retool: float, heldout: int = 48) -> dict[str, object]:
+    args = {"steps": 3, "completion_tokens": 160, "threads": 2, "heldout": heldout, "task": "synthetic"}
+    acc = {m: {"average_at_n": v} for m, v in (("sft", sft), ("trl", trl), ("retool", retool))}
+    records = {"trl": [{"wall_s": 60.0}, {"wall_s": 66.0}], "retool": [{"wall_s": 12.0}, {"wall_s": 10.0}]}
+    return {"args": {**args, "seed": seed}, "accuracy": acc, "records": records}
+
+
+def test_learning_over_seeds_gains_and_step_ratio() -> None:
+    text = _peers.learning_over_seeds([_run(1, 0.10, 0.20, 0.15), _run(0, 0.10, 0.15, 0.20)])
+    rows = [line for line in text.splitlines() if line.startswith("| 0") or line.startswith("| 1")]
+    assert rows[0] == "| 0 | 10.0% | 15.0% | 20.0% | +5.0 | +10.0 |"  # sorted by seed
+    assert "TRL +7.5 (sd 3.5), retool-rl +7.5 (sd 3.5) points" in text
+    assert "TRL 63.0 s, retool-rl 11.0 s (5.73x)" in text
+
+
+def test_learning_over_seeds_refuses_other_jobs_and_repeated_seeds() -> None:
+    with pytest.raises(ValueError, match="not the same job"):
+        _peers.learning_over_seeds([_run(0, 0.1, 0.2, 0.2), _run(1, 0.1, 0.2, 0.2, heldout=8)])
+    with pytest.raises(ValueError, match="share a seed"):
+        _peers.learning_over_seeds([_run(0, 0.1, 0.2, 0.2), _run(0, 0.1, 0.2, 0.2)])
+    no_eval = {**_run(2, 0.1, 0.2, 0.2), "accuracy": {}}
+    with pytest.raises(ValueError, match="no held-out accuracy"):
+        _peers.learning_over_seeds([no_eval])
