@@ -10,24 +10,23 @@ Design (measured in ../shared/notes/sandbox-research.md):
   runs the blocking exchange on a private thread pool of the same size, so the event loop never blocks.
 - **Isolation profile ``strict``** (default when the machine allows it): the server runs inside
   **bubblewrap** (``/usr/bin/bwrap``, ``apt-get install bubblewrap``); run by root, in bwrap's privileged
-  mode (no user namespace, so that children can switch to a real unprivileged uid):
-  ``--unshare-pid --as-pid-1 --unshare-net --unshare-ipc --unshare-uts --unshare-cgroup-try
-  --die-with-parent --new-session --clearenv``, a tmpfs root holding only read-only binds of what the
-  interpreter needs (its prefix, the site-packages in use, the system library directories,
-  ``ld.so.cache``), ``/dev``, ``/proc``, and the capabilities cut to the six the server needs. Inside,
-  the server chroots into ``/r`` (a sub-tree of its mount namespace; this alone makes
-  ``unshare(CLONE_NEWUSER)`` fail for every child, see unshare(2)). Per execution the child becomes pid 1
-  of a fresh PID namespace, takes private mount and IPC namespaces with a fresh size-bounded tmpfs
-  ``/tmp`` and its own ``/proc``, and switches to an unprivileged uid (``100000 + slot``; this drops every capability, makes rlimits unraisable and
-  RLIMIT_NPROC a per-sandbox fork-bomb limit), with ``no_new_privs``. Killing pid 1 of the namespace kills
-  every descendant, double-forked and setsid'd ones included, and waiting for it waits for all of them.
-  The server itself is pid 1 of bwrap's namespace (``--as-pid-1``): it never receives orphans (each
-  call's namespace reaps its own as that namespace dies), and bwrap then waits for it, so the sandbox's
-  CPU time reaches the caller's ``getrusage(RUSAGE_CHILDREN)`` and ``time``; bwrap's own reaper process
-  is never waited for, and with it every call's CPU time went unaccounted (measured: a demo's ~55 CPU
-  seconds).
-  No network: the namespace has only a down loopback. Not seccomp-filtered (not needed for the listed
-  threats; kernel exploits are out of scope: use gVisor/VMs for that).
+  mode (no user namespace, so that children can switch to a real unprivileged uid): ``--unshare-pid
+  --as-pid-1 --unshare-net --unshare-ipc --unshare-uts --unshare-cgroup-try --die-with-parent --new-session
+  --clearenv``, a tmpfs root holding only read-only binds of what the interpreter needs (its prefix, the
+  site-packages in use, the system library directories, ``ld.so.cache``), ``/dev``, ``/proc``, and the
+  capabilities cut to the six the server needs. Inside, the server chroots into ``/r`` (a sub-tree of its
+  mount namespace; this alone makes ``unshare(CLONE_NEWUSER)`` fail for every child, see unshare(2)). Per
+  execution the child becomes pid 1 of a fresh PID namespace, takes private mount and IPC namespaces with a
+  fresh size-bounded tmpfs ``/tmp`` and its own ``/proc``, and switches to an unprivileged uid
+  (``100000 + slot``; this drops every capability, makes rlimits unraisable and RLIMIT_NPROC a per-sandbox
+  fork-bomb limit), with ``no_new_privs``. Killing pid 1 of the namespace kills every descendant,
+  double-forked and setsid'd ones included, and waiting for it waits for all of them. The server itself is
+  pid 1 of bwrap's namespace (``--as-pid-1``): it never receives orphans (each call's namespace reaps its
+  own as that namespace dies), and bwrap then waits for it, so the sandbox's CPU time reaches the caller's
+  ``getrusage(RUSAGE_CHILDREN)`` and ``time``; bwrap's own reaper process is never waited for, and with it
+  every call's CPU time went unaccounted (measured: a demo's ~55 CPU seconds). No network: the namespace has
+  only a down loopback. Not seccomp-filtered (not needed for the listed threats; kernel exploits are out of
+  scope: use gVisor/VMs for that).
 - **Without root** (``strict_mode() == "userns"``), when the kernel allows unprivileged user namespaces:
   the same bwrap layout plus ``--unshare-user --uid 0``; the server is uid 0 of its own user namespace
   (the caller's uid on the host), and each child, instead of switching uid (only one uid is mapped),
