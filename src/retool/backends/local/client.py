@@ -647,23 +647,8 @@ class LocalTrainingClient(TrainingClient):
         self.max_context = min(int(max_context), model_context) if max_context else model_context
         self.pad_id = self._pad_id()
         self.eos_ids = self._eos_ids()
-        self.step = 0
-        self.optimizer: torch.optim.Optimizer | None = None
-        self._seed_rng = random.Random(seed)
-        self._executor = self._worker_thread("retool-local")
-        self._waiting_lock = threading.Lock()
-        self._waiting_jobs = 0  # calls queued for the worker thread (the sampler yields to them)
-        self._gather_ms = gather_ms
-        self._frozen_thread: ThreadPoolExecutor | None = None  # generation of frozen samplers
-        self._pending_grads = False
         self.merge_lora_for_sampling = bool(merge_lora_for_sampling)
-        self._weights_version = 0  # bumped whenever the trainable weights change
-        self._merged: _MergedSampler | None = None
-        self.stats = BackendStats()
-        self.engine = self.make_engine(
-            self.sampling_model, lambda: self._weights_version, self._executor, lambda: self._waiting_jobs > 0
-        )
-        self._sampler = LocalSamplingClient(self, gather_ms=gather_ms, engine=self.engine)
+        self._start_runtime(seed, gather_ms)
         torch.manual_seed(seed)
         logger.info(
             "local backend: %s on %s/%s, %s, %d trainable parameters",
@@ -673,6 +658,26 @@ class LocalTrainingClient(TrainingClient):
             f"LoRA r={self.lora.rank}" if self.lora else "full fine-tuning",
             self.num_trainable_parameters(),
         )
+
+    def _start_runtime(self, seed: int, gather_ms: float) -> None:
+        """What a loaded client trains and samples with: step and optimizer slots, the RNG of sampling
+        seeds, the worker thread every forward runs on, the generation engine and the sampling client."""
+        self.step = 0
+        self.optimizer: torch.optim.Optimizer | None = None
+        self._seed_rng = random.Random(seed)
+        self._executor = self._worker_thread("retool-local")
+        self._waiting_lock = threading.Lock()
+        self._waiting_jobs = 0  # calls queued for the worker thread (the sampler yields to them)
+        self._gather_ms = gather_ms
+        self._frozen_thread: ThreadPoolExecutor | None = None  # generation of frozen samplers
+        self._pending_grads = False
+        self._weights_version = 0  # bumped whenever the trainable weights change
+        self._merged: _MergedSampler | None = None
+        self.stats = BackendStats()
+        self.engine = self.make_engine(
+            self.sampling_model, lambda: self._weights_version, self._executor, lambda: self._waiting_jobs > 0
+        )
+        self._sampler = LocalSamplingClient(self, gather_ms=gather_ms, engine=self.engine)
 
     def _load_tokenizer(self, attn_implementation: str | None) -> dict[str, str]:
         """Load ``self.tokenizer`` from the model path; the keyword arguments that load the model too."""
