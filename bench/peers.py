@@ -130,8 +130,8 @@ def retool_worker(job: dict[str, Any]) -> None:
     from retool.train.loop import Trainer
 
     torch.set_num_threads(job["threads"])
-    torch.manual_seed(job.get("seed", 0))
     cfg = with_available_isolation(Config.model_validate(job["config"]))
+    torch.manual_seed(cfg.train.seed)
     out = Path(job["out"])
     with build_components(cfg) as parts:
         source = training_source(cfg, job.get("task", "synthetic"))
@@ -182,8 +182,8 @@ def trl_worker(job: dict[str, Any]) -> None:
     from retool.tasks.demo import with_available_isolation
 
     torch.set_num_threads(job["threads"])
-    torch.manual_seed(job.get("seed", 0))
     cfg = with_available_isolation(Config.model_validate(job["config"]))
+    torch.manual_seed(cfg.train.seed)  # the bench's --seed, as the retool-rl arm's
     trainer, stats = build_trl_trainer(cfg, job)
     _emit("ready", {"prompt_match": stats["prompt_match"]})
     trainer.train()
@@ -234,7 +234,7 @@ def build_trl_trainer(cfg: Any, job: dict[str, Any]) -> tuple[Any, dict[str, Any
     }
     args = GRPOConfig(
         output_dir=str(Path(job["out"]) / "trl"),
-        **trl_grpo_args(cfg, job["completion"], job["steps"], job.get("seed", 0)),
+        **trl_grpo_args(cfg, job["completion"], job["steps"], cfg.train.seed),
     )
     lora = LoraConfig(
         r=cfg.lora.rank,
@@ -598,7 +598,7 @@ def start_arm(
         extra = ["filters.dynamic_sampling=false"]
     steps = args.steps if name in ("trl", "retool") else min(args.steps, args.ablation_steps)
     # train.steps too: the trainer runs its own loop, and would go on past the bench's steps.
-    # train.seed: retool-rl's sampling seeds (the problems' order is data.seed's, the same for every seed).
+    # train.seed: both arms' seed (the problems' order is data.seed's, the same for every seed).
     overrides = [*extra, f"train.steps={steps}", f"train.seed={args.seed}"]
     cfg = job_config(sft, args.threads, args.completion_tokens, plen, overrides, args.task)
     job = {
@@ -610,7 +610,6 @@ def start_arm(
         "problems": problems,
         "out": str(run / name),
         "save": name in ("trl", "retool"),
-        "seed": args.seed,
     }
     return Arm(name, job, run)
 
