@@ -169,10 +169,10 @@ def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: a
 
 def step_counts(data_dir: str | None) -> dict[str, int]:
     """Annotated steps of each test problem's reference solution (0: none parsed), by problem id."""
-    from retool.data.gsm8k import GSM8K_FILE, default_data_dir
+    from retool.data.gsm8k import GSM8K_FILE
+    from retool.data.paths import data_dir as resolve_data_dir
 
-    folder = Path(data_dir) if data_dir else default_data_dir()
-    assert folder is not None, "no GSM8K data folder"
+    folder = resolve_data_dir(data_dir)
     out = {}
     for i, line in enumerate((folder / GSM8K_FILE).read_text(encoding="utf-8").splitlines()):
         row = json.loads(line)

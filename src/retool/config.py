@@ -101,7 +101,9 @@ class DataConfig(_Section):
     answer_field: str = "answer"
     shuffle: bool = True
     seed: int = 0
-    data_dir: str | None = None  # where named sets are looked for first (<name>.jsonl); else $RETOOL_DATA_DIR
+    data_dir: str | None = (
+        None  # where named sets are looked for first (<name>.jsonl); else $RETOOL_DATA_DIR, else the user cache
+    )
     # The synthetic task family (env "tasks"): problems per split, share of hard ones, kinds (empty: all).
     task_count: int = Field(default=2000, ge=1)
     task_test_count: int = Field(default=200, ge=1)

@@ -1,11 +1,56 @@
-"""``retool prepare dapo``: DAPO-Math-17k to train.jsonl + dev.jsonl, with counts of everything dropped."""
+"""``retool data fetch NAME`` (datasets into the data folder) and ``retool prepare dapo`` (DAPO-Math-17k to
+train.jsonl + dev.jsonl, with counts of everything dropped).
+
+``data_app`` is the ``retool data`` group; stages above this one add their own commands to it (``retool
+data coldstart``: ``retool.tasks.cli``).
+"""
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import typer
 
 from retool.data import DataError, prepare_dapo
 from retool.data.dapo import DEV_SEED, DEV_SIZE
+from retool.data.fetch import FETCHABLE, fetch_dataset
+from retool.data.paths import DATA_DIR_ENV
+
+data_app = typer.Typer(
+    name="data",
+    help="Datasets: fetch them into the data folder, build SFT data from annotated solutions.",
+    no_args_is_help=True,
+)
+
+_NAMES = ", ".join(f"{name} ({spec.about})" for name, spec in FETCHABLE.items())
+
+
+@data_app.command("fetch")
+def fetch_command(
+    name: str = typer.Argument(..., help=f"One of: {_NAMES}."),
+    source: Path | None = typer.Option(
+        None,
+        "--from",
+        help="Import a local copy from this folder (the same file names, e.g. gsm8k_test.jsonl) instead of "
+        "downloading.",
+    ),
+    data_dir: Path | None = typer.Option(
+        None,
+        "--data-dir",
+        help=f"Where to write (default ${DATA_DIR_ENV}, else the user cache: ~/.cache/retool/data).",
+    ),
+) -> None:
+    """Download a dataset from the Hugging Face Hub (or import a local copy) into the data folder.
+
+    Every command that reads a dataset by name looks in that folder. `mathematics` fetches one module of
+    DeepMind Mathematics from the Hub; `retool data mathematics` generates the dataset locally."""
+    result = fetch_dataset(name, data_dir=data_dir, source=source)
+    typer.echo(f"{result.name} from {result.source}")
+    for file, rows in result.files.items():
+        typer.echo(f"  {rows:>7} rows -> {result.folder / file}")
+    if result.prepared is not None:
+        typer.echo(f"  prepared (train.jsonl, dev.jsonl) -> {result.prepared}")
+
 
 prepare_app = typer.Typer(help="Prepare training data (strip, deduplicate, split).", no_args_is_help=True)
 
@@ -38,4 +83,5 @@ def prepare_dapo_command(
 
 
 def register(app: typer.Typer) -> None:
+    app.add_typer(data_app, name="data")
     app.add_typer(prepare_app, name="prepare")

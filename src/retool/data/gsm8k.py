@@ -3,34 +3,24 @@ leak check (no training problem is a test question, compared after normalisation
 
 A real benchmark the demo adds to its held-out set for real models and never trains on. The file is the
 Hugging Face ``openai/gsm8k`` test split as JSONL (``question``, ``answer`` ending in ``#### <number>``,
-optionally ``idx``); it is found in ``$RETOOL_DATA_DIR``, ``../shared/data`` or ``data``.
+optionally ``idx``); it is read from the data folder (``retool.data.paths``), where ``retool data fetch
+gsm8k`` puts it.
 """
 
 from __future__ import annotations
 
-import os
 import random
 import re
 from collections.abc import Sequence
 from pathlib import Path
 
+from retool.data.paths import data_dir as resolve_data_dir
 from retool.data.problem import Problem
 from retool.data.readers import DataError
 from retool.jsonl import read_jsonl_objects
 
 GSM8K_FILE = "gsm8k_test.jsonl"
 GSM8K_SOURCE = "gsm8k"
-
-
-def default_data_dir() -> Path | None:
-    """``$RETOOL_DATA_DIR``, else ``../shared/data`` or ``data`` when one holds the GSM8K file."""
-    env = os.environ.get("RETOOL_DATA_DIR")
-    if env:
-        return Path(env)
-    for folder in (Path("../shared/data"), Path("data")):
-        if (folder / GSM8K_FILE).is_file():
-            return folder
-    return None
 
 
 def gsm8k_answer(solution: str) -> str:
@@ -45,11 +35,10 @@ def gsm8k_problems(n: int, data_dir: str | Path | None, seed: int = 0) -> list[P
     """``n`` problems drawn (seeded) from ``<data_dir>/gsm8k_test.jsonl``; ids keep GSM8K's row number."""
     if n <= 0:
         return []
-    folder = Path(data_dir) if data_dir is not None else default_data_dir()
-    path = folder / GSM8K_FILE if folder is not None else None
-    if path is None or not path.is_file():
+    path = resolve_data_dir(data_dir) / GSM8K_FILE
+    if not path.is_file():
         raise DataError(
-            f"the GSM8K slice needs {GSM8K_FILE} (looked in {path or '$RETOOL_DATA_DIR, ../shared/data, data'}); "
+            f"the GSM8K slice needs {GSM8K_FILE} (looked in {path}); run `retool data fetch gsm8k`, "
             "pass --data-dir DIR or --gsm8k 0"
         )
     rows = read_jsonl_objects(path)
@@ -84,12 +73,11 @@ def gsm8k_split(split: str, data_dir: str | Path | None) -> list[Problem]:
     """Every problem of GSM8K's ``train`` or ``test`` file, in file order; ids ``gsm8k-<split>-<row>``."""
     if split not in SPLIT_FILES:
         raise DataError(f"GSM8K has splits {sorted(SPLIT_FILES)}, not {split!r}")
-    folder = Path(data_dir) if data_dir is not None else default_data_dir()
-    path = folder / SPLIT_FILES[split] if folder is not None else None
-    if path is None or not path.is_file():
+    path = resolve_data_dir(data_dir) / SPLIT_FILES[split]
+    if not path.is_file():
         raise DataError(
-            f"GSM8K {split} needs {SPLIT_FILES[split]} (looked in "
-            f"{path or '$RETOOL_DATA_DIR, ../shared/data, data'}); set data.data_dir"
+            f"GSM8K {split} needs {SPLIT_FILES[split]} (looked in {path}); run `retool data fetch gsm8k` "
+            "or set data.data_dir"
         )
     problems = []
     for i, row in enumerate(read_jsonl_objects(path)):

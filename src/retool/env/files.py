@@ -7,12 +7,12 @@ so a split is loaded once per run. Scoring is the default check of the final ans
 from __future__ import annotations
 
 import logging
-import os
 from collections.abc import Mapping
 from pathlib import Path
 
 from retool.data.dapo import DAPO_HUB_ID, load_dapo, split_dev
 from retool.data.evalsets import load_problems
+from retool.data.paths import data_dir as resolve_data_dir
 from retool.data.problem import Problem
 from retool.env.source import ProblemSource, SourceError, Split
 
@@ -22,10 +22,10 @@ logger = logging.getLogger(__name__)
 PREPARED_TRAIN, PREPARED_DEV = "train.jsonl", "dev.jsonl"
 
 
-def data_dir_of(data_dir: str | Path | None) -> Path | None:
-    """The folder named sets are looked for in first: the given one, else ``$RETOOL_DATA_DIR``."""
-    folder = data_dir or os.environ.get("RETOOL_DATA_DIR")
-    return Path(folder) if folder else None
+def data_dir_of(data_dir: str | Path | None) -> Path:
+    """The folder named sets are looked for in first: the given one, else ``$RETOOL_DATA_DIR``, else the
+    user cache (``retool.data.paths``: where ``retool data fetch`` writes)."""
+    return resolve_data_dir(data_dir)
 
 
 def _load(source: str, fields: Mapping[str, str]) -> list[Problem]:
@@ -73,12 +73,11 @@ def named_set_source(
     ``.parquet``) when present, else the Hub. Explicit ``fields`` override the set's own column names."""
     folder = data_dir_of(data_dir)
     path, own = name, {}
-    if folder is not None:
-        for ext in ("jsonl", "parquet"):
-            candidate = folder / f"{name}.{ext}"
-            if candidate.is_file():
-                path, own = str(candidate), dict(_LOCAL_FIELDS.get(name, {}))
-                break
+    for ext in ("jsonl", "parquet"):
+        candidate = folder / f"{name}.{ext}"
+        if candidate.is_file():
+            path, own = str(candidate), dict(_LOCAL_FIELDS.get(name, {}))
+            break
     return FileSource(path, {**own, **(fields or {})}, shuffle=shuffle, name=name)
 
 
@@ -127,8 +126,9 @@ class DapoSource(ProblemSource):
 
 
 def dapo_source(data_dir: str | Path | None, *, shuffle: bool = True) -> DapoSource:
-    """DAPO by name: ``<data_dir>/dapo`` when ``retool prepare dapo`` wrote it there, else the Hub."""
+    """DAPO by name: ``<data_dir>/dapo`` when ``retool data fetch dapo`` (or ``retool prepare dapo``) wrote
+    it there, else the Hub."""
     folder = data_dir_of(data_dir)
-    if folder is not None and DapoSource.is_prepared(folder / "dapo"):
+    if DapoSource.is_prepared(folder / "dapo"):
         return DapoSource(str(folder / "dapo"), shuffle=shuffle)
     return DapoSource(DAPO_HUB_ID, shuffle=shuffle)

@@ -55,7 +55,8 @@ def eval_command(
     data_dir: Path | None = typer.Option(
         None,
         "--data-dir",
-        help="Folder with <name>.jsonl for named sets (default data.data_dir, $RETOOL_DATA_DIR, else the Hub).",
+        help="Folder with <name>.jsonl for named sets (default data.data_dir, $RETOOL_DATA_DIR, the user cache "
+        "that retool data fetch fills; else the Hub).",
     ),
     question_field: str | None = typer.Option(None, "--question-field"),
     answer_field: str | None = typer.Option(None, "--answer-field"),

@@ -13,7 +13,9 @@ from typing import Unpack
 import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
-from retool.data.gsm8k import GSM8K_FILE, default_data_dir
+from retool.data.cli import data_app  # `retool data coldstart` joins the data group
+from retool.data.gsm8k import GSM8K_FILE
+from retool.data.paths import data_dir as resolve_data_dir
 from retool.errors import UserError
 from retool.jsonl import JsonValue, as_number, read_jsonl_objects
 from retool.tasks.coldstart import coldstart_protocol, convert_with_sandbox, write_examples, write_rejects
@@ -173,7 +175,9 @@ def demo_command(
         None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
     ),
     data_dir: Path | None = typer.Option(
-        None, "--data-dir", help="Folder of gsm8k_test.jsonl ($RETOOL_DATA_DIR, ../shared/data)."
+        None,
+        "--data-dir",
+        help="Folder of gsm8k_test.jsonl (default $RETOOL_DATA_DIR, else the user cache: retool data fetch gsm8k).",
     ),
     config: str | None = typer.Option(None, "--config", help=_CONFIG_HELP + " (default: the model's)"),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
@@ -334,9 +338,6 @@ def sft_command(
     typer.echo(json.dumps(result, indent=2))
 
 
-data_app = typer.Typer(help="Build SFT data from annotated solutions.", no_args_is_help=True)
-
-
 @data_app.command("coldstart")
 def coldstart_command(
     input: Path = typer.Option(..., "--input", "-i", help="JSONL with a question and an annotated solution."),
@@ -404,11 +405,10 @@ def coldstart_command(
 
 
 def _default_held_out() -> Path | None:
-    folder = default_data_dir()
-    return folder / GSM8K_FILE if folder is not None and (folder / GSM8K_FILE).is_file() else None
+    path = resolve_data_dir() / GSM8K_FILE
+    return path if path.is_file() else None
 
 
 def register(app: typer.Typer) -> None:
-    app.add_typer(data_app, name="data")
     app.command("demo")(demo_command)
     app.command("sft")(sft_command)

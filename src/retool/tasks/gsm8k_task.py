@@ -22,7 +22,8 @@ from pathlib import Path
 from retool.components import Components
 from retool.config import Config
 from retool.data.annotated import ParseFailure, parse_solution
-from retool.data.gsm8k import TRAIN_FILE, default_data_dir, gsm8k_problems, gsm8k_split
+from retool.data.gsm8k import TRAIN_FILE, gsm8k_problems, gsm8k_split
+from retool.data.paths import data_dir as resolve_data_dir
 from retool.data.problem import Problem
 from retool.data.readers import DataError
 from retool.env.gsm8k import Gsm8kSource
@@ -86,11 +87,11 @@ def held_out_problems(n: int, data_dir: str | None, seed: int) -> list[Problem]:
 
 
 def train_file(data_dir: str | Path | None) -> Path:
-    folder = Path(data_dir) if data_dir is not None else default_data_dir()
-    path = folder / TRAIN_FILE if folder is not None else None
-    if path is None or not path.is_file():
+    path = resolve_data_dir(data_dir) / TRAIN_FILE
+    if not path.is_file():
         raise DataError(
-            f"the GSM8K cold start needs {TRAIN_FILE} (looked in {path or '$RETOOL_DATA_DIR, ../shared/data, data'})"
+            f"the GSM8K cold start needs {TRAIN_FILE} (looked in {path}); run `retool data fetch gsm8k` "
+            "or pass --data-dir DIR"
         )
     return path
 
