@@ -1,9 +1,16 @@
-"""Shared fixtures: where ../shared/data lives, the real Qwen tokenizers, and a tiny local model."""
+"""Shared fixtures: the data fixtures in tests/data (real rows, tokenizer stand-ins), the user's data folder
+for the few tests that need whole datasets, the Qwen tokenizers, and a tiny local model.
+
+Tests read data from ``tests/data`` (``fixture_data``; what each file is: ``tests/data/SOURCES.md``). A test
+that needs a whole dataset is marked ``full_data(FILE, ...)`` and reads the user's data folder (``full_data``:
+``retool.data.paths``, filled by ``retool data fetch``); where that folder lacks its files it is deselected
+(not skipped), and the report header says so. Every other test runs with ``$RETOOL_DATA_DIR`` pointed at an
+empty folder, so no test depends on what a machine's data folder holds."""
 
 from __future__ import annotations
 
 import importlib.util
-import os
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -12,23 +19,77 @@ REPO = Path(__file__).resolve().parents[1]
 # tests/vllm_engine/ needs vLLM, which lives in an environment of its own (scripts/setup_vllm.sh);
 # tests/test_vllm_engine.py runs it there. Collected directly only where vLLM is importable.
 collect_ignore = [] if importlib.util.find_spec("vllm") else ["vllm_engine"]
-SHARED_DATA = Path(os.environ.get("RETOOL_SHARED_DATA", REPO.parent / "shared" / "data"))
+FIXTURE_DATA = REPO / "tests" / "data"
 TOKENIZER_NAMES = ("Qwen2.5-Instruct", "Qwen3", "Qwen3.5")
 
 
-@pytest.fixture(scope="session")
-def shared_data() -> Path:
-    if not SHARED_DATA.is_dir():
-        pytest.skip(f"shared data folder not found at {SHARED_DATA} (set RETOOL_SHARED_DATA)")
-    return SHARED_DATA
+def _user_data_dir() -> Path:
+    """The user's data folder, as ``retool.data.paths.data_dir()`` finds it (read once, before the
+    session empties ``$RETOOL_DATA_DIR``)."""
+    try:
+        from retool.data.paths import data_dir
+    except ImportError:  # an environment without retool (none today): no whole datasets
+        return REPO / "tests" / "no-data-folder"
+    return data_dir()
+
+
+FULL_DATA = _user_data_dir()
+
+
+def _missing_full_data(item: pytest.Item) -> list[str]:
+    marker = item.get_closest_marker("full_data")
+    return [] if marker is None else [name for name in marker.args if not (FULL_DATA / name).is_file()]
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """Tests marked ``full_data`` whose files the user's data folder lacks are deselected."""
+    left_out = [item for item in items if _missing_full_data(item)]
+    if left_out:
+        config.hook.pytest_deselected(items=left_out)
+        items[:] = [item for item in items if item not in left_out]
+    config.stash[_LEFT_OUT] = len(left_out)
+
+
+_LEFT_OUT = pytest.StashKey[int]()
+
+
+def pytest_report_collectionfinish(config: pytest.Config) -> str | None:
+    n = config.stash.get(_LEFT_OUT, 0)
+    if not n:
+        return None
+    return (
+        f"{n} test(s) marked full_data deselected: {FULL_DATA} lacks their whole datasets "
+        "(retool data fetch gsm8k, ...; or set RETOOL_DATA_DIR)"
+    )
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _empty_data_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("RETOOL_DATA_DIR", str(tmp_path_factory.mktemp("empty_data_dir")))
+        yield
 
 
 @pytest.fixture(scope="session")
-def qwen_tokenizers(shared_data: Path) -> dict:
+def fixture_data() -> Path:
+    """The data fixtures: a few dozen real rows per dataset under its usual file name, and tokenizers."""
+    return FIXTURE_DATA
+
+
+@pytest.fixture(scope="session")
+def full_data() -> Path:
+    """The user's data folder, for tests marked ``full_data(FILE, ...)`` (deselected when it lacks them)."""
+    return FULL_DATA
+
+
+@pytest.fixture(scope="session")
+def qwen_tokenizers(fixture_data: Path) -> dict:
+    """Stand-ins of the Qwen tokenizers: the real chat templates and special tokens over the first merges
+    of the real BPE (``tests/data/SOURCES.md``)."""
     from transformers import AutoTokenizer
 
     return {
-        name: AutoTokenizer.from_pretrained(shared_data / "tokenizers" / name) for name in TOKENIZER_NAMES
+        name: AutoTokenizer.from_pretrained(fixture_data / "tokenizers" / name) for name in TOKENIZER_NAMES
     }
 
 

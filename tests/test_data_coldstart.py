@@ -28,8 +28,12 @@ from retool.tasks.coldstart import (
 )
 
 
-def _train_rows(shared_data: Path, n: int) -> list[dict[str, str]]:
-    with (shared_data / "gsm8k_train.jsonl").open() as fh:
+def _rows(path: Path) -> int:
+    return sum(1 for line in path.open(encoding="utf-8") if line.strip())
+
+
+def _train_rows(fixture_data: Path, n: int) -> list[dict[str, str]]:
+    with (fixture_data / "gsm8k_train.jsonl").open() as fh:
         return [json.loads(next(fh)) for _ in range(n)]
 
 
@@ -39,8 +43,8 @@ def executor() -> Iterator[Executor]:
         yield ex
 
 
-def test_parse_real_row_into_steps(shared_data: Path) -> None:
-    row = _train_rows(shared_data, 1)[0]  # Natalia: 48/2 = <<48/2=24>>24 ... 48+24 = <<48+24=72>>72
+def test_parse_real_row_into_steps(fixture_data: Path) -> None:
+    row = _train_rows(fixture_data, 1)[0]  # Natalia: 48/2 = <<48/2=24>>24 ... 48+24 = <<48+24=72>>72
     parsed = parse_solution(row["answer"])
     assert not isinstance(parsed, ParseFailure)
     assert [(s.expression, s.result) for s in parsed.steps] == [("48/2", "24"), ("48+24", "72")]
@@ -63,8 +67,8 @@ def test_expressions_and_results() -> None:
     assert not matches_result("3.34", "3.33") and not matches_result("25", "24")
 
 
-def _protocols(qwen_tokenizers: dict, shared_data: Path) -> dict[str, ChatProtocol]:
-    nothink = shared_data / "tokenizers" / "Qwen3.5" / "chat_template_nothink.jinja"
+def _protocols(qwen_tokenizers: dict, fixture_data: Path) -> dict[str, ChatProtocol]:
+    nothink = fixture_data / "tokenizers" / "Qwen3.5" / "chat_template_nothink.jinja"
     return {
         "hermes": ChatProtocol(qwen_tokenizers["Qwen2.5-Instruct"]),
         "markdown": ChatProtocol(qwen_tokenizers["Qwen2.5-Instruct"], fmt="markdown"),
@@ -86,11 +90,11 @@ def _spans(tokens: list[int], weights: list[float]) -> list[list[int]]:
 @pytest.mark.parametrize("per_call", [1, 0], ids=["call-per-step", "folded"])
 @pytest.mark.parametrize("fmt", ["hermes", "markdown", "qwen_xml"])
 def test_trajectory_is_the_template_render_token_for_token(
-    qwen_tokenizers: dict, shared_data: Path, executor: Executor, fmt: str, per_call: int
+    qwen_tokenizers: dict, fixture_data: Path, executor: Executor, fmt: str, per_call: int
 ) -> None:
-    protocol = _protocols(qwen_tokenizers, shared_data)[fmt]
+    protocol = _protocols(qwen_tokenizers, fixture_data)[fmt]
     assert protocol.fmt.name == fmt
-    row = _train_rows(shared_data, 3)[2]  # Betty: three annotated steps
+    row = _train_rows(fixture_data, 3)[2]  # Betty: three annotated steps
     problem = Problem("betty", row["question"], "5")
     ex = convert_solution(problem, row["answer"], protocol, caching_observer(executor), per_call=per_call)
     # The conversation the trajectory claims, rebuilt from its assistant spans and the sandbox's outputs.
@@ -122,9 +126,9 @@ def _write(path: Path, lines: list[str]) -> Path:
 
 
 def test_convert_real_rows_and_count_every_drop(
-    qwen_tokenizers: dict, shared_data: Path, executor: Executor, tmp_path: Path
+    qwen_tokenizers: dict, fixture_data: Path, executor: Executor, tmp_path: Path
 ) -> None:
-    rows = _train_rows(shared_data, 12)
+    rows = _train_rows(fixture_data, 12)
     wrong = dict(rows[0], answer=rows[0]["answer"].replace("<<48/2=24>>", "<<48/2=25>>"))
     unparsable = dict(rows[1], answer=rows[1]["answer"].replace("<<12/60=0.2>>", "<<12/60>>"))
     crashing = dict(rows[3], answer=rows[3]["answer"].replace("<<12*2=24>>", "<<12/0=24>>"))
@@ -136,7 +140,7 @@ def test_convert_real_rows_and_count_every_drop(
         json.dumps({"question": "q", "answer": "no annotation\n#### 3"}),
     ]
     lines += [json.dumps({"question": "q", "answer": "2+2 = <<2+2=4>>4"})]
-    protocol = _protocols(qwen_tokenizers, shared_data)["hermes"]
+    protocol = _protocols(qwen_tokenizers, fixture_data)["hermes"]
     examples, report = convert_file(_write(tmp_path / "in.jsonl", lines), protocol, executor)
     assert report.read == len(lines) == report.kept + sum(report.dropped.values())  # nothing lost
     assert (
@@ -166,10 +170,10 @@ def test_convert_real_rows_and_count_every_drop(
 
 
 def test_a_wrong_final_answer_is_dropped(
-    qwen_tokenizers: dict, shared_data: Path, executor: Executor
+    qwen_tokenizers: dict, fixture_data: Path, executor: Executor
 ) -> None:
-    row = _train_rows(shared_data, 1)[0]
-    protocol = _protocols(qwen_tokenizers, shared_data)["hermes"]
+    row = _train_rows(fixture_data, 1)[0]
+    protocol = _protocols(qwen_tokenizers, fixture_data)["hermes"]
     with pytest.raises(Dropped) as err:
         convert_solution(
             Problem("p", row["question"], "73"), row["answer"], protocol, caching_observer(executor)
@@ -178,15 +182,15 @@ def test_a_wrong_final_answer_is_dropped(
 
 
 def test_a_test_question_is_never_converted(
-    qwen_tokenizers: dict, shared_data: Path, executor: Executor, tmp_path: Path
+    qwen_tokenizers: dict, fixture_data: Path, executor: Executor, tmp_path: Path
 ) -> None:
-    with (shared_data / "gsm8k_test.jsonl").open() as fh:
+    with (fixture_data / "gsm8k_test.jsonl").open() as fh:
         test_row = json.loads(next(fh))
     rows = [
-        *_train_rows(shared_data, 2),
+        *_train_rows(fixture_data, 2),
         {"question": test_row["question"].lower(), "answer": "1+1 = <<1+1=2>>2\n#### 2"},
     ]
-    protocol = _protocols(qwen_tokenizers, shared_data)["hermes"]
+    protocol = _protocols(qwen_tokenizers, fixture_data)["hermes"]
     src = _write(tmp_path / "in.jsonl", [json.dumps(r) for r in rows])
     examples, report = convert_file(src, protocol, executor, held_out=[test_row["question"]])
     assert len(examples) == 2
@@ -198,21 +202,24 @@ def test_a_test_question_is_never_converted(
     assert unguarded.kept == 3  # the check is what dropped it
 
 
-def test_retool_data_coldstart_command(shared_data: Path, tmp_path: Path) -> None:
+def test_retool_data_coldstart_command(fixture_data: Path, tmp_path: Path) -> None:
     from retool.cli import app
 
-    rows = _train_rows(shared_data, 4)
+    rows = _train_rows(fixture_data, 4)
     src = _write(tmp_path / "in.jsonl", [json.dumps(r) for r in rows] + ["[1, 2]"])
-    held_out = str(shared_data / "gsm8k_test.jsonl")
+    held_out = str(fixture_data / "gsm8k_test.jsonl")
     out = tmp_path / "out.jsonl"
-    model = str(shared_data / "tokenizers" / "Qwen2.5-Instruct")
+    model = str(fixture_data / "tokenizers" / "Qwen2.5-Instruct")
     result = CliRunner().invoke(
         app, ["data", "coldstart", "-i", str(src), "-o", str(out), "--model", model, "--held-out", held_out]
     )
     assert result.exit_code == 0, result.output
     assert "read:    5" in result.output and "kept:    4" in result.output
     assert "invalid_json: 1" in result.output and "not a JSON object" in result.output
-    assert len(out.read_text().splitlines()) == 4 and "held out: 1319 test questions" in result.output
+    assert (
+        len(out.read_text().splitlines()) == 4
+        and f"held out: {_rows(fixture_data / 'gsm8k_test.jsonl')} test questions" in result.output
+    )
     rejects = [json.loads(line) for line in (tmp_path / "out.dropped.jsonl").read_text().splitlines()]
     assert rejects == [{"row": 5, "reason": "invalid_json", "detail": "not a JSON object"}]
     missing = CliRunner().invoke(
@@ -226,10 +233,10 @@ def test_retool_data_coldstart_command(shared_data: Path, tmp_path: Path) -> Non
 
 
 def test_rows_and_budgets_select_what_the_rollout_could_produce(
-    qwen_tokenizers: dict, shared_data: Path, executor: Executor, tmp_path: Path
+    qwen_tokenizers: dict, fixture_data: Path, executor: Executor, tmp_path: Path
 ) -> None:
-    protocol = _protocols(qwen_tokenizers, shared_data)["hermes"]
-    src = _write(tmp_path / "in.jsonl", [json.dumps(r) for r in _train_rows(shared_data, 12)])
+    protocol = _protocols(qwen_tokenizers, fixture_data)["hermes"]
+    src = _write(tmp_path / "in.jsonl", [json.dumps(r) for r in _train_rows(fixture_data, 12)])
     picked, report = convert_file(src, protocol, executor, rows={2, 3, 11})
     assert report.read == 3 and sorted(e.task.id for e in picked) == ["row-11", "row-2", "row-3"]
     everything, _ = convert_file(src, protocol, executor)
@@ -249,10 +256,10 @@ def test_rows_and_budgets_select_what_the_rollout_could_produce(
 
 
 def test_a_text_only_trajectory_is_the_reasoning_in_one_turn_without_the_tool(
-    qwen_tokenizers: dict, shared_data: Path, executor: Executor
+    qwen_tokenizers: dict, fixture_data: Path, executor: Executor
 ) -> None:
-    protocol = _protocols(qwen_tokenizers, shared_data)["hermes"]
-    row = _train_rows(shared_data, 1)[0]  # Natalia
+    protocol = _protocols(qwen_tokenizers, fixture_data)["hermes"]
+    row = _train_rows(fixture_data, 1)[0]  # Natalia
     problem = Problem("natalia", row["question"], "72")
     with pytest.raises(ValueError, match="without the tool"):
         convert_solution(problem, row["answer"], protocol, caching_observer(executor), text_only=True)

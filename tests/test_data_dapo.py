@@ -48,8 +48,8 @@ def test_strip_removes_both_sentences_and_keeps_the_problem() -> None:
     assert strip_dapo_template(PREFIX + inner + SUFFIX) == inner
 
 
-def test_prepare_real_sample_writes_train_and_50_dev(shared_data: Path, tmp_path: Path) -> None:
-    source = shared_data / "dapo_math_sample.jsonl"
+def test_prepare_real_sample_writes_train_and_50_dev(fixture_data: Path, tmp_path: Path) -> None:
+    source = fixture_data / "dapo_math_sample.jsonl"
     report = prepare_dapo(source, tmp_path / "out", dev_size=50, seed=0)
     train = read_jsonl(tmp_path / "out" / "train.jsonl")
     dev = read_jsonl(tmp_path / "out" / "dev.jsonl")
@@ -182,13 +182,13 @@ def test_hub_without_datasets_is_a_data_error(monkeypatch: pytest.MonkeyPatch) -
         load_dapo("someone/some-dataset")
 
 
-def test_cli_prepare_prints_counts_and_exit_codes(shared_data: Path, tmp_path: Path) -> None:
+def test_cli_prepare_prints_counts_and_exit_codes(fixture_data: Path, tmp_path: Path) -> None:
     from retool.cli import app
 
     runner = CliRunner()
     out = tmp_path / "out"
     ok = runner.invoke(
-        app, ["prepare", "dapo", "--input", str(shared_data / "dapo_math_sample.jsonl"), "--out", str(out)]
+        app, ["prepare", "dapo", "--input", str(fixture_data / "dapo_math_sample.jsonl"), "--out", str(out)]
     )
     assert ok.exit_code == 0, ok.output
     for word in ("read:", "kept:", "duplicates:", "dropped:"):

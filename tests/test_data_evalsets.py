@@ -12,8 +12,8 @@ import pytest
 from retool.data import DataError, load_problems, load_problems_with_report
 
 
-def test_aime2025_local(shared_data: Path) -> None:
-    problems = load_problems(shared_data / "aime2025.jsonl")
+def test_aime2025_local(fixture_data: Path) -> None:
+    problems = load_problems(fixture_data / "aime2025.jsonl")
     assert len(problems) == 30
     assert problems[0].id == "2025-I-1"
     assert all(isinstance(p.answer, str) and p.answer.isdigit() for p in problems)  # ints became strings
@@ -21,11 +21,11 @@ def test_aime2025_local(shared_data: Path) -> None:
     assert problems[0].data_source == "aime2025"
 
 
-def test_math500_local_uses_its_own_field_names(shared_data: Path) -> None:
+def test_math500_local_uses_its_own_field_names(fixture_data: Path) -> None:
     # MATH-500 has "problem" and "unique_id"; explicit fields and the default fallbacks agree.
-    explicit = load_problems(shared_data / "math500.jsonl", question_field="problem", id_field="unique_id")
-    fallback = load_problems(shared_data / "math500.jsonl")
-    assert len(explicit) == 500
+    explicit = load_problems(fixture_data / "math500.jsonl", question_field="problem", id_field="unique_id")
+    fallback = load_problems(fixture_data / "math500.jsonl")
+    assert len(explicit) == sum(1 for line in (fixture_data / "math500.jsonl").open() if line.strip())
     assert explicit == fallback
     assert explicit[0].id == "test/precalculus/807.json"
     assert explicit[0].answer.startswith("\\left( 3")
@@ -70,8 +70,8 @@ def test_bad_rows_skipped_with_numbers(tmp_path: Path) -> None:
     }
 
 
-def test_gsm8k_style_answers_keep_only_the_final_number(shared_data: Path) -> None:
-    problems = load_problems(shared_data / "gsm8k_test.jsonl")
+def test_gsm8k_style_answers_keep_only_the_final_number(fixture_data: Path) -> None:
+    problems = load_problems(fixture_data / "gsm8k_test.jsonl")
     assert problems[0].answer == "18"
 
 

@@ -20,13 +20,14 @@ def _slice(src: Path, dst: Path, name: str, n: int, extra: list[dict[str, str]] 
     (dst / name).write_text("".join(json.dumps(r) + "\n" for r in [*rows, *extra]))
 
 
-def test_registered_env_reads_both_real_splits(shared_data: Path) -> None:
+def test_registered_env_reads_both_real_splits(fixture_data: Path) -> None:
     from retool.config import DataConfig
 
-    env = make_source("gsm8k", SourceOptions(data=DataConfig(data_dir=str(shared_data))))
+    env = make_source("gsm8k", SourceOptions(data=DataConfig(data_dir=str(fixture_data))))
     assert isinstance(env, Gsm8kSource)
     train, test = env.problems("train"), env.problems("test")
-    assert (len(train), len(test)) == (7473, 1319) and env.leaked == []  # the shared files are disjoint
+    rows = [sum(1 for _ in (fixture_data / f).open()) for f in ("gsm8k_train.jsonl", "gsm8k_test.jsonl")]
+    assert [len(train), len(test)] == rows and env.leaked == []  # the first rows of each split: disjoint
     assert train[0].answer == "72" and train[0].id == "gsm8k-train-0" and test[0].id.startswith("gsm8k-test-")
     check_no_test_leak(train, test)
     # Training draws from the train split only, in a seeded order.
@@ -34,16 +35,25 @@ def test_registered_env_reads_both_real_splits(shared_data: Path) -> None:
     assert env.epoch(0, 0) == env.epoch(0, 0) != env.epoch(1, 0)
 
 
-def test_a_test_question_in_train_is_filtered_or_refused(shared_data: Path, tmp_path: Path) -> None:
-    with (shared_data / "gsm8k_test.jsonl").open() as fh:
+@pytest.mark.full_data("gsm8k_train.jsonl", "gsm8k_test.jsonl")
+def test_the_whole_train_split_holds_no_test_question(full_data: Path) -> None:
+    """The leak check over both whole splits: GSM8K's train split shares no question with its test split."""
+    env = Gsm8kSource(full_data, strict=True)
+    train, test = env.problems("train"), env.problems("test")
+    assert (len(train), len(test)) == (7473, 1319) and env.leaked == []
+    check_no_test_leak(train, test)
+
+
+def test_a_test_question_in_train_is_filtered_or_refused(fixture_data: Path, tmp_path: Path) -> None:
+    with (fixture_data / "gsm8k_test.jsonl").open() as fh:
         test_row = json.loads(next(fh))
     # The same question with other spacing, case and punctuation is still the test question.
     disguised = {
         "question": "  " + test_row["question"].upper().replace(" ", "  ").rstrip("?") + " ?",
         "answer": "x\n#### 1",
     }
-    _slice(shared_data, tmp_path, "gsm8k_train.jsonl", 5, [disguised])
-    _slice(shared_data, tmp_path, "gsm8k_test.jsonl", 3)
+    _slice(fixture_data, tmp_path, "gsm8k_train.jsonl", 5, [disguised])
+    _slice(fixture_data, tmp_path, "gsm8k_test.jsonl", 3)
     assert normalize_question(disguised["question"]) == normalize_question(test_row["question"])
     env = Gsm8kSource(tmp_path)
     train = env.problems("train")

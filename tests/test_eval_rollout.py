@@ -128,10 +128,10 @@ def _problem_cfg() -> Config:
 
 
 @pytest.fixture(scope="module")
-def tokenizer(shared_data: Path) -> Any:
+def tokenizer(fixture_data: Path) -> Any:
     from transformers import AutoTokenizer
 
-    return AutoTokenizer.from_pretrained(shared_data / "tokenizers" / "Qwen2.5-Instruct")
+    return AutoTokenizer.from_pretrained(fixture_data / "tokenizers" / "Qwen2.5-Instruct")
 
 
 def run_mode(tokenizer: Any, mode: str, output: Path) -> tuple[dict, FakeSampler]:
@@ -278,7 +278,7 @@ def _child(tmp: Path, tokenizer_dir: Path, args: list[str], kill_at: int | None)
 
 
 @pytest.mark.slow
-def test_eval_sigkill_resume(tokenizer: Any, shared_data: Path, tmp_path: Path) -> None:
+def test_eval_sigkill_resume(tokenizer: Any, fixture_data: Path, tmp_path: Path) -> None:
     data = tmp_path / "probs.jsonl"
     data.write_text(
         "".join(json.dumps({"id": p.id, "question": p.question, "answer": p.answer}) + "\n" for p in PROBLEMS)
@@ -307,7 +307,7 @@ def test_eval_sigkill_resume(tokenizer: Any, shared_data: Path, tmp_path: Path) 
         "--set",
         "rollout.max_tokens_per_turn=256",
     ]
-    tok_dir = shared_data / "tokenizers" / "Qwen2.5-Instruct"
+    tok_dir = fixture_data / "tokenizers" / "Qwen2.5-Instruct"
     rc, _, err = _child(tmp_path, tok_dir, args, kill_at=3)  # dies asking for problem 3's first turn
     assert rc == -signal.SIGKILL, err[-2000:]
     done = [json.loads(line)["id"] for line in out.read_text().splitlines()]

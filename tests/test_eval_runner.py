@@ -252,19 +252,20 @@ def test_summary_path_for() -> None:
     assert summary_path_for("r/x.out") == Path("r/x.out.summary.json")
 
 
-def test_named_dataset_prefers_local_dir(shared_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_named_dataset_prefers_local_dir(fixture_data: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     from retool.config import DataConfig
     from retool.env import SourceOptions, make_source
 
-    env = make_source("aime2025", SourceOptions(data=DataConfig(data_dir=str(shared_data))))
+    env = make_source("aime2025", SourceOptions(data=DataConfig(data_dir=str(fixture_data))))
     problems = env.problems("test")
-    assert env.source == str(shared_data / "aime2025.jsonl") and len(problems) == 30
+    assert env.source == str(fixture_data / "aime2025.jsonl") and len(problems) == 30
     assert problems[0].id == "2025-I-1" and problems[0].answer == "70"
-    monkeypatch.setenv("RETOOL_DATA_DIR", str(shared_data))
+    monkeypatch.setenv("RETOOL_DATA_DIR", str(fixture_data))
     env = make_source("math500")
     problems = env.problems("test")
-    assert env.source.endswith("math500.jsonl") and len(problems) == 500
-    assert len({p.id for p in problems}) == 500 and "/" in problems[0].id  # MATH's unique_id paths
+    rows = sum(1 for line in (fixture_data / "math500.jsonl").open() if line.strip())
+    assert env.source.endswith("math500.jsonl") and len(problems) == rows >= 30
+    assert len({p.id for p in problems}) == rows and "/" in problems[0].id  # MATH's unique_id paths
 
 
 def test_missing_path_is_a_data_error(tmp_path: Path) -> None:

@@ -110,8 +110,8 @@ def test_three_turn_tiny_tokenizer(tiny_tokenizer: Any, fmt: str, emit_eot: bool
     assert built == full
 
 
-def test_qwen35_nothink_template_file(qwen_tokenizers: dict, shared_data: Path) -> None:
-    path = shared_data / "tokenizers" / "Qwen3.5" / "chat_template_nothink.jinja"
+def test_qwen35_nothink_template_file(qwen_tokenizers: dict, fixture_data: Path) -> None:
+    path = fixture_data / "tokenizers" / "Qwen3.5" / "chat_template_nothink.jinja"
     proto = ChatProtocol(qwen_tokenizers["Qwen3.5"], chat_template=path)
     assert proto.decode(proto.build_prompt(proto.initial_messages("q"))).endswith("<think>\n\n</think>\n\n")
     built, full = _run_trajectory(proto, _turn_texts(proto, None), emit_eot=True)
@@ -228,7 +228,7 @@ def test_missing_template_file_is_clear(qwen_tokenizers: dict, tmp_path: Path) -
 
 
 def test_from_config_and_tiny_detection(
-    tiny_tokenizer: Any, shared_data: Path, qwen_tokenizers: dict
+    tiny_tokenizer: Any, fixture_data: Path, qwen_tokenizers: dict
 ) -> None:
     from retool.config import Config
 
@@ -238,7 +238,7 @@ def test_from_config_and_tiny_detection(
     cfg.model.tool_format = "markdown"
     assert isinstance(ChatProtocol.from_config(tiny_tokenizer, cfg).fmt, MarkdownFormat)
     cfg.model.tool_format = "auto"
-    cfg.model.chat_template = str(shared_data / "tokenizers" / "Qwen3.5" / "chat_template_nothink.jinja")
+    cfg.model.chat_template = str(fixture_data / "tokenizers" / "Qwen3.5" / "chat_template_nothink.jinja")
     q35 = ChatProtocol.from_config(qwen_tokenizers["Qwen3.5"], cfg, use_tools=False)
     assert q35.decode(q35.build_prompt(q35.initial_messages("q"))).endswith("<think>\n\n</think>\n\n")
     assert q35.system_prompt == TEXT_SYSTEM_PROMPT

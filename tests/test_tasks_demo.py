@@ -89,7 +89,7 @@ def test_reuse_sft_redoes_only_rl_from_the_same_model(
 
 
 def test_reuse_sft_accepts_a_run_written_before_settings_were_added(
-    first_run: tuple[DemoSettings, Path], tmp_path: Path
+    first_run: tuple[DemoSettings, Path], tmp_path: Path, fixture_data: Path
 ) -> None:
     """A run folder from an older version lacks the settings added since; it ran with their defaults."""
     import shutil
@@ -104,7 +104,16 @@ def test_reuse_sft_accepts_a_run_written_before_settings_were_added(
     assert "reuse_sft" in result.timings
     # ... but a missing setting whose default differs from this run's is still a difference.
     with pytest.raises(ValueError, match="differ in gsm8k_problems"):
-        run_demo(replace(settings, out=str(tmp_path / "f"), reuse_sft=str(old), gsm8k_problems=3))
+        # (the GSM8K slice is read before the check: from the fixtures; data_dir is not an SFT setting)
+        run_demo(
+            replace(
+                settings,
+                out=str(tmp_path / "f"),
+                reuse_sft=str(old),
+                gsm8k_problems=3,
+                data_dir=str(fixture_data),
+            )
+        )
 
 
 def test_reuse_sft_refuses_other_tasks_or_missing_runs(

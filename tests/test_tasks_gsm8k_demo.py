@@ -17,6 +17,10 @@ from retool.tasks.demo import DemoSettings, real_model_settings, run_demo
 from retool.tasks.gsm8k_task import coldstart_rows, gsm8k_source, held_out_problems
 
 
+def _rows(path: Path) -> int:
+    return sum(1 for line in path.open(encoding="utf-8") if line.strip())
+
+
 def test_the_gsm8k_preset_and_fields() -> None:
     settings = real_model_settings("smollm2", task="gsm8k")
     assert settings.task == "gsm8k" and settings.config.data.train_path == "gsm8k"
@@ -39,36 +43,40 @@ def test_tiny_model_and_unknown_tasks_are_refused(tmp_path: Path) -> None:
     assert not (tmp_path / "d").exists() and not (tmp_path / "e").exists()  # refused before claiming
 
 
-def test_held_out_slice_is_seeded_and_the_whole_split_keeps_file_order(shared_data: Path) -> None:
-    a, b = held_out_problems(20, str(shared_data), 0), held_out_problems(20, str(shared_data), 1)
-    assert len(a) == 20 and a == held_out_problems(20, str(shared_data), 0) and a != b
-    whole = held_out_problems(5000, str(shared_data), 0)
-    assert len(whole) == 1319 and whole[0].id == "gsm8k-0" and {p.id for p in a} <= {p.id for p in whole}
+def test_held_out_slice_is_seeded_and_the_whole_split_keeps_file_order(fixture_data: Path) -> None:
+    a, b = held_out_problems(20, str(fixture_data), 0), held_out_problems(20, str(fixture_data), 1)
+    assert len(a) == 20 and a == held_out_problems(20, str(fixture_data), 0) and a != b
+    whole = held_out_problems(5000, str(fixture_data), 0)
+    assert (
+        len(whole) == _rows(fixture_data / "gsm8k_test.jsonl")
+        and whole[0].id == "gsm8k-0"
+        and {p.id for p in a} <= {p.id for p in whole}
+    )
 
 
-def test_coldstart_rows_are_seeded(shared_data: Path) -> None:
-    path = shared_data / "gsm8k_train.jsonl"
+def test_coldstart_rows_are_seeded(fixture_data: Path) -> None:
+    path = fixture_data / "gsm8k_train.jsonl"
     rows = coldstart_rows(path, 50, 0)
     assert len(rows) == 50 and rows == coldstart_rows(path, 50, 0) != coldstart_rows(path, 50, 1)
-    assert min(rows) >= 1 and max(rows) <= 7473
+    assert min(rows) >= 1 and max(rows) <= _rows(path)
 
 
-def test_a_test_question_in_train_stops_the_source(shared_data: Path, tmp_path: Path) -> None:
-    test_q = json.loads((shared_data / "gsm8k_test.jsonl").read_text().split("\n")[0])["question"]
-    (tmp_path / "gsm8k_test.jsonl").write_text((shared_data / "gsm8k_test.jsonl").read_text())
-    train = (shared_data / "gsm8k_train.jsonl").read_text().split("\n")[:20]
+def test_a_test_question_in_train_stops_the_source(fixture_data: Path, tmp_path: Path) -> None:
+    test_q = json.loads((fixture_data / "gsm8k_test.jsonl").read_text().split("\n")[0])["question"]
+    (tmp_path / "gsm8k_test.jsonl").write_text((fixture_data / "gsm8k_test.jsonl").read_text())
+    train = (fixture_data / "gsm8k_train.jsonl").read_text().split("\n")[:20]
     train.append(json.dumps({"question": test_q.upper(), "answer": "1+1 = <<1+1=2>>2\n#### 2"}))
     (tmp_path / "gsm8k_train.jsonl").write_text("\n".join(train) + "\n")
     config = real_model_settings("smollm2", task="gsm8k").config
     config = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(tmp_path)})})
     with pytest.raises(GSM8KLeakError, match="never trained on"):
         gsm8k_source(config).problems("train")
-    clean = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(shared_data)})})
-    assert len(gsm8k_source(clean).problems("train")) == 7473
+    clean = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(fixture_data)})})
+    assert len(gsm8k_source(clean).problems("train")) == _rows(fixture_data / "gsm8k_train.jsonl")
 
 
 @pytest.mark.slow
-def test_the_gsm8k_demo_end_to_end_on_smollm2(shared_data: Path, tmp_path: Path) -> None:
+def test_the_gsm8k_demo_end_to_end_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
     from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
@@ -99,7 +107,7 @@ def test_the_gsm8k_demo_end_to_end_on_smollm2(shared_data: Path, tmp_path: Path)
         "plots=false",
     ]
     out = tmp_path / "run"
-    settings = real_model_settings("smollm2", small, task="gsm8k", out=str(out), data_dir=str(shared_data))
+    settings = real_model_settings("smollm2", small, task="gsm8k", out=str(out), data_dir=str(fixture_data))
     result = run_demo(settings)
 
     # Cold start: every read row is kept or counted under a reason; the kept ones fit the budgets.
@@ -112,7 +120,7 @@ def test_the_gsm8k_demo_end_to_end_on_smollm2(shared_data: Path, tmp_path: Path)
     # No test question was converted, trained on in SFT, or rolled out in RL.
     test_questions = {
         normalize_question(json.loads(line)["question"])
-        for line in (shared_data / "gsm8k_test.jsonl").read_text().splitlines()
+        for line in (fixture_data / "gsm8k_test.jsonl").read_text().splitlines()
     }
     sft_questions = [
         json.loads(x)["question"] for x in (out / "coldstart" / "train.jsonl").read_text().splitlines()
@@ -135,14 +143,18 @@ def test_the_gsm8k_demo_end_to_end_on_smollm2(shared_data: Path, tmp_path: Path)
     assert set(evals) == {"base", "sft", "rl"}
 
 
-def test_the_rl_curriculum_keeps_short_train_solutions_only(shared_data: Path) -> None:
+def test_the_rl_curriculum_keeps_short_train_solutions_only(fixture_data: Path) -> None:
     from retool.data.annotated import ParseFailure, parse_solution
 
     config = real_model_settings("smollm2", task="gsm8k").config
-    config = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(shared_data)})})
-    rows = [json.loads(x) for x in (shared_data / "gsm8k_train.jsonl").read_text().splitlines()]
+    config = config.model_copy(
+        update={"data": config.data.model_copy(update={"data_dir": str(fixture_data)})}
+    )
+    rows = [json.loads(x) for x in (fixture_data / "gsm8k_train.jsonl").read_text().splitlines()]
     steps = [0 if isinstance(p := parse_solution(r["answer"]), ParseFailure) else len(p.steps) for r in rows]
     short = gsm8k_source(config, max_solution_steps=2).problems("train")
     assert [p.id for p in short] == [f"gsm8k-train-{i}" for i, n in enumerate(steps) if 1 <= n <= 2]
     assert {p.question for p in short} <= {r["question"] for r in rows}
-    assert len(gsm8k_source(config, 2).problems("test")) == 1319  # the test split is never filtered
+    assert len(gsm8k_source(config, 2).problems("test")) == _rows(
+        fixture_data / "gsm8k_test.jsonl"
+    )  # the test split is never filtered

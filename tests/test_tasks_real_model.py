@@ -67,13 +67,15 @@ def test_gsm8k_slice_is_seeded_and_parses_the_reference(tmp_path: Path) -> None:
         gsm8k_problems(1, tmp_path / "empty")
 
 
-def test_real_gsm8k_file_reads(shared_data: Path) -> None:
-    problems = gsm8k_problems(30, shared_data, seed=0)
+def test_real_gsm8k_file_reads(fixture_data: Path) -> None:
+    problems = gsm8k_problems(30, fixture_data, seed=0)
     assert len(problems) == 30 and all(p.answer.lstrip("-").replace(".", "").isdigit() for p in problems)
 
 
-def test_held_out_hard_split_never_repeats_a_training_question() -> None:
-    settings = real_model_settings("smollm2", ["data.task_count=300", "data.task_test_count=60"])
+def test_held_out_hard_split_never_repeats_a_training_question(fixture_data: Path) -> None:
+    settings = real_model_settings(
+        "smollm2", ["data.task_count=300", "data.task_test_count=60"], data_dir=str(fixture_data)
+    )
     assert settings.config.model.system_prompt == "compact" and settings.config.lora.enabled
     train, test, problems = held_out(settings, task_source(settings.config))
     assert all(t.hard for t in test) and len(test) == 60
