@@ -1,4 +1,4 @@
-"""Strict parsing of assistant turns for the three tool-call formats (SPEC §2): tool / answer / invalid."""
+"""Strict parsing of assistant turns for the three tool-call formats (docs/spec.md §2): tool / answer / invalid."""
 
 from __future__ import annotations
 

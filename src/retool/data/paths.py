@@ -15,7 +15,7 @@ DATA_DIR_ENV = "RETOOL_DATA_DIR"
 
 
 def cache_data_dir() -> Path:
-    """The user's cache folder for datasets: ``$XDG_CACHE_HOME/retool/data``, else ``~/.cache/retool/data``."""
+    """The user cache folder for datasets: ``$XDG_CACHE_HOME/retool/data``, else ``~/.cache/retool/data``."""
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "retool" / "data"
 

@@ -1,6 +1,6 @@
 """The ReTool environment: one trajectory of a problem with a tool the model calls in its turns.
 
-``ReToolEnv.step`` owns the whole interaction (SPEC §4, chapter 8.4.6): decode the sampled tokens, parse
+``ReToolEnv.step`` owns the whole interaction (docs/spec.md §4, chapter 8.4.6): decode the sampled tokens, parse
 them with the protocol's tool format, run a tool call, fit what came back into an observation, build the
 next prompt token-exactly (``ChatProtocol.build_next_prompt``), enforce the budgets, and score the
 attempt when it ends. Budgets (``Budgets``, from the ``[rollout]`` section):

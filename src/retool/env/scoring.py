@@ -2,7 +2,7 @@
 
 A ReTool environment scores its trajectory when it ends (inside the step that ends it, so scoring
 overlaps the other trajectories' sampling) and returns the reward; nothing writes it in afterwards. The
-default, ``score_final_answer``, is the chapter's reward (SPEC §5): only an attempt that stopped with an
+default, ``score_final_answer``, is the chapter's reward (docs/spec.md §5): only an attempt that stopped with an
 answer is checked, by the verifier, on the text of its last assistant turn; every other stop is -1. A
 problem source (``retool.env.ProblemSource.score``) may score differently.
 """

@@ -6,7 +6,7 @@ the whole interaction (how the model's text is parsed, what a tool does with it,
 budgets, the reward); the rollout engine (``retool.rollout``) only samples the observations it is shown and
 schedules many environments at once.
 
-Token-level contract (SPEC §4): every observation after the first is the previous observation's prompt +
+Token-level contract (docs/spec.md §4): every observation after the first is the previous observation's prompt +
 the sampled completion + new tokens (append-only), checked by ``check_continuity``; the engine never
 re-encodes text.
 """

@@ -1,5 +1,5 @@
 """retool.protocol: the code_interpreter tool, system prompts, tool-call formats, strict parsing, and
-exact token continuity across tool turns (SPEC §2, chapter 8.4.2-8.4.3)."""
+exact token continuity across tool turns (docs/spec.md §2, chapter 8.4.2-8.4.3)."""
 
 from retool.protocol.chat import ChatProtocol, TemplateNotAppendOnlyError
 from retool.protocol.formats import (

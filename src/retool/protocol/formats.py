@@ -1,4 +1,4 @@
-"""Tool-call formats and the strict parser of an assistant turn (SPEC §2, chapter 8.4.2).
+"""Tool-call formats and the strict parser of an assistant turn (docs/spec.md §2, chapter 8.4.2).
 
 Owns the three pluggable call syntaxes (Qwen3.5/Qwen3-Coder XML, Hermes JSON, paper-style markdown
 code blocks), their detection from a chat template, and ``parse_assistant``.

@@ -1,4 +1,4 @@
-"""The ``code_interpreter`` tool schema and the system prompts (SPEC §2, chapter 8.4.2).
+"""The ``code_interpreter`` tool schema and the system prompts (docs/spec.md §2, chapter 8.4.2).
 
 Owns the wording the model sees. The tool-use prompt is format-neutral: native formats (Hermes JSON,
 Qwen XML) get the call syntax from the chat template's own tool preamble; the markdown format, which

@@ -1,4 +1,4 @@
-"""Neutralising tokenizer control strings in tool output (SPEC §2).
+"""Neutralising tokenizer control strings in tool output (docs/spec.md §2).
 
 Interpreter output is untrusted text that goes into the prompt. If it contained ``<|im_end|>`` or
 ``</tool_response>`` verbatim, encoding it would produce the real control token and close the

@@ -1,4 +1,4 @@
-"""retool.rollout: the scheduler that samples many environments with one policy (SPEC §4).
+"""retool.rollout: the scheduler that samples many environments with one policy (docs/spec.md §4).
 
 Public names: ``run_rollout`` (the one rollout function; ``retool.rollout.engine``, which imports no
 environment kind) with its ``RolloutRequest``, shape ``RolloutFn`` and the ``Policy`` it samples with;

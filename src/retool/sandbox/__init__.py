@@ -1,4 +1,4 @@
-"""retool.sandbox: stateless execution of model-written Python (SPEC §3, chapter 8.4.5).
+"""retool.sandbox: stateless execution of model-written Python (docs/spec.md §3, chapter 8.4.5).
 
 Backends behind one ``Executor`` interface (``run``, ``arun``, ``format_tool_content``, ``stats``, ``close``):
 - ``ForkServerExecutor`` (default): pool of pre-imported fork-servers, ``strict`` isolation via bubblewrap.

@@ -74,7 +74,7 @@ class ExecResult:
 
 
 def format_tool_content(result: ExecResult, timeout: float) -> str:
-    """Observation text for the model (SPEC §3)."""
+    """Observation text for the model (docs/spec.md §3)."""
     if result.timed_out:
         return f"Error: execution timed out after {_fmt_seconds(timeout)} seconds."
     if result.ok:

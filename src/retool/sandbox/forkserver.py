@@ -1,6 +1,7 @@
 """``ForkServerExecutor``: the default executor — a pool of clean, pre-imported fork-servers, one child per call.
 
-Design (measured in ../shared/notes/sandbox-research.md):
+Design (each choice measured against one plain subprocess and one bubblewrap sandbox per call; what the
+sandbox must do: docs/spec.md §3):
 
 - **Never fork the trainer.** Each server is a separate interpreter started with ``python -I -S -B`` (no site
   hooks, no user env) running ``_server.py``. It imports a configurable list of modules once (default

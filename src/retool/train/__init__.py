@@ -1,4 +1,4 @@
-"""retool.train: the ReTool RL loop (SPEC §5-§6, chapter 8.4.7).
+"""retool.train: the ReTool RL loop (docs/spec.md §5-§6, chapter 8.4.7).
 
 - ``step``: datums with the interpreter feedback mask, group advantages, degenerate groups, mean-reduction
   weights, micro-batches, one optimizer step.

@@ -1,4 +1,4 @@
-"""Per-step training metrics (SPEC §6) and ``metrics.jsonl`` (trackers: ``retool.train.trackers``).
+"""Per-step training metrics (docs/spec.md §6) and ``metrics.jsonl`` (trackers: ``retool.train.trackers``).
 
 Definitions (all over the step's trajectories unless said otherwise):
 

@@ -11,7 +11,7 @@ base model). Full fine-tuning is not supported here (use the built-in sampler).
 Settings that decide whether sampled logprobs are on-policy are never left to vLLM's defaults:
 - **dtype**: the engine computes in the trainer's dtype (``dtype="trainer"``). vLLM's own ``"auto"``
   downcasts an fp32 checkpoint to bf16, which spreads the on-policy ratio to [0.73, 1.35] against an fp32
-  trainer (measured, ``../shared/notes/engines.md``). A different serving dtype (bf16 serving with an fp32
+  trainer (measured on vLLM's CPU build). A different serving dtype (bf16 serving with an fp32
   master copy on a GPU) is a setting, logged as a warning; its size shows in every step's
   ``offpolicy/kl_k3``, ``offpolicy/ratio_outside`` and TIS metrics.
 - **logprobs**: ``logprobs_mode="raw_logprobs"`` (the model's, before any sampling post-processing).
