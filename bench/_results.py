@@ -31,7 +31,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from importlib import metadata
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from typing import TextIO
 
 from _machine import machine  # bench/, on sys.path when run as a script
@@ -52,10 +52,49 @@ def versions(*packages: str) -> str:
     return ", ".join(out)
 
 
+# An absolute path in text (not the tail of a relative path, a URL or a unit such as tok/s).
+_ABSOLUTE = re.compile(r"(?<![\w.~:/-])/(?:[\w.+@-]+/)*[\w.+@-]+")
+# Where a path names this machine: its work folders, home folders and scratch space.
+_MACHINE_ROOTS = frozenset({"work", "root", "home", "Users", "tmp", "mnt", "scratch"})
+
+
+def user_path(path: str) -> str:
+    """``path`` as a user would type it, naming nothing of the machine that ran the bench: an installed
+    package's file from ``<site-packages>``, a run folder from ``runs/``, a path of this checkout relative to
+    it, any other path of a work or home folder relative to the checkout. System paths stay."""
+    parts = PurePosixPath(path).parts[1:]
+    for packages in ("site-packages", "dist-packages"):
+        if packages in parts:
+            return "/".join(("<site-packages>", *parts[parts.index(packages) + 1 :]))
+    if not parts or parts[0] not in _MACHINE_ROOTS:
+        return path
+    if "runs" in parts:
+        return "/".join(parts[parts.index("runs") :])
+    return os.path.relpath(path, REPO)
+
+
+def user_paths(text: str) -> str:
+    """``text`` with every absolute path written by ``user_path``."""
+    return _ABSOLUTE.sub(lambda m: user_path(m.group(0)), text)
+
+
+def normalise_results() -> list[Path]:
+    """Rewrite every results file's paths as ``write_result`` now writes them (``user_paths``), then refill
+    the pages: for files written before the benches named paths that way. Returns the files changed."""
+    changed = []
+    for path in sorted(RESULTS.iterdir()):
+        text = path.read_text()
+        if user_paths(text) != text:
+            path.write_text(user_paths(text))
+            changed.append(path)
+    render_pages()
+    return changed
+
+
 def write_result(name: str, title: str, body: str, packages: tuple[str, ...] = ()) -> Path:
-    """``docs/results/NAME``: the title, what wrote it (this process's command line), the date, the
-    machine and versions, then ``body``. Returns the path."""
-    command = " ".join(["python", *(shlex.quote(a) for a in sys.argv)])
+    """``docs/results/NAME``: the title, what wrote it (this process's command line, as a user would type
+    it: ``user_paths``), the date, the machine and versions, then ``body``. Returns the path."""
+    command = user_paths(" ".join(["python", *(shlex.quote(a) for a in sys.argv)]))
     today = datetime.datetime.now(datetime.UTC).strftime("%Y-%m-%d %H:%M UTC")
     installed = versions("retool-rl", "torch", "transformers", *packages)
     provenance = f"Written by `{command}` on {today}. Machine: {machine()}. Versions: {installed}."
@@ -170,7 +209,8 @@ def write_printed(
         f"Load average (1 / 5 / 15 min) on the {cores} cores: {rec.load_start} at the start, "
         f"{rec.load_end} at the end; the bench ran {rec.seconds / 60:.1f} min."
     )
-    printed = rec.text.strip() if markdown else f"```text\n{rec.text.strip()}\n```"
+    text = user_paths(rec.text.strip())  # a model file or run folder named without this machine's paths
+    printed = text if markdown else f"```text\n{text}\n```"
     body = "\n\n".join(part for part in (load, note.strip(), printed) if part)
     path = write_result(name, title, body, packages)
     print(f"written to {path}", file=sys.stderr)

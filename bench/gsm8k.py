@@ -48,7 +48,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--set", action="append", default=[], help="override for every demo (key=value)")
     ap.add_argument("--limit", type=int, default=0, help="evaluate only the first N test problems (0: all)")
     ap.add_argument(
-        "--data-dir", default=None, help="folder of gsm8k_train/test.jsonl (default ../shared/data)"
+        "--data-dir",
+        default=None,
+        help="folder of gsm8k_train/test.jsonl (default: the data folder, retool data fetch gsm8k)",
     )
     ap.add_argument("--threads", type=int, default=0, help="torch threads of each evaluation (0: every core)")
     ap.add_argument("--write", action="store_true", help="write docs/results/gsm8k.md")

