@@ -92,6 +92,9 @@ def test_from_the_hub_each_split_becomes_jsonl(tmp_path: Path) -> None:
     assert result.source == "https://huggingface.co/datasets/openai/gsm8k"
     rows = [json.loads(x) for x in (tmp_path / "gsm8k_test.jsonl").read_text().splitlines()]
     assert rows[1] == {"question": "test q1", "answer": "x\n#### 1"}
+    fetch_dataset("mathematics", data_dir=tmp_path, loader=loader, config="numbers__gcd")
+    assert calls[-2:] == [("deepmind/math_dataset", "numbers__gcd", s) for s in ("train", "test")]
+    assert not (tmp_path / "mathematics_extrapolate.jsonl").exists()  # not on the Hub: generated locally
 
 
 def test_dapo_from_the_hub_keeps_one_copy_of_each_row_and_is_prepared(

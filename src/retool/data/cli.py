@@ -34,6 +34,11 @@ def fetch_command(
         help="Import a local copy from this folder (the same file names, e.g. gsm8k_test.jsonl) instead of "
         "downloading.",
     ),
+    config: str | None = typer.Option(
+        None,
+        "--config",
+        help="The Hub dataset's configuration (mathematics: the module, default algebra__linear_1d).",
+    ),
     data_dir: Path | None = typer.Option(
         None,
         "--data-dir",
@@ -44,7 +49,7 @@ def fetch_command(
 
     Every command that reads a dataset by name looks in that folder. `mathematics` fetches one module of
     DeepMind Mathematics from the Hub; `retool data mathematics` generates the dataset locally."""
-    result = fetch_dataset(name, data_dir=data_dir, source=source)
+    result = fetch_dataset(name, data_dir=data_dir, source=source, config=config)
     typer.echo(f"{result.name} from {result.source}")
     for file, rows in result.files.items():
         typer.echo(f"  {rows:>7} rows -> {result.folder / file}")

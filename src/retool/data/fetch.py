@@ -150,7 +150,7 @@ def _write_whole(path: Path, lines: Iterable[str]) -> int:
     return n
 
 
-def _from_hub(name: str, spec: FetchSpec, folder: Path, loader: Loader) -> dict[str, int]:
+def _from_hub(name: str, spec: FetchSpec, folder: Path, loader: Loader, config: str | None) -> dict[str, int]:
     url = HUB_URL.format(hub_id=spec.hub_id)
     written: dict[str, int] = {}
     for file in spec.files:
@@ -160,7 +160,7 @@ def _from_hub(name: str, spec: FetchSpec, folder: Path, loader: Loader) -> dict[
             # The Hub's DAPO-Math-17k holds each row many times over: one copy of each is kept.
             written[file.name] = _write_whole(
                 folder / file.name,
-                _rows_lines(loader(spec.hub_id, spec.config, file.split), spec.prepare_dapo),
+                _rows_lines(loader(spec.hub_id, config, file.split), spec.prepare_dapo),
             )
         except DataError:
             raise
@@ -204,8 +204,10 @@ def fetch_dataset(
     data_dir: str | Path | None = None,
     source: str | Path | None = None,
     loader: Loader | None = None,
+    config: str | None = None,
 ) -> FetchResult:
-    """Fetch ``name`` into the data folder: from ``source`` (a local folder) when given, else the Hub."""
+    """Fetch ``name`` into the data folder: from ``source`` (a local folder) when given, else the Hub
+    (``config``: the Hub dataset's configuration, default the spec's: for ``mathematics``, the module)."""
     spec = spec_of(name)
     key = name.lower()
     folder = resolve_data_dir(data_dir)
@@ -213,7 +215,7 @@ def fetch_dataset(
         files = _from_local(key, spec, Path(source), folder)
         origin = str(source)
     else:
-        files = _from_hub(key, spec, folder, loader or hub_loader)
+        files = _from_hub(key, spec, folder, loader or hub_loader, config or spec.config)
         origin = HUB_URL.format(hub_id=spec.hub_id)
     result = FetchResult(key, folder, origin, files)
     if spec.prepare_dapo:
