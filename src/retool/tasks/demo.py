@@ -597,7 +597,21 @@ def _start(settings: DemoSettings, out: Path) -> Config:
         saved.write_text(json.dumps(settings.as_dict(), indent=2, default=str) + "\n")
     set_torch_threads(settings.config)
     torch.manual_seed(settings.seed)
-    return with_available_isolation(settings.config)
+    return with_data_dir(settings, with_available_isolation(settings.config))
+
+
+def with_data_dir(settings: DemoSettings, config: Config) -> Config:
+    """The demo's ``data_dir`` (``--data-dir``) as the config's ``data.data_dir``, so the GSM8K train split and
+    the cold start read the folder the held-out slice is read from."""
+    if settings.data_dir is None or config.data.data_dir == settings.data_dir:
+        return config
+    return config.model_copy(update={"data": config.data.model_copy(update={"data_dir": settings.data_dir})})
+
+
+def demo_data_dir(settings: DemoSettings) -> str | None:
+    """Where the demo reads GSM8K: ``data_dir``, else the config's ``data.data_dir``, else (``None``) the
+    data folder (``retool.data.paths``)."""
+    return settings.data_dir or settings.config.data.data_dir
 
 
 def set_torch_threads(config: Config) -> None:
@@ -615,7 +629,7 @@ def held_out(settings: DemoSettings, source: ProblemSource) -> tuple[list[Task],
     ``test_hard_fraction`` the test split is drawn with that hard share and held out against the actual
     train split (``generate_tasks`` holds a split out against a train stream of the same share)."""
     if not isinstance(source, TaskFamilySource):
-        return [], [], held_out_problems(settings.gsm8k_problems, settings.data_dir, settings.seed)
+        return [], [], held_out_problems(settings.gsm8k_problems, demo_data_dir(settings), settings.seed)
     train = source.tasks("train")
     if settings.test_hard_fraction is None:
         test = source.tasks("test")
@@ -632,7 +646,7 @@ def held_out(settings: DemoSettings, source: ProblemSource) -> tuple[list[Task],
         test = [t for t in pool if t.question not in seen][: d.task_test_count]
     problems = [t.to_problem() for t in test]
     if settings.gsm8k_problems > 0:
-        problems += gsm8k_problems(settings.gsm8k_problems, settings.data_dir, seed=settings.seed)
+        problems += gsm8k_problems(settings.gsm8k_problems, demo_data_dir(settings), seed=settings.seed)
     return train, test, problems
 
 
@@ -911,7 +925,7 @@ def run_sft(
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     set_torch_threads(settings.config)
-    config = with_available_isolation(settings.config)
+    config = with_data_dir(settings, with_available_isolation(settings.config))
     source = demo_source(settings, config)
     train = source.tasks("train") if isinstance(source, TaskFamilySource) else []
     if model is None and settings.task != "synthetic":
