@@ -1,4 +1,5 @@
-"""``retool data fetch NAME`` (datasets into the data folder) and ``retool prepare dapo`` (DAPO-Math-17k to
+"""``retool data fetch NAME`` (datasets into the data folder), ``retool data mathematics`` (DeepMind Mathematics
+from its official generator) and ``retool prepare dapo`` (DAPO-Math-17k to
 train.jsonl + dev.jsonl, with counts of everything dropped).
 
 ``data_app`` is the ``retool data`` group; stages above this one add their own commands to it (``retool
@@ -7,6 +8,7 @@ data coldstart``: ``retool.tasks.cli``).
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 
 import typer
@@ -18,7 +20,7 @@ from retool.data.paths import DATA_DIR_ENV
 
 data_app = typer.Typer(
     name="data",
-    help="Datasets: fetch them into the data folder, build SFT data from annotated solutions.",
+    help="Datasets: fetch or generate them into the data folder, build SFT data from annotated solutions.",
     no_args_is_help=True,
 )
 
@@ -87,6 +89,58 @@ def prepare_dapo_command(
     typer.echo(f"dev:        {report.dev} -> {report.dev_path}")
 
 
+@data_app.command("mathematics")
+def mathematics_command(
+    out: str = typer.Option(
+        None,
+        "--out",
+        "-o",
+        help="Folder for the JSONL files (default: the data folder, as `retool data fetch`).",
+    ),
+    train_per_module: int = typer.Option(1000, "--train-per-module", help="Train questions per module."),
+    test_per_module: int = typer.Option(
+        100, "--test-per-module", help="Interpolate / extrapolate per module."
+    ),
+    seed: int = typer.Option(0, "--seed", help="Seed of every module's generator."),
+    modules: str = typer.Option("", "--modules", help="Comma-separated module names (default: all)."),
+    python: str = typer.Option(
+        None, "--python", help="The generator environment's Python (default: .venv-mathematics)."
+    ),
+) -> None:
+    """Generate DeepMind Mathematics (train, interpolate, extrapolate) with its official generator."""
+    # deferred: the builder's subprocess plumbing is only needed by this command
+    from retool.data.mathematics import build_mathematics, mathematics_dir
+
+    folder = mathematics_dir(out)
+    done: list[str] = []
+
+    def on_module(name: str) -> None:
+        done.append(name)
+        print(f"  generated {name} ({len(done)})", file=sys.stderr, flush=True)
+
+    command = f"retool data mathematics --train-per-module {train_per_module} --test-per-module {test_per_module} --seed {seed}"
+    command += f" --modules {modules}" if modules else ""
+    try:
+        report = build_mathematics(
+            folder,
+            train_per_module=train_per_module,
+            test_per_module=test_per_module,
+            seed=seed,
+            modules=[m for m in modules.split(",") if m],
+            python=python,
+            on_module=on_module,
+            command=command,
+        )
+    except DataError as exc:
+        typer.echo(f"error: {exc}", err=True)
+        raise typer.Exit(2) from None
+    for split, path in report.files.items():
+        typer.echo(f"{split:12} {report.total(split):7d} rows, {len(report.counts[split])} modules -> {path}")
+    typer.echo(f"train rows dropped as test questions: {report.leaked}")
+    typer.echo(f"took {report.seconds:.1f}s; provenance: {folder / 'mathematics_provenance.json'}")
+
+
 def register(app: typer.Typer) -> None:
     app.add_typer(data_app, name="data")
     app.add_typer(prepare_app, name="prepare")
+    app.add_typer(data_app, name="data")

@@ -3,7 +3,8 @@
 A name registered here builds its source with ``factory(name, options)``; anything else is a path
 (or a Hub id): a folder ``retool prepare dapo`` wrote is DAPO with its dev split, any other path a file
 of problems. Built in: ``tasks`` (the synthetic family), ``gsm8k`` (train / test), ``dapo``, ``aime2025``, ``aime2024``,
-``math500``. ``register_source`` adds more (e.g. from a user's own module) before a run is built.
+``math500``, ``mathematics`` (DeepMind Mathematics: train / interpolate + extrapolate; ``mathematics_interpolate``
+and ``mathematics_extrapolate`` evaluate on one test split). ``register_source`` adds more (e.g. from a user's own module) before a run is built.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from retool.config import Config, DataConfig
 from retool.data.evalsets import NAMED_SETS
 from retool.env.files import DapoSource, FileSource, dapo_source, named_set_source
 from retool.env.gsm8k import Gsm8kSource
+from retool.env.mathematics import MathematicsSource
 from retool.env.source import ProblemSource, SourceError
 from retool.env.synthetic import TaskFamilySource
 
@@ -96,7 +98,17 @@ def _gsm8k(name: str, options: SourceOptions) -> ProblemSource:
     return Gsm8kSource(options.data.data_dir, shuffle=options.data.shuffle, name=name)
 
 
+def _mathematics(name: str, options: SourceOptions) -> ProblemSource:
+    split = name.removeprefix("mathematics").removeprefix("_")
+    tests = ("interpolate", "extrapolate") if not split else (split,)
+    return MathematicsSource(
+        options.data.data_dir, shuffle=options.data.shuffle, test_splits=tests, name=name
+    )  # type: ignore[arg-type]
+
+
 register_source("tasks", _tasks)
+for _name in ("mathematics", "mathematics_interpolate", "mathematics_extrapolate"):
+    register_source(_name, _mathematics)
 register_source("gsm8k", _gsm8k)
 register_source("dapo", _dapo)
 for _name in NAMED_SETS:

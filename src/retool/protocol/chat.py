@@ -73,7 +73,10 @@ class ChatProtocol:
     ``enable_thinking`` (None = the template's default) is passed to templates that read it (Qwen3,
     Qwen3.5). ``chat_template`` overrides the tokenizer's template (template text or a path to a
     ``.jinja`` file, e.g. Qwen3.5's ``chat_template_nothink.jinja``). ``system_prompt`` picks the wording
-    of the system prompt: ``full`` (the chapter's) or ``compact`` (the same rules, shorter).
+    of the system prompt: ``full`` (the chapter's) or ``compact`` (the same rules, shorter). ``examples``:
+    worked conversations (few-shot turns) placed between the system prompt and the question
+    (``with_examples``: a cold start that samples the model's own attempts under a prompt it will not be
+    trained with).
     """
 
     def __init__(
@@ -85,9 +88,11 @@ class ChatProtocol:
         enable_thinking: bool | None = None,
         chat_template: str | os.PathLike[str] | None = None,
         system_prompt: str = "full",
+        examples: Sequence[Message] = (),
     ) -> None:
         self.tokenizer = tokenizer
         self.prompt_style = system_prompt
+        self.examples: tuple[Message, ...] = tuple(examples)
         self.chat_template = _load_template(chat_template)
         template_text = self.chat_template or getattr(tokenizer, "chat_template", None)
         if not template_text:
@@ -136,6 +141,19 @@ class ChatProtocol:
             enable_thinking=self.enable_thinking,
             chat_template=self.chat_template,
             system_prompt=self.prompt_style,
+            examples=self.examples,
+        )
+
+    def with_examples(self, examples: Sequence[Message]) -> ChatProtocol:
+        """The same protocol with ``examples`` (few-shot turns) before every question; ``()``: none."""
+        return ChatProtocol(
+            self.tokenizer,
+            self.fmt,
+            self.use_tools,
+            enable_thinking=self.enable_thinking,
+            chat_template=self.chat_template,
+            system_prompt=self.prompt_style,
+            examples=examples,
         )
 
     @staticmethod
@@ -152,7 +170,11 @@ class ChatProtocol:
         return self.fmt.stop_strings if self.use_tools else ()
 
     def initial_messages(self, question: str) -> list[Message]:
-        return [{"role": "system", "content": self.system_prompt}, {"role": "user", "content": question}]
+        return [
+            {"role": "system", "content": self.system_prompt},
+            *self.examples,
+            {"role": "user", "content": question},
+        ]
 
     def assistant_message(self, text: str) -> Message:
         """The assistant turn as a message; a trailing end-of-turn token string the sampler emitted is dropped."""

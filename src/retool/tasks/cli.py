@@ -168,8 +168,10 @@ def demo_command(
     task: str = typer.Option(
         "synthetic",
         "--task",
-        help="synthetic (the task family) or gsm8k (real models: cold start from GSM8K's annotated solutions, "
-        "RL on GSM8K train, evaluation on GSM8K test; preset demo-<model>-gsm8k).",
+        help="synthetic (the task family), gsm8k (real models: cold start from GSM8K's annotated solutions, "
+        "RL on GSM8K train, evaluation on GSM8K test; preset demo-<model>-gsm8k) or mathematics (real models: "
+        "DeepMind Mathematics from `retool data mathematics`, cold start from the model's own verified attempts, "
+        "held out: interpolate + extrapolate; preset demo-<model>-mathematics).",
     ),
     gsm8k: int | None = typer.Option(
         None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
@@ -177,7 +179,7 @@ def demo_command(
     data_dir: Path | None = typer.Option(
         None,
         "--data-dir",
-        help="Folder of gsm8k_test.jsonl (default $RETOOL_DATA_DIR, else the user cache: retool data fetch gsm8k).",
+        help="Folder of the task's data files (default $RETOOL_DATA_DIR, else the user cache: retool data fetch).",
     ),
     config: str | None = typer.Option(None, "--config", help=_CONFIG_HELP + " (default: the model's)"),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),

@@ -33,9 +33,11 @@ from retool.backends.local.tinymodel import ModelSize
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError, apply_overrides, load_config, override_config
 from retool.data.gsm8k import gsm8k_problems
+from retool.data.mathematics import module_of
 from retool.data.problem import Problem
 from retool.data.synthetic import Task, generate_tasks
 from retool.env import ProblemSource, TaskFamilySource, source_from_config
+from retool.env.mathematics import MathematicsList, MathematicsSource
 from retool.evaluate.runner import run_eval
 from retool.evaluate.settings import setting_value, settings_differences
 from retool.evaluate.store import EvalSummary, summary_path_for
@@ -43,6 +45,10 @@ from retool.jsonl import JsonObject, JsonValue
 from retool.sandbox import Executor, strict_support
 from retool.tasks.gsm8k_task import TASK as GSM8K_TASK
 from retool.tasks.gsm8k_task import coldstart_examples, gsm8k_source, held_out_problems
+from retool.tasks.mathematics_task import TASK as MATHEMATICS_TASK
+from retool.tasks.mathematics_task import coldstart_examples as mathematics_coldstart_examples
+from retool.tasks.mathematics_task import held_out_problems as mathematics_held_out
+from retool.tasks.mathematics_task import mathematics_source
 from retool.tasks.model import build_demo_model
 from retool.tasks.real_model import DemoFields, real_model, resolve_model_path
 from retool.tasks.report import (
@@ -89,7 +95,7 @@ class DemoEvent(TypedDict, total=False):
 
 Event = Callable[[str, DemoEvent], None]
 DEMO_PRESET = "demo"
-DEMO_TASKS = ("synthetic", GSM8K_TASK)
+DEMO_TASKS = ("synthetic", GSM8K_TASK, MATHEMATICS_TASK)
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -114,7 +120,10 @@ class DemoSettings:
     ``task``: ``synthetic`` (the task family) or ``gsm8k`` (``retool.tasks.gsm8k_task``, real models only:
     cold start from ``coldstart_rows`` annotated GSM8K train solutions, RL on GSM8K's train split (only
     problems solved in at most ``rl_max_solution_steps`` annotated steps, when > 0), the held-out set
-    ``gsm8k_problems`` test problems). ``eval_temperature``: the evaluations' sampling
+    ``gsm8k_problems`` test problems) or ``mathematics`` (``retool.tasks.mathematics_task``, real models only:
+    cold start from the model's own verified attempts, ``coldstart_samples`` at ``coldstart_temperature``
+    on ``coldstart_rows`` train problems *per module*; RL on the generated train split; held out: the first
+    ``mathematics_problems`` questions of every interpolate and extrapolate module). ``eval_temperature``: the evaluations' sampling
     temperature (None: ``[sampling]``'s, as in RL; 0: greedy).
     ``resume``: continue the run in ``out`` (finished phases skipped, RL from its last checkpoint, an
     evaluation from its JSONL); the settings must match its ``settings.json``.
@@ -133,6 +142,9 @@ class DemoSettings:
     base_eval_modes: tuple[str, ...] = ("retool",)
     task: str = "synthetic"
     coldstart_rows: int = 0
+    coldstart_samples: int = 2
+    coldstart_temperature: float = 0.7
+    mathematics_problems: int = 0
     rl_max_solution_steps: int = 0
     eval_temperature: float | None = None
     resume: bool = False
@@ -220,6 +232,10 @@ def demo_source(settings: DemoSettings, config: Config) -> ProblemSource:
         source = gsm8k_source(config, settings.rl_max_solution_steps)
         source.problems("train")  # the leak check, before any model loads
         return source
+    if settings.task == MATHEMATICS_TASK:
+        maths = mathematics_source(config, settings.data_dir)
+        maths.problems("train")  # the leak check, before any model loads
+        return maths
     return task_source(config)
 
 
@@ -311,6 +327,39 @@ def gsm8k_cold_start(parts: Components, settings: DemoSettings, config: Config, 
     return report
 
 
+def mathematics_cold_start(
+    parts: Components, settings: DemoSettings, config: Config, emit: Event
+) -> SFTReport:
+    """Cold-start SFT on the model's own verified attempts at DeepMind Mathematics train problems
+    (``retool.tasks.mathematics_task``)."""
+    s = config.sft
+    emit("phase", {"phase": "sft", "detail": "sampling the model's own attempts under a few-shot prompt"})
+    examples, report_data = mathematics_coldstart_examples(
+        parts,
+        config,
+        per_module=settings.coldstart_rows,
+        samples=settings.coldstart_samples,
+        temperature=settings.coldstart_temperature,
+        out=Path(settings.out),
+        data_dir=settings.data_dir,
+    )
+    emit(
+        "phase",
+        {"phase": "sft", "detail": f"{len(examples)} verified attempts kept of {report_data['sampled']}"},
+    )
+    report = train_sft(
+        parts.backend,
+        examples,
+        steps=s.steps,
+        batch_size=s.batch_size,
+        lr=s.lr,
+        seed=config.train.seed,
+        on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
+    )
+    report.conversion = report_data
+    return report
+
+
 def _cold_start(
     settings: DemoSettings,
     parts: Components,
@@ -327,6 +376,8 @@ def _cold_start(
     try:
         if settings.task == GSM8K_TASK:
             return gsm8k_cold_start(parts, settings, config, emit)
+        if settings.task == MATHEMATICS_TASK:
+            return mathematics_cold_start(parts, settings, config, emit)
         return cold_start_sft(parts, train, config, emit, on_examples)
     finally:
         client.train_autocast = None
@@ -404,6 +455,8 @@ async def _evaluate_mode(
     progress: Callable[[int, int], None] | None = None,
 ) -> EvalSummary:
     await view.refresh_sampler()
+    # DeepMind Mathematics' answers are checked as the benchmark means them, not by math-verify.
+    scored = all(module_of(p) for p in problems) and bool(problems)
     return await run_eval(
         list(problems),
         view,
@@ -415,6 +468,7 @@ async def _evaluate_mode(
         bootstrap_resamples=200,
         save_transcripts=True,  # full trajectories for `retool view`
         on_progress=progress,
+        source=MathematicsList(problems, shuffle=False, name="held-out") if scored else None,
     )
 
 
@@ -442,6 +496,9 @@ _SFT_KEYS = (
     "size",
     "task",
     "coldstart_rows",
+    "coldstart_samples",
+    "coldstart_temperature",
+    "mathematics_problems",
     "eval_temperature",
     "eval_modes",
     "test_hard_fraction",
@@ -628,6 +685,8 @@ def held_out(settings: DemoSettings, source: ProblemSource) -> tuple[list[Task],
     for real models; the GSM8K task: no tasks, and a seeded slice of GSM8K's test split). With
     ``test_hard_fraction`` the test split is drawn with that hard share and held out against the actual
     train split (``generate_tasks`` holds a split out against a train stream of the same share)."""
+    if isinstance(source, MathematicsSource):
+        return [], [], mathematics_held_out(settings.mathematics_problems, source.data_dir)
     if not isinstance(source, TaskFamilySource):
         return [], [], held_out_problems(settings.gsm8k_problems, demo_data_dir(settings), settings.seed)
     train = source.tasks("train")

@@ -45,6 +45,9 @@ class DemoFields(TypedDict, total=False):
     base_eval_modes: tuple[str, ...]
     task: str
     coldstart_rows: int
+    coldstart_samples: int
+    coldstart_temperature: float
+    mathematics_problems: int
     rl_max_solution_steps: int
     eval_temperature: float | None
     resume: bool
@@ -109,6 +112,23 @@ SMOLLM2_GSM8K_FIELDS: DemoFields = {
     "eval_temperature": 0.0,
 }
 
+# DeepMind Mathematics (``--task mathematics``; preset ``demo-smollm2-mathematics``, which says why each value):
+# cold start from the model's own verified attempts on train problems of every module, RL on the train split,
+# greedy evaluation text-only and with the tool on the first questions of every interpolate and extrapolate
+# module, the zero-shot base model included.
+SMOLLM2_MATHEMATICS_FIELDS: DemoFields = {
+    "out": "runs/demo-smollm2-mathematics",
+    "task": "mathematics",
+    "mathematics_problems": 2,  # x (56 interpolate + 15 extrapolate modules)
+    "base_eval_problems": 71,  # every k-th held-out problem: one per module
+    "base_eval_modes": ("text-only", "retool"),
+    "eval_modes": ("text-only", "retool"),
+    "coldstart_rows": 8,  # train problems per module
+    "coldstart_samples": 2,
+    "coldstart_temperature": 0.7,
+    "eval_temperature": 0.0,
+}
+
 REAL_MODELS: dict[str, RealModel] = {
     "smollm2": RealModel(
         name="smollm2",
@@ -118,7 +138,10 @@ REAL_MODELS: dict[str, RealModel] = {
         description="SmolLM2-135M-Instruct (Q4_1 GGUF, Llama architecture, ChatML without tools)",
         preset="demo-smollm2",
         fields=SMOLLM2_FIELDS,
-        tasks={"gsm8k": ("demo-smollm2-gsm8k", SMOLLM2_GSM8K_FIELDS)},
+        tasks={
+            "gsm8k": ("demo-smollm2-gsm8k", SMOLLM2_GSM8K_FIELDS),
+            "mathematics": ("demo-smollm2-mathematics", SMOLLM2_MATHEMATICS_FIELDS),
+        },
     ),
 }
 
