@@ -158,6 +158,10 @@ class SamplingConfig(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # End a turn at its first closed \boxed{...} (local sampler): greedy evaluation reads nothing after the
+    # answer, so the tokens a small model rambles on with are not computed. Off for RL (trained turns end
+    # on the template's end of turn).
+    stop_at_boxed: bool = False
 
 
 class LossConfig(_Section):
