@@ -336,10 +336,12 @@ def save_hf(client: LocalTrainingClient, folder: Path) -> Path:
     """Write the client's current weights + tokenizer as a plain HF folder (usable as ``--model``).
 
     A LoRA client is saved merged, from its sampling view (``LocalTrainingClient.sampling_model``), so the
-    live adapter keeps training. A model read from a GGUF file is saved dequantised (``backend.dtype``).
+    live adapter keeps training (in bf16 compute: the bf16 base plus the adapter, in bf16). Full fine-tuning
+    saves the model itself (its fp32 masters in bf16 compute). A model read from a GGUF file is saved
+    dequantised.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    client.sampling_model().save_pretrained(folder)
+    (client.sampling_model() if client.lora is not None else client.model).save_pretrained(folder)
     client.tokenizer.save_pretrained(folder)
     return folder
 

@@ -28,6 +28,12 @@ the copy costs only the adapted weights), rebuilt lazily after each ``optim_step
 Through the PEFT wrapper every adapted linear costs three extra small matmuls and Python dispatch per
 decoded token. Merged and unmerged forwards agree to float rounding (ratio 1 within ~1e-5, not bitwise).
 
+Precision (``dtype``: ``backend.dtype``, resolved once by ``retool.backends.local.precision``): fp32 as
+above; in bf16 the trainable tensors and the optimizer state stay fp32 masters, a LoRA run's frozen base is
+stored in bf16, training forwards run under ``torch.autocast(bfloat16)`` and the sampler computes in bf16
+(the merged view; in full fine-tuning a bf16 copy of the weights, ``_CastSampler``), so sampled and
+trained logprobs differ by bf16 rounding on the same weights (``precision_mismatch``: TIS on by default).
+
 ``stats`` counts what the worker thread did: sampled sequences and tokens, prompt tokens (all of them, and
 those actually prefilled, i.e. not served by a cache) and seconds spent generating; trained tokens (padded
 and real) and seconds spent in forward/backward.
