@@ -134,3 +134,33 @@ def test_the_engine_stops_at_the_first_closed_boxed_answer(tiny_model_dir: Path)
             assert reasons[end] == "stop" and tok.decode(ids[: end + 1]).endswith("\\boxed{7}")
         else:
             assert reasons[end] == "length" and end == len(ids) - 1
+
+
+def test_demos_without_evaluations_run_and_a_second_seed_reuses_the_first_sft(tmp_path: Path) -> None:
+    """The bench's demo shape on the tiny model: no slice evaluation, then a second seed's RL from the
+    first seed's SFT model (the pipeline end to end, shrunk)."""
+    from retool.tasks.demo import run_demo
+
+    sets = [
+        "data.task_count=40",
+        "data.task_test_count=8",
+        "sft.steps=3",
+        "sft.batch_size=4",
+        "train.steps=1",
+        "rollout.questions_per_step=2",
+        "rollout.group_size=2",
+        "filters.max_extra_rounds=0",
+        "eval_modes=[]",
+    ]
+    first = DemoSettings.load(sets, out=str(tmp_path / "seed0"), size="test", plots=False).with_seed(0)
+    run_demo(first)
+    report = json.loads((tmp_path / "seed0" / "report.json").read_text())
+    assert report["gain"] == {} and not (tmp_path / "seed0" / "eval" / "sft_retool.jsonl").exists()
+    second = DemoSettings.load(
+        sets, out=str(tmp_path / "seed1"), size="test", plots=False, reuse_sft=str(tmp_path / "seed0")
+    ).with_seed(1)
+    run_demo(second)
+    rl = json.loads((tmp_path / "seed1" / "report.json").read_text())
+    assert rl["settings"]["reuse_sft"] == str(tmp_path / "seed0") and rl["settings"]["seed"] == 1
+    assert (tmp_path / "seed1" / "model_rl" / "config.json").is_file()
+    assert not (tmp_path / "seed1" / "model_sft").exists()  # RL started from seed 0's SFT model
