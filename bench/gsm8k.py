@@ -1,11 +1,17 @@
 """Benchmark: ReTool's two stages on GSM8K with SmolLM2-135M-Instruct, measured on the whole test split.
 
-For each seed the GSM8K demo runs (``retool demo --model smollm2 --task gsm8k``: zero-shot base, cold start
-from annotated train solutions, SFT, RL on GSM8K train; its own evaluations on a test slice), each in a
-process of its own (its time and peak memory are its own). Then every model is evaluated on all 1,319 test
-problems, text-only and with the tool, greedy (one deterministic answer per problem): the base model once
-(greedy decoding does not depend on the seed), the SFT and RL models of every seed — each evaluation in a
-process of its own, resumable from its JSONL.
+Sized to what its claims compare. The GSM8K demo (``retool demo --model smollm2 --task gsm8k``: cold start
+from annotated train solutions, SFT, RL on GSM8K train) runs once per seed, each in a process of its own
+(its time and peak memory are its own), without its own evaluations on a test slice (``eval_modes=[]``,
+``base_eval_problems=0``: the bench evaluates on the whole split instead): the first seed's run does the
+cold start and SFT, every other seed's RL starts from that same SFT model (``--reuse-sft``), so the seeds
+differ in RL alone. Then each model the claims compare is evaluated once on all 1,319 test problems,
+text-only and with the tool, greedy (one deterministic answer per problem) with every turn ending at its
+first closed ``\\boxed{...}`` (``sampling.stop_at_boxed``: nothing after the answer is read): the base model
+and the SFT model once each (greedy decoding does not depend on the seed), the RL model of each seed;
+each model in a process of its own, both modes at once. Results are kept per model (its JSONL per mode,
+resumed where it stopped, and ``<model>.results.json`` once both modes finished), so an interrupted bench
+rerun with the same command resumes: finished demos and models are read back.
 
 Reported: accuracy, format and tool use of each (model, mode); paired bootstrap 95% intervals for retool
 minus text-only (each model), RL minus SFT (each mode, each seed), SFT minus base; and whether the tool is
@@ -15,8 +21,6 @@ used where it helps: accuracy and call rate by the number of annotated steps of 
     python bench/gsm8k.py --seeds 0 --limit 100    # a quick look: the first 100 test problems
     python bench/gsm8k.py --set train.steps=40     # any demo preset key or demo field, for every seed
     python bench/gsm8k.py --write                  # also docs/results/gsm8k.md (and the pages quoting it)
-
-Rerun the same command to resume: finished demos and evaluations are read back.
 """
 
 from __future__ import annotations
@@ -39,6 +43,9 @@ from retool.evaluate.store import ProblemRecord, read_problem_records, summary_p
 
 MODES = ("text-only", "retool")
 STEP_BUCKETS = ("1", "2", "3", "4", "5+")
+# Every demo of the bench: no evaluation of its own (the bench evaluates each model on the whole split).
+DEMO_FIELDS = ("eval_modes=[]", "base_eval_problems=0")
+SFT_LABEL = "sft"  # the one SFT model (the first seed's), every seed's RL starts from it
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -60,26 +67,60 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def run_demo_process(seed: int, out: Path, args: argparse.Namespace, log: logging.Logger) -> dict[str, Any]:
+def demo_command(seed: int, out: Path, args: argparse.Namespace, reuse_sft: Path | None = None) -> list[str]:
+    """The seed's demo: no evaluation of its own; RL from ``reuse_sft``'s SFT model when given."""
+    cmd = [sys.executable, "-m", "retool", "demo", "--model", "smollm2", "--task", "gsm8k"]
+    cmd += ["--seed", str(seed), "--out", str(out), "--no-plots"]
+    cmd += [x for s in (*DEMO_FIELDS, *args.set) for x in ("--set", s)]
+    if reuse_sft is not None:
+        cmd += ["--reuse-sft", str(reuse_sft)]
+    if args.data_dir:
+        cmd += ["--data-dir", args.data_dir]
+    if (out / "settings.json").is_file():
+        cmd.append("--resume")
+    return cmd
+
+
+def run_demo_process(
+    seed: int, out: Path, args: argparse.Namespace, log: logging.Logger, reuse_sft: Path | None = None
+) -> dict[str, Any]:
     """The seed's demo in a process of its own (resumed when its folder holds an unfinished run)."""
     report = out / "report.json"
     if not report.is_file():
-        cmd = [sys.executable, "-m", "retool", "demo", "--model", "smollm2", "--task", "gsm8k"]
-        cmd += ["--seed", str(seed), "--out", str(out), "--no-plots"]
-        cmd += [x for s in args.set for x in ("--set", s)]
-        if args.data_dir:
-            cmd += ["--data-dir", args.data_dir]
-        if (out / "settings.json").is_file():
-            cmd.append("--resume")
+        cmd = demo_command(seed, out, args, reuse_sft)
         log.info("demo seed %d: %s", seed, " ".join(cmd))
         subprocess.run(cmd, check=True)
     return json.loads(report.read_text())
+
+
+def plan(seeds: list[int], out: Path) -> list[tuple[str, Path]]:
+    """The models the claims compare, each once, with the demo folder it comes from: the base model, the
+    SFT model (the first seed's run, shared by every seed's RL), the RL model of each seed."""
+    first = out / f"seed{seeds[0]}"
+    return [("base", first), (SFT_LABEL, first)] + [(f"rl-s{s}", out / f"seed{s}") for s in seeds]
+
+
+def sft_of(label: str, evals: dict[str, Any]) -> str:
+    """The SFT model an RL model (``rl-sN``) started from: the shared one, or (older runs) its seed's."""
+    return SFT_LABEL if SFT_LABEL in evals else label.replace("rl", "sft", 1)
+
+
+def results_path(folder: Path, label: str) -> Path:
+    return folder / f"{label}.results.json"
+
+
+def keep_results(folder: Path, label: str, by_mode: dict[str, list[ProblemRecord]]) -> None:
+    """A model's results, kept once every mode finished: its stats per mode (a rerun skips the model)."""
+    results = {"model": label, "modes": {mode: stats(recs) for mode, recs in by_mode.items()}}
+    results_path(folder, label).write_text(json.dumps(results, indent=2) + "\n")
 
 
 def eval_process(model: str, outputs: dict[str, Path], demo_dir: Path, args: argparse.Namespace) -> None:
     """A model's full-test evaluations (one per mode) in a process of its own, both modes at once on one
     engine (wider batches); nothing for a mode that finished earlier. Time and peak memory go to
     ``<output>.run.json``."""
+    if results_path(next(iter(outputs.values())).parent, model).is_file():
+        return  # kept: both modes finished earlier
     todo = [m for m, out in outputs.items() if not (summary_path_for(out).is_file() and _finished(out))]
     if not todo:
         return
@@ -128,6 +169,10 @@ def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: a
     # Both modes share one engine: twice the rows per decode step.
     backend = config.backend.model_copy(update={"sample_batch_size": 64 * len(modes)})
     config = eval_sampling(config.model_copy(update={"backend": backend}), settings)
+    # Greedy, and a turn ends at its first closed \\boxed{...}: nothing after the answer is read.
+    config = config.model_copy(
+        update={"sampling": config.sampling.model_copy(update={"stop_at_boxed": True})}
+    )
     if args.threads:
         torch.set_num_threads(args.threads)
     problems = held_out_problems(10**9, args.data_dir or saved.get("data_dir"), 0)
@@ -239,7 +284,7 @@ def report(evals: dict[str, dict[str, list[ProblemRecord]]], steps: dict[str, in
             )
     for label in evals:
         if label.startswith("rl"):
-            sft = label.replace("rl", "sft", 1)
+            sft = sft_of(label, evals)
             for mode in MODES:
                 if mode in evals[label] and mode in evals.get(sft, {}):
                     lines.append(
@@ -297,7 +342,7 @@ def summary_table(
             diff = gain_cell(by_mode["text-only"], by_mode["retool"])
             lines.append(f"| {label} | {acc['text-only']} | {acc['retool']} | {diff} |")
     gains = [
-        f"seed {s}: {gain_cell(evals[f'sft-s{s}']['retool'], evals[f'rl-s{s}']['retool'])}"
+        f"seed {s}: {gain_cell(evals[sft_of(f'rl-s{s}', evals)]['retool'], evals[f'rl-s{s}']['retool'])}"
         for s in seeds
         if f"rl-s{s}" in evals
     ]
@@ -316,24 +361,21 @@ def summary_table(
 
 
 def demo_lines(demos: dict[int, dict[str, Any]]) -> str:
+    """Each seed's demo: wall time, peak memory, its SFT (or the run it reused it from) and RL."""
     lines = [
-        "Each seed's demo (its own process): wall time, peak memory, its phases, its held-out slice "
-        "(greedy, retool mode Average@1 after SFT and after RL):",
+        "Each seed's demo (its own process; no evaluation of its own): wall time, peak memory, its phases:",
         "",
-        "| seed | total | peak RSS | base eval | SFT | SFT eval | RL | RL eval | cold start kept | slice | SFT | RL |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| seed | total | peak RSS | SFT | RL | cold start kept |",
+        "|---|---|---|---|---|---|",
     ]
     for seed, rep in demos.items():
         t = rep["timings"]
-        ev = rep["evals"]
         conv = rep["sft"].get("conversion", {})
+        reused = rep.get("settings", {}).get("reuse_sft")
+        sft = f"reused ({Path(reused).name})" if reused else f"{t.get('sft', 0) / 60:.1f} min"
         lines.append(
-            f"| {seed} | {t['total'] / 60:.1f} min | {rep['machine'].get('peak_rss_gib', 0):.1f} GiB | "
-            + " | ".join(
-                f"{t.get(k, 0) / 60:.1f} min" for k in ("eval_base", "sft", "eval_sft", "rl", "eval_rl")
-            )
-            + f" | {conv.get('kept', '-')} of {conv.get('read', '-')} | {rep['gain']['average_at_n']['problems']} "
-            f"| {pct(ev['sft']['retool']['average_at_n'])} | {pct(ev['rl']['retool']['average_at_n'])} |"
+            f"| {seed} | {t['total'] / 60:.1f} min | {rep['machine'].get('peak_rss_gib', 0):.1f} GiB | {sft} | "
+            f"{t.get('rl', 0) / 60:.1f} min | {conv.get('kept', '-')} of {conv.get('read', '-')} |"
         )
     return "\n".join(lines)
 
@@ -347,17 +389,18 @@ def main(argv: list[str] | None = None) -> None:
         eval_one(label, modes.split(","), Path(folder), Path(demo_dir), args)
         return
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    demos = {s: run_demo_process(s, args.out / f"seed{s}", args, log) for s in seeds}
+    first = args.out / f"seed{seeds[0]}"
+    demos = {seeds[0]: run_demo_process(seeds[0], first, args, log)}
+    demos.update({s: run_demo_process(s, args.out / f"seed{s}", args, log, first) for s in seeds[1:]})
     full = args.out / ("full" if not args.limit else f"first{args.limit}")
     evals: dict[str, dict[str, list[ProblemRecord]]] = {}
-    jobs = [("base", args.out / f"seed{seeds[0]}")]
-    for s in seeds:
-        jobs += [(f"sft-s{s}", args.out / f"seed{s}"), (f"rl-s{s}", args.out / f"seed{s}")]
-    for label, demo_dir in jobs:
+    for label, demo_dir in plan(seeds, args.out):
         outputs = {mode: eval_output(full, label, mode) for mode in MODES}
         log.info("evaluating %s (%s) -> %s", label, ", ".join(MODES), full)
         eval_process(label, outputs, demo_dir, args)
         evals[label] = {mode: read_problem_records(out) for mode, out in outputs.items()}
+        if not results_path(full, label).is_file():
+            keep_results(full, label, evals[label])
     runs = {p.name.removesuffix(".run.json"): json.loads(p.read_text()) for p in full.glob("*.run.json")}
     timing = ", ".join(f"{k} {v['seconds'] / 60:.0f} min" for k, v in sorted(runs.items()))
     threads = f"{args.threads} torch threads" if args.threads else "every core"

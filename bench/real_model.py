@@ -29,8 +29,15 @@ meaningful even when the absolute numbers do not:
   threads, and through llama.cpp and vLLM (each with its own prefix cache); variants interleaved round by
   round, each round starting from an empty cache.
 
-``--samplers`` picks rows (wrapper, merged, shared, llamacpp, vllm, multiturn; default all, llama.cpp and
-vLLM when installed). Every single-turn row starts from an empty prefix cache (distinct prompts: no hits).
+- fp32 against bf16 compute (``precision``; ``backend.dtype``, ``retool.backends.local.precision``): a second
+  client in bf16 (fp32 LoRA masters over a bf16 base, training under autocast, sampling in bf16) with the
+  same adapter, side by side with the fp32 one, rounds interleaved: sampling at each ``--batches`` size
+  (merged view + shared prefix, as the single-turn rows), the multi-turn workload (prefix cache on),
+  forward+backward at each ``--train-batches`` size of RL-shaped datums; then each client's on-policy
+  sampler/trainer mismatch (what ``offpolicy/*`` reports) on its own samples.
+
+``--samplers`` picks rows (wrapper, merged, shared, llamacpp, vllm, multiturn, precision; default all but
+precision, llama.cpp and vLLM when installed). Every single-turn row starts from an empty prefix cache (distinct prompts: no hits).
 
 Usage: nice -n 10 python bench/real_model.py [--model smollm2|PATH] [--batches 8,32,64] [--tokens 64]
        [--rounds 3] [--threads 1] [--samplers shared,llamacpp,multiturn] [--llamacpp-threads 2]
@@ -69,6 +76,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds; the median is reported")
     ap.add_argument("--threads", type=int, default=1, help="torch threads (1 is fastest on a busy CPU)")
     ap.add_argument("--train-datums", type=int, default=8, help="datums per forward_backward")
+    ap.add_argument("--train-batches", default="8,64", help="precision rows: datums per forward_backward")
     ap.add_argument(
         "--samplers", default="wrapper,merged,shared,llamacpp,vllm,multiturn", help="rows to measure"
     )
@@ -187,6 +195,8 @@ def run(args: argparse.Namespace) -> None:
     if "multiturn" in wanted:
         engines = {f"llama.cpp, {args.llamacpp_threads} thr": llama, "vLLM, 1 core": vllm}
         _multi_turn_table(client, protocol, tasks, args, {k: v for k, v in engines.items() if v is not None})
+    if "precision" in wanted:
+        _precision_table(client, path, protocol, tasks, prompts, args)
     if not variants:
         client.close()
         return
@@ -218,15 +228,9 @@ def run(args: argparse.Namespace) -> None:
 
 
 def _training_row(client: Any, protocol: Any, task: Any, prompt: list[int], args: Any) -> None:
-    from retool.backends.interface.types import Datum
-
     # Training: RL-shaped datums (prompt + code call + observation + answer), PPO loss through LoRA.
-    seq = [*prompt, *protocol.encode_completion(protocol.fmt.render_call(task.code))]
-    seq += protocol.encode("<interpreter>\n12345\n</interpreter>") + protocol.encode_completion(
-        "\\boxed{12345}"
-    )
-    n = len(seq) - 1
-    datum = Datum(seq[:-1], seq[1:], [-1.0] * n, [0.0] * len(prompt) + [1.0] * (n - len(prompt)), [0.5] * n)
+    datum = _rl_datum(protocol, task, prompt)
+    n = len(datum)
     datums: list[Any] = [datum] * args.train_datums
     client.forward_backward(datums, "ppo")  # warm-up
     client.stats.train_seconds = client.stats.trained_tokens = 0  # count the measured passes only
@@ -334,6 +338,166 @@ def _multi_turn_table(
         runs = ", ".join(f"{r:.1f}" for r in rows)
         print(f"{name:<21} {med:>7.1f} {med / base:>14.2f} {'(own cache)':>16}   [{runs}]")
     print(f"load average after the multi-turn rows: {_load_avg()}")
+
+
+def _bf16_twin(client: Any, path: Any) -> Any:
+    """A bf16 client of the same model with ``client``'s adapter (fp32 masters over a bf16 base)."""
+    import torch
+
+    from retool.backends.local.client import LocalTrainingClient
+
+    twin = LocalTrainingClient(
+        str(path),
+        lora=client.lora,
+        device="cpu",
+        dtype="bfloat16",
+        seed=0,
+        sample_batch_size=client.sample_batch_size,
+        max_context=client.max_context,
+        micro_batch_tokens=client.micro_batch_tokens,
+        checkpoint_dir=tempfile.mkdtemp(prefix="retool-bench-"),
+    )
+    with torch.no_grad():
+        mine = dict(twin.model.named_parameters())
+        for name, p in client.model.named_parameters():
+            if p.requires_grad:
+                mine[name].copy_(p)
+    twin.mark_weights_changed()
+    twin.eos_ids = set()
+    return twin
+
+
+def _sample_rate(client: Any, prompts: list[list[int]], batch: int, tokens: int) -> float:
+    """Sampled tokens/s of one batched generation of ``batch`` distinct prompts (merged view, shared
+    prefix, an empty prefix cache)."""
+    from retool.backends.interface.types import SamplingParams
+
+    client.merge_lora_for_sampling, client.share_prompt_prefix = True, True
+    client.prefix_cache.clear()
+
+    async def go() -> int:
+        sampler = await client.sampling_client_async()
+        params = [SamplingParams(max_tokens=tokens, seed=k, temperature=1.0) for k in range(batch)]
+        outs = await asyncio.gather(*[sampler.sample_async(prompts[k], 1, params[k]) for k in range(batch)])
+        return sum(len(o[0].tokens) for o in outs)
+
+    t = time.perf_counter()
+    n = asyncio.run(go())
+    return n / (time.perf_counter() - t)
+
+
+def _train_rate(client: Any, datums: list[Any]) -> float:
+    """Trained tokens/s of one forward+backward (ppo) over ``datums``; the gradient is dropped."""
+    t = time.perf_counter()
+    client.forward_backward(datums, "ppo")
+    wall = time.perf_counter() - t
+    client._zero_grad()
+    return sum(len(d) for d in datums) / wall
+
+
+def _rl_datum(protocol: Any, task: Any, prompt: list[int]) -> Any:
+    """An RL-shaped datum: the prompt, a code call, an observation and a boxed answer; PPO weights."""
+    from retool.backends.interface.types import Datum
+
+    seq = [*prompt, *protocol.encode_completion(protocol.fmt.render_call(task.code))]
+    seq += protocol.encode("<interpreter>\n12345\n</interpreter>") + protocol.encode_completion(
+        "\\boxed{12345}"
+    )
+    n = len(seq) - 1
+    return Datum(seq[:-1], seq[1:], [-1.0] * n, [0.0] * len(prompt) + [1.0] * (n - len(prompt)), [0.5] * n)
+
+
+def _on_policy_mismatch(client: Any, prompts: list[list[int]], tokens: int) -> Any:
+    """The client's own sampler against its trainer on the same weights: a forward (ppo) over 8 of its
+    samples, whose result carries the mismatch metrics a training step logs as ``offpolicy/*``."""
+    from retool.backends.interface.types import Datum, SamplingParams
+
+    datums = []
+    for k, prompt in enumerate(prompts[:8]):
+        (s,) = client.sample(prompt, 1, SamplingParams(max_tokens=tokens, seed=200 + k, temperature=1.0))
+        seq, n0, n = prompt + s.tokens, len(prompt) - 1, len(s.tokens)
+        datums.append(
+            Datum(
+                seq[:-1],
+                seq[1:],
+                [0.0] * n0 + list(s.logprobs),
+                [0.0] * n0 + [1.0] * n,
+                [0.0] * n0 + [1.0] * n,
+            )
+        )
+    return client.forward(datums, "ppo", {"tis_cap": 2.0})
+
+
+def _measured(client: Any, run: Any) -> tuple[float, float]:
+    """``run(client)``'s tokens (sampled + trained, from the client's counters) per wall second and per
+    CPU second of this process (torch on one thread: the CPU seconds do not count time spent waiting for a
+    core that other jobs hold, so on a shared machine they measure the work itself)."""
+    before = client.stats.sampled_tokens + client.stats.trained_tokens
+    wall, cpu = time.perf_counter(), time.process_time()
+    run(client)
+    wall, cpu = time.perf_counter() - wall, time.process_time() - cpu
+    tokens = client.stats.sampled_tokens + client.stats.trained_tokens - before
+    return tokens / wall, tokens / max(cpu, 1e-9)
+
+
+def _precision_rows(
+    protocol: Any, tasks: list[Any], prompts: list[list[int]], args: Any
+) -> list[tuple[str, Any]]:
+    """The rows of the precision table: (name, what one measurement of a client runs)."""
+    trains = [int(b) for b in args.train_batches.split(",")]
+    datums = [_rl_datum(protocol, t, p) for t, p in zip(tasks, prompts, strict=True)]
+    datums = (datums * (1 + max(trains) // len(datums)))[: max(trains)]
+    rows: list[tuple[str, Any]] = [
+        (f"sampling, batch {b}", lambda c, b=b: _sample_rate(c, prompts, b, args.tokens))
+        for b in (int(x) for x in args.batches.split(","))
+    ]
+    rows.append(("multi-turn workload", lambda c: _multi_turn_once(c, protocol, tasks, args, c.prefix_cache)))
+    rows += [(f"training, {b} datums", lambda c, b=b: _train_rate(c, datums[:b])) for b in trains]
+    return rows
+
+
+def _precision_table(
+    client: Any, path: Any, protocol: Any, tasks: list[Any], prompts: list[list[int]], args: Any
+) -> None:
+    """fp32 (``client``) against a bf16 twin, each measurement of one right after the other's: tokens/s
+    (wall) and the ratio bf16/fp32, median over rounds of each round's pair, on wall and CPU time."""
+    twin = _bf16_twin(client, path)
+    clients = {"float32": client, "bfloat16": twin}
+    rows = _precision_rows(protocol, tasks, prompts, args)
+    print(
+        f"\nfp32 against bf16 compute ({twin.precision.describe()}); torch threads {args.threads}; "
+        f"load average {_load_avg()}"
+    )
+    for c in clients.values():  # warm-up: the merged views, the prepacked weights
+        _sample_rate(c, prompts, 2, 4)
+        _train_rate(c, [_rl_datum(protocol, tasks[0], prompts[0])])
+    rates: dict[tuple[str, str], list[tuple[float, float]]] = {(r, d): [] for r, _ in rows for d in clients}
+    for _ in range(args.rounds):
+        for name, run in rows:
+            for dtype, c in clients.items():
+                rates[(name, dtype)].append(_measured(c, run))
+    print(
+        "ratios: the median over rounds of bf16/fp32 within a round (wall seconds; CPU seconds of this process)"
+    )
+    print(
+        f"{'row':<24} {'fp32 tok/s':>10} {'bf16 tok/s':>10} {'x wall':>7} {'x CPU':>6}   wall tok/s rounds (fp32 | bf16)"
+    )
+    for name, _ in rows:
+        f32, b16 = rates[(name, "float32")], rates[(name, "bfloat16")]
+        wall = statistics.median(b[0] / f[0] for f, b in zip(f32, b16, strict=True))
+        cpu = statistics.median(b[1] / f[1] for f, b in zip(f32, b16, strict=True))
+        runs = " | ".join(", ".join(f"{r[0]:.1f}" for r in rs) for rs in (f32, b16))
+        f_med, b_med = (statistics.median(r[0] for r in rs) for rs in (f32, b16))
+        print(f"{name:<24} {f_med:>10.1f} {b_med:>10.1f} {wall:>7.2f} {cpu:>6.2f}   [{runs}]")
+    print("\non-policy sampler/trainer mismatch on 8 samples each (offpolicy/* of a training step):")
+    for dtype, c in clients.items():
+        fb = _on_policy_mismatch(c, prompts, args.tokens)
+        print(
+            f"{dtype:<9} mean |lp - mu| {fb.logprob_diff_mean:.3g}, max {fb.logprob_diff_max:.3g} nats, "
+            f"k3 KL {fb.kl_k3:.3g}, ratio outside [0.5, 2] {100 * fb.ratio_outside:.2f}%, "
+            f"truncated at cap 2 {100 * fb.tis_truncated:.2f}%"
+        )
+    twin.close()
 
 
 def _llamacpp_sampler(client: Any, threads: int) -> Any:

@@ -3,6 +3,13 @@ its before/after table, gain and time split, with the wall time, peak memory and
 
     python bench/real_model_demo.py [--out runs/demo-smollm2] [--set KEY=VALUE ...] [--write]
     python bench/real_model_demo.py --from runs/demo-smollm2 [--write]     # a run that already finished
+    python bench/real_model_demo.py --precisions float32,bfloat16 [--write]  # the demo's gain in each
+
+``--precisions`` runs the demo once per compute dtype (``--set backend.dtype=D``, into ``OUT-D``; a folder
+that holds a finished run is read instead) and reports each run's RL gain over SFT with its paired 95%
+interval, side by side: whether the bf16 gain lies within the fp32 gain's interval, and their difference.
+``--write`` then writes docs/results/real_model_demo_precision.md. Each run is a whole demo (the fp32 one
+as long as the plain bench's).
 
 The demo runs as a child process with ``OMP_WAIT_POLICY=PASSIVE`` (unless set), so that on a busy machine
 torch's idle threads sleep instead of spinning against the other jobs; its wall time is this bench's clock,
@@ -61,13 +68,64 @@ def summary(run: Path, wall: float | None) -> str:
     return "\n".join(lines) + "\n\n" + (run / "report.md").read_text().strip() + "\n"
 
 
+def gain_of(run: Path) -> tuple[float, float, float, int]:
+    """A finished run's RL gain over SFT (retool mode, Average@N): (gain, CI low, CI high, problems)."""
+    gain = json.loads((run / "report.json").read_text())["gain"]["average_at_n"]
+    lo, hi = gain["ci95"]
+    return float(gain["gain"]), float(lo), float(hi), int(gain["problems"])
+
+
+def precision_lines(runs: dict[str, Path], walls: dict[str, float | None]) -> str:
+    """Each dtype's gain with its interval, its wall time, then how the others compare with the first's."""
+    gains = {d: gain_of(r) for d, r in runs.items()}
+    lines = [
+        "| backend.dtype | RL - SFT, Average@N | 95% paired CI | problems | wall |",
+        "|---|---|---|---|---|",
+    ]
+    for dtype, (g, lo, hi, n) in gains.items():
+        wall = walls.get(dtype)
+        lines.append(
+            f"| {dtype} | {100 * g:+.1f} points | {100 * lo:+.1f} to {100 * hi:+.1f} | {n} | "
+            + ("read from a finished run" if wall is None else f"{wall / 60:.1f} min")
+            + " |"
+        )
+    ref, (g0, lo0, hi0, _) = next(iter(gains.items()))
+    for dtype, (g, _, _, _) in list(gains.items())[1:]:
+        inside = "within" if lo0 <= g <= hi0 else "outside"
+        lines.append(
+            f"\n{dtype}'s gain lies {inside} the {ref} gain's interval; difference {100 * (g - g0):+.1f} points."
+        )
+    return "\n".join(lines) + "\n"
+
+
+def run_precisions(args: argparse.Namespace) -> None:
+    """``--precisions``: the demo once per dtype (a finished run folder is read), then the comparison."""
+    runs = {d: Path(f"{args.out}-{d}") for d in args.precisions.split(",")}
+    walls: dict[str, float | None] = {}
+    for dtype, run in runs.items():
+        done = (run / "report.json").is_file()
+        walls[dtype] = None if done else run_demo(run, [*args.set, f"backend.dtype={dtype}"])
+        print(f"### backend.dtype = {dtype}\n\n{summary(run, walls[dtype])}")
+    print(precision_lines(runs, walls), end="")
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/demo-smollm2"), help="the run folder")
     ap.add_argument("--from", dest="source", type=Path, default=None, help="read this finished run instead")
     ap.add_argument("--set", action="append", default=[], help="KEY=VALUE passed to retool demo --set")
     ap.add_argument("--write", action="store_true", help="also write docs/results/real_model_demo.md")
+    ap.add_argument("--precisions", default=None, help="e.g. float32,bfloat16: the demo once per dtype")
     args = ap.parse_args(argv)
+    if args.precisions:
+        with recording(args.write) as rec:
+            run_precisions(args)
+        if args.write:
+            title = (
+                "The SmolLM2 demo's gain in each compute precision (`bench/real_model_demo.py --precisions`)"
+            )
+            write_printed("real_model_demo_precision.md", title, rec, markdown=True)
+        return 0
     run = args.source or args.out
     with recording(args.write) as rec:
         wall = run_demo(run, args.set) if args.source is None else None

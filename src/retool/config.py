@@ -43,6 +43,10 @@ class ModelConfig(_Section):
 class BackendConfig(_Section):
     kind: Literal["local", "pytrio", "tinker"] = "local"
     device: str = "auto"  # auto | cpu | cuda
+    # The local backend's compute dtype (retool.backends.local.precision). bfloat16: bf16 matmuls over fp32
+    # master weights and optimizer state, sampling in bf16. auto: bfloat16 on a GPU that has it and on a
+    # CPU with native bf16 (avx512_bf16 / amx_bf16) for a model wide enough to gain from it; else float32,
+    # the reason in the log.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
     # hf: the built-in torch sampler; vllm: a vLLM engine (GPU, or vLLM's CPU build); llamacpp: llama.cpp on CPU (xllamacpp) from the
     # GGUF file plus the trainer's LoRA as an adapter GGUF (GGUF models with LoRA; retool.backends.samplers.llamacpp)
@@ -156,6 +160,10 @@ class SamplingConfig(_Section):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    # End a turn at its first closed \boxed{...} (local sampler): greedy evaluation reads nothing after the
+    # answer, so the tokens a small model rambles on with are not computed. Off for RL (trained turns end
+    # on the template's end of turn).
+    stop_at_boxed: bool = False
 
 
 class LossConfig(_Section):
@@ -168,8 +176,14 @@ class LossConfig(_Section):
     ratio_cap: float = Field(default=2.0, gt=0.0)  # stable_reinforce's importance-weight cap
     # Truncated importance sampling: weight each token by min(exp(trainer lp - sampler lp), tis_cap) and
     # take the PPO ratio against the trainer's own pre-update logprob (``retool.backends.training.losses``).
-    # 0: off (the ratio is taken against the sampler's logprob). Local backend only.
-    tis_cap: float = Field(default=0.0, ge=0.0)
+    # 0: off (the ratio is taken against the sampler's logprob). Local backend only. "auto": DEFAULT_TIS_CAP
+    # when the backend's sampler computes in other numerics than its trainer by design (bf16 sampling over
+    # fp32 masters: backend.dtype), else off.
+    tis_cap: Annotated[float, Field(ge=0.0)] | Literal["auto"] = "auto"
+
+
+# loss.tis_cap = "auto" where sampler and trainer numerics differ by design (retool.train.loop.resolve_tis_cap)
+DEFAULT_TIS_CAP = 2.0
 
 
 class OptimizerConfig(_Section):
@@ -335,7 +349,7 @@ class Config(_Section):
     @model_validator(mode="after")
     def _check_combinations(self) -> Config:
         """Settings that are valid alone but not together (each message says what to change)."""
-        if self.loss.tis_cap > 0 and self.backend.kind != "local":
+        if not isinstance(self.loss.tis_cap, str) and self.loss.tis_cap > 0 and self.backend.kind != "local":
             raise ValueError(
                 f"loss.tis_cap needs the loss computed locally; backend.kind = {self.backend.kind!r} "
                 "computes it on the service (set loss.tis_cap = 0)"

@@ -132,6 +132,7 @@ class _Scheduler:
             top_k=sampling.top_k,
             seed=seed,
             stop=observation.stop,
+            stop_at_boxed=sampling.stop_at_boxed,
         )
 
     async def _sample(

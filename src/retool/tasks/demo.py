@@ -387,10 +387,12 @@ def save_hf(client: LocalTrainingClient, folder: Path) -> Path:
     """Write the client's current weights + tokenizer as a plain HF folder (usable as ``--model``).
 
     A LoRA client is saved merged, from its sampling view (``LocalTrainingClient.sampling_model``), so the
-    live adapter keeps training. A model read from a GGUF file is saved dequantised (``backend.dtype``).
+    live adapter keeps training (in bf16 compute: the bf16 base plus the adapter, in bf16). Full fine-tuning
+    saves the model itself (its fp32 masters in bf16 compute). A model read from a GGUF file is saved
+    dequantised.
     """
     folder.mkdir(parents=True, exist_ok=True)
-    client.sampling_model().save_pretrained(folder)
+    (client.sampling_model() if client.lora is not None else client.model).save_pretrained(folder)
     client.tokenizer.save_pretrained(folder)
     return folder
 
@@ -516,6 +518,9 @@ _SFT_KEYS = (
     "config.eval.seed",
     "config.backend.micro_batch_tokens",
 )
+# Of those, the ones that pick the held-out slice and its evaluation (seeded) rather than the SFT model's
+# inputs: a run without a slice evaluation may differ in them from the run whose SFT model it reuses.
+_SLICE_KEYS = frozenset({"seed", "config.data.seed", "config.eval.seed", "eval_modes"})
 # Settings a resumed run may change: where it runs and how it reports, not what it computes.
 _RESUME_FREE = frozenset({"out", "resume", "plots", "data_dir"})
 PHASES_FILE = "phases.json"
@@ -744,7 +749,8 @@ def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResul
     evals["rl"] = _rl_phase(settings, config, source, model_sft, problems, clock)
 
     result.table = table_rows(evals)
-    result.gain = demo_gain(out / "eval")
+    if all("retool" in evals.get(label, {}) for label in ("sft", "rl")):  # eval_modes = (): no slice eval
+        result.gain = demo_gain(out / "eval")
     result.timings["total"] = round(time.perf_counter() - t_all + elapsed_before, 1)
     result.timings["rl_share"] = round(result.timings["rl"] / max(result.timings["total"], 1e-9), 3)
     result.machine = machine_facts()
@@ -900,7 +906,10 @@ def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[P
         value = setting_value(earlier, key)
         return setting_value(defaults, key) if value is None else value
 
-    differ = [k for k in _SFT_KEYS if before(k) != setting_value(mine, k)]
+    # A run that evaluates no held-out slice (eval_modes = ()) copies no evaluation: it may reuse the SFT
+    # model of another seed (bench/gsm8k.py: one SFT model, RL of each seed from it).
+    keys = _SFT_KEYS if settings.eval_modes else tuple(k for k in _SFT_KEYS if k not in _SLICE_KEYS)
+    differ = [k for k in keys if before(k) != setting_value(mine, k)]
     if differ:
         raise ValueError(f"--reuse-sft {source}: its settings differ in {', '.join(differ)}")
     if not (source / "model_sft" / "config.json").is_file():

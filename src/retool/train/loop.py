@@ -49,7 +49,7 @@ from retool.backends import adam_params_from_config
 from retool.backends.interface.clients import SamplingClient, TrainingClient
 from retool.backends.remote.guarded import guard_training_client
 from retool.components import Components, build_components
-from retool.config import Config, ConfigError, dump_config, load_config
+from retool.config import DEFAULT_TIS_CAP, Config, ConfigError, dump_config, load_config
 from retool.env import ProblemSource, retool_outcome, source_from_config
 from retool.jsonl import as_number
 from retool.rollout import GroupSampler, RolloutFn, run_rollout
@@ -126,6 +126,7 @@ class Trainer:
         self.components = components
         self._owns_components = False
         self._guarded: TrainingClient | None = None  # the backend behind retries (``[retry]``)
+        self._tis_cap = 0.0  # loss.tis_cap resolved against the backend (``resolve_tis_cap``)
         self._rollout_fn = rollout_fn
         self._tracker = tracker
         self._open_tracker: Tracker = Tracker()  # the run's tracker once open (its id goes in checkpoints)
@@ -204,7 +205,8 @@ class Trainer:
         """Once per run, after any checkpoint is loaded (PyTRIO loads state only before training): a
         remote backend measures how its service normalises the loss, or refuses to train. No-op locally."""
         cfg = self.config
-        await self._backend.check_reduction_async(cfg.loss.name, _loss_config(cfg))
+        self._tis_cap = resolve_tis_cap(cfg.loss.tis_cap, self._backend)
+        await self._backend.check_reduction_async(cfg.loss.name, _loss_config(cfg, self._tis_cap))
 
     async def _save_backend(self, folder: Path, name: str) -> tuple[str, bool]:
         if self.config.backend.kind == "local":
@@ -327,7 +329,7 @@ class Trainer:
             self._backend,
             data.datums,
             loss_fn=cfg.loss.name,
-            loss_config=_loss_config(cfg),
+            loss_config=_loss_config(cfg, self._tis_cap),
             adam=adam_params_from_config(cfg),
             micro_batch_tokens=cfg.backend.micro_batch_tokens,
         )
@@ -407,8 +409,24 @@ class Trainer:
         return asyncio.run(self.run_async())
 
 
-def _loss_config(cfg: Config) -> dict[str, float] | None:
+def resolve_tis_cap(setting: float | str, backend: TrainingClient) -> float:
+    """``loss.tis_cap``: a number as set; ``auto``: ``DEFAULT_TIS_CAP`` when the backend's sampler and
+    trainer differ in numerics by design (``TrainingClient.precision_mismatch``), else 0 (off)."""
+    if not isinstance(setting, str):
+        return float(setting)
+    why = backend.precision_mismatch
+    if why is None:
+        return 0.0
+    logger.info("loss.tis_cap = auto: truncated importance sampling on (cap %g): %s", DEFAULT_TIS_CAP, why)
+    return DEFAULT_TIS_CAP
+
+
+def _loss_config(cfg: Config, tis_cap: float = 0.0) -> dict[str, float] | None:
+    """The loss config the backend gets; ``tis_cap`` (resolved) only where > 0 and the loss reads it."""
     loss = cfg.loss
+    if loss.name in ("ppo", "importance_sampling") and tis_cap > 0:
+        clips = {"clip_low": loss.clip_low, "clip_high": loss.clip_high}
+        return {**clips, "tis_cap": tis_cap}
     if loss.name in ("ppo", "cispo", "gspo"):
         return {"clip_low": loss.clip_low, "clip_high": loss.clip_high}
     if loss.name == "dro":

@@ -93,6 +93,22 @@ class TokenDecoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = False) -> str: ...
 
 
+BOXED_MARKER = "\\boxed{"
+
+
+def closes_boxed(text: str) -> bool:
+    """Whether ``text`` holds a ``\\boxed{`` whose braces close (``SamplingParams.stop_at_boxed``)."""
+    start = text.find(BOXED_MARKER)
+    while start >= 0:
+        depth = 1
+        for char in text[start + len(BOXED_MARKER) :]:
+            depth += {"{": 1, "}": -1}.get(char, 0)
+            if depth == 0:
+                return True
+        start = text.find(BOXED_MARKER, start + 1)
+    return False
+
+
 def _stop_sets(params: SamplingParams, eos_ids: set[int]) -> tuple[set[int], list[str]]:
     ids = set(eos_ids)
     strings: list[str] = []
@@ -207,6 +223,7 @@ class _Row:
     window: int  # tokens decoded to look for a stop string
     adapter: Hashable = None
     submitted: float = field(default_factory=time.perf_counter)  # when it entered the inbox
+    boxed_from: int = -1  # stop_at_boxed: the token from which the decoded text holds the marker
     tokens: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
 
@@ -236,7 +253,19 @@ class _Row:
             tail = tokenizer.decode(self.tokens[-self.window :], skip_special_tokens=False)
             if any(s in tail for s in self.stop_strings):
                 return "stop"
+        if self.params.stop_at_boxed and self._boxed_closed(tokenizer):
+            return "stop"
         return "length" if len(self.tokens) >= self.budget else None
+
+    def _boxed_closed(self, tokenizer: TokenDecoder) -> bool:
+        """Whether the completion holds a closed ``\\boxed{...}``: the marker looked for in the decoded
+        tail, then the text from where it was found decoded and its braces counted (a few tokens a step)."""
+        if self.boxed_from < 0:
+            start = max(0, len(self.tokens) - len(BOXED_MARKER) - 4)
+            if BOXED_MARKER not in tokenizer.decode(self.tokens[start:], skip_special_tokens=False):
+                return False
+            self.boxed_from = start
+        return closes_boxed(tokenizer.decode(self.tokens[self.boxed_from :], skip_special_tokens=False))
 
     def cached_tokens(self) -> list[int]:
         """The tokens whose KV the cache holds for this row (the last sampled one was never fed back)."""

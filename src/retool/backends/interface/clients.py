@@ -54,6 +54,13 @@ class TrainingClient(abc.ABC):
 
     tokenizer: Any
 
+    @property
+    def precision_mismatch(self) -> str | None:
+        """Why this client's sampler computes in other numerics than its trainer *by design* (bf16
+        sampling over fp32 master weights), so that sampled and trained logprobs differ on the same
+        weights; ``None`` when they agree up to float rounding. ``loss.tis_cap = "auto"`` reads it."""
+        return None
+
     @abc.abstractmethod
     async def forward_backward_async(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None

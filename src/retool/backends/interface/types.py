@@ -23,7 +23,9 @@ class Tokenizer(Protocol):
 
 @dataclass(frozen=True)
 class SamplingParams:
-    """How to sample one completion. ``stop`` holds strings or token ids (not mixed)."""
+    """How to sample one completion. ``stop`` holds strings or token ids (not mixed). ``stop_at_boxed``:
+    end the completion as soon as it holds a closed ``\\boxed{...}`` (the local engine; greedy evaluation,
+    where nothing after the first answer is read; other engines ignore it)."""
 
     max_tokens: int
     temperature: float = 1.0
@@ -31,6 +33,7 @@ class SamplingParams:
     top_k: int = -1
     seed: int | None = None
     stop: tuple[str, ...] | tuple[int, ...] = ()
+    stop_at_boxed: bool = False
 
 
 @dataclass

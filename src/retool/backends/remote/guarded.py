@@ -141,6 +141,10 @@ class GuardedTrainingClient(TrainingClient):
         return getattr(self._inner, name)
 
     @property
+    def precision_mismatch(self) -> str | None:
+        return self._inner.precision_mismatch
+
+    @property
     def guard(self) -> str:
         """Which idempotency guard protects ``forward_backward``: ``dedupe``, ``replay`` or ``none``."""
         if self.dedupes:

@@ -12,15 +12,15 @@ adapters on a linear, their rows' A and scaled B are stacked once per batch comp
 two batched matmuls (``torch.bmm``) instead of two matmuls per adapter group.
 
 Weights: an adapter is registered from a PEFT model whose base linears *are* the engine's (same tensors);
-the engine keeps references to its LoRA tensors, no copies, so they must not change while it is
-registered: the server registers only frozen copies (``frozen_copy``) and clients that never train
+the engine keeps references to its LoRA tensors, no copies (on a bf16 base, mixed precision: bf16 copies
+of the fp32 adapters), so they must not change while it is registered: the server registers only frozen copies (``frozen_copy``) and clients that never train
 (samplers of saved paths). Adapters the engine cannot run (DoRA and other variants, LoRA on embeddings,
 biases, another base) are refused (``sampler_for`` returns ``None``) and sample as before, through their
 own PEFT model. A row only ever gets its own adapter's tensors: ``_select`` maps rows to adapters by the
 key each request carries (``LocalSamplingClient.adapter``), and the prefix cache keeps each adapter's KV
 in its own space.
 
-Base linears are prepacked for oneDNN (``_PackedLinear``) on fp32 CPU, as the merged sampler of an
+Base linears are prepacked for oneDNN (``_PackedLinear``) on fp32 or bf16 CPU, as the merged sampler of an
 in-process client is: one packed copy of the base's linear weights per engine (per base model, not per
 client); ``pack=False`` keeps memory at the base plus the adapters.
 
@@ -180,7 +180,8 @@ class MultiLoraEngine:
             if not plain or not same_base or adapter in getattr(mod, "lora_variant", {}) or mod.merged:
                 return None
             scale = mod.scaling[adapter]
-            layers[name] = (a.weight.detach(), b.weight.detach(), float(scale))
+            dtype = mine.base.weight.dtype  # a bf16 base: fp32 adapters copied to bf16 (else the tensors)
+            layers[name] = (a.weight.detach().to(dtype), b.weight.detach().to(dtype), float(scale))
         weights = LoraWeights(next(self._keys), layers)
         self._adapters[weights.key] = weights
         return weights
