@@ -67,11 +67,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def demo_command(seed: int, out: Path, args: argparse.Namespace, reuse_sft: Path | None = None) -> list[str]:
-    """The seed's demo: no evaluation of its own; RL from ``reuse_sft``'s SFT model when given."""
-    cmd = [sys.executable, "-m", "retool", "demo", "--model", "smollm2", "--task", "gsm8k"]
+def demo_command(
+    seed: int,
+    out: Path,
+    args: argparse.Namespace,
+    reuse_sft: Path | None = None,
+    task: str = "gsm8k",
+    fields: tuple[str, ...] = DEMO_FIELDS,
+) -> list[str]:
+    """The seed's ``task`` demo (``fields``: no evaluation of its own); RL from ``reuse_sft``'s SFT model
+    when given. ``bench/mathematics.py`` runs its task through here too."""
+    cmd = [sys.executable, "-m", "retool", "demo", "--model", "smollm2", "--task", task]
     cmd += ["--seed", str(seed), "--out", str(out), "--no-plots"]
-    cmd += [x for s in (*DEMO_FIELDS, *args.set) for x in ("--set", s)]
+    cmd += [x for s in (*fields, *args.set) for x in ("--set", s)]
     if reuse_sft is not None:
         cmd += ["--reuse-sft", str(reuse_sft)]
     if args.data_dir:
@@ -82,12 +90,18 @@ def demo_command(seed: int, out: Path, args: argparse.Namespace, reuse_sft: Path
 
 
 def run_demo_process(
-    seed: int, out: Path, args: argparse.Namespace, log: logging.Logger, reuse_sft: Path | None = None
+    seed: int,
+    out: Path,
+    args: argparse.Namespace,
+    log: logging.Logger,
+    reuse_sft: Path | None = None,
+    task: str = "gsm8k",
+    fields: tuple[str, ...] = DEMO_FIELDS,
 ) -> dict[str, Any]:
     """The seed's demo in a process of its own (resumed when its folder holds an unfinished run)."""
     report = out / "report.json"
     if not report.is_file():
-        cmd = demo_command(seed, out, args, reuse_sft)
+        cmd = demo_command(seed, out, args, reuse_sft, task, fields)
         log.info("demo seed %d: %s", seed, " ".join(cmd))
         subprocess.run(cmd, check=True)
     return json.loads(report.read_text())

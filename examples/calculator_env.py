@@ -25,7 +25,7 @@ import operator
 import time
 from collections.abc import Callable
 
-import sympy  # type: ignore[import-untyped]
+import sympy
 
 from retool.data.problem import Problem
 from retool.env import (

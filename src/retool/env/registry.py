@@ -15,6 +15,7 @@ from pathlib import Path
 
 from retool.config import Config, DataConfig
 from retool.data.evalsets import NAMED_SETS
+from retool.data.mathematics import MathSplit
 from retool.env.files import DapoSource, FileSource, dapo_source, named_set_source
 from retool.env.gsm8k import Gsm8kSource
 from retool.env.mathematics import MathematicsSource
@@ -98,16 +99,20 @@ def _gsm8k(name: str, options: SourceOptions) -> ProblemSource:
     return Gsm8kSource(options.data.data_dir, shuffle=options.data.shuffle, name=name)
 
 
+_MATHEMATICS_TESTS: dict[str, tuple[MathSplit, ...]] = {
+    "mathematics": ("interpolate", "extrapolate"),
+    "mathematics_interpolate": ("interpolate",),
+    "mathematics_extrapolate": ("extrapolate",),
+}
+
+
 def _mathematics(name: str, options: SourceOptions) -> ProblemSource:
-    split = name.removeprefix("mathematics").removeprefix("_")
-    tests = ("interpolate", "extrapolate") if not split else (split,)
-    return MathematicsSource(
-        options.data.data_dir, shuffle=options.data.shuffle, test_splits=tests, name=name
-    )  # type: ignore[arg-type]
+    d = options.data
+    return MathematicsSource(d.data_dir, shuffle=d.shuffle, test_splits=_MATHEMATICS_TESTS[name], name=name)
 
 
 register_source("tasks", _tasks)
-for _name in ("mathematics", "mathematics_interpolate", "mathematics_extrapolate"):
+for _name in _MATHEMATICS_TESTS:
     register_source(_name, _mathematics)
 register_source("gsm8k", _gsm8k)
 register_source("dapo", _dapo)

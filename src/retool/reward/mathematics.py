@@ -75,7 +75,7 @@ def answer_form(answer: str, module: str) -> Form:
         return "base"
     if "," in a:
         return "ordered_list" if module.startswith(_ORDERED_PREFIX) else "list"
-    if _NAME.match(a):
+    if _NAME.match(a) and module.startswith("comparison__"):  # a choice letter or a variable's name
         return "name"
     if module.startswith(_FACTOR_PREFIX) and re.search(r"[A-Za-z]", a):
         return "factor"
@@ -233,7 +233,7 @@ def _value(p: str, a: str, module: str) -> bool:
     answer, however it evaluates); an expression by an equal expression."""
     ae = _parse(a)
     if ae.is_number:
-        p = p.replace(" ", "")
+        p = re.sub(r"\(([+-]?[\d.]+)\)", r"\1", p.replace(" ", ""))  # (-4)/(19): LaTeX's \frac undone
         if not _NUMBER.match(p) or not _reduced(p):
             return False
         pe = _parse(p)

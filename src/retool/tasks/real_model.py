@@ -123,9 +123,9 @@ SMOLLM2_MATHEMATICS_FIELDS: DemoFields = {
     "base_eval_problems": 71,  # every k-th held-out problem: one per module
     "base_eval_modes": ("text-only", "retool"),
     "eval_modes": ("text-only", "retool"),
-    "coldstart_rows": 8,  # train problems per module
-    "coldstart_samples": 2,
-    "coldstart_temperature": 0.7,
+    "coldstart_rows": 4,  # train problems per module, one greedy attempt each
+    "coldstart_samples": 1,
+    "coldstart_temperature": 0.0,
     "eval_temperature": 0.0,
 }
 

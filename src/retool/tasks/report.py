@@ -15,6 +15,7 @@ from typing import TypedDict, cast
 
 from retool.analyze import analyze
 from retool.data.gsm8k import GSM8K_SOURCE
+from retool.data.mathematics import SOURCE_PREFIX as MATHEMATICS_PREFIX
 from retool.data.synthetic import parse_source
 from retool.evaluate.metrics import PairedGain, paired_gain
 from retool.evaluate.store import CandidateRecord, EvalSummary, ProblemRecord, read_problem_records
@@ -34,19 +35,30 @@ class DemoGain(TypedDict, total=False):
     average_at_n: PairedGain
     easy_accuracy: PairedGain
     hard_accuracy: PairedGain
+    interpolate_accuracy: PairedGain  # DeepMind Mathematics' two test splits
+    extrapolate_accuracy: PairedGain
 
 
 def difficulty_breakdown(records_path: Path) -> dict[str, float]:
-    """Accuracy / tool-call rate / format rate on easy vs hard synthetic problems and on GSM8K, from an
-    eval's JSONL."""
-    buckets: dict[str, list[CandidateRecord]] = {"easy": [], "hard": [], "gsm8k": []}
+    """Accuracy / tool-call rate / format rate on easy vs hard synthetic problems, on GSM8K, and on DeepMind
+    Mathematics' interpolate and extrapolate questions, from an eval's JSONL."""
+    buckets: dict[str, list[CandidateRecord]] = {
+        "easy": [],
+        "hard": [],
+        "gsm8k": [],
+        "interpolate": [],
+        "extrapolate": [],
+    }
     for rec in read_problem_records(records_path):
         source = str(rec.get("data_source", ""))
         parsed = parse_source(source)
+        split = str(rec["id"]).split("-")[1] if source.startswith(MATHEMATICS_PREFIX) else ""
         if parsed is not None:
             buckets["hard" if parsed[1] else "easy"].extend(rec.get("candidates", []))
         elif source == GSM8K_SOURCE:
             buckets["gsm8k"].extend(rec.get("candidates", []))
+        elif split in ("interpolate", "extrapolate"):
+            buckets[split].extend(rec.get("candidates", []))
     out: dict[str, float] = {}
     for name, cands in buckets.items():
         n = len(cands)
@@ -76,7 +88,22 @@ GSM8K_COLUMNS: tuple[tuple[str, str, str], ...] = (
 )
 
 
+# Shown when the held-out set is DeepMind Mathematics: accuracy and tool use on each test split.
+MATHEMATICS_COLUMNS: tuple[tuple[str, str, str], ...] = (
+    ("tool_call_rate", "Valid call", "pct"),
+    ("interpolate_accuracy", "Acc interpolate", "pct"),
+    ("extrapolate_accuracy", "Acc extrapolate", "pct"),
+    ("interpolate_tool_call_rate", "Call interpolate", "pct"),
+    ("extrapolate_tool_call_rate", "Call extrapolate", "pct"),
+)
+
+
 def _columns(rows: Sequence[TableRow]) -> tuple[tuple[str, str, str], ...]:
+    if any(row.get("interpolate_candidates") or row.get("extrapolate_candidates") for row in rows):
+        return (
+            tuple(c for c in TABLE_COLUMNS if c[0].split("_")[0] not in ("easy", "hard"))
+            + MATHEMATICS_COLUMNS
+        )
     with_gsm8k = any(row.get("gsm8k_candidates") for row in rows)
     base = TABLE_COLUMNS
     if (
@@ -89,8 +116,9 @@ def _columns(rows: Sequence[TableRow]) -> tuple[tuple[str, str, str], ...]:
 
 def table_rows(evals: Evals) -> list[TableRow]:
     rows: list[TableRow] = []
-    keys = [key for key, _, _ in TABLE_COLUMNS + GSM8K_COLUMNS]
-    keys += ["easy_candidates", "hard_candidates", "gsm8k_candidates"]
+    keys = [key for key, _, _ in TABLE_COLUMNS + GSM8K_COLUMNS + MATHEMATICS_COLUMNS]
+    keys += ["easy_candidates", "hard_candidates", "gsm8k_candidates", "interpolate_candidates"]
+    keys += ["extrapolate_candidates"]
     for stage, by_mode in evals.items():
         for mode, summary in by_mode.items():
             row: TableRow = {"model": stage, "mode": mode, "problems": summary.get("problems")}
@@ -143,6 +171,12 @@ def demo_gain(eval_dir: Path, mode: str = "retool") -> DemoGain:
 
         if subset(sft):
             out["hard_accuracy" if hard else "easy_accuracy"] = paired_gain(subset(sft), subset(rl), seed=0)
+    for split in ("interpolate", "extrapolate"):
+        prefix = f"mathematics-{split}-"
+        before = [r for r in sft if str(r["id"]).startswith(prefix)]
+        after = [r for r in rl if str(r["id"]).startswith(prefix)]
+        if before:
+            out[f"{split}_accuracy"] = paired_gain(before, after, seed=0)  # type: ignore[literal-required]
     return out
 
 
@@ -259,6 +293,11 @@ def gain_line(gain: DemoGain) -> str:
     )
     if "hard_accuracy" in gain:
         text += f"; hard problems {100 * gain['hard_accuracy']['gain']:+.1f} points"
+    for split in ("interpolate", "extrapolate"):
+        part = gain.get(f"{split}_accuracy")
+        if isinstance(part, dict):
+            lo, hi = part["ci95"]
+            text += f"; {split} {100 * part['gain']:+.1f} points (CI {100 * lo:+.1f} to {100 * hi:+.1f})"
     return text + "."
 
 

@@ -188,7 +188,8 @@ def normalise_question(question: str) -> str:
 
 
 def _rows(raw: Path, split: str) -> tuple[list[JsonObject], dict[str, int]]:
-    rows, dropped = [], {}
+    rows: list[JsonObject] = []
+    dropped: dict[str, int] = {}
     numbers: Counter[str] = Counter()
     for item in read_jsonl_objects(raw):
         module = str(item["module"])

