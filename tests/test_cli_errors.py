@@ -186,7 +186,7 @@ def test_a_hub_that_cannot_provide_the_model_is_one_line(monkeypatch: pytest.Mon
     from huggingface_hub import constants
 
     import retool.backends.local.client
-    import retool.backends.local.data_parallel  # noqa: F401  # its class subclasses the real client: before the patch
+    import retool.backends.local.data_parallel  # its class subclasses the real client: before the patch
     from retool.backends import make_training_client
     from retool.config import load_config
     from retool.errors import ModelLoadError
