@@ -44,7 +44,7 @@ def test_from_a_local_copy_the_readers_by_name_find_it(
         fetch_dataset(name, source=fixture_data)
     # The named evaluation sets, GSM8K and DAPO now come from the data folder, not the Hub.
     aime = make_source("aime2025")
-    assert aime.source == str(folder / "aime2025.jsonl") and len(aime.problems("test")) == 30
+    assert aime.source == str(folder / "aime2025.jsonl") and len(aime.problems("test")) == 12
     assert make_source("math500").source == str(folder / "math500.jsonl")
     assert len(gsm8k_problems(5, None)) == 5
     gsm8k = make_source("gsm8k")
@@ -53,7 +53,7 @@ def test_from_a_local_copy_the_readers_by_name_find_it(
     assert dapo.source == str(folder / "dapo") and len(dapo.problems("test")) == 50  # prepared on fetch
     # Fetching again from the folder itself is a no-op, not an error.
     again = fetch_dataset("aime2025", source=folder)
-    assert again.files == {"aime2025.jsonl": 30}
+    assert again.files == {"aime2025.jsonl": 12}
 
 
 def test_a_local_copy_without_the_files_is_refused(fixture_data: Path, tmp_path: Path) -> None:
@@ -126,7 +126,7 @@ def test_the_command(fixture_data: Path, tmp_path: Path) -> None:
         app, ["data", "fetch", "aime2024", "--from", str(fixture_data), "--data-dir", str(tmp_path)]
     )
     assert ok.exit_code == 0, ok.output
-    assert "30 rows" in ok.output and (tmp_path / "aime2024.jsonl").is_file()
+    assert "12 rows" in ok.output and (tmp_path / "aime2024.jsonl").is_file()
     bad = runner.invoke(app, ["data", "fetch", "mnist", "--data-dir", str(tmp_path)])
     assert bad.exit_code == 2 and "no dataset named 'mnist'" in bad.output
     helped = runner.invoke(app, ["data", "fetch", "--help"])

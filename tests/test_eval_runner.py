@@ -258,7 +258,7 @@ def test_named_dataset_prefers_local_dir(fixture_data: Path, monkeypatch: pytest
 
     env = make_source("aime2025", SourceOptions(data=DataConfig(data_dir=str(fixture_data))))
     problems = env.problems("test")
-    assert env.source == str(fixture_data / "aime2025.jsonl") and len(problems) == 30
+    assert env.source == str(fixture_data / "aime2025.jsonl") and len(problems) == 12
     assert problems[0].id == "2025-I-1" and problems[0].answer == "70"
     monkeypatch.setenv("RETOOL_DATA_DIR", str(fixture_data))
     env = make_source("math500")

@@ -16,8 +16,8 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 ROWS = {
-    "aime2024.jsonl": 30,
-    "aime2025.jsonl": 30,
+    "aime2024.jsonl": 12,
+    "aime2025.jsonl": 12,
     "math500.jsonl": 40,
     "gsm8k_test.jsonl": 40,
     "gsm8k_train.jsonl": 60,
