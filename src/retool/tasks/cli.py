@@ -152,6 +152,18 @@ _CONFIG_HELP = "Preset or TOML file the settings start from."
 _SET_HELP = "Override section.key=value (repeatable), or a demo field: size, eval_modes, plots."
 
 
+_TASK_HELP = (
+    "synthetic (the task family), gsm8k (real models: cold start from GSM8K's annotated solutions, RL on GSM8K "
+    "train, evaluation on GSM8K test; preset demo-<model>-gsm8k) or mathematics (real models: DeepMind "
+    "Mathematics from `retool data mathematics`, cold start from the model's own verified attempts, held out: "
+    "interpolate + extrapolate; preset demo-<model>-mathematics)."
+)
+
+_DATA_DIR_HELP = (
+    "Folder of the task's data files (default $RETOOL_DATA_DIR, else the user cache: retool data fetch)."
+)
+
+
 def demo_command(
     out: Path | None = typer.Option(
         None, "--out", help="Run folder: every artefact goes here (default runs/demo, runs/demo-<model>)."
@@ -165,22 +177,11 @@ def demo_command(
     resume: bool = typer.Option(
         False, "--resume", help="Continue the run in --out: skip finished phases, resume RL and evals."
     ),
-    task: str = typer.Option(
-        "synthetic",
-        "--task",
-        help="synthetic (the task family), gsm8k (real models: cold start from GSM8K's annotated solutions, "
-        "RL on GSM8K train, evaluation on GSM8K test; preset demo-<model>-gsm8k) or mathematics (real models: "
-        "DeepMind Mathematics from `retool data mathematics`, cold start from the model's own verified attempts, "
-        "held out: interpolate + extrapolate; preset demo-<model>-mathematics).",
-    ),
+    task: str = typer.Option("synthetic", "--task", help=_TASK_HELP),
     gsm8k: int | None = typer.Option(
         None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
     ),
-    data_dir: Path | None = typer.Option(
-        None,
-        "--data-dir",
-        help="Folder of the task's data files (default $RETOOL_DATA_DIR, else the user cache: retool data fetch).",
-    ),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help=_DATA_DIR_HELP),
     config: str | None = typer.Option(None, "--config", help=_CONFIG_HELP + " (default: the model's)"),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
     seed: int | None = typer.Option(
