@@ -99,49 +99,27 @@ def test_unknown_modules_and_missing_files_are_one_clear_error(tmp_path: Path) -
         read_split("train", tmp_path / "empty")
 
 
+def _retool_data_mathematics(*args: str) -> subprocess.CompletedProcess[str]:
+    cmd = [sys.executable, "-m", "retool", "data", "mathematics", *args]
+    return subprocess.run(cmd, capture_output=True, text=True, cwd=REPO)
+
+
 def test_the_command_line(tmp_path: Path) -> None:
-    python = _generator()
-    done = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "retool",
-            "data",
-            "mathematics",
-            "--out",
-            str(tmp_path),
-            "--modules",
-            "numbers__gcd",
-            "--train-per-module",
-            "2",
-            "--test-per-module",
-            "1",
-            "--python",
-            str(python),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
+    python = str(_generator())
+    done = _retool_data_mathematics(
+        "--out",
+        str(tmp_path),
+        "--modules",
+        "numbers__gcd",
+        "--train-per-module",
+        "2",
+        "--test-per-module",
+        "1",
+        "--python",
+        python,
     )
     assert done.returncode == 0, done.stderr
     assert "train" in done.stdout and "2 rows, 1 modules" in done.stdout
     assert "train rows dropped as test questions: 0" in done.stdout
-    bad = subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "retool",
-            "data",
-            "mathematics",
-            "--out",
-            str(tmp_path),
-            "--modules",
-            "x",
-            "--python",
-            str(python),
-        ],
-        capture_output=True,
-        text=True,
-        cwd=REPO,
-    )
+    bad = _retool_data_mathematics("--out", str(tmp_path), "--modules", "x", "--python", python)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr

@@ -18,7 +18,7 @@ from pathlib import Path
 from retool.data.mathematics import TEST_SPLITS, MathSplit, module_of, normalise_question, read_split
 from retool.data.problem import Problem
 from retool.data.readers import DataError
-from retool.env.scoring import UNCHECKED, Attempt, Score, VerifierLike
+from retool.env.scoring import Attempt, Score, VerifierLike, score_final_answer
 from retool.env.source import ProblemList, ProblemSource, SourceError, Split
 from retool.reward.equivalence import typed_reference
 from retool.reward.mathematics import KIND
@@ -38,16 +38,7 @@ def mathematics_reference(problem: Problem) -> str:
 
 async def score_mathematics(attempt: Attempt, verifier: VerifierLike) -> Score:
     """+1 / -1 from the mathematics checker; -1 for any stop other than an answer."""
-    if attempt.stop_reason != "answer":
-        return UNCHECKED
-    result = await verifier.ascore(attempt.final_text, mathematics_reference(attempt.problem))
-    return Score(
-        float(result.reward),
-        bool(result.correct),
-        bool(result.valid_format),
-        result.answer,
-        str(result.status),
-    )
+    return await score_final_answer(attempt, verifier, mathematics_reference(attempt.problem))
 
 
 class MathematicsSource(ProblemSource):

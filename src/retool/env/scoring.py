@@ -66,11 +66,13 @@ Scorer = Callable[[Attempt], Awaitable[Score]]
 UNCHECKED = Score(-1.0)
 
 
-async def score_final_answer(attempt: Attempt, verifier: VerifierLike) -> Score:
-    """+1 / -1 from the verifier's check of the final answer; -1 for any stop other than ``answer``."""
+async def score_final_answer(attempt: Attempt, verifier: VerifierLike, reference: str | None = None) -> Score:
+    """+1 / -1 from the verifier's check of the final answer against ``reference`` (default: the problem's
+    answer; a source with its own checker passes a typed reference); -1 for any stop other than ``answer``."""
     if attempt.stop_reason != "answer":
         return UNCHECKED
-    result = await verifier.ascore(attempt.final_text, attempt.problem.answer)
+    ref = attempt.problem.answer if reference is None else reference
+    result = await verifier.ascore(attempt.final_text, ref)
     return Score(
         float(result.reward),
         bool(result.correct),

@@ -305,15 +305,12 @@ def cold_start_sft(
     )
 
 
-def gsm8k_cold_start(parts: Components, settings: DemoSettings, config: Config, emit: Event) -> SFTReport:
-    """Cold-start SFT on GSM8K train solutions turned into tool trajectories (``retool.tasks.gsm8k_task``)."""
+def train_on_examples(
+    parts: Components, config: Config, examples: Sequence[SFTExample], conversion: JsonObject, emit: Event
+) -> SFTReport:
+    """Cold-start SFT (``[sft]``) on trajectories a task built, its build report kept as the report's
+    ``conversion``."""
     s = config.sft
-    out = Path(settings.out)
-    examples, conversion = coldstart_examples(parts, config, settings.coldstart_rows, settings.seed, out)
-    emit(
-        "phase",
-        {"phase": "sft", "detail": f"{len(examples)} GSM8K trajectories kept of {conversion['read']} rows"},
-    )
     report = train_sft(
         parts.backend,
         examples,
@@ -327,12 +324,22 @@ def gsm8k_cold_start(parts: Components, settings: DemoSettings, config: Config, 
     return report
 
 
+def gsm8k_cold_start(parts: Components, settings: DemoSettings, config: Config, emit: Event) -> SFTReport:
+    """Cold-start SFT on GSM8K train solutions turned into tool trajectories (``retool.tasks.gsm8k_task``)."""
+    out = Path(settings.out)
+    examples, conversion = coldstart_examples(parts, config, settings.coldstart_rows, settings.seed, out)
+    emit(
+        "phase",
+        {"phase": "sft", "detail": f"{len(examples)} GSM8K trajectories kept of {conversion['read']} rows"},
+    )
+    return train_on_examples(parts, config, examples, conversion, emit)
+
+
 def mathematics_cold_start(
     parts: Components, settings: DemoSettings, config: Config, emit: Event
 ) -> SFTReport:
     """Cold-start SFT on the model's own verified attempts at DeepMind Mathematics train problems
     (``retool.tasks.mathematics_task``)."""
-    s = config.sft
     emit("phase", {"phase": "sft", "detail": "sampling the model's own attempts under a few-shot prompt"})
     examples, report_data = mathematics_coldstart_examples(
         parts,
@@ -347,17 +354,7 @@ def mathematics_cold_start(
         "phase",
         {"phase": "sft", "detail": f"{len(examples)} verified attempts kept of {report_data['sampled']}"},
     )
-    report = train_sft(
-        parts.backend,
-        examples,
-        steps=s.steps,
-        batch_size=s.batch_size,
-        lr=s.lr,
-        seed=config.train.seed,
-        on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
-    )
-    report.conversion = report_data
-    return report
+    return train_on_examples(parts, config, examples, report_data, emit)
 
 
 def _cold_start(
