@@ -60,13 +60,16 @@ _MACHINE_ROOTS = frozenset({"work", "root", "home", "Users", "tmp", "mnt", "scra
 
 def user_path(path: str) -> str:
     """``path`` as a user would type it, naming nothing of the machine that ran the bench: an installed
-    package's file from ``<site-packages>``, a run folder from ``runs/``, a path of this checkout relative to
-    it, any other path of a work or home folder relative to the checkout. System paths stay."""
+    package's file from ``<site-packages>``, a run folder from ``runs/``, a path in or beside this checkout
+    (wherever it was cloned) relative to it, any other path of a work or home folder relative to the checkout.
+    System paths stay."""
     parts = PurePosixPath(path).parts[1:]
     for packages in ("site-packages", "dist-packages"):
         if packages in parts:
             return "/".join(("<site-packages>", *parts[parts.index(packages) + 1 :]))
-    if not parts or parts[0] not in _MACHINE_ROOTS:
+    # A checkout cloned at the file system's root has no folder "beside" it worth writing relative to.
+    beside_checkout = len(REPO.parent.parts) > 1 and PurePosixPath(path).is_relative_to(REPO.parent)
+    if not beside_checkout and (not parts or parts[0] not in _MACHINE_ROOTS):
         return path
     if "runs" in parts:
         return "/".join(parts[parts.index("runs") :])

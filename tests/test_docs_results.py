@@ -81,6 +81,14 @@ def test_user_paths_write_paths_as_a_user_would_type_them() -> None:
     assert user_paths(kept) == kept
 
 
+def test_user_paths_hold_wherever_the_checkout_was_cloned(monkeypatch: pytest.MonkeyPatch) -> None:
+    # CI clones into folders none of the usual machine roots name (e.g. /check/work/main).
+    monkeypatch.setattr(_results, "REPO", Path("/check/work/main"))
+    command = "/check/work/main/bench/x.py --src /check/work/old/src --time /usr/bin/time"
+    assert _results.user_paths(command) == "bench/x.py --src ../old/src --time /usr/bin/time"
+    assert _results.user_paths("/opt/tools/bin/x") == "/opt/tools/bin/x"
+
+
 def test_render_refills_a_stale_block(tmp_path: Path) -> None:
     source = REPO / "docs" / "results" / "demo.md"
     if not source.is_file():
