@@ -3,12 +3,12 @@
 - ``ServeProcess``: ``retool serve`` as a child process on 127.0.0.1 (a free port): started, its URL read
   from its announcement, waited for until it answers, stopped (``wait_healthy`` polls any server);
 - ``demo_command`` / ``timed_demo``: ``retool demo`` run in a child process and timed from start to exit;
-  ``seed_demo_command`` / ``run_seed_demo``: one seed's real-model demo of a two-stage bench (gsm8k.py,
-  mathematics.py), without evaluations of its own, resumed where it stopped;
+  ``seed_demo_command`` / ``run_seed_demo(s)``: each seed's real-model demo of a two-stage bench
+  (gsm8k.py, mathematics.py), without evaluations of its own, resumed where it stopped;
 - ``sft_start``: a cold-start SFT model (the SFT stage alone, no evaluation), made once and reused;
 - the held-out evaluation those two-stage benches run on every model they compare (``plan``,
-  ``evaluate_in_process``: a process per model; ``eval_config``, ``evaluate_model``: inside it), and the files
-  that let a rerun skip a finished model (``results_path``, ``keep_results``);
+  ``evaluate_plan``; ``evaluate_in_process``: a process per model; ``eval_config``, ``evaluate_model``:
+  inside it), and the files that let a rerun skip a finished model (``results_path``, ``keep_results``);
 - the cells their tables print: ``pct``, ``pts``, ``ci_cell``, ``gain_cell``.
 
 Imported as ``_harness`` with bench/ on ``sys.path`` (a bench run as a script has it; tests insert it).
@@ -37,6 +37,7 @@ if TYPE_CHECKING:
     from retool.tasks.demo import DemoSettings
 
 REPO = Path(__file__).resolve().parents[1]
+MODES = ("text-only", "retool")  # the two evaluation modes a two-stage bench compares
 # Every demo of a two-stage bench: no evaluation of its own (the bench evaluates each model instead).
 DEMO_FIELDS = ("eval_modes=[]", "base_eval_problems=0")
 
@@ -215,6 +216,19 @@ def run_seed_demo(
     return result
 
 
+def run_seed_demos(
+    task: str, seeds: list[int], out: Path, sets: Sequence[str], data_dir: str | None, log: logging.Logger
+) -> dict[int, dict[str, Any]]:
+    """Every seed's demo into ``out/seed<N>`` (``run_seed_demo``), their reports by seed: the first seed's
+    run does the cold start and SFT, every other seed's RL starts from that SFT model (the seeds differ in
+    RL alone)."""
+    first = out / f"seed{seeds[0]}"
+    reports = {seeds[0]: run_seed_demo(task, seeds[0], first, sets, data_dir, log)}
+    for s in seeds[1:]:
+        reports[s] = run_seed_demo(task, s, out / f"seed{s}", sets, data_dir, log, first)
+    return reports
+
+
 # -- the SFT start ------------------------------------------------------------------------------------
 
 
@@ -297,6 +311,28 @@ def evaluate_in_process(
     folder = outputs[todo[0]].parent
     cmd = [sys.executable, script, "--eval-one", model, ",".join(todo), str(folder), str(demo_dir), *extra]
     subprocess.run(cmd, check=True)
+
+
+def evaluate_plan(
+    seeds: list[int],
+    out: Path,
+    folder: Path,
+    evaluate: Callable[[str, dict[str, Path], Path], None],
+    read: Callable[[Path], list[ProblemRecord]],
+    log: logging.Logger,
+) -> dict[str, dict[str, list[ProblemRecord]]]:
+    """Every model of ``plan(seeds, out)`` evaluated in every mode into ``folder`` (``evaluate(label,
+    outputs, demo_dir)``: a bench's ``evaluate_in_process`` call), then its records read back with
+    ``read``, by model and mode; a model's results are kept once all its modes are read."""
+    evals: dict[str, dict[str, list[ProblemRecord]]] = {}
+    for label, demo_dir in plan(seeds, out):
+        outputs = {mode: eval_output(folder, label, mode) for mode in MODES}
+        log.info("evaluating %s (%s) -> %s", label, ", ".join(MODES), folder)
+        evaluate(label, outputs, demo_dir)
+        evals[label] = {mode: read(output) for mode, output in outputs.items()}
+        if not results_path(folder, label).is_file():
+            keep_results(folder, label, evals[label])
+    return evals
 
 
 def model_path(label: str, demo_dir: Path) -> Path:

@@ -32,25 +32,22 @@ from pathlib import Path
 from typing import Any
 
 from _harness import (  # bench/, on sys.path when run as a script
+    MODES,
     eval_config,
-    eval_output,
     evaluate_in_process,
     evaluate_model,
+    evaluate_plan,
     gain_cell,
-    keep_results,
     model_path,
     pct,
-    plan,
     record_stats,
-    results_path,
-    run_seed_demo,
+    run_seed_demos,
     saved_run,
 )
 from _results import render_pages, write_result
 from retool.data.annotated import ParseFailure, parse_solution
 from retool.evaluate.store import ProblemRecord, read_problem_records
 
-MODES = ("text-only", "retool")
 STEP_BUCKETS = ("1", "2", "3", "4", "5+")
 SFT_LABEL = "sft"  # the one SFT model (the first seed's), every seed's RL starts from it
 
@@ -258,19 +255,13 @@ def main(argv: list[str] | None = None) -> None:
         eval_one(label, modes.split(","), Path(folder), Path(demo_dir), args)
         return
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    first = args.out / f"seed{seeds[0]}"
-    demos = {seeds[0]: run_seed_demo("gsm8k", seeds[0], first, args.set, args.data_dir, log)}
-    for s in seeds[1:]:
-        demos[s] = run_seed_demo("gsm8k", s, args.out / f"seed{s}", args.set, args.data_dir, log, first)
+    demos = run_seed_demos("gsm8k", seeds, args.out, args.set, args.data_dir, log)
     full = args.out / ("full" if not args.limit else f"first{args.limit}")
-    evals: dict[str, dict[str, list[ProblemRecord]]] = {}
-    for label, demo_dir in plan(seeds, args.out):
-        outputs = {mode: eval_output(full, label, mode) for mode in MODES}
-        log.info("evaluating %s (%s) -> %s", label, ", ".join(MODES), full)
+
+    def evaluate(label: str, outputs: dict[str, Path], demo_dir: Path) -> None:
         eval_process(label, outputs, demo_dir, args)
-        evals[label] = {mode: read_problem_records(out) for mode, out in outputs.items()}
-        if not results_path(full, label).is_file():
-            keep_results(full, label, evals[label])
+
+    evals = evaluate_plan(seeds, args.out, full, evaluate, read_problem_records, log)
     runs = {p.name.removesuffix(".run.json"): json.loads(p.read_text()) for p in full.glob("*.run.json")}
     timing = ", ".join(f"{k} {v['seconds'] / 60:.0f} min" for k, v in sorted(runs.items()))
     threads = f"{args.threads} torch threads" if args.threads else "every core"

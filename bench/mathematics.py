@@ -34,23 +34,20 @@ from pathlib import Path
 from typing import Any
 
 from _harness import (  # bench/, on sys.path when run as a script
+    MODES,
     eval_config,
-    eval_output,
     evaluate_in_process,
     evaluate_model,
+    evaluate_plan,
     gain_cell,
-    keep_results,
     model_path,
     pct,
-    plan,
-    results_path,
-    run_seed_demo,
+    run_seed_demos,
     saved_run,
 )
 from _results import render_pages, write_result
 from retool.evaluate.store import ProblemRecord, read_problem_records
 
-MODES = ("text-only", "retool")
 SPLITS = ("interpolate", "extrapolate")
 PAPER = {"interpolate": 0.76, "extrapolate": 0.50}  # Saxton et al. 2019, Transformer, module means
 SFT_LABEL = "sft"
@@ -275,18 +272,16 @@ def main(argv: list[str] | None = None) -> None:
         text = report(evals, demo_facts(args.from_demo) + "\n\n" + CAVEATS)
     else:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        first = args.out / f"seed{seeds[0]}"
-        run_seed_demo("mathematics", seeds[0], first, args.set, args.data_dir, log)
-        for s in seeds[1:]:
-            run_seed_demo("mathematics", s, args.out / f"seed{s}", args.set, args.data_dir, log, first)
+        run_seed_demos("mathematics", seeds, args.out, args.set, args.data_dir, log)
         folder = args.out / f"per-module-{args.per_module}"
-        evals = {}
-        for label, demo_dir in plan(seeds, args.out):
-            outputs = {mode: eval_output(folder, label, mode) for mode in MODES}
+
+        def evaluate(label: str, outputs: dict[str, Path], demo_dir: Path) -> None:
             eval_process(label, outputs, demo_dir, args)
-            evals[label] = {mode: rescore(read_problem_records(out)) for mode, out in outputs.items()}
-            if not results_path(folder, label).is_file():
-                keep_results(folder, label, evals[label])
+
+        def read(output: Path) -> list[ProblemRecord]:
+            return rescore(read_problem_records(output))
+
+        evals = evaluate_plan(seeds, args.out, folder, evaluate, read, log)
         scope = f"seeds {', '.join(map(str, seeds))}; the first {args.per_module} questions of every module, greedy"
         text = report(evals, CAVEATS)
     print(text)
