@@ -244,8 +244,7 @@ def sft_start(settings: DemoSettings, model: Path | None = None) -> Path:
     from retool.tasks.demo import run_sft  # deferred: torch and the pipeline, for the benches that make one
 
     out = Path(settings.out)
-    made = sft_model(out)
-    if made is None:
+    if sft_model(out) is None:
         run_sft(settings, model, evaluate=False)
     return out / "model_sft"
 

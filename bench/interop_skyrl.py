@@ -5,7 +5,7 @@ the script). Two commands:
 
 - ``model WORK``: the small Qwen3 model SkyRL and the local backend both load: the demo's tokenizer
   (trained on the synthetic task text) and sizes with Qwen3 layers (SkyRL's JAX backend has no Qwen2,
-  the demo model's architecture), cold-start SFT'd briefly with ``retool sft`` so that some rollouts are
+  the demo model's architecture), cold-start SFT'd briefly (``retool sft``'s stage) so that some rollouts are
   well formed and groups are not all-equal (a random model's rewards all are -1: nothing would train).
 - ``run WORK --skyrl URL``: the checks, then the table:
   1. one fixed batch (the same datums, on-policy, loop weights ``1/n_tokens/n_datums``) through the
@@ -40,11 +40,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's retool, not another
 
-from _harness import ServeProcess, sft_model, sft_start, wait_healthy
+from _harness import ServeProcess, child_env, sft_model, sft_start, wait_healthy
 from _machine import machine
 from _results import recording, write_printed
 
-REPO = Path(__file__).resolve().parents[1]
 RANK = 8
 ALPHA = 32  # SkyRL fixes LoRA alpha at 32 (skyrl/tinker/api.py create_model); the local runs use it too
 STEPS = 4
@@ -61,12 +60,7 @@ def log(msg: str) -> None:
 
 def env() -> dict[str, str]:
     # SkyRL checks no key; the SDK wants one that starts with tml-. No telemetry leaves this machine.
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO / "src"),
-        "TINKER_API_KEY": "tml-local",
-        "TINKER_TELEMETRY": "0",
-    }
+    return child_env(TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0")
 
 
 def retool(*args: str, log_to: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
