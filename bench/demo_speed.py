@@ -24,11 +24,11 @@ import resource
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from _results import render_pages, write_result  # bench/, on sys.path when run as a script
+from _harness import ci_cell, demo_command, timed_demo  # bench/, on sys.path when run as a script
+from _results import render_pages, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("model", "sft", "eval_sft", "rl", "eval_rl")
@@ -68,22 +68,18 @@ def run_once(src: Path, out: Path, overrides: list[str]) -> dict[str, Any]:
     """One `retool demo` in a fresh process from source tree ``src``; its figures."""
     shutil.rmtree(out, ignore_errors=True)
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(src), os.environ.get("PYTHONPATH", "")])}
-    command = [sys.executable, "-m", "retool", "demo", "--out", str(out)]
-    for item in overrides:
-        command += ["--set", item]
+    command = demo_command("--out", str(out), *[x for item in overrides for x in ("--set", item)])
     load_before = os.getloadavg()[0]
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     busy_before = machine_busy_seconds()
-    started = time.perf_counter()
-    with open(out.parent / f"{out.name}.log", "w") as log:
-        proc = subprocess.run(command, env=env, stdout=log, stderr=subprocess.STDOUT, check=False)
-    wall = time.perf_counter() - started
+    run = timed_demo(command, env=env, log=out.parent / f"{out.name}.log")
+    wall = run.wall_s
     busy_after = machine_busy_seconds()
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
     cpu = (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
     row: dict[str, Any] = {
         "revision": revision(src),
-        "exit": proc.returncode,
+        "exit": run.returncode,
         "wall_s": round(wall, 1),
         "cpu_s": round(cpu, 1),
         "cpu_percent": round(100 * cpu / wall),
@@ -116,11 +112,7 @@ def table(rows: list[dict[str, Any]]) -> str:
     ]
     for k, r in enumerate(rows):
         ph = r.get("phases", {})
-        gain = (
-            f"{100 * r['gain']:+.1f} [{100 * r['ci95'][0]:+.1f}, {100 * r['ci95'][1]:+.1f}]"
-            if "gain" in r
-            else "-"
-        )
+        gain = ci_cell(r["gain"], *r["ci95"]) if "gain" in r else "-"
         minutes, seconds = divmod(r["wall_s"], 60)
         busy = f"{r['machine_percent']}%" if r.get("machine_percent") is not None else "-"
         lines.append(

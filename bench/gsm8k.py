@@ -26,25 +26,29 @@ used where it helps: accuracy and call rate by the number of annotated steps of 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import resource
-import subprocess
-import sys
-import time
 from pathlib import Path
 from typing import Any
 
-from _results import render_pages, write_result  # bench/, on sys.path when run as a script
+from _harness import (  # bench/, on sys.path when run as a script
+    MODES,
+    eval_config,
+    evaluate_in_process,
+    evaluate_model,
+    evaluate_plan,
+    gain_cell,
+    model_path,
+    pct,
+    record_stats,
+    run_seed_demos,
+    saved_run,
+)
+from _results import render_pages, write_result
 from retool.data.annotated import ParseFailure, parse_solution
-from retool.evaluate.metrics import paired_gain
-from retool.evaluate.store import ProblemRecord, read_problem_records, summary_path_for
+from retool.evaluate.store import ProblemRecord, read_problem_records
 
-MODES = ("text-only", "retool")
 STEP_BUCKETS = ("1", "2", "3", "4", "5+")
-# Every demo of the bench: no evaluation of its own (the bench evaluates each model on the whole split).
-DEMO_FIELDS = ("eval_modes=[]", "base_eval_problems=0")
 SFT_LABEL = "sft"  # the one SFT model (the first seed's), every seed's RL starts from it
 
 
@@ -67,162 +71,33 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def demo_command(
-    seed: int,
-    out: Path,
-    args: argparse.Namespace,
-    reuse_sft: Path | None = None,
-    task: str = "gsm8k",
-    fields: tuple[str, ...] = DEMO_FIELDS,
-) -> list[str]:
-    """The seed's ``task`` demo (``fields``: no evaluation of its own); RL from ``reuse_sft``'s SFT model
-    when given. ``bench/mathematics.py`` runs its task through here too."""
-    cmd = [sys.executable, "-m", "retool", "demo", "--model", "smollm2", "--task", task]
-    cmd += ["--seed", str(seed), "--out", str(out), "--no-plots"]
-    cmd += [x for s in (*fields, *args.set) for x in ("--set", s)]
-    if reuse_sft is not None:
-        cmd += ["--reuse-sft", str(reuse_sft)]
-    if args.data_dir:
-        cmd += ["--data-dir", args.data_dir]
-    if (out / "settings.json").is_file():
-        cmd.append("--resume")
-    return cmd
-
-
-def run_demo_process(
-    seed: int,
-    out: Path,
-    args: argparse.Namespace,
-    log: logging.Logger,
-    reuse_sft: Path | None = None,
-    task: str = "gsm8k",
-    fields: tuple[str, ...] = DEMO_FIELDS,
-) -> dict[str, Any]:
-    """The seed's demo in a process of its own (resumed when its folder holds an unfinished run)."""
-    report = out / "report.json"
-    if not report.is_file():
-        cmd = demo_command(seed, out, args, reuse_sft, task, fields)
-        log.info("demo seed %d: %s", seed, " ".join(cmd))
-        subprocess.run(cmd, check=True)
-    return json.loads(report.read_text())
-
-
-def plan(seeds: list[int], out: Path) -> list[tuple[str, Path]]:
-    """The models the claims compare, each once, with the demo folder it comes from: the base model, the
-    SFT model (the first seed's run, shared by every seed's RL), the RL model of each seed."""
-    first = out / f"seed{seeds[0]}"
-    return [("base", first), (SFT_LABEL, first)] + [(f"rl-s{s}", out / f"seed{s}") for s in seeds]
-
-
 def sft_of(label: str, evals: dict[str, Any]) -> str:
     """The SFT model an RL model (``rl-sN``) started from: the shared one, or (older runs) its seed's."""
     return SFT_LABEL if SFT_LABEL in evals else label.replace("rl", "sft", 1)
 
 
-def results_path(folder: Path, label: str) -> Path:
-    return folder / f"{label}.results.json"
-
-
-def keep_results(folder: Path, label: str, by_mode: dict[str, list[ProblemRecord]]) -> None:
-    """A model's results, kept once every mode finished: its stats per mode (a rerun skips the model)."""
-    results = {"model": label, "modes": {mode: stats(recs) for mode, recs in by_mode.items()}}
-    results_path(folder, label).write_text(json.dumps(results, indent=2) + "\n")
-
-
 def eval_process(model: str, outputs: dict[str, Path], demo_dir: Path, args: argparse.Namespace) -> None:
-    """A model's full-test evaluations (one per mode) in a process of its own, both modes at once on one
-    engine (wider batches); nothing for a mode that finished earlier. Time and peak memory go to
-    ``<output>.run.json``."""
-    if results_path(next(iter(outputs.values())).parent, model).is_file():
-        return  # kept: both modes finished earlier
-    todo = [m for m, out in outputs.items() if not (summary_path_for(out).is_file() and _finished(out))]
-    if not todo:
-        return
-    cmd = [
-        sys.executable,
-        __file__,
-        "--eval-one",
-        model,
-        ",".join(todo),
-        str(outputs[todo[0]].parent),
-        str(demo_dir),
-    ]
-    cmd += ["--limit", str(args.limit), "--threads", str(args.threads)]
-    if args.data_dir:
-        cmd += ["--data-dir", args.data_dir]
-    subprocess.run(cmd, check=True)
-
-
-def _finished(output: Path) -> bool:
-    summary = json.loads(summary_path_for(output).read_text())
-    return summary.get("status") == "complete"
-
-
-def eval_output(folder: Path, model: str, mode: str) -> Path:
-    return folder / f"{model}_{mode}.jsonl"
+    """A model's full-test evaluations in a process of its own, both modes at once (``evaluate_in_process``);
+    time and peak memory go to ``<model>.run.json``."""
+    extra = ["--limit", str(args.limit), "--threads", str(args.threads)]
+    extra += ["--data-dir", args.data_dir] if args.data_dir else []
+    evaluate_in_process(__file__, model, outputs, demo_dir, extra)
 
 
 def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: argparse.Namespace) -> None:
-    """``--eval-one``: evaluate the model ``label`` names (``base``, or a demo's ``sft-sN`` / ``rl-sN``) on
+    """``--eval-one``: evaluate the model ``label`` names (``base``, or a demo's ``sft`` / ``rl-sN``) on
     the test split in each of ``modes``, concurrently, with the settings the demo in ``demo_dir`` evaluated
-    with (its config, greedy)."""
-    import torch
-
-    from retool.components import build_components
-    from retool.evaluate.runner import run_eval
-    from retool.tasks.demo import DemoSettings, eval_sampling, phase_config, with_available_isolation
+    with (its config, its evaluation temperature: greedy)."""
+    from retool.tasks.demo import DemoSettings, eval_sampling
     from retool.tasks.gsm8k_task import held_out_problems
-    from retool.tasks.real_model import resolve_model_path
 
-    saved = json.loads((demo_dir / "settings.json").read_text())
+    saved, config = saved_run(demo_dir)
     settings = DemoSettings.load([], config="demo-smollm2-gsm8k", eval_temperature=saved["eval_temperature"])
-    config = settings.config.model_validate(saved["config"])
-    path = resolve_model_path("smollm2") if label == "base" else demo_dir / f"model_{label.split('-')[0]}"
-    config = phase_config(with_available_isolation(config), path, folder / "scratch")
-    config = config.model_copy(update={"lora": config.lora.model_copy(update={"enabled": False})})
-    # Both modes share one engine: twice the rows per decode step.
-    backend = config.backend.model_copy(update={"sample_batch_size": 64 * len(modes)})
-    config = eval_sampling(config.model_copy(update={"backend": backend}), settings)
-    # Greedy, and a turn ends at its first closed \\boxed{...}: nothing after the answer is read.
-    config = config.model_copy(
-        update={"sampling": config.sampling.model_copy(update={"stop_at_boxed": True})}
-    )
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    config = eval_sampling(eval_config(config, model_path(label, demo_dir), folder, len(modes)), settings)
     problems = held_out_problems(10**9, args.data_dir or saved.get("data_dir"), 0)
     if args.limit:
         problems = problems[: args.limit]
-    folder.mkdir(parents=True, exist_ok=True)
-
-    async def run(parts: Any) -> None:
-        await parts.refresh_sampler()
-        await asyncio.gather(
-            *[
-                run_eval(
-                    problems,
-                    parts.for_mode(mode == "retool"),
-                    config=config,
-                    mode=mode,
-                    output=eval_output(folder, label, mode),
-                    identity={"model": label, "checkpoint": str(path), "dataset": "gsm8k-test"},
-                    concurrency=len(problems),
-                    save_transcripts=False,
-                )
-                for mode in modes
-            ]
-        )
-
-    t0 = time.perf_counter()
-    with build_components(config) as parts:  # outside the event loop: it starts its own
-        asyncio.run(run(parts))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    facts_file = folder / f"{label}.run.json"
-    before = json.loads(facts_file.read_text()) if facts_file.is_file() else {}  # a resumed evaluation
-    facts = {
-        "seconds": round(before.get("seconds", 0.0) + time.perf_counter() - t0, 1),
-        "peak_rss_gib": round(max(peak, before.get("peak_rss_gib", 0.0)), 2),
-    }
-    facts_file.write_text(json.dumps(facts) + "\n")
+    evaluate_model(label, modes, folder, config, problems, "gsm8k-test", args.threads)
 
 
 # -- analysis ---------------------------------------------------------------------------------------
@@ -246,34 +121,11 @@ def bucket(steps: int) -> str:
     return "5+" if steps >= 5 else str(max(steps, 1))
 
 
-def stats(records: list[ProblemRecord]) -> dict[str, float]:
-    cands = [c for r in records for c in r["candidates"]]
-    n = len(cands) or 1
-    return {
-        "problems": float(len(records)),
-        "accuracy": sum(bool(c["correct"]) for c in cands) / n,
-        "format": sum(bool(c["valid_format"]) for c in cands) / n,
-        "call_rate": sum(int(c["code_calls"]) > 0 for c in cands) / n,
-        "calls": sum(int(c["code_calls"]) for c in cands) / n,
-        "tokens": sum(int(c.get("completion_tokens", 0)) for c in cands) / n,
-    }
-
-
 def by_steps(records: list[ProblemRecord], steps: dict[str, int]) -> dict[str, dict[str, float]]:
     groups: dict[str, list[ProblemRecord]] = {b: [] for b in STEP_BUCKETS}
     for r in records:
         groups[bucket(steps.get(str(r["id"]), 0))].append(r)
-    return {b: stats(rs) for b, rs in groups.items() if rs}
-
-
-def pct(x: float) -> str:
-    return f"{100 * x:.1f}%"
-
-
-def gain_cell(before: list[ProblemRecord], after: list[ProblemRecord]) -> str:
-    g = paired_gain(before, after, seed=0)
-    lo, hi = g["ci95"]
-    return f"{100 * g['gain']:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    return {b: record_stats(rs) for b, rs in groups.items() if rs}
 
 
 def report(evals: dict[str, dict[str, list[ProblemRecord]]], steps: dict[str, int], extra: str) -> str:
@@ -284,7 +136,7 @@ def report(evals: dict[str, dict[str, list[ProblemRecord]]], steps: dict[str, in
     ]
     for label, by_mode in evals.items():
         for mode, recs in by_mode.items():
-            s = stats(recs)
+            s = record_stats(recs)
             lines.append(
                 f"| {label} | {mode} | {s['problems']:.0f} | {pct(s['accuracy'])} | {pct(s['format'])} "
                 f"| {pct(s['call_rate'])} | {s['calls']:.2f} | {s['tokens']:.0f} |"
@@ -352,7 +204,7 @@ def summary_table(
     lines = ["| model | text-only | retool | retool - text-only [95% CI] |", "|---|---|---|---|"]
     for label, by_mode in evals.items():
         if set(MODES) <= set(by_mode):
-            acc = {m: pct(stats(by_mode[m])["accuracy"]) for m in MODES}
+            acc = {m: pct(record_stats(by_mode[m])["accuracy"]) for m in MODES}
             diff = gain_cell(by_mode["text-only"], by_mode["retool"])
             lines.append(f"| {label} | {acc['text-only']} | {acc['retool']} | {diff} |")
     gains = [
@@ -403,18 +255,13 @@ def main(argv: list[str] | None = None) -> None:
         eval_one(label, modes.split(","), Path(folder), Path(demo_dir), args)
         return
     seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-    first = args.out / f"seed{seeds[0]}"
-    demos = {seeds[0]: run_demo_process(seeds[0], first, args, log)}
-    demos.update({s: run_demo_process(s, args.out / f"seed{s}", args, log, first) for s in seeds[1:]})
+    demos = run_seed_demos("gsm8k", seeds, args.out, args.set, args.data_dir, log)
     full = args.out / ("full" if not args.limit else f"first{args.limit}")
-    evals: dict[str, dict[str, list[ProblemRecord]]] = {}
-    for label, demo_dir in plan(seeds, args.out):
-        outputs = {mode: eval_output(full, label, mode) for mode in MODES}
-        log.info("evaluating %s (%s) -> %s", label, ", ".join(MODES), full)
+
+    def evaluate(label: str, outputs: dict[str, Path], demo_dir: Path) -> None:
         eval_process(label, outputs, demo_dir, args)
-        evals[label] = {mode: read_problem_records(out) for mode, out in outputs.items()}
-        if not results_path(full, label).is_file():
-            keep_results(full, label, evals[label])
+
+    evals = evaluate_plan(seeds, args.out, full, evaluate, read_problem_records, log)
     runs = {p.name.removesuffix(".run.json"): json.loads(p.read_text()) for p in full.glob("*.run.json")}
     timing = ", ".join(f"{k} {v['seconds'] / 60:.0f} min" for k, v in sorted(runs.items()))
     threads = f"{args.threads} torch threads" if args.threads else "every core"

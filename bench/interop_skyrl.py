@@ -5,7 +5,7 @@ the script). Two commands:
 
 - ``model WORK``: the small Qwen3 model SkyRL and the local backend both load: the demo's tokenizer
   (trained on the synthetic task text) and sizes with Qwen3 layers (SkyRL's JAX backend has no Qwen2,
-  the demo model's architecture), cold-start SFT'd briefly with ``retool sft`` so that some rollouts are
+  the demo model's architecture), cold-start SFT'd briefly (``retool sft``'s stage) so that some rollouts are
   well formed and groups are not all-equal (a random model's rewards all are -1: nothing would train).
 - ``run WORK --skyrl URL``: the checks, then the table:
   1. one fixed batch (the same datums, on-policy, loop weights ``1/n_tokens/n_datums``) through the
@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import logging
 import math
 import os
 import shutil
@@ -39,13 +40,14 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))  # this checkout's retool, not another
 
+from _harness import ServeProcess, child_env, sft_model, sft_start, wait_healthy
 from _machine import machine
 from _results import recording, write_printed
 
-REPO = Path(__file__).resolve().parents[1]
 RANK = 8
 ALPHA = 32  # SkyRL fixes LoRA alpha at 32 (skyrl/tinker/api.py create_model); the local runs use it too
 STEPS = 4
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"  # the retool CLI's
 KILL_AFTER = 2  # the SkyRL run is killed once this step's checkpoint is saved, then resumed
 PPO = {"clip_low": 0.8, "clip_high": 1.28}
 LOSS_RTOL = 1e-3  # fp32 JAX vs fp32 torch on the same base weights (LoRA B starts at 0 on both)
@@ -58,12 +60,7 @@ def log(msg: str) -> None:
 
 def env() -> dict[str, str]:
     # SkyRL checks no key; the SDK wants one that starts with tml-. No telemetry leaves this machine.
-    return {
-        **os.environ,
-        "PYTHONPATH": str(REPO / "src"),
-        "TINKER_API_KEY": "tml-local",
-        "TINKER_TELEMETRY": "0",
-    }
+    return child_env(TINKER_API_KEY="tml-local", TINKER_TELEMETRY="0")
 
 
 def retool(*args: str, log_to: Path, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -79,19 +76,23 @@ def retool(*args: str, log_to: Path, check: bool = True) -> subprocess.Completed
 
 
 def build_model(work: Path, sft_steps: int) -> Path:
-    final = work / "sft" / "model_sft"
-    if (final / "config.json").is_file():
-        log(f"model: {final} (built before)")
-        return final
+    from retool.tasks.demo import DemoSettings  # deferred: the model command only
+
+    made = sft_model(work / "sft")
+    if made is not None:
+        log(f"model: {made} (built before)")
+        return made
     work.mkdir(parents=True, exist_ok=True)
-    # The demo's tiny model, built by retool sft itself, gives the tokenizer trained on the task text.
-    retool("sft", "--model", "tiny", "--steps", "1", "--no-eval", "--out", str(work / "qwen2"),
-           log_to=work / "model.log")  # fmt: skip
+    # The SFT runs' log lines, as `retool sft` writes them.
+    logging.basicConfig(
+        filename=work / "model.log", level=logging.INFO, format=LOG_FORMAT, datefmt="%H:%M:%S"
+    )
+    # The demo's tiny model, built by the SFT stage itself, gives the tokenizer trained on the task text.
+    sft_start(DemoSettings.load(["sft.steps=1"], out=str(work / "qwen2")))
     init = work / "qwen3_init"
     qwen3_twin(work / "qwen2" / "model_init", init)
     t0 = time.monotonic()
-    retool("sft", "--model", str(init), "--steps", str(sft_steps), "--no-eval", "--out", str(work / "sft"),
-           log_to=work / "model.log")  # fmt: skip
+    final = sft_start(DemoSettings.load([f"sft.steps={sft_steps}"], out=str(work / "sft")), init)
     log(
         f"model: Qwen3 twin of the demo model, {sft_steps} SFT steps in {time.monotonic() - t0:.0f} s: {final}"
     )
@@ -137,49 +138,12 @@ def alive(pid: int) -> bool:
     return True
 
 
-def wait_for(
-    url: str, timeout: float, proc: subprocess.Popen[str] | None = None, pid: int | None = None
-) -> None:
-    import httpx
-
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if (proc is not None and proc.poll() is not None) or (pid is not None and not alive(pid)):
-            raise SystemExit(f"the server at {url} exited; see its log")
-        try:
-            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
-                return
-        except httpx.HTTPError:
-            pass
-        time.sleep(1)
-    raise SystemExit(f"no answer from {url}/api/v1/healthz within {timeout:.0f} s")
-
-
-def start_retool_serve(model: Path, work: Path) -> tuple[subprocess.Popen[str], str]:
-    cmd = [
-        sys.executable,
-        "-m",
-        "retool",
-        "serve",
-        "--port",
-        "0",
-        "--model",
-        str(model),
-        "--root",
-        str(work / "serve"),
-    ]
+def start_retool_serve(model: Path, work: Path) -> ServeProcess:
     # The server's own LoRA alpha (a Tinker client sends only the rank): SkyRL's, as the local runs use.
-    cmd += ["--set", "backend.device=cpu", "--set", "backend.cpu_threads=1", "--set", f"lora.alpha={ALPHA}"]
-    proc = subprocess.Popen(
-        cmd, stdout=subprocess.PIPE, stderr=(work / "serve.log").open("w"), text=True, env=env()
+    serve = ServeProcess(
+        model, work / "serve", "--set", f"lora.alpha={ALPHA}", log=work / "serve.log", env=env()
     )
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("PYTRIO_BASE_URL="):
-            url = line.strip().split("=", 1)[1]
-            wait_for(url, 120, proc)
-            return proc, url
-    raise SystemExit(f"retool serve did not start; see {work / 'serve.log'}")
+    return serve.start()
 
 
 # -- 1. the fixed batch ---------------------------------------------------------------------------------
@@ -379,8 +343,9 @@ def run(work: Path, skyrl_url: str, model: Path, server_pid: int | None) -> int:
     for old in ("train", "eval", "serve", "fixed"):  # a rerun starts its runs afresh (the model is kept)
         shutil.rmtree(work / old, ignore_errors=True)
     log(machine())
-    wait_for(skyrl_url, 300, pid=server_pid)
-    serve, serve_url = start_retool_serve(model, work)
+    wait_healthy(skyrl_url, 300, lambda: server_pid is None or alive(server_pid))
+    serve = start_retool_serve(model, work)
+    serve_url = serve.url
     failures: list[str] = []
     try:
         urls = {"retool serve": serve_url, "SkyRL": skyrl_url}
@@ -394,8 +359,7 @@ def run(work: Path, skyrl_url: str, model: Path, server_pid: int | None) -> int:
         if not eval_ok:
             failures.append(f"retool eval on SkyRL: {eval_line}")
     finally:
-        serve.terminate()
-        serve.wait(timeout=30)
+        serve.stop()
 
     names = ["local", "retool serve", "SkyRL"]
     f_cols = [*names, "SkyRL, reduction forced to sum"]

@@ -33,7 +33,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
-from _machine import machine  # bench/, on sys.path when run as a script
+from _harness import ci_cell, pct, pts  # bench/, on sys.path when run as a script
+from _machine import machine
 from _results import render_pages, write_result
 from retool.config import ConfigError
 from retool.evaluate.store import read_problem_records
@@ -116,14 +117,6 @@ def row_of(report: dict[str, Any], out: Path) -> dict[str, Any]:
     }
 
 
-def pct(x: float | None) -> str:
-    return "-" if x is None else f"{100 * x:.1f}%"
-
-
-def pts(x: float) -> str:
-    return f"{100 * x:+.1f}"
-
-
 def num(x: float | None) -> str:
     return "-" if x is None else f"{x:.0f}"
 
@@ -138,7 +131,7 @@ def arm_table(rows: list[dict[str, Any]]) -> str:
         t = r["timings"]
         lo, hi = r["ci95"]
         lines.append(
-            f"| {r['seed']} | {pct(r['sft'])} | {pct(r['rl'])} | {pts(r['gain'])} [{pts(lo)}, {pts(hi)}] "
+            f"| {r['seed']} | {pct(r['sft'])} | {pct(r['rl'])} | {ci_cell(r['gain'], lo, hi)} "
             f"| {pct(r['sft_hard'])} -> {pct(r['rl_hard'])} | {pct(r['sft_hard_tool'])} -> {pct(r['rl_hard_tool'])} "
             f"| {pct(r['sft_easy_tool'])} -> {pct(r['rl_easy_tool'])} "
             f"| {pct(r['sft_text_only'])} -> {pct(r['rl_text_only'])} | {pct(r['degenerate_rate'])} "

@@ -27,24 +27,29 @@ tool-call rate and the share of calls that raised.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import logging
-import subprocess
-import sys
-import time
 from collections import defaultdict
 from pathlib import Path
 from typing import Any
 
-from _results import render_pages, write_result  # bench/, on sys.path when run as a script
-from gsm8k import _finished, gain_cell, keep_results, pct, results_path, run_demo_process
-from retool.evaluate.store import ProblemRecord, read_problem_records, summary_path_for
+from _harness import (  # bench/, on sys.path when run as a script
+    MODES,
+    eval_config,
+    evaluate_in_process,
+    evaluate_model,
+    evaluate_plan,
+    gain_cell,
+    model_path,
+    pct,
+    run_seed_demos,
+    saved_run,
+)
+from _results import render_pages, write_result
+from retool.evaluate.store import ProblemRecord, read_problem_records
 
-MODES = ("text-only", "retool")
 SPLITS = ("interpolate", "extrapolate")
 PAPER = {"interpolate": 0.76, "extrapolate": 0.50}  # Saxton et al. 2019, Transformer, module means
-DEMO_FIELDS = ("eval_modes=[]", "base_eval_problems=0")
 SFT_LABEL = "sft"
 
 
@@ -64,93 +69,26 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return ap.parse_args(argv)
 
 
-def demo_args(args: argparse.Namespace) -> argparse.Namespace:
-    """What ``gsm8k.run_demo_process`` reads, for the mathematics task."""
-    return argparse.Namespace(set=[*args.set], data_dir=args.data_dir)
-
-
-def plan(seeds: list[int], out: Path) -> list[tuple[str, Path]]:
-    first = out / f"seed{seeds[0]}"
-    return [("base", first), (SFT_LABEL, first)] + [(f"rl-s{s}", out / f"seed{s}") for s in seeds]
-
-
-def eval_output(folder: Path, model: str, mode: str) -> Path:
-    return folder / f"{model}_{mode}.jsonl"
-
-
 def eval_process(model: str, outputs: dict[str, Path], demo_dir: Path, args: argparse.Namespace) -> None:
-    """A model's evaluations (both modes at once, one engine) in a process of its own; nothing when done."""
-    if results_path(next(iter(outputs.values())).parent, model).is_file():
-        return
-    todo = [m for m, out in outputs.items() if not (summary_path_for(out).is_file() and _finished(out))]
-    if not todo:
-        return
-    folder = outputs[todo[0]].parent
-    cmd = [sys.executable, __file__, "--eval-one", model, ",".join(todo), str(folder), str(demo_dir)]
-    cmd += ["--per-module", str(args.per_module), "--threads", str(args.threads)]
-    if args.data_dir:
-        cmd += ["--data-dir", args.data_dir]
-    subprocess.run(cmd, check=True)
+    """A model's evaluations in a process of its own, both modes at once (``evaluate_in_process``)."""
+    extra = ["--per-module", str(args.per_module), "--threads", str(args.threads)]
+    extra += ["--data-dir", args.data_dir] if args.data_dir else []
+    evaluate_in_process(__file__, model, outputs, demo_dir, extra)
 
 
 def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: argparse.Namespace) -> None:
     """``--eval-one``: the model ``label`` names on the held-out questions in each of ``modes``, with the
     config the demo in ``demo_dir`` ran with, greedy, turns ending at their first closed box."""
-    import torch
-
-    from retool.components import build_components
     from retool.env.mathematics import MathematicsList
-    from retool.evaluate.runner import run_eval
-    from retool.tasks.demo import DemoSettings, phase_config, with_available_isolation
     from retool.tasks.mathematics_task import held_out_problems
-    from retool.tasks.real_model import resolve_model_path
 
-    saved = json.loads((demo_dir / "settings.json").read_text())
-    config = DemoSettings.load([], config="demo-smollm2-mathematics").config.model_validate(saved["config"])
-    path = resolve_model_path("smollm2") if label == "base" else demo_dir / f"model_{label.split('-')[0]}"
-    config = phase_config(with_available_isolation(config), path, folder / "scratch")
-    backend = config.backend.model_copy(update={"sample_batch_size": 64 * len(modes)})
-    sampling = config.sampling.model_copy(update={"temperature": 0.0, "stop_at_boxed": True})
-    config = config.model_copy(
-        update={
-            "lora": config.lora.model_copy(update={"enabled": False}),
-            "backend": backend,
-            "sampling": sampling,
-        }
-    )
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    saved, config = saved_run(demo_dir)
+    config = eval_config(config, model_path(label, demo_dir), folder, len(modes))
+    sampling = config.sampling.model_copy(update={"temperature": 0.0})
+    config = config.model_copy(update={"sampling": sampling})
     problems = held_out_problems(args.per_module, args.data_dir or saved.get("data_dir"))
-    folder.mkdir(parents=True, exist_ok=True)
-
-    async def run(parts: Any) -> None:
-        await parts.refresh_sampler()
-        source = MathematicsList(problems, shuffle=False, name="mathematics held-out")
-        await asyncio.gather(
-            *[
-                run_eval(
-                    problems,
-                    parts.for_mode(mode == "retool"),
-                    config=config,
-                    mode=mode,
-                    output=eval_output(folder, label, mode),
-                    identity={"model": label, "checkpoint": str(path), "dataset": "mathematics held-out"},
-                    concurrency=len(problems),
-                    save_transcripts=False,
-                    source=source,
-                )
-                for mode in modes
-            ]
-        )
-
-    t0 = time.perf_counter()
-    with build_components(config) as parts:
-        asyncio.run(run(parts))
-    facts_file = folder / f"{label}.run.json"
-    before = json.loads(facts_file.read_text()) if facts_file.is_file() else {}
-    facts_file.write_text(
-        json.dumps({"seconds": round(before.get("seconds", 0.0) + time.perf_counter() - t0, 1)}) + "\n"
-    )
+    source = MathematicsList(problems, shuffle=False, name="mathematics held-out")
+    evaluate_model(label, modes, folder, config, problems, "mathematics held-out", args.threads, source)
 
 
 # -- analysis ---------------------------------------------------------------------------------------
@@ -334,20 +272,16 @@ def main(argv: list[str] | None = None) -> None:
         text = report(evals, demo_facts(args.from_demo) + "\n\n" + CAVEATS)
     else:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        first = args.out / f"seed{seeds[0]}"
-        run_demo_process(seeds[0], first, demo_args(args), log, task="mathematics", fields=DEMO_FIELDS)
-        for s in seeds[1:]:
-            run_demo_process(
-                s, args.out / f"seed{s}", demo_args(args), log, first, task="mathematics", fields=DEMO_FIELDS
-            )
+        run_seed_demos("mathematics", seeds, args.out, args.set, args.data_dir, log)
         folder = args.out / f"per-module-{args.per_module}"
-        evals = {}
-        for label, demo_dir in plan(seeds, args.out):
-            outputs = {mode: eval_output(folder, label, mode) for mode in MODES}
+
+        def evaluate(label: str, outputs: dict[str, Path], demo_dir: Path) -> None:
             eval_process(label, outputs, demo_dir, args)
-            evals[label] = {mode: rescore(read_problem_records(out)) for mode, out in outputs.items()}
-            if not results_path(folder, label).is_file():
-                keep_results(folder, label, evals[label])
+
+        def read(output: Path) -> list[ProblemRecord]:
+            return rescore(read_problem_records(output))
+
+        evals = evaluate_plan(seeds, args.out, folder, evaluate, read, log)
         scope = f"seeds {', '.join(map(str, seeds))}; the first {args.per_module} questions of every module, greedy"
         text = report(evals, CAVEATS)
     print(text)

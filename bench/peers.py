@@ -74,13 +74,14 @@ def prepare(work: Path, sft_steps: int | None, task: str = "synthetic", log: Any
     from transformers import AutoTokenizer
     from trl.chat_template_utils import qwen2_5_chat_template
 
+    from _harness import sft_model, sft_start
     from _models import smollm2_folder
-    from retool.tasks.demo import real_model_settings, run_sft
+    from retool.tasks.demo import real_model_settings
 
     folder = work / ("sft" if task == "synthetic" else f"sft-{task}")
-    sft = folder / "model_sft"
-    if (sft / "config.json").is_file():
-        return sft
+    made = sft_model(folder)
+    if made is not None:
+        return made
     base = smollm2_folder(work)
     tpl = work / "smollm2-135m-qwen25tpl"
     if not (tpl / "config.json").is_file():
@@ -91,8 +92,7 @@ def prepare(work: Path, sft_steps: int | None, task: str = "synthetic", log: Any
     log(f"cold-start SFT of {tpl} ({task}, {sft_steps or 'the preset'}'s steps; once)")
     steps = [f"sft.steps={sft_steps}"] if sft_steps else []
     settings = real_model_settings("smollm2", [f"model.name={tpl}", *steps], task=task, out=str(folder))
-    run_sft(settings, model=tpl, evaluate=False)
-    return sft
+    return sft_start(settings, tpl)
 
 
 def job_config(

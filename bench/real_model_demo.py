@@ -23,26 +23,21 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
-import time
 from pathlib import Path
 
-from _results import recording, write_printed  # bench/, on sys.path when run as a script
+from _harness import demo_command, pts, timed_demo  # bench/, on sys.path when run as a script
+from _results import recording, write_printed
 
 
 def run_demo(out: Path, overrides: list[str]) -> float:
     """``retool demo --model smollm2 --out OUT`` in a child process (its output straight to the terminal,
     not into the results file); returns its wall seconds."""
-    cmd = [sys.executable, "-m", "retool", "demo", "--model", "smollm2", "--out", str(out)]
-    for item in overrides:
-        cmd += ["--set", item]
+    sets = [x for item in overrides for x in ("--set", item)]
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    start = time.monotonic()
-    proc = subprocess.run(cmd, env=env, check=False)
-    if proc.returncode != 0:
-        raise SystemExit(f"retool demo exited with status {proc.returncode}; nothing written")
-    return time.monotonic() - start
+    run = timed_demo(demo_command("--model", "smollm2", "--out", str(out), *sets), env=env)
+    if run.returncode != 0:
+        raise SystemExit(f"retool demo exited with status {run.returncode}; nothing written")
+    return run.wall_s
 
 
 def summary(run: Path, wall: float | None) -> str:
@@ -85,7 +80,7 @@ def precision_lines(runs: dict[str, Path], walls: dict[str, float | None]) -> st
     for dtype, (g, lo, hi, n) in gains.items():
         wall = walls.get(dtype)
         lines.append(
-            f"| {dtype} | {100 * g:+.1f} points | {100 * lo:+.1f} to {100 * hi:+.1f} | {n} | "
+            f"| {dtype} | {pts(g)} points | {pts(lo)} to {pts(hi)} | {n} | "
             + ("read from a finished run" if wall is None else f"{wall / 60:.1f} min")
             + " |"
         )
@@ -93,7 +88,7 @@ def precision_lines(runs: dict[str, Path], walls: dict[str, float | None]) -> st
     for dtype, (g, _, _, _) in list(gains.items())[1:]:
         inside = "within" if lo0 <= g <= hi0 else "outside"
         lines.append(
-            f"\n{dtype}'s gain lies {inside} the {ref} gain's interval; difference {100 * (g - g0):+.1f} points."
+            f"\n{dtype}'s gain lies {inside} the {ref} gain's interval; difference {pts(g - g0)} points."
         )
     return "\n".join(lines) + "\n"
 

@@ -33,7 +33,6 @@ import argparse
 import asyncio
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import threading
@@ -46,6 +45,8 @@ from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
+from _harness import ServeProcess
+
 RANK = 8
 REPO = Path(__file__).resolve().parents[1]
 RESULTS = REPO / "docs" / "results" / "serve_throughput.md"
@@ -53,21 +54,6 @@ RESULTS = REPO / "docs" / "results" / "serve_throughput.md"
 # server and waits out the SDK's retries.
 KEEP: list[object] = []
 PROMPTS = [[5 + (7 * i + j) % 200 for j in range(24)] for i in range(64)]
-
-
-def start_server(
-    model: Path, root: Path, device: str, threads: int, extra: tuple[str, ...] = ()
-) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "retool", "serve", "--port", "0", "--model", str(model), "--root", str(root)]
-    cmd += ["--set", f"backend.device={device}", "--set", f"backend.cpu_threads={threads}", *extra]
-    log = (root.parent / "serve.log").open("w")  # the server's own log, next to its root
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("PYTRIO_BASE_URL="):
-            return proc, line.strip().split("=", 1)[1]
-    proc.kill()
-    raise RuntimeError("retool serve did not start")
 
 
 def timed_threads(
@@ -362,7 +348,9 @@ def run_model(name: str, work: Path, args: argparse.Namespace) -> tuple[str, dic
     KEEP.append(measures)
     extra = ("--base-per-client",) if args.base_per_client else ()
     root = work / f"root-{name.replace('/', '_')}"
-    proc, url = start_server(model, root, args.device, args.threads, extra)
+    log = root.parent / "serve.log"  # the server's own log, next to its root
+    server = ServeProcess(model, root, *extra, device=args.device, threads=args.threads, log=log)
+    url = server.start().url
     try:
         measures["serve+http"] = bench_http(url, model, args)
         for sdk in args.sdks.split(","):
@@ -390,8 +378,7 @@ def run_model(name: str, work: Path, args: argparse.Namespace) -> tuple[str, dic
                     elif value == value:  # not NaN (plain HTTP has no training row)
                         best[key] = max(best[key], value)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
     return label, results
 
 

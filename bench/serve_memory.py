@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import argparse
 import os
-import subprocess
 import sys
 import tempfile
 import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _harness import ServeProcess
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,20 +37,6 @@ def rss_mb(pid: int) -> tuple[float, float]:
         line.split(":", 1) for line in Path(f"/proc/{pid}/status").read_text().splitlines() if ":" in line
     )
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
-
-
-def start(model: Path, root: Path, shared: bool) -> tuple[subprocess.Popen[str], str]:
-    cmd = [sys.executable, "-m", "retool", "serve", "--port", "0", "--model", f"smollm2={model}"]
-    cmd += ["--root", str(root), "--set", "backend.device=cpu", "--set", "backend.cpu_threads=1"]
-    cmd += [] if shared else ["--base-per-client"]
-    env = {**os.environ, "PYTHONPATH": str(REPO / "src")}
-    log = (root.parent / f"serve-{'shared' if shared else 'per-client'}.log").open("w")
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=log, text=True, env=env)
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if line.startswith("TINKER_BASE_URL="):
-            return proc, line.strip().split("=", 1)[1]
-    raise RuntimeError(f"retool serve did not start; see {log.name}")
 
 
 def one_client(service: object, model: Path, k: int) -> None:
@@ -73,7 +60,10 @@ def measure(model: Path, counts: list[int], shared: bool, work: Path) -> list[tu
     import tinker
 
     root = Path(tempfile.mkdtemp(dir=work)) / "root"
-    proc, url = start(model, root, shared)
+    log = root.parent / f"serve-{'shared' if shared else 'per-client'}.log"
+    server = ServeProcess(f"smollm2={model}", root, *([] if shared else ["--base-per-client"]), log=log)
+    url, proc = server.start().url, server.proc
+    assert proc is not None
     rows: list[tuple[int, float, float]] = []
     try:
         service = tinker.ServiceClient(base_url=url, api_key="tml-local")
@@ -91,8 +81,7 @@ def measure(model: Path, counts: list[int], shared: bool, work: Path) -> list[tu
             )
         service.close("success").result(timeout=10)
     finally:
-        proc.terminate()
-        proc.wait(timeout=30)
+        server.stop()
     return rows
 
 

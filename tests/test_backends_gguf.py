@@ -19,6 +19,10 @@ from retool.backends.interface.clients import TrainingClient
 from retool.backends.interface.types import SamplingParams
 from retool.errors import ModelLoadError
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+from gguf_export import export_qwen2_gguf  # scripts/ is not a package
+
 # Small budgets shared by the CLI runs: one short turn pair, one thread (the CPU is shared).
 SMALL = [
     "backend.device=cpu",
@@ -32,8 +36,6 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def gguf_path(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    from retool.backends.local.gguf_export import export_qwen2_gguf
-
     return export_qwen2_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf")
 
 
@@ -207,17 +209,14 @@ def test_train_cli_takes_one_step_on_a_gguf_file(gguf_path: Path, tmp_path: Path
 def test_phrase_tokens_that_transformers_would_split_are_warned_about(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
-    from retool.backends.local.gguf_export import export_qwen2_gguf
     from retool.backends.local.tinymodel import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "m", size="test", phrase_tokens=["Solve it step by step."])
-    with caplog.at_level(logging.WARNING, logger="retool.backends.local.gguf_export"):
+    with caplog.at_level(logging.WARNING, logger="gguf_export"):
         export_qwen2_gguf(folder, tmp_path / "m.gguf")
     assert "Solve it step by step." in caplog.text
 
 
 def test_export_refuses_bad_output_name(tiny_model_dir: Path, tmp_path: Path) -> None:
-    from retool.backends.local.gguf_export import export_qwen2_gguf
-
     with pytest.raises(ValueError, match=r"\.gguf"):
         export_qwen2_gguf(tiny_model_dir, tmp_path / "model.bin")

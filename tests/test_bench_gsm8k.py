@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
 import sys
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
+import _harness
 import gsm8k as bench
 from retool.tasks.demo import DemoSettings, _reuse_sft, real_model_settings
 from retool.tasks.report import DemoResult
@@ -24,7 +26,7 @@ def _args(**kw: object) -> argparse.Namespace:
 
 
 def test_the_plan_evaluates_base_and_sft_once_and_rl_per_seed(tmp_path: Path) -> None:
-    assert bench.plan([0, 1], tmp_path) == [
+    assert _harness.plan([0, 1], tmp_path) == [
         ("base", tmp_path / "seed0"),
         ("sft", tmp_path / "seed0"),
         ("rl-s0", tmp_path / "seed0"),
@@ -34,13 +36,15 @@ def test_the_plan_evaluates_base_and_sft_once_and_rl_per_seed(tmp_path: Path) ->
 
 def test_demos_skip_their_own_evaluations_and_later_seeds_reuse_the_first_sft(tmp_path: Path) -> None:
     args = _args(limit=5)
-    first = bench.demo_command(0, tmp_path / "seed0", args)
-    later = bench.demo_command(1, tmp_path / "seed1", args, tmp_path / "seed0")
+    first = _harness.seed_demo_command("gsm8k", 0, tmp_path / "seed0", args.set, args.data_dir)
+    later = _harness.seed_demo_command(
+        "gsm8k", 1, tmp_path / "seed1", args.set, args.data_dir, tmp_path / "seed0"
+    )
     assert "--reuse-sft" not in first and later[later.index("--reuse-sft") + 1] == str(tmp_path / "seed0")
     for cmd in (first, later):
         sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
         assert {"eval_modes=[]", "base_eval_problems=0"} <= set(sets)
-    settings = real_model_settings("smollm2", list(bench.DEMO_FIELDS), task="gsm8k")
+    settings = real_model_settings("smollm2", list(_harness.DEMO_FIELDS), task="gsm8k")
     assert settings.eval_modes == () and settings.base_eval_problems == 0
 
 
@@ -51,7 +55,7 @@ def _finished_sft_run(folder: Path, settings: DemoSettings) -> None:
 
 
 def test_reuse_sft_across_seeds_only_without_a_slice_evaluation(tmp_path: Path) -> None:
-    quiet = real_model_settings("smollm2", list(bench.DEMO_FIELDS), task="gsm8k")
+    quiet = real_model_settings("smollm2", list(_harness.DEMO_FIELDS), task="gsm8k")
     _finished_sft_run(tmp_path / "seed0", quiet.with_seed(0))
     seed1 = quiet.with_seed(1)
     seed1 = DemoSettings(**{**vars(seed1), "reuse_sft": str(tmp_path / "seed0"), "out": str(tmp_path / "s1")})
@@ -81,15 +85,15 @@ def test_results_are_kept_per_model_and_a_kept_model_is_not_evaluated_again(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     by_mode = {"text-only": _records([True, False], 0), "retool": _records([True, True], 1)}
-    bench.keep_results(tmp_path, "rl-s1", by_mode)  # type: ignore[arg-type]
-    kept = json.loads(bench.results_path(tmp_path, "rl-s1").read_text())
+    _harness.keep_results(tmp_path, "rl-s1", by_mode)  # type: ignore[arg-type]
+    kept = json.loads(_harness.results_path(tmp_path, "rl-s1").read_text())
     assert kept["modes"]["retool"]["accuracy"] == 1.0 and kept["modes"]["text-only"]["call_rate"] == 0.0
 
     def no_process(*a: object, **k: object) -> None:
         raise AssertionError("a kept model was evaluated again")
 
-    monkeypatch.setattr(bench.subprocess, "run", no_process)
-    outputs = {m: bench.eval_output(tmp_path, "rl-s1", m) for m in bench.MODES}
+    monkeypatch.setattr(subprocess, "run", no_process)
+    outputs = {m: _harness.eval_output(tmp_path, "rl-s1", m) for m in bench.MODES}
     bench.eval_process("rl-s1", outputs, tmp_path, _args())
 
 

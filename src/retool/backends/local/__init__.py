@@ -4,7 +4,6 @@
   (``LocalSamplingClient``: a live view of the weights; ``FrozenSamplingClient``: a frozen copy for
   off-policy pipelining), which hand their requests to the engine (``retool.backends.engine``).
 - ``tinymodel``: the tiny chat model built here (tokenizer, chat template, random Qwen2).
-- ``gguf_export``: a GGUF file written from a Hugging Face Qwen2 folder (the offline GGUF path).
 - ``heap``: how this process hands freed memory back to the OS (glibc's mmap threshold, ``malloc_trim``).
 - ``data_parallel``: ``DataParallelTrainingClient``, a ``LocalTrainingClient`` whose training calls run on
   several processes of one CPU machine (``backend.processes``; shared-memory weights).

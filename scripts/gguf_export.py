@@ -1,9 +1,10 @@
 """Write a GGUF file from a Hugging Face Qwen2 folder (unquantised float32), for the offline GGUF path.
 
 The local backend loads ``model.name = path/to/file.gguf`` through transformers' GGUF support; this
-module produces such files from a folder we already have (the tiny model in tests and the demo), so that
+script produces such files from a folder we already have (the tiny model in tests and the demo), so that
 path is exercised end to end without downloading anything. It is not a general converter: only the
-``qwen2`` architecture, f32 tensors, and a byte-level BPE ("gpt2") tokenizer.
+``qwen2`` architecture, f32 tensors, and a byte-level BPE ("gpt2") tokenizer. A script, not part of the
+package: nothing in ``retool`` writes GGUF files (``tests/test_backends_gguf.py`` imports it from here).
 
 Layout follows llama.cpp's ``convert_hf_to_gguf.py`` for Qwen2, which is what transformers' loader
 (``transformers.modeling_gguf_pytorch_utils.load_gguf_checkpoint``) maps back: tensors renamed through
@@ -11,10 +12,13 @@ gguf-py's ``get_tensor_name_map(MODEL_ARCH.QWEN2, n_layers)`` (``token_embd``, `
 no q/k permutation (that is llama-only), ``output.weight`` omitted when embeddings are tied, and the
 tokenizer as metadata: ``tokenizer.ggml.{model,pre,tokens,token_type,merges,*_token_id}`` plus
 ``tokenizer.chat_template``.
+
+Usage: python scripts/gguf_export.py HF_FOLDER OUT.gguf     (needs the gguf extra: pip install -e '.[gguf]')
 """
 
 from __future__ import annotations
 
+import argparse
 import json
 import logging
 from pathlib import Path
@@ -160,3 +164,16 @@ def _add_tokenizer(writer: Any, tokenizer: Any, vocab_size: int) -> int:
     if tokenizer.chat_template:
         writer.add_chat_template(tokenizer.chat_template)
     return len(meta["tokens"])
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir", type=Path, help="an HF folder of a Qwen2 model")
+    ap.add_argument("out_file", type=Path, help="the GGUF file to write (ends in .gguf)")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(levelname)s %(message)s")
+    print(export_qwen2_gguf(args.model_dir, args.out_file))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,444 @@
+"""What the benches and the serve tests share, written once.
+
+- ``ServeProcess``: ``retool serve`` as a child process on 127.0.0.1 (a free port): started, its URL read
+  from its announcement, waited for until it answers, stopped (``wait_healthy`` polls any server);
+- ``demo_command`` / ``timed_demo``: ``retool demo`` run in a child process and timed from start to exit;
+  ``seed_demo_command`` / ``run_seed_demo(s)``: each seed's real-model demo of a two-stage bench
+  (gsm8k.py, mathematics.py), without evaluations of its own, resumed where it stopped;
+- ``sft_start``: a cold-start SFT model (the SFT stage alone, no evaluation), made once and reused;
+- the held-out evaluation those two-stage benches run on every model they compare (``plan``,
+  ``evaluate_plan``; ``evaluate_in_process``: a process per model; ``eval_config``, ``evaluate_model``:
+  inside it), and the files that let a rerun skip a finished model (``results_path``, ``keep_results``);
+- the cells their tables print: ``pct``, ``pts``, ``ci_cell``, ``gain_cell``.
+
+Imported as ``_harness`` with bench/ on ``sys.path`` (a bench run as a script has it; tests insert it).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import os
+import resource
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from retool.config import Config
+    from retool.data.problem import Problem
+    from retool.evaluate.store import ProblemRecord
+    from retool.tasks.demo import DemoSettings
+
+REPO = Path(__file__).resolve().parents[1]
+MODES = ("text-only", "retool")  # the two evaluation modes a two-stage bench compares
+# Every demo of a two-stage bench: no evaluation of its own (the bench evaluates each model instead).
+DEMO_FIELDS = ("eval_modes=[]", "base_eval_problems=0")
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    """This environment with this checkout's ``src`` as ``PYTHONPATH`` (a child runs the retool beside
+    the bench, not another install), and ``extra``."""
+    return {**os.environ, "PYTHONPATH": str(REPO / "src"), **extra}
+
+
+# -- retool serve -------------------------------------------------------------------------------------
+
+
+def wait_healthy(url: str, timeout: float, running: Callable[[], bool] = lambda: True) -> None:
+    """Until ``url`` answers ``/api/v1/healthz``; raises once ``running()`` turns false or after
+    ``timeout`` seconds."""
+    import httpx  # deferred: only the benches that talk to a server need it
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not running():
+            raise RuntimeError(f"the server at {url} exited; see its log")
+        try:
+            if httpx.get(f"{url}/api/v1/healthz", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.2)
+    raise RuntimeError(f"no answer from {url}/api/v1/healthz within {timeout:.0f} s")
+
+
+class ServeProcess:
+    """``python -m retool serve`` on a free port of 127.0.0.1; ``url`` once it answers ``/api/v1/healthz``.
+
+    ``model`` is what ``--model`` takes (a folder, or ``name=folder``), ``extra`` more arguments. The
+    server's stderr is appended to ``log`` (default ``<root>-serve.log`` beside ``root``: a restart on the
+    same root keeps the first run's lines); ``env`` defaults to ``child_env()``.
+    """
+
+    def __init__(
+        self,
+        model: str | Path,
+        root: Path,
+        *extra: str,
+        device: str = "cpu",
+        threads: int = 1,
+        api_key: str | None = None,
+        log: Path | None = None,
+        env: Mapping[str, str] | None = None,
+    ) -> None:
+        self.model, self.root, self.extra, self.api_key = model, root, extra, api_key
+        self.device, self.threads = device, threads
+        self.log = log or root.parent / f"{root.name}-serve.log"
+        self.env = dict(env) if env is not None else child_env()
+        self.proc: subprocess.Popen[str] | None = None
+        self.url = ""
+
+    def command(self) -> list[str]:
+        cmd = [sys.executable, "-m", "retool", "serve", "--port", "0", "--model", str(self.model)]
+        cmd += ["--root", str(self.root), "--set", f"backend.device={self.device}"]
+        cmd += ["--set", f"backend.cpu_threads={self.threads}", *self.extra]
+        return cmd + (["--api-key", self.api_key] if self.api_key else [])
+
+    def start(self, timeout: float = 120.0) -> ServeProcess:
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as log:  # the child holds its own descriptor
+            proc = subprocess.Popen(
+                self.command(), stdout=subprocess.PIPE, stderr=log, text=True, env=self.env
+            )
+        self.proc = proc
+        deadline = time.monotonic() + timeout
+        assert proc.stdout is not None
+        for line in proc.stdout:  # the announcement lines come before serving starts
+            if line.startswith("PYTRIO_BASE_URL="):  # TINKER_BASE_URL, the next line, is the same URL
+                self.url = line.strip().split("=", 1)[1]
+                break
+            if time.monotonic() > deadline:
+                break
+        try:
+            if not self.url:
+                raise RuntimeError(f"retool serve did not start; see {self.log}")
+            wait_healthy(self.url, max(deadline - time.monotonic(), 1.0), lambda: proc.poll() is None)
+        except RuntimeError:
+            self.stop()
+            raise
+        return self
+
+    def kill(self) -> None:
+        """SIGKILL: no shutdown hook runs (a crash, as far as the server can tell)."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(timeout=30)
+
+    def stop(self) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.terminate()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def __enter__(self) -> ServeProcess:
+        return self.start()
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+
+# -- retool demo --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DemoRun:
+    returncode: int
+    wall_s: float  # start to exit, start-up included
+
+
+def demo_command(*args: str) -> list[str]:
+    """``python -m retool demo ARGS`` (the command a user types, in this Python)."""
+    return [sys.executable, "-m", "retool", "demo", *args]
+
+
+def timed_demo(
+    cmd: Sequence[str], env: Mapping[str, str] | None = None, log: Path | None = None, check: bool = False
+) -> DemoRun:
+    """``cmd`` (a ``demo_command``) in a child process: ``env`` its environment (default this one),
+    its output into ``log`` or, without one, straight to the terminal; ``check``: a failure raises
+    ``CalledProcessError``."""
+    started = time.perf_counter()
+    if log is None:
+        proc = subprocess.run(list(cmd), env=env, check=check)
+    else:
+        with log.open("w") as out:
+            proc = subprocess.run(list(cmd), env=env, stdout=out, stderr=subprocess.STDOUT, check=check)
+    return DemoRun(proc.returncode, time.perf_counter() - started)
+
+
+def seed_demo_command(
+    task: str,
+    seed: int,
+    out: Path,
+    sets: Sequence[str],
+    data_dir: str | None = None,
+    reuse_sft: Path | None = None,
+) -> list[str]:
+    """The seed's ``task`` demo of SmolLM2 with ``DEMO_FIELDS`` (no evaluation of its own), then ``sets``;
+    RL from ``reuse_sft``'s SFT model when given; resumed when ``out`` holds an unfinished run."""
+    args = ["--model", "smollm2", "--task", task, "--seed", str(seed), "--out", str(out), "--no-plots"]
+    args += [x for s in (*DEMO_FIELDS, *sets) for x in ("--set", s)]
+    if reuse_sft is not None:
+        args += ["--reuse-sft", str(reuse_sft)]
+    if data_dir:
+        args += ["--data-dir", data_dir]
+    if (out / "settings.json").is_file():
+        args.append("--resume")
+    return demo_command(*args)
+
+
+def run_seed_demo(
+    task: str,
+    seed: int,
+    out: Path,
+    sets: Sequence[str],
+    data_dir: str | None,
+    log: logging.Logger,
+    reuse_sft: Path | None = None,
+) -> dict[str, Any]:
+    """The seed's demo (``seed_demo_command``) in a process of its own, unless it finished; its report."""
+    report = out / "report.json"
+    if not report.is_file():
+        cmd = seed_demo_command(task, seed, out, sets, data_dir, reuse_sft)
+        log.info("demo seed %d: %s", seed, " ".join(cmd))
+        timed_demo(cmd, check=True)
+    result: dict[str, Any] = json.loads(report.read_text())
+    return result
+
+
+def run_seed_demos(
+    task: str, seeds: list[int], out: Path, sets: Sequence[str], data_dir: str | None, log: logging.Logger
+) -> dict[int, dict[str, Any]]:
+    """Every seed's demo into ``out/seed<N>`` (``run_seed_demo``), their reports by seed: the first seed's
+    run does the cold start and SFT, every other seed's RL starts from that SFT model (the seeds differ in
+    RL alone)."""
+    first = out / f"seed{seeds[0]}"
+    reports = {seeds[0]: run_seed_demo(task, seeds[0], first, sets, data_dir, log)}
+    for s in seeds[1:]:
+        reports[s] = run_seed_demo(task, s, out / f"seed{s}", sets, data_dir, log, first)
+    return reports
+
+
+# -- the SFT start ------------------------------------------------------------------------------------
+
+
+def sft_model(out: Path) -> Path | None:
+    """The SFT model a finished SFT run left in ``out`` (``model_sft``), or None."""
+    sft = out / "model_sft"
+    return sft if (sft / "config.json").is_file() else None
+
+
+def sft_start(settings: DemoSettings, model: Path | None = None) -> Path:
+    """``<settings.out>/model_sft``: the cold-start SFT of ``model`` (None: the demo's tiny model, built for
+    the tasks into ``<out>/model_init``) with ``settings``, no evaluation; made once, then reused."""
+    from retool.tasks.demo import run_sft  # deferred: torch and the pipeline, for the benches that make one
+
+    out = Path(settings.out)
+    if sft_model(out) is None:
+        run_sft(settings, model, evaluate=False)
+    return out / "model_sft"
+
+
+# -- the held-out evaluation of a two-stage bench's models ---------------------------------------------
+
+
+def plan(seeds: list[int], out: Path) -> list[tuple[str, Path]]:
+    """The models the claims compare, each once, with the demo folder it comes from: the base model, the
+    SFT model (the first seed's run, shared by every seed's RL), the RL model of each seed."""
+    first = out / f"seed{seeds[0]}"
+    return [("base", first), ("sft", first)] + [(f"rl-s{s}", out / f"seed{s}") for s in seeds]
+
+
+def eval_output(folder: Path, model: str, mode: str) -> Path:
+    return folder / f"{model}_{mode}.jsonl"
+
+
+def results_path(folder: Path, label: str) -> Path:
+    return folder / f"{label}.results.json"
+
+
+def finished(output: Path) -> bool:
+    """Whether the evaluation writing ``output`` completed (its summary says so)."""
+    from retool.evaluate.store import summary_path_for  # deferred: the evaluation benches only
+
+    summary = json.loads(summary_path_for(output).read_text())
+    return bool(summary.get("status") == "complete")
+
+
+def record_stats(records: list[ProblemRecord]) -> dict[str, float]:
+    """Accuracy, format rate, tool-call rate, calls and completion tokens per candidate of ``records``."""
+    cands = [c for r in records for c in r["candidates"]]
+    n = len(cands) or 1
+    return {
+        "problems": float(len(records)),
+        "accuracy": sum(bool(c["correct"]) for c in cands) / n,
+        "format": sum(bool(c["valid_format"]) for c in cands) / n,
+        "call_rate": sum(int(c["code_calls"]) > 0 for c in cands) / n,
+        "calls": sum(int(c["code_calls"]) for c in cands) / n,
+        "tokens": sum(int(c.get("completion_tokens", 0)) for c in cands) / n,
+    }
+
+
+def keep_results(folder: Path, label: str, by_mode: dict[str, list[ProblemRecord]]) -> None:
+    """A model's results, kept once every mode finished: its stats per mode (a rerun skips the model)."""
+    results = {"model": label, "modes": {mode: record_stats(recs) for mode, recs in by_mode.items()}}
+    results_path(folder, label).write_text(json.dumps(results, indent=2) + "\n")
+
+
+def evaluate_in_process(
+    script: str, model: str, outputs: dict[str, Path], demo_dir: Path, extra: Sequence[str]
+) -> None:
+    """A model's evaluations (one per mode, all at once on one engine: wider batches) in a process of its
+    own, ``script --eval-one ... EXTRA``; nothing for a mode that finished earlier."""
+    from retool.evaluate.store import summary_path_for  # deferred: the evaluation benches only
+
+    if results_path(next(iter(outputs.values())).parent, model).is_file():
+        return  # kept: every mode finished earlier
+    todo = [m for m, out in outputs.items() if not (summary_path_for(out).is_file() and finished(out))]
+    if not todo:
+        return
+    folder = outputs[todo[0]].parent
+    cmd = [sys.executable, script, "--eval-one", model, ",".join(todo), str(folder), str(demo_dir), *extra]
+    subprocess.run(cmd, check=True)
+
+
+def evaluate_plan(
+    seeds: list[int],
+    out: Path,
+    folder: Path,
+    evaluate: Callable[[str, dict[str, Path], Path], None],
+    read: Callable[[Path], list[ProblemRecord]],
+    log: logging.Logger,
+) -> dict[str, dict[str, list[ProblemRecord]]]:
+    """Every model of ``plan(seeds, out)`` evaluated in every mode into ``folder`` (``evaluate(label,
+    outputs, demo_dir)``: a bench's ``evaluate_in_process`` call), then its records read back with
+    ``read``, by model and mode; a model's results are kept once all its modes are read."""
+    evals: dict[str, dict[str, list[ProblemRecord]]] = {}
+    for label, demo_dir in plan(seeds, out):
+        outputs = {mode: eval_output(folder, label, mode) for mode in MODES}
+        log.info("evaluating %s (%s) -> %s", label, ", ".join(MODES), folder)
+        evaluate(label, outputs, demo_dir)
+        evals[label] = {mode: read(output) for mode, output in outputs.items()}
+        if not results_path(folder, label).is_file():
+            keep_results(folder, label, evals[label])
+    return evals
+
+
+def model_path(label: str, demo_dir: Path) -> Path:
+    """The weights ``label`` names: ``base`` the packaged SmolLM2, else the demo's ``model_sft`` /
+    ``model_rl``."""
+    from retool.tasks.real_model import resolve_model_path  # deferred: the evaluation process only
+
+    return resolve_model_path("smollm2") if label == "base" else demo_dir / f"model_{label.split('-')[0]}"
+
+
+def saved_run(demo_dir: Path) -> tuple[dict[str, Any], Config]:
+    """A demo's ``settings.json`` and the config it ran with."""
+    from retool.config import Config  # deferred: the evaluation process only
+
+    saved: dict[str, Any] = json.loads((demo_dir / "settings.json").read_text())
+    return saved, Config.model_validate(saved["config"])
+
+
+def eval_config(config: Config, path: Path, folder: Path, modes: int) -> Config:
+    """A demo's ``config`` for evaluating the weights at ``path`` (no adapter) in ``modes`` modes at once
+    (one engine: ``modes`` times the rows per decode step), each turn ending at its first closed
+    ``\\boxed{...}`` (nothing after the answer is read); scratch state under ``folder``."""
+    from retool.tasks.demo import phase_config, with_available_isolation  # deferred: evaluation only
+
+    config = phase_config(with_available_isolation(config), path, folder / "scratch")
+    backend = config.backend.model_copy(update={"sample_batch_size": 64 * modes})
+    sampling = config.sampling.model_copy(update={"stop_at_boxed": True})
+    lora = config.lora.model_copy(update={"enabled": False})
+    return config.model_copy(update={"lora": lora, "backend": backend, "sampling": sampling})
+
+
+def evaluate_model(
+    label: str,
+    modes: list[str],
+    folder: Path,
+    config: Config,
+    problems: list[Problem],
+    dataset: str,
+    threads: int = 0,
+    source: Any = None,
+) -> None:
+    """``--eval-one``'s work: ``problems`` in each of ``modes`` concurrently on one engine, written to
+    ``eval_output(folder, label, mode)``; time and peak memory added to ``<folder>/<label>.run.json``
+    (a resumed evaluation adds its time to the first's). ``threads``: torch threads (0: every core)."""
+    import torch  # deferred: the evaluation process only
+
+    from retool.components import build_components
+    from retool.evaluate.runner import EvalIdentity, run_eval
+
+    if threads:
+        torch.set_num_threads(threads)
+    folder.mkdir(parents=True, exist_ok=True)
+    identity = EvalIdentity(model=label, checkpoint=config.model.name, dataset=dataset)
+
+    async def run(parts: Any) -> None:
+        await parts.refresh_sampler()
+        await asyncio.gather(
+            *[
+                run_eval(
+                    problems,
+                    parts.for_mode(mode == "retool"),
+                    config=config,
+                    mode=mode,
+                    output=eval_output(folder, label, mode),
+                    identity=identity,
+                    concurrency=len(problems),
+                    save_transcripts=False,
+                    source=source,
+                )
+                for mode in modes
+            ]
+        )
+
+    t0 = time.perf_counter()
+    with build_components(config) as parts:  # outside the event loop: it starts its own
+        asyncio.run(run(parts))
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+    facts_file = folder / f"{label}.run.json"
+    before = json.loads(facts_file.read_text()) if facts_file.is_file() else {}  # a resumed evaluation
+    facts = {
+        "seconds": round(before.get("seconds", 0.0) + time.perf_counter() - t0, 1),
+        "peak_rss_gib": round(max(peak, before.get("peak_rss_gib", 0.0)), 2),
+    }
+    facts_file.write_text(json.dumps(facts) + "\n")
+
+
+# -- table cells --------------------------------------------------------------------------------------
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.1f}%"
+
+
+def pts(x: float) -> str:
+    """A difference of two rates in percentage points, signed."""
+    return f"{100 * x:+.1f}"
+
+
+def ci_cell(gain: float, lo: float, hi: float) -> str:
+    """A gain with its 95% interval, in percentage points: ``+1.2 [-0.4, +2.8]``."""
+    return f"{pts(gain)} [{pts(lo)}, {pts(hi)}]"
+
+
+def gain_cell(before: list[ProblemRecord], after: list[ProblemRecord]) -> str:
+    """``after`` minus ``before`` (the same problems), with its paired bootstrap 95% interval."""
+    from retool.evaluate.metrics import paired_gain  # deferred: numpy, for the benches that compare runs
+
+    g = paired_gain(before, after, seed=0)
+    lo, hi = g["ci95"]
+    return ci_cell(g["gain"], lo, hi)
