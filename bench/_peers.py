@@ -168,11 +168,6 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
     ),
     "round-sync": ("round-synchronous rollouts", ["rollout.scheduling=round_sync"]),
     "subprocess": ("sandbox: a subprocess per call", ["sandbox.backend=subprocess"]),
-    # Not an ablation but the opposite: an opt-in feature on, to measure it on this job (< 1: faster).
-    "stream-rounds": (
-        "streamed dynamic sampling on (no barrier between rounds; opt-in)",
-        ["filters.stream_rounds=true"],
-    ),
 }
 
 

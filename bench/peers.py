@@ -20,8 +20,7 @@ every linear, its budgets) and the held-out evaluation is a GSM8K test slice, gr
 Arms (``--arms``): ``trl``; ``retool`` (the preset); and retool-rl with one feature off each, for the
 decomposition: ``no-skip`` (dynamic sampling off), ``no-prefix`` (prefix cache off), ``no-train-prefix``
 (shared-prefix training off), ``round-sync`` (round-synchronous rollouts), ``subprocess`` (a fresh Python
-process per tool call); and ``stream-rounds``, an opt-in feature on (``filters.stream_rounds``: no barrier
-between dynamic-sampling rounds). Each arm is its own process; the rounds alternate (step k of every arm,
+process per tool call). Each arm is its own process; the rounds alternate (step k of every arm,
 then step k+1), one arm running at a time, so a shared machine slows them alike. After the steps, the SFT
 start and the ``trl`` and ``retool`` end models are evaluated by this project's evaluator on the same
 held-out slice (hard synthetic problems).

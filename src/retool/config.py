@@ -140,9 +140,6 @@ class FiltersConfig(_Section):
     # Questions sampled per round = ceil(oversample * groups still missing); round 0 misses them all.
     oversample: float = Field(default=1.0, ge=1.0, le=16.0)
     max_extra_rounds: int = Field(default=2, ge=0)  # rounds after the first; then train on what there is
-    # No barrier between rounds: a question slot's next group starts as soon as its own degenerate group
-    # ends, not when the round's slowest does (retool.train.collect; later rounds' problems drawn up front).
-    stream_rounds: bool = False
     # SimpleTIR: a trajectory whose last turn has neither a complete call nor an answer gets no gradient.
     void_turn: bool = False
     # A trajectory cut by a token budget (turn or trajectory) gets no gradient.
