@@ -166,7 +166,8 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
         "shared-prefix training off (each row's prompt forward and backward)",
         ["backend.share_train_prefix=false"],
     ),
-    "round-sync": ("round-synchronous rollouts", ["rollout.scheduling=round_sync"]),
+    # No override: bench/peers.py's worker rolls this arm out with bench/_round_sync.py (the job's round_sync).
+    "round-sync": ("round-synchronous rollouts", []),
     "subprocess": ("sandbox: a subprocess per call", ["sandbox.backend=subprocess"]),
 }
 

@@ -124,7 +124,6 @@ class RolloutConfig(_Section):
     max_observation_tokens: int = 512
     max_trajectory_tokens: int = 8192
     max_inflight_samples: int = 64
-    scheduling: Literal["per_trajectory", "round_sync"] = "per_trajectory"
     # Share of each round's questions rolled out text-only (no tool registered, the text-only system
     # prompt). 0 trains tool use alone (the chapter); a small share keeps the text-only mode from
     # collapsing while the tool-mode policy learns to call the tool.
