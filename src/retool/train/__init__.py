@@ -1,7 +1,7 @@
 """retool.train: the ReTool RL loop (docs/spec.md §5-§6, chapter 8.4.7).
 
-- ``step``: datums with the interpreter feedback mask, group advantages, degenerate groups, mean-reduction
-  weights, micro-batches, one optimizer step.
+- ``step``: datums with the interpreter feedback mask, group advantages, the one verdict on a group
+  (``is_informative``: rewards differ), mean-reduction weights, micro-batches, one optimizer step.
 - ``loop``: ``Trainer`` / ``run_training``: one RL step in ``Trainer._one_step`` (sample, build datums,
   train, log), checkpoints, resume.
 - ``pipeline``: ``BatchSampler``, the trainer's sampler of each step's batch (ahead of training with
@@ -24,6 +24,7 @@ from retool.train.step import (
     build_step_data,
     group_advantages,
     is_degenerate,
+    is_informative,
     mean_reduction_weights,
     pack_micro_batches,
     train_step,
@@ -41,6 +42,7 @@ __all__ = [
     "build_step_data",
     "group_advantages",
     "is_degenerate",
+    "is_informative",
     "mean_reduction_weights",
     "pack_micro_batches",
     "rollout_metrics",

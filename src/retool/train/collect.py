@@ -4,8 +4,9 @@
 group with the policy (``retool.rollout.GroupSampler``: the last ``rollout.text_only_share`` of a round's
 questions text-only, the rest with the tool) and keeps what the filters let through:
 
-- one round (the chapter), every group kept; or DAPO's dynamic sampling: over-sample questions, drop the
-  groups whose rewards are all equal (every advantage is zero, so they carry no gradient) and sample
+- one round (the chapter), every group kept (``build_step_data`` trains the informative ones); or DAPO's
+  dynamic sampling: over-sample questions, drop the groups whose rewards are all equal (not
+  ``retool.train.step.is_informative``: every advantage is zero, no gradient) and sample
   further rounds until ``questions_per_step`` informative groups are collected or ``max_extra_rounds``
   extra rounds are spent; then the step trains on what it has. Extra informative groups of the last
   round are dropped (in sampling order), so every step trains on at most ``questions_per_step`` groups,
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from retool.config import FiltersConfig, RolloutConfig
@@ -36,7 +36,7 @@ from retool.rollout import GroupSampler, Policy, Trajectory
 from retool.train.datasource import ProblemFeed
 from retool.train.metrics import raise_if_step_lost
 from retool.train.roc import resample_on_correct, sampled_group_size, tool_error_metrics
-from retool.train.step import is_degenerate
+from retool.train.step import is_informative
 
 
 @dataclass
@@ -104,10 +104,6 @@ def questions_for_round(missing: int, oversample: float) -> int:
     return max(1, math.ceil(oversample * missing - 1e-9))
 
 
-def _rewards(group: Sequence[Trajectory]) -> list[float]:
-    return [float(t.reward) for t in group]
-
-
 class StepSampler:
     """Samples one step's batch with a policy (module docstring): ``tools`` rolls out the tool-mode
     questions, ``text`` the text-only share (needed only when ``rollout.text_only_share > 0``)."""
@@ -139,7 +135,7 @@ class StepSampler:
         groups = await self._sample_round(step, 0, problems, policy)
         out.groups = self._down_sample(out, groups, step, 0)
         out.sampled, out.problems = list(groups), list(problems)
-        out.informative = sum(not is_degenerate(_rewards(g)) for g in out.groups)
+        out.informative = sum(is_informative(g) for g in out.groups)
         return out
 
     async def _dynamic_rounds(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
@@ -157,7 +153,7 @@ class StepSampler:
             out.sampled.extend(groups)
             out.problems.extend(problems)
             trained = self._down_sample(out, groups, step, round_index)
-            good = [g for g in trained if not is_degenerate(_rewards(g))]
+            good = [g for g in trained if is_informative(g)]
             out.informative += len(good)
             kept.extend(good)
         out.groups = kept[:target]
