@@ -261,12 +261,27 @@ class EvalConfig(_Section):
     save_transcripts: bool = False
 
 
+class SFTOptimizerConfig(_Section):
+    """The SFT stage's own AdamW settings (``[sft.optimizer]``), apart from RL's ``[optimizer]``: SFT and RL
+    are tuned differently (a cross-entropy warm start at a high learning rate against a policy-gradient
+    update on few informative groups), and verl and tinker-cookbook keep the two apart too. The defaults
+    are the ones the SFT stage always trained with; its peak learning rate is ``sft.lr``."""
+
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0  # 0 turns clipping off
+    warmup: int = Field(default=10, ge=0)  # steps of linear warm-up before the cosine decay
+
+
 class SFTConfig(_Section):
     """Cold-start SFT on code-interleaved trajectories of the synthetic task family (``retool sft``)."""
 
     steps: int = Field(default=1500, ge=1)
     batch_size: int = Field(default=16, ge=1)
-    lr: float = 3e-3  # peak learning rate (linear warm-up, cosine decay to 10%)
+    lr: float = 3e-3  # peak learning rate (linear warm-up, cosine decay to 10%: ``[sft.optimizer]``)
+    optimizer: SFTOptimizerConfig = Field(default_factory=SFTOptimizerConfig)
     # Shares of trajectory styles: hard problems solved with a call / with a failing call then a fix
     # (the rest answer directly); easy problems solved with a call.
     hard_tool: float = Field(default=0.35, ge=0.0, le=1.0)
@@ -469,13 +484,22 @@ def dump_config(config: Config) -> str:
     """Render a config as TOML (saved beside every run so it can be reproduced)."""
     lines: list[str] = []
     for section, values in config.model_dump().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                continue
-            lines.append(f"{key} = {_toml_literal(value)}")
-        lines.append("")
+        _dump_table(lines, section, values)
     return "\n".join(lines)
+
+
+def _dump_table(lines: list[str], name: str, values: Mapping[str, object]) -> None:
+    """One ``[name]`` table, then its sub-tables (``[sft.optimizer]``) after its own keys, as TOML wants."""
+    lines.append(f"[{name}]")
+    lines.extend(
+        f"{key} = {_toml_literal(v)}"
+        for key, v in values.items()
+        if v is not None and not isinstance(v, dict)
+    )
+    lines.append("")
+    for key, v in values.items():
+        if isinstance(v, dict):
+            _dump_table(lines, f"{name}.{key}", v)
 
 
 def _toml_literal(value: object) -> str:
