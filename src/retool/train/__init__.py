@@ -4,8 +4,8 @@
   (``is_informative``: rewards differ), mean-reduction weights, micro-batches, one optimizer step.
 - ``loop``: ``Trainer`` / ``run_training``: one RL step in ``Trainer._one_step`` (sample, build datums,
   train, log), checkpoints, resume.
-- ``pipeline``: ``BatchSampler``, the trainer's sampler of each step's batch (ahead of training with
-  ``train.max_steps_off_policy``); ``collect``: ``StepSampler``, one step's batch (rounds, dynamic
+- ``pipeline``: the trainer's sampler of each step's batch: ``SyncSampler`` (sampled when the step asks,
+  the default) or ``BatchSampler`` (ahead of training with ``train.max_steps_off_policy`` >= 1); ``collect``: ``StepSampler``, one step's batch (rounds, dynamic
   sampling, the text-only share, RoC); ``roc``: Resample-on-Correct.
 - ``datasource``: the problem stream over a problem source's epochs, with a resumable position;
   ``ProblemFeed``.

@@ -271,10 +271,8 @@ class Trainer:
         if cfg.rollout.text_only_share > 0:
             text_parts = parts.for_mode(False)
             text = GroupSampler.from_parts(source, text_parts, cfg, tools=False, rollout_fn=self._rollout_fn)
-        steps, feed = (
-            StepSampler(tools, text, cfg.rollout, cfg.filters, seed=cfg.train.seed),
-            ProblemFeed(stream, replay),
-        )
+        steps = StepSampler(tools, text, cfg.rollout, cfg.filters, seed=cfg.train.seed)
+        feed = ProblemFeed(stream, replay)
         if k == 0:  # every restored batch is at least one version old, so requeued: none is left to hold
             assert not batches, "a synchronous run holds no batch sampled ahead"
             return SyncSampler(steps, feed)
