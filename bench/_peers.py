@@ -166,13 +166,9 @@ ABLATIONS: dict[str, tuple[str, list[str]]] = {
         "shared-prefix training off (each row's prompt forward and backward)",
         ["backend.share_train_prefix=false"],
     ),
-    "round-sync": ("round-synchronous rollouts", ["rollout.scheduling=round_sync"]),
+    # No override: bench/peers.py's worker rolls this arm out with bench/_round_sync.py (the job's round_sync).
+    "round-sync": ("round-synchronous rollouts", []),
     "subprocess": ("sandbox: a subprocess per call", ["sandbox.backend=subprocess"]),
-    # Not an ablation but the opposite: an opt-in feature on, to measure it on this job (< 1: faster).
-    "stream-rounds": (
-        "streamed dynamic sampling on (no barrier between rounds; opt-in)",
-        ["filters.stream_rounds=true"],
-    ),
 }
 
 

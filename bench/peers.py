@@ -20,8 +20,7 @@ every linear, its budgets) and the held-out evaluation is a GSM8K test slice, gr
 Arms (``--arms``): ``trl``; ``retool`` (the preset); and retool-rl with one feature off each, for the
 decomposition: ``no-skip`` (dynamic sampling off), ``no-prefix`` (prefix cache off), ``no-train-prefix``
 (shared-prefix training off), ``round-sync`` (round-synchronous rollouts), ``subprocess`` (a fresh Python
-process per tool call); and ``stream-rounds``, an opt-in feature on (``filters.stream_rounds``: no barrier
-between dynamic-sampling rounds). Each arm is its own process; the rounds alternate (step k of every arm,
+process per tool call). Each arm is its own process; the rounds alternate (step k of every arm,
 then step k+1), one arm running at a time, so a shared machine slows them alike. After the steps, the SFT
 start and the ``trl`` and ``retool`` end models are evaluated by this project's evaluator on the same
 held-out slice (hard synthetic problems).
@@ -124,8 +123,10 @@ def _wait_go() -> bool:
 def retool_worker(job: dict[str, Any]) -> None:
     import torch  # deferred: the worker process only
 
+    from _round_sync import run_round_sync  # deferred: bench/, as the retool imports of the worker only
     from retool.components import build_components
     from retool.config import Config
+    from retool.rollout import run_rollout
     from retool.tasks.demo import local_backend, save_hf, with_available_isolation
     from retool.train.loop import Trainer
 
@@ -146,7 +147,10 @@ def retool_worker(job: dict[str, Any]) -> None:
             if step < job["steps"] and _wait_go():
                 clock.update(t=time.perf_counter(), c=time.process_time())
 
-        Trainer(cfg, out / "rl", source=source, components=parts, on_step=on_step).run()
+        rollout_fn = run_round_sync if job.get("round_sync") else run_rollout
+        Trainer(
+            cfg, out / "rl", source=source, components=parts, rollout_fn=rollout_fn, on_step=on_step
+        ).run()
         if job["save"]:
             save_hf(local_backend(parts), out / "model")
     _emit("done", {})
@@ -610,6 +614,7 @@ def start_arm(
         "problems": problems,
         "out": str(run / name),
         "save": name in ("trl", "retool"),
+        "round_sync": name == "round-sync",  # the chapter's round-synchronous rollouts (bench/_round_sync.py)
     }
     return Arm(name, job, run)
 

@@ -27,11 +27,12 @@ from collections.abc import Sequence
 from typing import Any
 
 from _results import recording, write_printed  # bench/, on sys.path when run as a script
+from _round_sync import run_round_sync
 from retool.backends.interface.clients import SamplingClient
 from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
 from retool.data.problem import Problem
-from retool.rollout import Trajectory, run_group_rollouts
+from retool.rollout import Trajectory, run_group_rollouts, run_rollout
 
 ANSWER_CORRECT_P = 0.5
 
@@ -165,7 +166,6 @@ async def run_once(
         max_observation_tokens=512,
         max_trajectory_tokens=8192,
         max_inflight_samples=64,
-        scheduling=scheduling,
     )
     start, cpu0 = time.perf_counter(), time.process_time()
     groups = await run_group_rollouts(
@@ -178,6 +178,7 @@ async def run_once(
         sampling=SamplingConfig(),
         group_size=args.group,
         seed=args.seed,
+        rollout_fn=run_round_sync if scheduling == "round_sync" else run_rollout,
     )
     sampler.cpu_seconds = time.process_time() - cpu0
     return time.perf_counter() - start, groups, sampler

@@ -10,12 +10,17 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import re
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import pytest
 
+# The chapter's round-synchronous scheduling is a comparison the benchmarks keep (bench/_round_sync.py).
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+from _round_sync import run_round_sync
 from retool.backends.interface.clients import SamplingClient
 from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import RolloutConfig, SamplingConfig
@@ -196,6 +201,9 @@ class FakeVerifier:
 PROBLEMS = [Problem(id=f"p{i}", question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(4)]
 
 
+SCHEDULERS = {"per_trajectory": run_rollout, "round_sync": run_round_sync}
+
+
 def run(
     problems,
     sampler,
@@ -207,6 +215,7 @@ def run(
     use_tools=True,
     verifier=None,
     on_trajectory=None,
+    scheduling="per_trajectory",
     **rollout_kw,
 ) -> list[list[Trajectory]]:
     cfg = RolloutConfig(**rollout_kw)
@@ -223,6 +232,7 @@ def run(
             seed=seed,
             use_tools=use_tools,
             on_trajectory=on_trajectory,
+            rollout_fn=SCHEDULERS[scheduling],
         )
     )
 
@@ -773,8 +783,8 @@ def test_the_engine_steps_any_environment_and_adds_group_rewards(scheduling: str
     for shared in (True, False):
         sampler = LengthSampler()
         builders = [CountdownGroup(i, 3, shared) for i in range(2)]
-        request = RolloutRequest(builders, sampler, SamplingConfig(), seed=4, scheduling=scheduling)
-        groups = asyncio.run(run_rollout(request))
+        request = RolloutRequest(builders, sampler, SamplingConfig(), seed=4)
+        groups = asyncio.run(SCHEDULERS[scheduling](request))
         for i, group in enumerate(groups):
             assert [t.group_index for t in group] == [0, 1, 2] and all(t.problem_index == i for t in group)
             for t in group:

@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from retool.config import SFTOptimizerConfig, dump_config, load_config
 from retool.data.synthetic import generate_tasks
 from retool.tasks.model import build_demo_model, protocol_for
 from retool.tasks.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style, train_sft
@@ -102,7 +103,9 @@ def test_sft_through_the_local_backend_lowers_the_loss(demo_model: Path, protoco
     torch.set_num_threads(1)  # tiny matrices: more threads only add contention
     examples = build_sft_examples(generate_tasks(64, seed=0), protocol, _observe, seed=0)
     client = LocalTrainingClient(str(demo_model), lora=None, device="cpu", dtype="float32", seed=0)
-    report = train_sft(client, examples, steps=30, batch_size=8, lr=1e-2, warmup=3)
+    report = train_sft(
+        client, examples, steps=30, batch_size=8, lr=1e-2, optimizer=SFTOptimizerConfig(warmup=3)
+    )
     client.close()
     torch.set_num_threads(threads)
     assert len(report.losses) == 30
@@ -143,3 +146,42 @@ def test_two_stage_sft_draws_its_last_steps_from_the_final_examples(protocol) ->
     assert SFTConfig(steps=1500, final_share=0.2).final_steps == 300
     assert SFTConfig(steps=3, final_share=0.2).final_steps == 1
     assert SFTConfig(steps=10).final_steps == 0
+
+
+def test_the_sft_loop_reads_its_own_optimizer_settings(protocol, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """``[sft.optimizer]`` (apart from RL's ``[optimizer]``) reaches every optimizer step; its defaults are
+    the settings the SFT stage always had (beta2 0.98, 10 warm-up steps), and it survives a saved config."""
+    from retool.backends.interface.types import ForwardBackwardResult, OptimStepResult
+
+    class Recorder:
+        def __init__(self) -> None:
+            self.adams: list[object] = []
+
+        async def forward_backward_async(self, datums, loss_fn, loss_config=None):  # type: ignore[no-untyped-def]
+            return ForwardBackwardResult(loss=1.0, trained_tokens=1)
+
+        async def optim_step_async(self, adam):  # type: ignore[no-untyped-def]
+            self.adams.append(adam)
+            return OptimStepResult(grad_norm=0.0, lr=adam.lr)
+
+    examples = build_sft_examples(generate_tasks(8, seed=0), protocol, _observe, seed=0)
+    default = Recorder()
+    train_sft(default, examples, steps=12, batch_size=2, lr=1.0)  # type: ignore[arg-type]
+    first = default.adams[0]
+    assert (first.beta1, first.beta2, first.eps, first.weight_decay, first.grad_clip_norm) == (
+        0.9,
+        0.98,
+        1e-8,
+        0.0,
+        1.0,
+    )  # type: ignore[attr-defined]
+    assert [a.lr for a in default.adams[:10]] == [(k + 1) / 10 for k in range(10)]  # type: ignore[attr-defined]
+
+    cfg = load_config("tiny", ["sft.optimizer.beta2=0.9", "sft.optimizer.warmup=2", "optimizer.beta2=0.5"])
+    saved = tmp_path / "config.toml"
+    saved.write_text(dump_config(cfg))
+    assert load_config(saved) == cfg  # the nested table is written and read back
+    tuned = Recorder()
+    train_sft(tuned, examples, steps=4, batch_size=2, lr=1.0, optimizer=cfg.sft.optimizer)  # type: ignore[arg-type]
+    assert {a.beta2 for a in tuned.adams} == {0.9}  # type: ignore[attr-defined]  # not RL's 0.5
+    assert [a.lr for a in tuned.adams[:2]] == [0.5, 1.0]  # type: ignore[attr-defined]

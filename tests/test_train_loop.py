@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 from pathlib import Path
@@ -351,3 +352,19 @@ def test_components_passed_in_stay_open(tmp_path: Path) -> None:
         rollout_fn=fake_rollouts,
     ).run()
     assert closed == []
+
+
+@pytest.mark.parametrize("k", [0, 1])
+def test_the_synchronous_step_samples_in_the_trainers_own_task(tmp_path: Path, k: int) -> None:
+    """k = 0: each step awaits its sampling itself (no background task); only k >= 1 samples ahead in
+    the pipeline's task, ``retool-rollouts`` (``retool.train.pipeline``)."""
+    tasks: list[set[str]] = []
+
+    async def rollout_fn(request: RolloutRequest) -> list[list[Trajectory]]:
+        tasks.append({t.get_name() for t in asyncio.all_tasks()})
+        return await fake_rollouts(request)
+
+    cfg = override_config(fake_config(steps=3, every=0), [f"train.max_steps_off_policy={k}"])
+    make_trainer(cfg, tmp_path / "run", rollout_fn=rollout_fn).run()
+    assert len(tasks) == 3
+    assert all(("retool-rollouts" in names) == (k > 0) for names in tasks)

@@ -124,7 +124,6 @@ class RolloutConfig(_Section):
     max_observation_tokens: int = 512
     max_trajectory_tokens: int = 8192
     max_inflight_samples: int = 64
-    scheduling: Literal["per_trajectory", "round_sync"] = "per_trajectory"
     # Share of each round's questions rolled out text-only (no tool registered, the text-only system
     # prompt). 0 trains tool use alone (the chapter); a small share keeps the text-only mode from
     # collapsing while the tool-mode policy learns to call the tool.
@@ -140,9 +139,6 @@ class FiltersConfig(_Section):
     # Questions sampled per round = ceil(oversample * groups still missing); round 0 misses them all.
     oversample: float = Field(default=1.0, ge=1.0, le=16.0)
     max_extra_rounds: int = Field(default=2, ge=0)  # rounds after the first; then train on what there is
-    # No barrier between rounds: a question slot's next group starts as soon as its own degenerate group
-    # ends, not when the round's slowest does (retool.train.collect; later rounds' problems drawn up front).
-    stream_rounds: bool = False
     # SimpleTIR: a trajectory whose last turn has neither a complete call nor an answer gets no gradient.
     void_turn: bool = False
     # A trajectory cut by a token budget (turn or trajectory) gets no gradient.
@@ -265,12 +261,27 @@ class EvalConfig(_Section):
     save_transcripts: bool = False
 
 
+class SFTOptimizerConfig(_Section):
+    """The SFT stage's own AdamW settings (``[sft.optimizer]``), apart from RL's ``[optimizer]``: SFT and RL
+    are tuned differently (a cross-entropy warm start at a high learning rate against a policy-gradient
+    update on few informative groups), and verl and tinker-cookbook keep the two apart too. The defaults
+    are the ones the SFT stage always trained with; its peak learning rate is ``sft.lr``."""
+
+    beta1: float = 0.9
+    beta2: float = 0.98
+    eps: float = 1e-8
+    weight_decay: float = 0.0
+    grad_clip_norm: float = 1.0  # 0 turns clipping off
+    warmup: int = Field(default=10, ge=0)  # steps of linear warm-up before the cosine decay
+
+
 class SFTConfig(_Section):
     """Cold-start SFT on code-interleaved trajectories of the synthetic task family (``retool sft``)."""
 
     steps: int = Field(default=1500, ge=1)
     batch_size: int = Field(default=16, ge=1)
-    lr: float = 3e-3  # peak learning rate (linear warm-up, cosine decay to 10%)
+    lr: float = 3e-3  # peak learning rate (linear warm-up, cosine decay to 10%: ``[sft.optimizer]``)
+    optimizer: SFTOptimizerConfig = Field(default_factory=SFTOptimizerConfig)
     # Shares of trajectory styles: hard problems solved with a call / with a failing call then a fix
     # (the rest answer directly); easy problems solved with a call.
     hard_tool: float = Field(default=0.35, ge=0.0, le=1.0)
@@ -473,13 +484,22 @@ def dump_config(config: Config) -> str:
     """Render a config as TOML (saved beside every run so it can be reproduced)."""
     lines: list[str] = []
     for section, values in config.model_dump().items():
-        lines.append(f"[{section}]")
-        for key, value in values.items():
-            if value is None:
-                continue
-            lines.append(f"{key} = {_toml_literal(value)}")
-        lines.append("")
+        _dump_table(lines, section, values)
     return "\n".join(lines)
+
+
+def _dump_table(lines: list[str], name: str, values: Mapping[str, object]) -> None:
+    """One ``[name]`` table, then its sub-tables (``[sft.optimizer]``) after its own keys, as TOML wants."""
+    lines.append(f"[{name}]")
+    lines.extend(
+        f"{key} = {_toml_literal(v)}"
+        for key, v in values.items()
+        if v is not None and not isinstance(v, dict)
+    )
+    lines.append("")
+    for key, v in values.items():
+        if isinstance(v, dict):
+            _dump_table(lines, f"{name}.{key}", v)
 
 
 def _toml_literal(value: object) -> str:

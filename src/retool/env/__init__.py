@@ -4,9 +4,11 @@
   ``interrupt``, ``outcome``), ``EnvGroupBuilder`` (a problem's group, optional group rewards),
   ``Observation``, ``StepResult``, ``Outcome`` (why it stopped, how it was scored), ``AssistantTurn``,
   ``STOP_REASONS``.
-- ``scoring``: ``Attempt``, ``Score``, ``score_final_answer`` (the chapter's reward), ``VerifierLike``.
+- ``scoring``: ``Attempt``, ``Score``, ``score_final_answer`` (the chapter's reward), ``VerifierLike``,
+  ``ScoreRule`` (a source's rule: attempt and verifier to score), ``Scorer`` (an environment's: attempt to score).
 - ``source``: ``ProblemSource`` (the dataset role: ``problems(split)``, ``epoch(seed, epoch)``,
-  ``score(attempt, verifier)``, ``group_builder(problem, setup, group_size)``), ``EnvSetup`` (what one
+  ``score(attempt, verifier)``, ``group_builders(problems, setup, group_size)`` (a batch's groups, the
+  shape of tinker-cookbook's ``RLDataset.get_batch``) over ``group_builder``), ``EnvSetup`` (what one
   mode's environments share; it makes their groups), ``ProblemList`` (a fixed list), ``SourceError``.
   It imports no environment kind.
 - ``retool``: the ReTool environments: ``ToolSetup`` (protocol, tool or None for text-only, verifier,
@@ -38,7 +40,7 @@ from retool.env.retool import (
     ToolSetup,
     retool_outcome,
 )
-from retool.env.scoring import Attempt, Score, Scorer, VerifierLike, score_final_answer
+from retool.env.scoring import Attempt, Score, Scorer, ScoreRule, VerifierLike, score_final_answer
 from retool.env.source import SPLITS, EnvSetup, ProblemList, ProblemSource, SourceError, Split
 from retool.env.synthetic import TaskFamilySource
 from retool.env.types import (
@@ -70,6 +72,7 @@ __all__ = [
     "ReToolGroupBuilder",
     "ReToolOutcome",
     "Score",
+    "ScoreRule",
     "Scorer",
     "SourceError",
     "SourceOptions",

@@ -19,7 +19,9 @@ registers none and the first turn is the answer. A tool that raises ends the tra
 ``executor_error`` (an infrastructure failure); a failing program is an ordinary observation.
 
 ``ToolSetup`` is what every environment of one mode shares (protocol, tool, verifier, budgets) and makes
-the groups (``ToolSetup.group_builder``): a problem source asks it for a problem's group. A finished
+the groups (``ToolSetup.group_builder``): a problem source asks it for a problem's group, handing it its
+scoring rule; the group (``ReToolGroupBuilder``) scores its attempts with that rule and the setup's
+verifier (``score_attempt``). A finished
 environment reports a ``ReToolOutcome``: the generic ``Outcome`` and the tool's calls, results and
 observations.
 """
@@ -36,7 +38,7 @@ from typing import Protocol
 
 from retool.config import RolloutConfig
 from retool.data.problem import Problem
-from retool.env.scoring import UNCHECKED, Attempt, Score, Scorer, VerifierLike, score_final_answer
+from retool.env.scoring import UNCHECKED, Attempt, Score, Scorer, ScoreRule, VerifierLike, score_final_answer
 from retool.env.types import (
     Action,
     AssistantTurn,
@@ -115,11 +117,11 @@ class ToolSetup:
         self.budgets.check()
 
     def group_builder(
-        self, problem: Problem, group_size: int, problem_index: int = 0, scorer: Scorer | None = None
+        self, problem: Problem, group_size: int, problem_index: int = 0, score: ScoreRule | None = None
     ) -> ReToolGroupBuilder:
-        """``group_size`` ReTool environments of ``problem`` with this setup, scored by ``scorer`` (default:
-        the verifier's check of the final answer)."""
-        return ReToolGroupBuilder(problem, self, group_size, problem_index=problem_index, scorer=scorer)
+        """``group_size`` ReTool environments of ``problem`` with this setup, scored by ``score`` with this
+        setup's verifier (default: the verifier's check of the final answer)."""
+        return ReToolGroupBuilder(problem, self, group_size, problem_index=problem_index, score=score)
 
     @functools.cached_property
     def stop(self) -> tuple[str, ...] | tuple[int, ...]:
@@ -347,8 +349,9 @@ class ReToolEnv(Env):
 
 
 class ReToolGroupBuilder(EnvGroupBuilder):
-    """``group_size`` ReTool environments of one problem; they share their first prompt, so the engine
-    asks for the whole group in one request."""
+    """``group_size`` ReTool environments of one problem with ``setup`` (they share their first prompt, so
+    the engine asks for the whole group in one request), scored by ``score`` (a source's rule; default:
+    the verifier's check of the final answer) with the setup's verifier."""
 
     def __init__(
         self,
@@ -357,16 +360,21 @@ class ReToolGroupBuilder(EnvGroupBuilder):
         group_size: int,
         *,
         problem_index: int = 0,
-        scorer: Scorer | None = None,
+        score: ScoreRule | None = None,
     ) -> None:
         if group_size < 1:
             raise ValueError(f"group_size must be at least 1, got {group_size}")
         self.problem, self.problem_index = problem, problem_index
         self.setup, self.group_size = setup, group_size
-        self.scorer: Scorer = scorer or functools.partial(score_final_answer, verifier=setup.verifier)
+        self.score: ScoreRule = score or score_final_answer
+
+    async def score_attempt(self, attempt: Attempt) -> Score:
+        """The reward of one of this group's finished attempts (what its environments call when they end)."""
+        return await self.score(attempt, self.setup.verifier)
 
     def make_envs(self) -> list[Env]:
         self.setup.check()
         messages = self.setup.protocol.initial_messages(self.problem.question)
         start = messages, list(self.setup.protocol.build_prompt(messages))  # rendered once per group
-        return [ReToolEnv(self.problem, self.setup, self.scorer, b, start) for b in range(self.group_size)]
+        scorer: Scorer = self.score_attempt
+        return [ReToolEnv(self.problem, self.setup, scorer, b, start) for b in range(self.group_size)]

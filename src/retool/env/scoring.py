@@ -59,8 +59,12 @@ class Score:
     status: str = ""
 
 
-# The reward of one finished attempt.
+# The reward of one finished attempt (what an environment calls when its trajectory ends).
 Scorer = Callable[[Attempt], Awaitable[Score]]
+
+# A source's scoring rule: the reward of an attempt checked by a verifier (``ProblemSource.score``,
+# ``score_final_answer``). A group builder holds the rule and its setup's verifier.
+ScoreRule = Callable[[Attempt, VerifierLike], Awaitable[Score]]
 
 # The score of an attempt the verifier did not check (any stop other than an answer) or could not.
 UNCHECKED = Score(-1.0)

@@ -3,10 +3,13 @@
 Shaped after tinker-cookbook's ``RLDataset``: a ``ProblemSource`` says *which* problems there are
 (``problems(split)``), in which order training sees them (``epoch(seed, epoch)``, a pure function so a
 resumed run draws the same ones) and how a finished attempt is scored (``score``; by default the
-chapter's +1 / -1 check of the final ``\\boxed{}`` answer). The environments of a problem's group come
-from the run's ``EnvSetup`` (what every environment of one mode shares; ``retool.env.retool.ToolSetup``
-makes ReTool environments with its tool), scored by the source: ``group_builder(problem, setup, n)``.
-A source overrides ``score`` for another reward and ``group_builder`` to wrap or replace the environments.
+chapter's +1 / -1 check of the final ``\\boxed{}`` answer). It hands out the groups of a batch of
+problems (``group_builders(problems, setup, n)``, the shape of ``RLDataset.get_batch``): one
+``EnvGroupBuilder`` per problem, made by the run's ``EnvSetup`` (what every environment of one mode
+shares; ``retool.env.retool.ToolSetup`` makes ReTool environments with its tool) and given the source's
+scoring rule, so each builder owns its environments and their scoring and nothing calls back into the
+source. A source overrides ``score`` for another reward and ``group_builder`` (one problem's group) to
+wrap or replace the environments.
 
 This module knows no environment kind: it imports the seam (``retool.env.types``) and the scoring shapes
 only. ``retool.env.registry`` builds sources by name; the trainer and the evaluator each take one.
@@ -21,7 +24,7 @@ from typing import Literal, Protocol
 
 from retool.data.problem import Problem
 from retool.data.readers import DataError
-from retool.env.scoring import Attempt, Score, Scorer, VerifierLike, score_final_answer
+from retool.env.scoring import Attempt, Score, ScoreRule, VerifierLike, score_final_answer
 from retool.env.types import EnvGroupBuilder
 
 Split = Literal["train", "test"]
@@ -34,13 +37,14 @@ class SourceError(DataError):
 
 class EnvSetup(Protocol):
     """What the environments of one mode share, and the kind of environment they are: a setup makes a
-    problem's group bound to itself (``retool.env.retool.ToolSetup``: ReTool environments)."""
+    problem's group bound to itself and scored by ``score`` with its verifier (``retool.env.retool.ToolSetup``:
+    ReTool environments)."""
 
     @property
     def verifier(self) -> VerifierLike: ...
 
     def group_builder(
-        self, problem: Problem, group_size: int, problem_index: int = 0, scorer: Scorer | None = None
+        self, problem: Problem, group_size: int, problem_index: int = 0, score: ScoreRule | None = None
     ) -> EnvGroupBuilder: ...
 
 
@@ -75,16 +79,20 @@ class ProblemSource(abc.ABC):
         verifier's check of the final answer, -1 for any stop other than an answer."""
         return await score_final_answer(attempt, verifier)
 
+    def group_builders(
+        self, problems: Sequence[Problem], setup: EnvSetup, group_size: int
+    ) -> list[EnvGroupBuilder]:
+        """The groups of one batch of problems (tinker-cookbook's ``RLDataset.get_batch``): one builder per
+        problem, in order, its index its position in the batch (``group_builder``)."""
+        return [self.group_builder(problem, setup, group_size, i) for i, problem in enumerate(problems)]
+
     def group_builder(
         self, problem: Problem, setup: EnvSetup, group_size: int, problem_index: int = 0
     ) -> EnvGroupBuilder:
         """The environments of ``problem``'s group: ``setup``'s kind (ReTool environments with its tool,
-        none: text-only), scored by ``score``. Override it to wrap or replace them."""
-
-        async def scorer(attempt: Attempt) -> Score:
-            return await self.score(attempt, setup.verifier)
-
-        return setup.group_builder(problem, group_size, problem_index, scorer)
+        none: text-only), holding this source's rule ``score`` and the setup's verifier. Override it to
+        wrap or replace them."""
+        return setup.group_builder(problem, group_size, problem_index, self.score)
 
 
 class ProblemList(ProblemSource):

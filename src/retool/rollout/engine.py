@@ -1,4 +1,4 @@
-"""The rollout scheduler: many environments sampled by one policy, per trajectory or round by round.
+"""The rollout scheduler: many environments sampled by one policy, each trajectory on its own.
 
 Owns ``run_rollout(request)``, the one rollout function the trainer and the evaluator call. The engine knows
 nothing of tools, parsing, budgets or rewards (it imports the environment seam, ``retool.env.types``, and no
@@ -9,17 +9,14 @@ into an immutable ``Trajectory``. A group's environments (``EnvGroupBuilder.make
 same first observation are sampled in one request (``num_samples = group size``), so the sampler shares
 the prompt prefix; after that each branch continues alone with ``num_samples = 1``.
 
-Scheduling (``RolloutRequest.scheduling``):
-
-- ``per_trajectory`` (default): every trajectory is its own asyncio task and goes back to sampling as
-  soon as its own step finishes, so sampling and tool execution overlap with no round barrier;
-- ``round_sync``: the chapter's scheme - every active trajectory samples, then every environment steps
-  (runs its pending code), then a barrier; kept for the benchmark and comparisons.
-
-In both, an ``asyncio.Semaphore`` caps in-flight sampling requests (``max_inflight_samples``). A sampler
-exception ends only that trajectory (the environment is interrupted with ``sampler_error``); an
-observation with no room for one token is never sampled (``context_full``). Request seeds derive from
-(run seed, problem index, branch, turn) (``request_seed``), the same under both schedulers.
+Scheduling: every trajectory is its own asyncio task and goes back to sampling as soon as its own step
+finishes, so sampling and tool execution overlap with no round barrier. (The chapter's round-synchronous
+scheme, a barrier after every round, is a comparison kept in ``bench/_round_sync.py``, built on this
+module's ``Scheduler`` steps; it samples the same requests.) An ``asyncio.Semaphore`` caps in-flight
+sampling requests (``max_inflight_samples``). A sampler exception ends only that trajectory (the
+environment is interrupted with ``sampler_error``); an observation with no room for one token is never
+sampled (``context_full``). Request seeds derive from (run seed, problem index, branch, turn)
+(``request_seed``), whatever the order requests are made in.
 """
 
 from __future__ import annotations
@@ -30,7 +27,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, Protocol, TypeVar
+from typing import Protocol, TypeVar
 
 from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import SamplingConfig
@@ -40,7 +37,6 @@ from retool.rollout.types import Trajectory, Transition
 logger = logging.getLogger(__name__)
 
 OnTrajectory = Callable[[Trajectory], None]
-Scheduling = Literal["per_trajectory", "round_sync"]
 T = TypeVar("T")
 
 
@@ -64,7 +60,6 @@ class RolloutRequest:
     policy: Policy
     sampling: SamplingConfig
     seed: int = 0
-    scheduling: Scheduling = "per_trajectory"
     max_inflight_samples: int = 64
     on_trajectory: OnTrajectory | None = None
 
@@ -78,8 +73,8 @@ class RolloutFn(Protocol):
 def request_seed(seed: int, problem_index: int, branch: int, turn: int) -> int:
     """A per-request sampling seed derived from (run seed, problem index, branch, turn).
 
-    ``branch`` is -1 for the first-turn group request. Stable across processes (no ``hash()``), and the
-    same under both schedulers, so a rerun with the same seed asks the sampler the same questions.
+    ``branch`` is -1 for the first-turn group request. Stable across processes (no ``hash()``), and
+    independent of the order requests are made in, so a rerun with the same seed asks the sampler the same questions.
     """
     digest = hashlib.blake2b(f"{seed}:{problem_index}:{branch}:{turn}".encode(), digest_size=8).digest()
     return int.from_bytes(digest, "little") & 0x7FFFFFFF
@@ -115,8 +110,10 @@ def _error_text(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {exc}"
 
 
-class _Scheduler:
-    """One call of ``run_rollout``: the policy, the sampling settings and the in-flight cap."""
+class Scheduler:
+    """One call of ``run_rollout``: the policy, the sampling settings and the in-flight cap. Its steps
+    (``_start``, ``_first_actions``, ``_step``, ``_sample_one``, ``_finish``) are what any scheduling is made
+    of; ``run_per_trajectory`` is the one this project rolls out with."""
 
     def __init__(self, request: RolloutRequest) -> None:
         self.request = request
@@ -183,18 +180,18 @@ class _Scheduler:
         (the sampler shares the prefix), else one request per run. None: the run already ended."""
         firsts = [run.observation for run in runs]
         if any(o != firsts[0] for o in firsts):
-            return await _gather_all([self._first_alone(run) for run in runs])
+            return await gather_all([self._first_alone(run) for run in runs])
         observation = firsts[0]
         assert observation is not None
         if observation.max_tokens < 1:
-            await _gather_all([self._interrupt(run, "context_full") for run in runs])
+            await gather_all([self._interrupt(run, "context_full") for run in runs])
             return [None] * len(runs)
         seed = request_seed(self.request.seed, runs[0].problem_index, -1, 0)
         try:
             samples, seconds = await self._sample(observation, len(runs), seed)
         except Exception as exc:
             logger.warning("sampler failed on problem %s (group request): %r", runs[0].problem_id, exc)
-            await _gather_all([self._interrupt(run, "sampler_error", _error_text(exc)) for run in runs])
+            await gather_all([self._interrupt(run, "sampler_error", _error_text(exc)) for run in runs])
             return [None] * len(runs)
         return [(s, seconds) for s in samples]
 
@@ -247,32 +244,14 @@ class _Scheduler:
     async def _group_per_trajectory(self, builder: EnvGroupBuilder) -> list[Trajectory]:
         runs = self._start(builder)
         firsts = await self._first_actions(runs)
-        await _gather_all([self._run_alone(run, first) for run, first in zip(runs, firsts, strict=True)])
+        await gather_all([self._run_alone(run, first) for run, first in zip(runs, firsts, strict=True)])
         return await self._finish(builder, runs)
 
     async def run_per_trajectory(self) -> list[list[Trajectory]]:
-        return await _gather_all([self._group_per_trajectory(b) for b in self.request.groups])
-
-    # -- round-synchronous scheduling (the chapter's scheme) -----------------------------------------
-    async def run_round_sync(self) -> list[list[Trajectory]]:
-        """Every active trajectory samples, then every environment steps (the round barrier), repeat."""
-        groups = [self._start(b) for b in self.request.groups]
-        firsts = await _gather_all([self._first_actions(runs) for runs in groups])
-        pending = [
-            (run, action)
-            for runs, actions in zip(groups, firsts, strict=True)
-            for run, action in zip(runs, actions, strict=True)
-            if action is not None
-        ]
-        while pending:
-            await _gather_all([self._step(run, *action) for run, action in pending])
-            active = [run for run, _ in pending if run.observation is not None]
-            actions = await _gather_all([self._sample_one(run) for run in active])
-            pending = [(run, a) for run, a in zip(active, actions, strict=True) if a is not None]
-        return [await self._finish(b, runs) for b, runs in zip(self.request.groups, groups, strict=True)]
+        return await gather_all([self._group_per_trajectory(b) for b in self.request.groups])
 
 
-async def _gather_all(coros: Sequence[Awaitable[T]]) -> list[T]:
+async def gather_all(coros: Sequence[Awaitable[T]]) -> list[T]:
     """Run coroutines as tasks; if one raises, cancel the rest (and wait for them) before re-raising."""
     tasks: list[asyncio.Future[T]] = [asyncio.ensure_future(c) for c in coros]
     try:
@@ -288,7 +267,4 @@ async def run_rollout(request: RolloutRequest) -> list[list[Trajectory]]:
     """Roll out every group of ``request``: the one rollout function; returns one list of trajectories (a group) per builder."""
     if not request.groups:
         return []
-    scheduler = _Scheduler(request)
-    if request.scheduling == "round_sync":
-        return await scheduler.run_round_sync()
-    return await scheduler.run_per_trajectory()
+    return await Scheduler(request).run_per_trajectory()

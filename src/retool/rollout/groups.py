@@ -2,9 +2,10 @@
 
 A ``GroupSampler`` binds a problem source to the setup of one mode (``retool.env.retool.ToolSetup``: the
 tool on, or none for text-only) and to the rollout settings. ``sample(problems, policy, group_size=,
-seed=)`` asks the source for each problem's group (``ProblemSource.group_builder``; a problem's index
-is its position) and rolls them out in one ``RolloutRequest`` with the rollout function
-(``retool.rollout.engine.run_rollout`` unless a caller injects its own). The trainer (one sampler per
+seed=)`` asks the source for the batch's groups (``ProblemSource.group_builders``: one builder per
+problem, its index its position, each owning its environments and their scoring) and rolls them out in
+one ``RolloutRequest`` with the rollout function (``retool.rollout.engine.run_rollout`` unless a caller
+injects its own). The trainer (one sampler per
 mode), the evaluator and ``run_group_rollouts`` (the default ReTool environments from loose parts, for
 scripts and benchmarks) all sample through it; ``GroupSampler.from_parts`` builds the setup from a run's
 components and config.
@@ -22,19 +23,18 @@ from retool.env.retool import Budgets, Tool, ToolSetup
 from retool.env.scoring import VerifierLike
 from retool.env.source import EnvSetup, ProblemList, ProblemSource
 from retool.protocol import ChatProtocol
-from retool.rollout.engine import OnTrajectory, Policy, RolloutFn, RolloutRequest, Scheduling, run_rollout
+from retool.rollout.engine import OnTrajectory, Policy, RolloutFn, RolloutRequest, run_rollout
 from retool.rollout.types import Trajectory
 
 
 @dataclass(frozen=True)
 class GroupSampler:
-    """The groups of ``source``'s problems in one mode (``setup``), sampled with ``sampling``'s settings and
-    scheduled as ``scheduling`` asks, through ``rollout_fn``."""
+    """The groups of ``source``'s problems in one mode (``setup``), sampled with ``sampling``'s settings
+    through ``rollout_fn``."""
 
     source: ProblemSource
     setup: EnvSetup
     sampling: SamplingConfig
-    scheduling: Scheduling = "per_trajectory"
     max_inflight_samples: int = 64
     rollout_fn: RolloutFn = run_rollout
 
@@ -50,14 +50,13 @@ class GroupSampler:
     ) -> GroupSampler:
         """ReTool environments of ``source`` with ``parts``' protocol and verifier, the executor as the tool
         (``tools``; otherwise none: text-only, and ``parts.protocol`` must register no tool), the budgets,
-        sampling and scheduling of ``config``."""
+        sampling settings and in-flight cap of ``config``."""
         budgets = Budgets.from_config(config.rollout)
         setup = ToolSetup(parts.protocol, parts.executor if tools else None, parts.verifier, budgets)
         return cls(
             source,
             setup,
             config.sampling,
-            config.rollout.scheduling,
             config.rollout.max_inflight_samples,
             rollout_fn,
         )
@@ -74,13 +73,11 @@ class GroupSampler:
         """One group of ``group_size`` trajectories per problem, in order (none for no problems)."""
         if not problems:
             return []
-        builders = [self.source.group_builder(p, self.setup, group_size, i) for i, p in enumerate(problems)]
         request = RolloutRequest(
-            builders,
+            self.source.group_builders(problems, self.setup, group_size),
             policy,
             self.sampling,
             seed=seed,
-            scheduling=self.scheduling,
             max_inflight_samples=self.max_inflight_samples,
             on_trajectory=on_trajectory,
         )
@@ -100,9 +97,11 @@ async def run_group_rollouts(
     seed: int = 0,
     use_tools: bool = True,
     on_trajectory: OnTrajectory | None = None,
+    rollout_fn: RolloutFn = run_rollout,
 ) -> list[list[Trajectory]]:
     """The default ReTool environments of ``problems`` rolled out from loose parts (scripts, tests,
-    benchmarks; the trainer and the evaluator hold a ``GroupSampler`` of their own).
+    benchmarks; the trainer and the evaluator hold a ``GroupSampler`` of their own), through
+    ``rollout_fn`` (a benchmark passes another scheduling).
 
     ``executor`` is the tool (None only with ``use_tools=False``: text-only); attempts are scored by the
     verifier's check of the final answer.
@@ -114,7 +113,7 @@ async def run_group_rollouts(
     setup = ToolSetup(protocol, executor if use_tools else None, verifier, Budgets.from_config(rollout))
     setup.check()
     source = ProblemList(problems, shuffle=False)
-    groups = GroupSampler(source, setup, sampling, rollout.scheduling, rollout.max_inflight_samples)
+    groups = GroupSampler(source, setup, sampling, rollout.max_inflight_samples, rollout_fn)
     return await groups.sample(
         problems, sampler, group_size=group_size, seed=seed, on_trajectory=on_trajectory
     )

@@ -300,6 +300,7 @@ def cold_start_sft(
         steps=s.steps,
         batch_size=s.batch_size,
         lr=s.lr,
+        optimizer=s.optimizer,
         seed=seed,
         on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
     )
@@ -317,6 +318,7 @@ def train_on_examples(
         steps=s.steps,
         batch_size=s.batch_size,
         lr=s.lr,
+        optimizer=s.optimizer,
         seed=config.train.seed,
         on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
     )

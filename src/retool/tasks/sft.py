@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 
 from retool.backends.interface.clients import TrainingClient
 from retool.backends.interface.types import AdamParams, Datum
+from retool.config import SFTOptimizerConfig
 from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.jsonl import JsonObject
@@ -209,7 +210,7 @@ def train_sft(
     steps: int,
     batch_size: int = 16,
     lr: float = 3e-3,
-    warmup: int = 10,
+    optimizer: SFTOptimizerConfig | None = None,
     seed: int = 0,
     on_step: Callable[[int, float], None] | None = None,
     final_examples: Sequence[SFTExample] = (),
@@ -218,7 +219,8 @@ def train_sft(
     """Cross-entropy SFT through ``client.forward_backward_async(..., "cross_entropy")`` + ``optim_step_async``.
 
     The loss per batch is the mean over assistant tokens (weights scaled by 1 / assistant tokens).
-    Learning rate: linear warm-up then cosine decay to 10%, over all ``steps``. With ``final_examples``
+    Learning rate: peak ``lr``, linear warm-up then cosine decay to 10%, over all ``steps``; the warm-up
+    and AdamW's settings are ``optimizer``'s (``[sft.optimizer]``; default: its defaults). With ``final_examples``
     the last ``final_steps`` steps draw their batches from those instead (a second stage, same schedule).
     All steps run in one event loop: a loop per call (the sync methods) cost ~1.5 ms a call, 3% of a tiny
     model's step.
@@ -232,7 +234,8 @@ def train_sft(
         report.styles[ex.style] = report.styles.get(ex.style, 0) + 1
     start = time.perf_counter()
     batches = _sft_batches(examples, final_examples, steps, final_steps, batch_size, seed)
-    asyncio.run(_train_steps(client, batches, steps, lr, warmup, report, on_step))
+    settings = optimizer if optimizer is not None else SFTOptimizerConfig()
+    asyncio.run(_train_steps(client, batches, steps, lr, settings, report, on_step))
     report.seconds = time.perf_counter() - start
     return report
 
@@ -266,10 +269,11 @@ async def _train_steps(
     batches: Iterator[list[SFTExample]],
     steps: int,
     lr: float,
-    warmup: int,
+    optimizer: SFTOptimizerConfig,
     report: SFTReport,
     on_step: Callable[[int, float], None] | None,
 ) -> None:
+    warmup = optimizer.warmup
     for step, batch in enumerate(batches):
         n_tokens = sum(sum(ex.weights[1:]) for ex in batch)
         datums = [ex.to_datum(1.0 / n_tokens) for ex in batch]
@@ -280,7 +284,14 @@ async def _train_steps(
             else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
         )
         await client.optim_step_async(
-            AdamParams(lr=lr * frac, beta1=0.9, beta2=0.98, weight_decay=0.0, grad_clip_norm=1.0)
+            AdamParams(
+                lr=lr * frac,
+                beta1=optimizer.beta1,
+                beta2=optimizer.beta2,
+                eps=optimizer.eps,
+                weight_decay=optimizer.weight_decay,
+                grad_clip_norm=optimizer.grad_clip_norm,
+            )
         )
         report.losses.append(float(result.loss))
         if on_step is not None:

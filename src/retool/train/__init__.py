@@ -1,11 +1,11 @@
 """retool.train: the ReTool RL loop (docs/spec.md §5-§6, chapter 8.4.7).
 
-- ``step``: datums with the interpreter feedback mask, group advantages, degenerate groups, mean-reduction
-  weights, micro-batches, one optimizer step.
+- ``step``: datums with the interpreter feedback mask, group advantages, the one verdict on a group
+  (``is_informative``: rewards differ), mean-reduction weights, micro-batches, one optimizer step.
 - ``loop``: ``Trainer`` / ``run_training``: one RL step in ``Trainer._one_step`` (sample, build datums,
   train, log), checkpoints, resume.
-- ``pipeline``: ``BatchSampler``, the trainer's sampler of each step's batch (ahead of training with
-  ``train.max_steps_off_policy``); ``collect``: ``StepSampler``, one step's batch (rounds, dynamic
+- ``pipeline``: the trainer's sampler of each step's batch: ``SyncSampler`` (sampled when the step asks,
+  the default) or ``BatchSampler`` (ahead of training with ``train.max_steps_off_policy`` >= 1); ``collect``: ``StepSampler``, one step's batch (rounds, dynamic
   sampling, the text-only share, RoC); ``roc``: Resample-on-Correct.
 - ``datasource``: the problem stream over a problem source's epochs, with a resumable position;
   ``ProblemFeed``.
@@ -24,6 +24,7 @@ from retool.train.step import (
     build_step_data,
     group_advantages,
     is_degenerate,
+    is_informative,
     mean_reduction_weights,
     pack_micro_batches,
     train_step,
@@ -41,6 +42,7 @@ __all__ = [
     "build_step_data",
     "group_advantages",
     "is_degenerate",
+    "is_informative",
     "mean_reduction_weights",
     "pack_micro_batches",
     "rollout_metrics",

@@ -4,8 +4,9 @@
 group with the policy (``retool.rollout.GroupSampler``: the last ``rollout.text_only_share`` of a round's
 questions text-only, the rest with the tool) and keeps what the filters let through:
 
-- one round (the chapter), every group kept; or DAPO's dynamic sampling: over-sample questions, drop the
-  groups whose rewards are all equal (every advantage is zero, so they carry no gradient) and sample
+- one round (the chapter), every group kept (``build_step_data`` trains the informative ones); or DAPO's
+  dynamic sampling: over-sample questions, drop the groups whose rewards are all equal (not
+  ``retool.train.step.is_informative``: every advantage is zero, no gradient) and sample
   further rounds until ``questions_per_step`` informative groups are collected or ``max_extra_rounds``
   extra rounds are spent; then the step trains on what it has. Extra informative groups of the last
   round are dropped (in sampling order), so every step trains on at most ``questions_per_step`` groups,
@@ -27,7 +28,6 @@ from __future__ import annotations
 
 import asyncio
 import math
-from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
 from retool.config import FiltersConfig, RolloutConfig
@@ -36,7 +36,7 @@ from retool.rollout import GroupSampler, Policy, Trajectory
 from retool.train.datasource import ProblemFeed
 from retool.train.metrics import raise_if_step_lost
 from retool.train.roc import resample_on_correct, sampled_group_size, tool_error_metrics
-from retool.train.step import is_degenerate
+from retool.train.step import is_informative
 
 
 @dataclass
@@ -104,10 +104,6 @@ def questions_for_round(missing: int, oversample: float) -> int:
     return max(1, math.ceil(oversample * missing - 1e-9))
 
 
-def _rewards(group: Sequence[Trajectory]) -> list[float]:
-    return [float(t.reward) for t in group]
-
-
 class StepSampler:
     """Samples one step's batch with a policy (module docstring): ``tools`` rolls out the tool-mode
     questions, ``text`` the text-only share (needed only when ``rollout.text_only_share > 0``)."""
@@ -133,15 +129,13 @@ class StepSampler:
         if self.filters.roc and group_size < 1:
             raise ValueError(f"filters.roc needs the group size to keep, got {group_size}")
         if self.filters.dynamic_sampling:
-            if self.filters.stream_rounds:
-                return await self._streamed_rounds(step, feed, policy)
             return await self._dynamic_rounds(step, feed, policy)
         out = Collected(groups=[])
         problems = feed.next_batch(target)
         groups = await self._sample_round(step, 0, problems, policy)
         out.groups = self._down_sample(out, groups, step, 0)
         out.sampled, out.problems = list(groups), list(problems)
-        out.informative = sum(not is_degenerate(_rewards(g)) for g in out.groups)
+        out.informative = sum(is_informative(g) for g in out.groups)
         return out
 
     async def _dynamic_rounds(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
@@ -159,52 +153,10 @@ class StepSampler:
             out.sampled.extend(groups)
             out.problems.extend(problems)
             trained = self._down_sample(out, groups, step, round_index)
-            good = [g for g in trained if not is_degenerate(_rewards(g))]
+            good = [g for g in trained if is_informative(g)]
             out.informative += len(good)
             kept.extend(good)
         out.groups = kept[:target]
-        return out
-
-    async def _streamed_rounds(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
-        """Dynamic sampling without a barrier between rounds (``filters.stream_rounds``): question slot
-        ``i`` samples its round-``r`` group as soon as its round-``r - 1`` group came back degenerate, and
-        stops at its first informative one. With ``oversample`` 1 that is, slot by slot, the groups rounds
-        sample; only the step's latency differs (a round waits for its slowest group). The problems of
-        every round are drawn up front (slot ``i``'s round ``r`` is the ``r * slots + i``-th), so what a
-        step samples does not depend on which group finished first; the unused ones are skipped."""
-        target, filters = self.rollout.questions_per_step, self.filters
-        slots = questions_for_round(target, filters.oversample)
-        rounds = 1 + filters.max_extra_rounds
-        problems = feed.next_batch(slots * rounds)
-        split = slots - text_only_count(slots, self.rollout.text_only_share)
-        if split < slots and self.text is None:
-            raise ValueError("rollout.text_only_share > 0 needs a text-only group sampler")
-        size = sampled_group_size(self.rollout.group_size, filters)
-        out = Collected(groups=[])  # counts what RoC leaves out as the slots down-sample
-        done: dict[tuple[int, int], tuple[list[Trajectory], list[Trajectory]]] = {}
-
-        async def run_slot(i: int) -> None:
-            sampler = self.tools if i < split else (self.text or self.tools)
-            for r in range(rounds):
-                seed = (round_seed(rollout_seed(self.seed, step), r) + 7_919 * (i + 1)) % (2**31 - 1)
-                seed = seed if i < split else seed ^ 0x5EED
-                groups = await sampler.sample([problems[r * slots + i]], policy, group_size=size, seed=seed)
-                raise_if_step_lost(groups, step)
-                trained = self._down_sample(out, groups, step, r)[0]
-                done[(r, i)] = (groups[0], trained)
-                if not is_degenerate(_rewards(trained)):
-                    return
-
-        await asyncio.gather(*(run_slot(i) for i in range(slots)))
-        for r, i in sorted(done):
-            sampled, trained = done[(r, i)]
-            out.sampled.append(sampled)
-            out.problems.append(problems[r * slots + i])
-            if not is_degenerate(_rewards(trained)):
-                out.informative += 1
-                out.groups.append(trained)
-        out.rounds = 1 + max(r for r, _ in done)
-        out.groups = out.groups[:target]
         return out
 
     async def _sample_round(

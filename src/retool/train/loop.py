@@ -13,13 +13,14 @@ components (``retool.components.Components``: backend, protocol, executor, verif
 are built from the config, through the same functions every other command uses.
 
 One RL step (``_one_step``): hand the batch sampler the policy over the current weights and take this
-step's batch of groups (``BatchSampler.submit`` / ``batch_for``: ``retool.train.pipeline``, whose
-``StepSampler`` rolls the groups out and filters them, ``retool.train.collect``); build the datums,
-dropping what the filters leave out (``build_step_data``, ``retool.train.step``); write the trajectories;
-train (``train_step``); log the metrics line and checkpoint when due. The batch sampler owns its
-background work: with ``train.max_steps_off_policy = 0`` (the default) batch t is sampled from the
-weights step t starts with, after the previous step finished: the synchronous loop. With k >= 1 the
-batches of steps t+1..t+k are sampled while step t trains, k versions behind.
+step's batch of groups (``submit`` / ``batch_for``: ``retool.train.pipeline``, whose ``StepSampler`` rolls
+the groups out and filters them, ``retool.train.collect``); build the datums, dropping what the filters
+leave out (``build_step_data``, ``retool.train.step``); write the trajectories; train (``train_step``);
+log the metrics line and checkpoint when due. With ``train.max_steps_off_policy = 0`` (the default) the
+batch sampler is ``SyncSampler``: ``batch_for(t)`` samples batch t right there, from the weights step t
+starts with, after the previous step finished: the synchronous loop, no background task. With k >= 1 it
+is ``BatchSampler``, whose background task samples the batches of steps t+1..t+k while step t trains, k
+versions behind.
 
 Exactness of resume: a step's problems come from a ``ProblemStream`` whose position is checkpointed;
 sampling seeds derive from ``(train.seed, step)``; weights, optimizer and RNG come back from the
@@ -69,7 +70,15 @@ from retool.train.metrics import (
     rollout_metrics,
     scalars_of,
 )
-from retool.train.pipeline import Batch, BatchSampler, PipelineState, pipeline_metrics, requeue_stale
+from retool.train.pipeline import (
+    Batch,
+    BatchSampler,
+    PipelineState,
+    StepBatches,
+    SyncSampler,
+    pipeline_metrics,
+    requeue_stale,
+)
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
@@ -240,8 +249,9 @@ class Trainer:
 
     def _batch_sampler(
         self, start_step: int, position: DataPosition, queued: PipelineState | None
-    ) -> BatchSampler:
-        """The sampler of this run's batches, holding the batches a checkpoint restored (stale ones requeued)."""
+    ) -> StepBatches:
+        """The sampler of this run's batches: synchronous for k = 0; for k >= 1 sampling ahead (started),
+        holding the batches a checkpoint restored (stale ones requeued)."""
         cfg, parts, source = self.config, self.components, self.source
         assert parts is not None and source is not None
         k = cfg.train.max_steps_off_policy
@@ -261,14 +271,21 @@ class Trainer:
         if cfg.rollout.text_only_share > 0:
             text_parts = parts.for_mode(False)
             text = GroupSampler.from_parts(source, text_parts, cfg, tools=False, rollout_fn=self._rollout_fn)
-        return BatchSampler(
-            StepSampler(tools, text, cfg.rollout, cfg.filters, seed=cfg.train.seed),
-            ProblemFeed(stream, replay),
+        steps = StepSampler(tools, text, cfg.rollout, cfg.filters, seed=cfg.train.seed)
+        feed = ProblemFeed(stream, replay)
+        if k == 0:  # every restored batch is at least one version old, so requeued: none is left to hold
+            assert not batches, "a synchronous run holds no batch sampled ahead"
+            return SyncSampler(steps, feed)
+        ahead = BatchSampler(
+            steps,
+            feed,
             max_steps_off_policy=k,
             first_step=start_step + 1,
             last_step=cfg.train.steps,
             restored=batches,
         )
+        ahead.start()
+        return ahead
 
     async def run_async(self) -> TrainSummary:
         cfg = self.config
@@ -277,10 +294,9 @@ class Trainer:
         installed = _install_signals(self._on_signal)
         step = start_step
         last: MetricsRecord = {}
-        sampler: BatchSampler | None = None
+        sampler: StepBatches | None = None
         try:
             sampler = self._batch_sampler(start_step, position, queued)
-            sampler.start()
             while step < cfg.train.steps and not self._stop_requested:
                 step += 1
                 last = await self._one_step(step, sampler, tracker)
@@ -304,14 +320,14 @@ class Trainer:
             return await backend.frozen_sampling_client_async()
         return await backend.sampling_client_async()
 
-    async def _one_step(self, step: int, sampler: BatchSampler, tracker: Tracker) -> MetricsRecord:
+    async def _one_step(self, step: int, sampler: StepBatches, tracker: Tracker) -> MetricsRecord:
         """One RL step, top to bottom: sample this step's groups, build the datums (the filters drop what
         they leave out), train, log; checkpoint when due. Returns the step's metrics line."""
         cfg, parts = self.config, self.components
         assert parts is not None
         t_step = t0 = time.perf_counter()
         # 1. Sample: the policy over the current weights (version step - 1) goes to the batch sampler, which
-        # returns this step's groups (sampled now, or while earlier steps trained: k >= 1).
+        # returns this step's groups (sampled now, awaited here: k = 0; or while earlier steps trained: k >= 1).
         sampler.submit(step - 1, await self._current_policy())
         times = {"time/refresh": time.perf_counter() - t0}
         t0, queued = time.perf_counter(), sampler.ready()
@@ -372,7 +388,7 @@ class Trainer:
             )
 
     async def _checkpoint(
-        self, step: int, sampler: BatchSampler, record: MetricsRecord, t_step: float
+        self, step: int, sampler: StepBatches, record: MetricsRecord, t_step: float
     ) -> None:
         """Save weights, optimizer, RNG, data position and the batches sampled for later steps (after
         waiting for those the schedule has started: see ``retool.train.pipeline``), atomically."""

@@ -1,9 +1,13 @@
-"""The trainer's sampler: ``BatchSampler`` owns sampling each step's batch, ahead of training within a staleness bound.
+"""The trainer's sampler of each step's batch: ``SyncSampler`` (the synchronous loop, the default) or
+``BatchSampler`` (ahead of training within a staleness bound).
 
 The trainer calls it, it never calls the trainer: when step t starts, ``submit(t - 1, policy)`` hands it
-the policy over the current weights, and ``await batch_for(t)`` returns the step's batch (sampled now, or
-already while earlier steps trained). A checkpoint asks it for the batches it holds (``drain``);
-``aclose`` stops it. The work of one batch is ``retool.train.collect.StepSampler``'s.
+the policy over the current weights, and ``await batch_for(t)`` returns the step's batch (``StepBatches``).
+With ``train.max_steps_off_policy = 0`` that is ``SyncSampler``: ``batch_for`` samples the batch there and
+then (``sample_batch``), awaited by the trainer. With k >= 1 it is ``BatchSampler``: a background task
+samples the batches ahead, and ``batch_for`` takes one (sampled while earlier steps trained). A checkpoint
+asks either for the batches it holds (``drain``); ``aclose`` stops it. The work of one batch is
+``retool.train.collect.StepSampler``'s.
 
 Policy versions. Version v is the weights after v optimizer steps (a resumed run starts at the version of
 its checkpoint). The trainer submits version t - 1 (a sampler over those weights, frozen: see
@@ -50,6 +54,7 @@ import logging
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 from retool.data.problem import Problem
 from retool.rollout import Policy
@@ -113,6 +118,63 @@ def requeue_stale(
         len(problems),
     )
     return keep, [*problems, *stale[-1].replay], groups
+
+
+async def sample_batch(
+    steps: StepSampler, step: int, feed: ProblemFeed, version: int, policy: Policy
+) -> Batch:
+    """The batch of ``step`` sampled now with ``policy`` (the weights of ``version``), every trajectory
+    tagged with that version, and where the feed stands after it."""
+    t0 = time.perf_counter()
+    collected = (await steps.sample(step, feed, policy)).with_policy_version(version)
+    return Batch(step, version, collected, feed.position, list(feed.replay), time.perf_counter() - t0)
+
+
+class StepBatches(Protocol):
+    """What the trainer asks of its sampler (``SyncSampler`` for k = 0, ``BatchSampler`` for k >= 1)."""
+
+    k: int
+
+    def submit(self, version: int, policy: Policy) -> None: ...
+
+    def ready(self) -> int: ...
+
+    async def batch_for(self, step: int) -> Batch: ...
+
+    async def drain(self, through: int) -> tuple[PipelineState, DataPosition]: ...
+
+    async def aclose(self) -> None: ...
+
+
+class SyncSampler:
+    """The synchronous loop (``train.max_steps_off_policy = 0``): ``batch_for(t)`` samples batch t there
+    and then, awaited by the trainer, on the policy submitted when step t started (version t - 1). No
+    background task, no batch ever waiting, nothing for a checkpoint to store but the feed's replay list."""
+
+    k = 0
+
+    def __init__(self, steps: StepSampler, feed: ProblemFeed) -> None:
+        self.steps = steps
+        self.feed = feed
+        self._policy: tuple[int, Policy] | None = None
+
+    def submit(self, version: int, policy: Policy) -> None:
+        self._policy = (version, policy)
+
+    def ready(self) -> int:
+        return 0
+
+    async def batch_for(self, step: int) -> Batch:
+        if self._policy is None or self._policy[0] != step - 1:
+            raise RuntimeError(f"the batch of step {step} needs policy version {step - 1}, not submitted")
+        version, policy = self._policy
+        return await sample_batch(self.steps, step, self.feed, version, policy)
+
+    async def drain(self, through: int) -> tuple[PipelineState, DataPosition]:
+        return PipelineState(0, [], list(self.feed.replay)), self.feed.position
+
+    async def aclose(self) -> None:
+        self._policy = None
 
 
 class BatchSampler:
@@ -197,16 +259,8 @@ class BatchSampler:
                 version = self.version_for(step)
                 while version not in self._policies:
                     await self._changes()
-                t0 = time.perf_counter()
-                collected = await self.steps.sample(step, self.feed, self._policies[version])
-                collected = collected.with_policy_version(version)
-                self._batches[step] = Batch(
-                    step,
-                    version,
-                    collected,
-                    self.feed.position,
-                    list(self.feed.replay),
-                    time.perf_counter() - t0,
+                self._batches[step] = await sample_batch(
+                    self.steps, step, self.feed, version, self._policies[version]
                 )
                 self._next += 1
                 self._notify()

@@ -67,6 +67,12 @@ def is_degenerate(rewards: Sequence[float]) -> bool:
     return not rewards or max(rewards) - min(rewards) <= _DEGENERATE_TOL
 
 
+def is_informative(group: Sequence[Trajectory]) -> bool:
+    """The one verdict on a sampled group: its rewards differ, so its advantages carry a gradient. Dynamic
+    sampling keeps only such groups (``retool.train.collect``); ``build_step_data`` trains only them."""
+    return not is_degenerate([float(t.reward) for t in group])
+
+
 def completion_positions(datum: Datum) -> int:
     """How many positions of a datum are sampled completion tokens (non-zero weight)."""
     return sum(1 for w in datum.weights if w != 0.0)
@@ -151,7 +157,7 @@ def build_step_data(
         all_advantages.append(advantages)
         slots: list[int | None] = [None] * len(group)
         index.append(slots)
-        if is_degenerate(rewards):
+        if not is_informative(group):
             n_degenerate += 1
             continue
         for k, (traj, adv) in enumerate(zip(group, advantages, strict=True)):
