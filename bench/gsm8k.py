@@ -170,9 +170,10 @@ def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: a
 
     from retool.components import build_components
     from retool.evaluate.runner import run_eval
-    from retool.tasks.demo import DemoSettings, eval_sampling, phase_config, with_available_isolation
-    from retool.tasks.gsm8k_task import held_out_problems
+    from retool.recipes.gsm8k.task import held_out_problems
+    from retool.tasks.pipeline import eval_sampling, phase_config, with_available_isolation
     from retool.tasks.real_model import resolve_model_path
+    from retool.tasks.settings import DemoSettings
 
     saved = json.loads((demo_dir / "settings.json").read_text())
     settings = DemoSettings.load([], config="demo-smollm2-gsm8k", eval_temperature=saved["eval_temperature"])

@@ -101,9 +101,10 @@ def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: a
     from retool.components import build_components
     from retool.env.mathematics import MathematicsList
     from retool.evaluate.runner import run_eval
-    from retool.tasks.demo import DemoSettings, phase_config, with_available_isolation
-    from retool.tasks.mathematics_task import held_out_problems
+    from retool.recipes.mathematics.task import held_out_problems
+    from retool.tasks.pipeline import phase_config, with_available_isolation
     from retool.tasks.real_model import resolve_model_path
+    from retool.tasks.settings import DemoSettings
 
     saved = json.loads((demo_dir / "settings.json").read_text())
     config = DemoSettings.load([], config="demo-smollm2-mathematics").config.model_validate(saved["config"])

@@ -1,6 +1,7 @@
 """The one typed configuration of a run: every knob a user sets, loadable from TOML, overridable from the CLI.
 
-``load_config(path, overrides)`` reads a TOML file (or a named preset from ``retool/presets/``) and
+``load_config(path, overrides)`` reads a TOML file (or a named preset from ``retool/presets/`` or a
+recipe's folder, ``retool/recipes/<name>/``) and
 applies ``section.key=value`` overrides (values parsed as TOML literals, falling back to strings);
 ``override_config`` applies overrides to a loaded config.
 
@@ -14,6 +15,7 @@ import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -392,17 +394,30 @@ class ConfigError(UserError, ValueError):
     """A config file or override that cannot be used; the message says which and why."""
 
 
+def _preset_files() -> dict[str, Traversable]:
+    """Every named preset: the general ones in ``retool/presets/``, and each recipe's own beside its code
+    (``retool/recipes/<recipe>/<preset>.toml``). Found as package files, not imported: a recipe sits above
+    this module, and its preset is data the config reads."""
+    root = resources.files("retool")
+    folders = [root / "presets", *(f for f in (root / "recipes").iterdir() if f.is_dir())]
+    return {
+        p.name.removesuffix(".toml"): p
+        for folder in folders
+        for p in folder.iterdir()
+        if p.name.endswith(".toml")
+    }
+
+
 def preset_names() -> list[str]:
-    folder = resources.files("retool") / "presets"
-    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+    return sorted(_preset_files())
 
 
 def _read_toml(source: str | Path) -> dict[str, object]:
     path = Path(source)
     if path.is_file():
         text = path.read_text(encoding="utf-8")
-    elif str(source) in preset_names():
-        text = (resources.files("retool") / "presets" / f"{source}.toml").read_text(encoding="utf-8")
+    elif str(source) in (presets := _preset_files()):
+        text = presets[str(source)].read_text(encoding="utf-8")
     else:
         raise ConfigError(
             f"no config file or preset named {str(source)!r} (presets: {', '.join(preset_names())})"
