@@ -1,8 +1,8 @@
 """The one typed configuration of a run: every knob a user sets, loadable from TOML, overridable from the CLI.
 
-``load_config(path, overrides)`` reads a TOML file (or a named preset from ``retool/presets/`` or a
-recipe's folder, ``retool/recipes/<name>/``) and
-applies ``section.key=value`` overrides (values parsed as TOML literals, falling back to strings);
+``load_config(path, overrides)`` reads a TOML file (or a named preset: ``retool/presets/<name>.toml``, or
+one in a recipe's folder, ``retool/recipes/<recipe>/<name>.toml``) and applies ``section.key=value``
+overrides (values parsed as TOML literals, falling back to strings);
 ``override_config`` applies overrides to a loaded config.
 
 This is the one source of defaults: every command's defaults are these (or a preset's), and its flags
@@ -286,7 +286,7 @@ class SFTConfig(_Section):
     final_hard_tool: float = Field(default=0.1, ge=0.0, le=1.0)
     final_hard_error_fix: float = Field(default=0.05, ge=0.0, le=1.0)
     final_easy_tool: float = Field(default=0.1, ge=0.0, le=1.0)
-    # Cold start from annotated solutions (the demo's GSM8K task, ``retool.tasks.coldstart``): annotated
+    # Cold start from annotated solutions (the gsm8k recipe, ``retool.tasks.coldstart``): annotated
     # steps computed per interpreter call (1: a call per step, each seeing the previous step's output; 0:
     # every step in one call, whose later expressions then hold numbers the model has not seen yet).
     steps_per_call: int = Field(default=1, ge=0)

@@ -278,7 +278,7 @@ def _start(recipe: Recipe, settings: DemoSettings, out: Path) -> Config:
         resolve_model_path(settings.config.model.name)
     elif not recipe.tiny_model:  # its tokenizer is built from the train tasks' text
         raise ValueError(
-            f"the {settings.task} task needs a real model (e.g. --model smollm2), not the tiny one"
+            f"the {settings.task} task needs a real model (its recipe's, e.g. --recipe {recipe.name}), not the tiny one"
         )
     saved = out / "settings.json"
     if settings.resume:

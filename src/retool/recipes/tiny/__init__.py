@@ -96,11 +96,14 @@ def cold_start_sft(
     config: Config,
     emit: Event,
     on_examples: Callable[[int], None] | None = None,
+    observe: Callable[[str], str] | None = None,
 ) -> SFTReport:
-    """Build the code-interleaved SFT trajectories (real sandbox output) and train on them (``[sft]``)."""
+    """Build the code-interleaved SFT trajectories and train on them (``[sft]``); ``observe`` turns a
+    call's code into what the model is shown (default: its REAL output in the sandbox)."""
     s = config.sft
-    assert parts.executor is not None, "SFT observations come from the sandbox"
-    observe = sandbox_observer(parts.executor)
+    if observe is None:
+        assert parts.executor is not None, "SFT observations come from the sandbox"
+        observe = sandbox_observer(parts.executor)
     mix = SFTMix(s.hard_tool, s.hard_error_fix, s.easy_tool)
     seed = config.train.seed
     examples = build_sft_examples(train, parts.protocol, observe, mix, seed=seed)
