@@ -45,7 +45,7 @@ _CONFIG_HELP = "Preset or TOML file the settings start from."
 _SET_HELP = "Override section.key=value (repeatable), or a demo field: size, eval_modes, plots."
 
 
-_RECIPE_HELP = "The recipe to run (`retool recipes` lists them): tiny, smollm2, gsm8k, mathematics."
+_RECIPE_HELP = "The recipe to run (default: tiny; `retool recipes` lists them)."
 _MODEL_HELP = (
     "Deprecated, use --recipe: 'tiny' (the tiny recipe) or 'smollm2' (the smollm2 recipe, with --task)."
 )
@@ -60,7 +60,7 @@ _DATA_DIR_HELP = (
 
 def demo_command(
     out: Path | None = typer.Option(
-        None, "--out", help="Run folder: every artefact goes here (default runs/demo, runs/demo-<model>)."
+        None, "--out", help="Run folder: every artefact goes here (default: the recipe's, e.g. runs/demo)."
     ),
     recipe: str | None = typer.Option(None, "--recipe", help=_RECIPE_HELP),
     model: str | None = typer.Option(None, "--model", help=_MODEL_HELP),
@@ -145,7 +145,7 @@ def _chosen_recipe(recipe: str | None, model: str | None, task: str | None) -> R
         return recipe_named("tiny")
     model, task = model or "tiny", task or "synthetic"
     if model == "tiny" and task != "synthetic":
-        raise UserError(f"--task {task}: the tiny model runs the synthetic task only; use --model smollm2")
+        raise UserError(f"--task {task}: the tiny model runs the synthetic task only; see `retool recipes`")
     chosen = recipe_for(model, task)
     typer.echo(
         f"--model / --task are deprecated and go in a later release: use --recipe {chosen.name}", err=True
