@@ -34,7 +34,7 @@ if TYPE_CHECKING:
     from retool.config import Config
     from retool.data.problem import Problem
     from retool.evaluate.store import ProblemRecord
-    from retool.tasks.demo import DemoSettings
+    from retool.tasks.settings import DemoSettings
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("text-only", "retool")  # the two evaluation modes a two-stage bench compares
@@ -241,7 +241,7 @@ def sft_model(out: Path) -> Path | None:
 def sft_start(settings: DemoSettings, model: Path | None = None) -> Path:
     """``<settings.out>/model_sft``: the cold-start SFT of ``model`` (None: the demo's tiny model, built for
     the tasks into ``<out>/model_init``) with ``settings``, no evaluation; made once, then reused."""
-    from retool.tasks.demo import run_sft  # deferred: torch and the pipeline, for the benches that make one
+    from retool.recipes.demo import run_sft  # deferred: torch and the pipeline, for the benches that make one
 
     out = Path(settings.out)
     if sft_model(out) is None:
@@ -354,7 +354,7 @@ def eval_config(config: Config, path: Path, folder: Path, modes: int) -> Config:
     """A demo's ``config`` for evaluating the weights at ``path`` (no adapter) in ``modes`` modes at once
     (one engine: ``modes`` times the rows per decode step), each turn ending at its first closed
     ``\\boxed{...}`` (nothing after the answer is read); scratch state under ``folder``."""
-    from retool.tasks.demo import phase_config, with_available_isolation  # deferred: evaluation only
+    from retool.tasks.pipeline import phase_config, with_available_isolation  # deferred: evaluation only
 
     config = phase_config(with_available_isolation(config), path, folder / "scratch")
     backend = config.backend.model_copy(update={"sample_batch_size": 64 * modes})

@@ -114,7 +114,9 @@ def quoted(path: Path) -> str:
 
 
 def pages() -> list[Path]:
-    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]
+    """The pages that quote results files: the README, docs/, and each recipe's README."""
+    recipes = sorted((REPO / "src" / "retool" / "recipes").glob("*/README.md"))
+    return [REPO / "README.md", *sorted((REPO / "docs").glob("*.md")), *recipes]
 
 
 def render(text: str) -> str:

@@ -38,7 +38,8 @@ from _machine import machine
 from _results import render_pages, write_result
 from retool.config import ConfigError
 from retool.evaluate.store import read_problem_records
-from retool.tasks.demo import DemoSettings, run_demo
+from retool.recipes.demo import run_demo
+from retool.tasks.settings import DemoSettings
 
 # The targets for the demo, checked per seed.
 TARGET_GAIN = 0.15

@@ -80,7 +80,7 @@ def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: a
     """``--eval-one``: the model ``label`` names on the held-out questions in each of ``modes``, with the
     config the demo in ``demo_dir`` ran with, greedy, turns ending at their first closed box."""
     from retool.env.mathematics import MathematicsList
-    from retool.tasks.mathematics_task import held_out_problems
+    from retool.recipes.mathematics.task import held_out_problems
 
     saved, config = saved_run(demo_dir)
     config = eval_config(config, model_path(label, demo_dir), folder, len(modes))

@@ -75,7 +75,7 @@ def prepare(work: Path, sft_steps: int | None, task: str = "synthetic", log: Any
 
     from _harness import sft_model, sft_start
     from _models import smollm2_folder
-    from retool.tasks.demo import real_model_settings
+    from retool.recipes.demo import real_model_settings
 
     folder = work / ("sft" if task == "synthetic" else f"sft-{task}")
     made = sft_model(folder)
@@ -127,7 +127,7 @@ def retool_worker(job: dict[str, Any]) -> None:
     from retool.components import build_components
     from retool.config import Config
     from retool.rollout import run_rollout
-    from retool.tasks.demo import local_backend, save_hf, with_available_isolation
+    from retool.tasks.pipeline import local_backend, save_hf, with_available_isolation
     from retool.train.loop import Trainer
 
     torch.set_num_threads(job["threads"])
@@ -183,7 +183,7 @@ def trl_worker(job: dict[str, Any]) -> None:
     import torch  # deferred: the worker process only
 
     from retool.config import Config
-    from retool.tasks.demo import with_available_isolation
+    from retool.tasks.pipeline import with_available_isolation
 
     torch.set_num_threads(job["threads"])
     cfg = with_available_isolation(Config.model_validate(job["config"]))
@@ -407,10 +407,11 @@ class Arm:
 def training_source(cfg: Any, task: str) -> Any:
     """The problems both arms train on: the synthetic task family, or GSM8K's short-solution train
     problems (the ``demo-smollm2-gsm8k`` demo's curriculum)."""
-    from retool.tasks.demo import DemoSettings, demo_source
-    from retool.tasks.real_model import REAL_MODELS
+    from retool.recipes import recipe_for
+    from retool.recipes.demo import demo_source
+    from retool.tasks.settings import DemoSettings
 
-    fields = REAL_MODELS["smollm2"].task(task)[1]
+    fields = recipe_for("smollm2", task).fields
     settings = DemoSettings(
         config=cfg, task=task, rl_max_solution_steps=fields.get("rl_max_solution_steps", 0)
     )
@@ -626,14 +627,10 @@ def heldout_accuracy(
     (``gsm8k``: a GSM8K test slice of ``n``, greedy, one answer each), by this project's evaluator (the
     same sampler, sandbox and verifier for all)."""
     from retool.components import build_components
-    from retool.tasks.demo import (
-        DemoSettings,
-        evaluate_modes,
-        held_out,
-        phase_config,
-        task_source,
-        with_available_isolation,
-    )
+    from retool.recipes.demo import held_out
+    from retool.recipes.tiny import task_source
+    from retool.tasks.pipeline import evaluate_modes, phase_config, with_available_isolation
+    from retool.tasks.settings import DemoSettings
 
     cfg = with_available_isolation(
         cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"enabled": False})})

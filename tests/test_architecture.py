@@ -36,7 +36,8 @@ LAYERS: list[tuple[str, ...]] = [
     ("evaluate",),
     ("analyze",),
     ("view",),  # the trajectory viewer over training runs and evals
-    ("tasks",),  # the embedded default (tiny model, SFT, demo) sits on top of the core
+    ("tasks",),  # the generic demo pipeline (tiny model, SFT, phases, report) and the recipe interface
+    ("recipes",),  # each task one folder (preset, source, held-out set, cold start) on the pipeline
     ("cli", "__init__"),  # the command line assembles every stage's commands
     ("__main__",),  # python -m retool
 ]

@@ -17,8 +17,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import _harness
 import gsm8k as bench
-from retool.tasks.demo import DemoSettings, _reuse_sft, real_model_settings
+from retool.recipes.demo import real_model_settings
+from retool.tasks.pipeline import _reuse_sft
 from retool.tasks.report import DemoResult
+from retool.tasks.settings import DemoSettings
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -143,7 +145,7 @@ def test_the_engine_stops_at_the_first_closed_boxed_answer(tiny_model_dir: Path)
 def test_demos_without_evaluations_run_and_a_second_seed_reuses_the_first_sft(tmp_path: Path) -> None:
     """The bench's demo shape on the tiny model: no slice evaluation, then a second seed's RL from the
     first seed's SFT model (the pipeline end to end, shrunk)."""
-    from retool.tasks.demo import run_demo
+    from retool.recipes.demo import run_demo
 
     sets = [
         "data.task_count=40",

@@ -19,8 +19,8 @@ from retool.env.mathematics import MathematicsList, MathematicsSource, mathemati
 from retool.env.registry import SourceOptions
 from retool.env.scoring import Attempt
 from retool.env.source import SourceError
+from retool.recipes.mathematics.task import held_out_problems
 from retool.reward.verifier import Verifier
-from retool.tasks.mathematics_task import held_out_problems
 
 
 def test_the_splits(fixture_data: Path) -> None:

@@ -163,3 +163,46 @@ def test_the_calculator_env_trains_and_evaluates_with_the_stock_trainer(
     finally:
         verifier.close()
         backend.close()
+
+
+@pytest.mark.slow
+def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``examples/calculator_recipe.py`` (``docs/recipes.md``'s worked example): registered by name, run by
+    ``run_demo``, its cold start's observations the calculator's, its tasks only the arithmetic kinds."""
+    from calculator_recipe import ARITHMETIC_KINDS, RECIPE, calculator_settings
+
+    from retool.recipes import RECIPES, recipe_of_task
+    from retool.recipes.demo import run_demo
+
+    calls: list[str] = []
+    real_arun = SympyCalculator.arun
+
+    async def counted(self: SympyCalculator, code: str) -> Any:
+        calls.append(code)
+        return await real_arun(self, code)
+
+    monkeypatch.setattr(SympyCalculator, "arun", counted)
+    assert RECIPES["calculator"] is RECIPE and recipe_of_task("calculator") is RECIPE
+    shrunk = [
+        "data.task_count=24",
+        "data.task_test_count=6",
+        "sft.steps=2",
+        "sft.batch_size=4",
+        "eval.val_n=1",
+        "train.steps=1",
+        "rollout.questions_per_step=2",
+        "rollout.group_size=2",
+        "filters.max_extra_rounds=1",
+        "size=test",
+        "plots=false",
+    ]
+    out = tmp_path / "calculator"
+    result = run_demo(calculator_settings(str(out), shrunk))
+    assert {row["model"] for row in result.table} == {"sft", "rl"}
+    assert json.loads((out / "settings.json").read_text())["task"] == "calculator"
+    train = [json.loads(line) for line in (out / "tasks" / "train.jsonl").read_text().splitlines()]
+    assert train and {t["kind"] for t in train} <= set(ARITHMETIC_KINDS)
+    # The cold start's observations are the calculator's output for the tasks' canonical code.
+    assert {t["code"] for t in train} & set(calls)

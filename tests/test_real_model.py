@@ -40,7 +40,7 @@ def smollm2_file() -> Path:
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from retool.tasks.demo import real_model_settings
+    from retool.recipes.demo import real_model_settings
 
     small = [
         "lora.rank=8",
@@ -63,7 +63,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def config(smollm2_file: Path, settings: Any) -> Any:
-    from retool.tasks.demo import phase_config, with_available_isolation
+    from retool.tasks.pipeline import phase_config, with_available_isolation
 
     return phase_config(with_available_isolation(settings.config), smollm2_file, Path(settings.out) / "rl")
 
@@ -130,7 +130,7 @@ def test_gguf_loads_as_llama_with_lora_and_markdown_protocol(client: Any) -> Non
 
 def test_sft_example_is_the_template_render_and_masks_the_observation(client: Any, executor: Any) -> None:
     from retool.data.synthetic import generate_tasks
-    from retool.tasks.demo import sandbox_observer
+    from retool.tasks.recipe import sandbox_observer
     from retool.tasks.sft import build_example
 
     protocol = _protocol(client)
@@ -173,7 +173,7 @@ def test_one_sft_step_moves_only_the_adapter(client: Any, executor: Any) -> None
     import torch
 
     from retool.data.synthetic import generate_tasks
-    from retool.tasks.demo import sandbox_observer
+    from retool.tasks.recipe import sandbox_observer
     from retool.tasks.sft import SFTMix, build_sft_examples, train_sft
 
     tasks = generate_tasks(2, seed=1, hard_fraction=1.0, kinds=["mul_big", "mod_pow"])
@@ -264,7 +264,7 @@ def test_one_rl_step_and_an_eval_of_two_problems(parts: Any, config: Any, settin
         ToolSetup,
         VerifierLike,
     )
-    from retool.tasks.demo import evaluate_modes
+    from retool.tasks.pipeline import evaluate_modes
     from retool.train.loop import Trainer
 
     class FirstWins(EnvGroupBuilder):

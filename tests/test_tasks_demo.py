@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 
 from retool.jsonl import read_jsonl
-from retool.tasks.demo import DemoSettings, run_demo
+from retool.recipes.demo import run_demo
 from retool.tasks.report import gain_line, time_split_markdown
+from retool.tasks.settings import DemoSettings
 
 
 def small(out: Path) -> DemoSettings:

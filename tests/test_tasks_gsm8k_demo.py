@@ -13,8 +13,9 @@ import pytest
 from typer.testing import CliRunner
 
 from retool.data.gsm8k import GSM8KLeakError, normalize_question
-from retool.tasks.demo import DemoSettings, real_model_settings, run_demo
-from retool.tasks.gsm8k_task import coldstart_rows, gsm8k_source, held_out_problems
+from retool.recipes.demo import real_model_settings, run_demo
+from retool.recipes.gsm8k.task import coldstart_rows, gsm8k_source, held_out_problems
+from retool.tasks.settings import DemoSettings
 
 
 def _rows(path: Path) -> int:

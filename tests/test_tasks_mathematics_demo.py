@@ -13,8 +13,8 @@ import pytest
 from retool.data.mathematics import module_of
 from retool.env.mathematics import MathematicsSource
 from retool.protocol import ChatProtocol
-from retool.tasks.demo import DEMO_TASKS, real_model_settings, run_demo
-from retool.tasks.mathematics_task import (
+from retool.recipes.demo import DEMO_TASKS, real_model_settings, run_demo
+from retool.recipes.mathematics.task import (
     FEW_SHOT,
     _keep_verified,
     coldstart_problems,

@@ -357,3 +357,12 @@ def test_streamed_rounds_are_gone_and_a_config_naming_them_fails() -> None:
         FiltersConfig(dynamic_sampling=True, stream_rounds=True)  # type: ignore[call-arg]
     with pytest.raises(ConfigError, match="stream_rounds"):
         load_config("tiny", ["filters.stream_rounds=true"])
+
+
+def test_a_run_saved_before_the_retired_settings_went_still_loads() -> None:
+    # Run folders written before issue 42 saved these keys with the only value they can now mean.
+    config = load_config("tiny", ["filters.stream_rounds=false", "rollout.scheduling=per_trajectory"])
+    assert "stream_rounds" not in config.filters.model_dump()
+    assert "scheduling" not in config.rollout.model_dump()
+    with pytest.raises(ConfigError, match="scheduling"):
+        load_config("tiny", ["rollout.scheduling=round_sync"])

@@ -21,10 +21,10 @@ from retool.analyze import cli as analyze_cli
 from retool.data import cli as data_cli
 from retool.errors import UserError
 from retool.evaluate import cli as evaluate_cli
+from retool.recipes import cli as recipes_cli
 from retool.reward import cli as reward_cli
 from retool.sandbox import cli as sandbox_cli
 from retool.serve import cli as serve_cli
-from retool.tasks import cli as tasks_cli
 from retool.train import cli as train_cli
 from retool.view import cli as view_cli
 
@@ -64,7 +64,7 @@ _STAGE_CLIS = (
     data_cli,
     reward_cli,
     sandbox_cli,
-    tasks_cli,
+    recipes_cli,  # demo, sft, recipes (its import brings tasks.cli's `retool data coldstart`)
     train_cli,
     evaluate_cli,
     analyze_cli,

@@ -1,7 +1,8 @@
 """The one typed configuration of a run: every knob a user sets, loadable from TOML, overridable from the CLI.
 
-``load_config(path, overrides)`` reads a TOML file (or a named preset from ``retool/presets/``) and
-applies ``section.key=value`` overrides (values parsed as TOML literals, falling back to strings);
+``load_config(path, overrides)`` reads a TOML file (or a named preset: ``retool/presets/<name>.toml``, or
+one in a recipe's folder, ``retool/recipes/<recipe>/<name>.toml``) and applies ``section.key=value``
+overrides (values parsed as TOML literals, falling back to strings);
 ``override_config`` applies overrides to a loaded config.
 
 This is the one source of defaults: every command's defaults are these (or a preset's), and its flags
@@ -10,10 +11,12 @@ become overrides only when given (``flag_overrides``), so a flag never silently 
 
 from __future__ import annotations
 
+import logging
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
 from importlib import resources
+from importlib.resources.abc import Traversable
 from pathlib import Path
 from typing import Annotated, Literal
 
@@ -21,9 +24,22 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from retool.errors import UserError
 
+_log = logging.getLogger(__name__)
+
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _drop_retired(data: object, retired: Mapping[str, object]) -> object:
+    """``data`` without the retired keys that hold the value every run had (a run folder saved before the
+    key went still loads and resumes: its behaviour is today's); any other value stays and is refused."""
+    if not isinstance(data, dict):
+        return data
+    kept = {k: v for k, v in data.items() if not (k in retired and v == retired[k])}
+    for key in data.keys() - kept.keys():
+        _log.info("config: ignoring retired setting %s = %r (its only behaviour now)", key, data[key])
+    return kept
 
 
 class ModelConfig(_Section):
@@ -116,6 +132,11 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: object) -> object:  # round_sync moved to bench/ (issue 42)
+        return _drop_retired(data, {"scheduling": "per_trajectory"})
+
     questions_per_step: int = 8
     group_size: int = 8
     max_code_calls: int = 4
@@ -132,6 +153,11 @@ class RolloutConfig(_Section):
 
 class FiltersConfig(_Section):
     """Which sampled groups and trajectories a step learns from. All off: the chapter's recipe."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _retired(cls, data: object) -> object:  # stream_rounds measured slower and went (issue 42)
+        return _drop_retired(data, {"stream_rounds": False})
 
     # DAPO dynamic sampling: drop groups whose rewards are all equal (no gradient) and sample more
     # questions until ``rollout.questions_per_step`` informative groups are collected.
@@ -295,7 +321,7 @@ class SFTConfig(_Section):
     final_hard_tool: float = Field(default=0.1, ge=0.0, le=1.0)
     final_hard_error_fix: float = Field(default=0.05, ge=0.0, le=1.0)
     final_easy_tool: float = Field(default=0.1, ge=0.0, le=1.0)
-    # Cold start from annotated solutions (the demo's GSM8K task, ``retool.tasks.coldstart``): annotated
+    # Cold start from annotated solutions (the gsm8k recipe, ``retool.tasks.coldstart``): annotated
     # steps computed per interpreter call (1: a call per step, each seeing the previous step's output; 0:
     # every step in one call, whose later expressions then hold numbers the model has not seen yet).
     steps_per_call: int = Field(default=1, ge=0)
@@ -403,17 +429,30 @@ class ConfigError(UserError, ValueError):
     """A config file or override that cannot be used; the message says which and why."""
 
 
+def _preset_files() -> dict[str, Traversable]:
+    """Every named preset: the general ones in ``retool/presets/``, and each recipe's own beside its code
+    (``retool/recipes/<recipe>/<preset>.toml``). Found as package files, not imported: a recipe sits above
+    this module, and its preset is data the config reads."""
+    root = resources.files("retool")
+    folders = [root / "presets", *(f for f in (root / "recipes").iterdir() if f.is_dir())]
+    return {
+        p.name.removesuffix(".toml"): p
+        for folder in folders
+        for p in folder.iterdir()
+        if p.name.endswith(".toml")
+    }
+
+
 def preset_names() -> list[str]:
-    folder = resources.files("retool") / "presets"
-    return sorted(p.name.removesuffix(".toml") for p in folder.iterdir() if p.name.endswith(".toml"))
+    return sorted(_preset_files())
 
 
 def _read_toml(source: str | Path) -> dict[str, object]:
     path = Path(source)
     if path.is_file():
         text = path.read_text(encoding="utf-8")
-    elif str(source) in preset_names():
-        text = (resources.files("retool") / "presets" / f"{source}.toml").read_text(encoding="utf-8")
+    elif str(source) in (presets := _preset_files()):
+        text = presets[str(source)].read_text(encoding="utf-8")
     else:
         raise ConfigError(
             f"no config file or preset named {str(source)!r} (presets: {', '.join(preset_names())})"

@@ -1,11 +1,18 @@
-"""retool.tasks: the embedded default on top of the core -- a tiny local model, cold-start SFT, `retool demo`.
+"""retool.tasks: the generic demo pipeline on top of the core -- a tiny local model, cold-start SFT, the
+phases of ``retool demo`` -- and the interface a recipe implements.
 
-- ``retool.tasks.model``: the demo's tiny Qwen2 model, its tokenizer trained on the task text.
+- ``retool.tasks.recipe``: ``Recipe``, what the pipeline asks of a task (source, held-out set, cold start,
+  evaluation checker); the recipes themselves are ``retool.recipes`` (one layer up).
+- ``retool.tasks.pipeline``: ``run_pipeline`` (cold start -> evaluate -> RL -> evaluate -> report,
+  resumable by phase) and ``run_recipe_sft``; it names no task. ``retool.tasks.settings``: ``DemoSettings``
+  (a preset plus demo-only fields); ``retool.tasks.phases``: the phase bookkeeping (``phases.json``);
+  ``retool.tasks.report``: the table, gain and report files.
+- ``retool.tasks.model``: the demo's tiny Qwen2 model, its tokenizer trained on the task text;
+  ``retool.tasks.real_model``: where a named pretrained model's file is.
 - ``retool.tasks.sft``: code-interleaved SFT trajectories built with ``retool.protocol`` and trained with
-  ``cross_entropy`` through a ``TrainingClient``.
-- ``retool.tasks.demo``: the whole pipeline (``run_demo``) and ``run_sft``, with ``DemoSettings`` (the
-  ``demo`` preset plus demo-only fields); ``retool.tasks.report``: its table, gain and report files;
-  ``retool.tasks.cli``: the commands.
+  ``cross_entropy`` through a ``TrainingClient``; ``retool.tasks.coldstart``: annotated solutions turned
+  into such trajectories (``retool data coldstart``, the GSM8K recipe's cold start).
+- ``retool.tasks.cli``: the progress printer the demo's commands share, and ``retool data coldstart``.
 
 The synthetic task family itself is data (``retool.data.synthetic``, the environment ``tasks``) and the
 generic tiny model builder a backend concern (``retool.backends.local.tinymodel``); nothing below this package

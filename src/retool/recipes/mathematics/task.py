@@ -1,7 +1,7 @@
-"""The demo's DeepMind Mathematics task (``retool demo --model smollm2 --task mathematics``): ReTool's two stages
-on a benchmark this project did not write.
+"""The mathematics recipe's task (``retool demo --recipe mathematics``): ReTool's two stages on DeepMind
+Mathematics, a benchmark this project did not write.
 
-Owns what differs from the other tasks, and nothing of the pipeline itself (``retool.tasks.demo``):
+Owns what differs from the other tasks, and nothing of the pipeline itself (``retool.tasks.pipeline``):
 
 - the problem source RL trains on: the generated train split (``retool.env.mathematics``), checked against
   both test splits (``strict``: a leak stops the run);

@@ -1,6 +1,6 @@
-"""The demo's GSM8K task (``retool demo --model smollm2 --task gsm8k``): ReTool's two stages on a real dataset.
+"""The GSM8K recipe's task (``retool demo --recipe gsm8k``): ReTool's two stages on a real dataset.
 
-Owns what differs from the synthetic task family, and nothing of the pipeline itself (``retool.tasks.demo``):
+Owns what differs from the synthetic task family, and nothing of the pipeline itself (``retool.tasks.pipeline``):
 
 - the problem source RL trains on: GSM8K's train split (``retool.env.gsm8k``), checked against the test split so that no
   test question is ever trained on (``strict``: a leak stops the run instead of being filtered);

@@ -1,0 +1,112 @@
+"""A recipe of one's own: the synthetic arithmetic of the ``tiny`` recipe, with the sympy calculator of
+``calculator_env.py`` as the tool instead of the Python sandbox, run by the unchanged demo pipeline.
+
+``docs/recipes.md`` walks through it. A recipe answers four questions (``retool.tasks.recipe.Recipe``):
+what RL trains on (``source``), what is held out (``held_out``), how the cold start is built
+(``cold_start``) and what scores the held-out answers (``eval_source``); it names its preset and demo-only
+fields, and is registered by name. Run it::
+
+    python examples/calculator_recipe.py --out runs/calculator       # the whole pipeline, tiny model, CPU
+
+or, from code, ``run_demo(calculator_settings("runs/calculator"))``. Its task kinds are the arithmetic
+ones: the calculator evaluates arithmetic, and the digit-sum and prime-count kinds' canonical code is a
+Python loop. ``tests/test_examples_calculator.py`` runs it, shrunk.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from calculator_env import CalculatorSource, SympyCalculator
+
+from retool.components import Components
+from retool.config import Config
+from retool.data.problem import Problem
+from retool.data.synthetic import Task
+from retool.env import ProblemList, ProblemSource, TaskFamilySource
+from retool.recipes import register_recipe
+from retool.recipes.demo import run_demo
+from retool.recipes.tiny import cold_start_sft, held_out_tasks, task_source_of
+from retool.tasks.recipe import HeldOut, Recipe
+from retool.tasks.report import gain_line, markdown_table
+from retool.tasks.settings import DemoFields, DemoSettings, Event
+from retool.tasks.sft import SFTReport
+
+# The synthetic kinds whose canonical code is arithmetic (assignments and one printed expression).
+ARITHMETIC_KINDS = ("add_small", "mul_small", "mul_big", "mod_pow", "linear_system")
+
+
+@dataclass(frozen=True)
+class CalculatorRecipe(Recipe):
+    """Arithmetic tasks; every tool call, in SFT, RL and evaluation, goes to the sympy calculator."""
+
+    task: str = "calculator"
+    tiny_model: bool = True  # it has train tasks: the tiny model's tokenizer is trained on their text
+
+    def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
+        d = config.data
+        family = TaskFamilySource(
+            count=d.task_count,
+            test_count=d.task_test_count,
+            seed=d.seed,
+            hard_fraction=d.task_hard_fraction,
+            kinds=ARITHMETIC_KINDS,
+            shuffle=d.shuffle,
+        )
+        return CalculatorSource(family)
+
+    def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
+        assert isinstance(source, CalculatorSource)
+        return held_out_tasks(settings, task_source_of(source.inner))
+
+    def cold_start(
+        self,
+        parts: Components,
+        settings: DemoSettings,
+        train: Sequence[Task],
+        config: Config,
+        emit: Event,
+        on_examples: Callable[[int], None] | None = None,
+    ) -> SFTReport:
+        calculator = SympyCalculator()
+
+        def observe(code: str) -> str:  # what the calculator shows for the canonical code
+            return calculator.format_tool_content(asyncio.run(calculator.arun(code)))
+
+        return cold_start_sft(parts, train, config, emit, on_examples, observe=observe)
+
+    def eval_source(self, problems: Sequence[Problem]) -> ProblemSource | None:
+        return CalculatorSource(ProblemList(list(problems), shuffle=False))
+
+
+RECIPE = register_recipe(
+    CalculatorRecipe(
+        name="calculator",
+        description="the tiny model learns to call a sympy calculator on synthetic arithmetic",
+        fields={"task": "calculator", "out": "runs/calculator"},
+    )
+)
+
+
+def calculator_settings(out: str, overrides: Sequence[str] = ()) -> DemoSettings:
+    """The recipe's settings: its preset (the ``demo`` one) and fields, then ``overrides``."""
+    fields: DemoFields = {**RECIPE.fields, "out": out}
+    return DemoSettings.load(overrides, config=RECIPE.preset, **fields)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--out", default=str(RECIPE.fields.get("out")))
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value")
+    args = ap.parse_args()
+    result = run_demo(calculator_settings(args.out, args.overrides))
+    print(markdown_table(result.table))
+    print(gain_line(result.gain))
+    print(f"run folder: {result.out}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,66 @@
+"""retool.recipes: every task the demo runs, one folder each, registered by name (``retool recipes``).
+
+A recipe (``retool.tasks.recipe.Recipe``) owns its preset (a TOML file in its folder, found by name as
+any preset is), its problem source, its held-out set, its cold start and a README (what it teaches, the
+one command, the one number it reaches, its cost here). The pipeline that runs it,
+``retool.tasks.pipeline``, knows no task by name; ``retool.recipes.demo`` joins the two
+(``run_demo``, ``run_sft``).
+
+- ``tiny``: the embedded default, a tiny model built here on the synthetic task family;
+- ``smollm2``: the same tasks on SmolLM2-135M-Instruct;
+- ``gsm8k``: GSM8K with SmolLM2, cold start from annotated solutions;
+- ``mathematics``: DeepMind Mathematics with SmolLM2, cold start from its own verified attempts.
+
+Adding a recipe is a folder and one line in ``RECIPES`` (or ``register_recipe`` from one's own module:
+``docs/recipes.md``).
+"""
+
+from __future__ import annotations
+
+from retool.errors import UserError
+from retool.recipes import gsm8k, mathematics, smollm2, tiny
+from retool.tasks.recipe import Recipe
+
+RECIPES: dict[str, Recipe] = {
+    r.name: r for r in (tiny.RECIPE, smollm2.RECIPE, gsm8k.RECIPE, mathematics.RECIPE)
+}
+
+
+class UnknownRecipeError(UserError, ValueError):
+    """No recipe of that name (or for that model and task); the message lists the known ones."""
+
+
+def register_recipe(recipe: Recipe) -> Recipe:
+    """Make ``recipe`` known by its name (``retool demo --recipe NAME``, ``retool recipes``)."""
+    RECIPES[recipe.name] = recipe
+    return recipe
+
+
+def recipe_named(name: str) -> Recipe:
+    try:
+        return RECIPES[name]
+    except KeyError:
+        raise UnknownRecipeError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}") from None
+
+
+def recipe_of_task(task: str) -> Recipe:
+    """The recipe whose code runs ``DemoSettings.task`` (the first registered: ``tiny`` for ``synthetic``).
+    Recipes of one task share its code and differ only in preset and fields, which a run's settings
+    already hold."""
+    for recipe in RECIPES.values():
+        if recipe.task == task:
+            return recipe
+    known = ", ".join(dict.fromkeys(r.task for r in RECIPES.values()))
+    raise ValueError(f"unknown demo task {task!r}; known: {known}")
+
+
+def recipe_for(model: str, task: str = tiny.TASK) -> Recipe:
+    """The recipe of the deprecated ``--model NAME --task TASK`` pair."""
+    for recipe in RECIPES.values():
+        if (recipe.model, recipe.task) == (model, task):
+            return recipe
+    runs = [r.task for r in RECIPES.values() if r.model == model]
+    if not runs:
+        known = ", ".join(dict.fromkeys(r.model for r in RECIPES.values()))
+        raise UnknownRecipeError(f"--model {model!r}: known: {known}")
+    raise UnknownRecipeError(f"--task {task!r}: {model} runs {', '.join(runs)}")

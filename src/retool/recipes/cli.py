@@ -1,0 +1,247 @@
+"""``retool demo``, ``retool sft`` and ``retool recipes``: the commands that run a recipe by name.
+
+``retool demo --recipe NAME`` runs one recipe (``retool.recipes``) through the pipeline; ``--model`` /
+``--task``, the names of the pairs before recipes, still pick one for a release, with a deprecation line.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Unpack
+
+import typer
+
+from retool.config import ConfigError, flag_overrides, load_config
+from retool.errors import UserError
+from retool.recipes import RECIPES, recipe_for, recipe_named
+from retool.recipes.demo import run_demo, run_sft
+from retool.tasks.cli import Printer, quiet_library_progress
+from retool.tasks.recipe import Recipe
+from retool.tasks.report import DemoResult, gain_line, markdown_table
+from retool.tasks.settings import DemoFields, DemoSettings, seed_overrides
+
+# The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
+_DEMO = load_config("demo")
+
+
+def _settings(
+    config: str,
+    overrides: list[str],
+    seed: int | None,
+    flags: Mapping[str, object],
+    **fields: Unpack[DemoFields],
+) -> DemoSettings:
+    """The demo's settings: ``config`` + ``--set`` + the flags that were given (+ demo-only fields)."""
+    sets = [*overrides, *(seed_overrides(seed) if seed is not None else []), *flag_overrides(flags)]
+    try:
+        return DemoSettings.load(sets, config=config, **fields)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+
+
+_CONFIG_HELP = "Preset or TOML file the settings start from."
+_SET_HELP = "Override section.key=value (repeatable), or a demo field: size, eval_modes, plots."
+
+
+_RECIPE_HELP = "The recipe to run (default: tiny; `retool recipes` lists them)."
+_MODEL_HELP = (
+    "Deprecated, use --recipe: 'tiny' (the tiny recipe) or 'smollm2' (the smollm2 recipe, with --task)."
+)
+_TASK_HELP = (
+    "Deprecated, use --recipe: synthetic, gsm8k (the gsm8k recipe) or mathematics (the mathematics recipe)."
+)
+
+_DATA_DIR_HELP = (
+    "Folder of the task's data files (default $RETOOL_DATA_DIR, else the user cache: retool data fetch)."
+)
+
+
+def demo_command(
+    out: Path | None = typer.Option(
+        None, "--out", help="Run folder: every artefact goes here (default: the recipe's, e.g. runs/demo)."
+    ),
+    recipe: str | None = typer.Option(None, "--recipe", help=_RECIPE_HELP),
+    model: str | None = typer.Option(None, "--model", help=_MODEL_HELP),
+    resume: bool = typer.Option(
+        False, "--resume", help="Continue the run in --out: skip finished phases, resume RL and evals."
+    ),
+    task: str | None = typer.Option(None, "--task", help=_TASK_HELP),
+    gsm8k: int | None = typer.Option(
+        None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
+    ),
+    data_dir: Path | None = typer.Option(None, "--data-dir", help=_DATA_DIR_HELP),
+    config: str | None = typer.Option(None, "--config", help=_CONFIG_HELP + " (default: the recipe's)"),
+    overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    seed: int | None = typer.Option(
+        None, help=f"Seed of tasks, model, SFT order, sampling (demo preset: {_DEMO.train.seed})."
+    ),
+    rl_steps: int | None = typer.Option(
+        None, "--rl-steps", help=f"RL steps (demo preset: {_DEMO.train.steps})."
+    ),
+    sft_steps: int | None = typer.Option(
+        None, "--sft-steps", help=f"Cold-start SFT steps (demo preset: {_DEMO.sft.steps})."
+    ),
+    group_size: int | None = typer.Option(
+        None, "--group-size", help=f"(demo preset: {_DEMO.rollout.group_size})"
+    ),
+    questions: int | None = typer.Option(
+        None, "--questions", help=f"Questions per RL step (demo preset: {_DEMO.rollout.questions_per_step})."
+    ),
+    val_n: int | None = typer.Option(
+        None, "--val-n", help=f"Samples per held-out problem in evaluation (demo preset: {_DEMO.eval.val_n})."
+    ),
+    test_tasks: int | None = typer.Option(
+        None, "--test-tasks", help=f"Held-out problems (demo preset: {_DEMO.data.task_test_count})."
+    ),
+    threads: int | None = typer.Option(
+        None,
+        help=f"torch threads (1 leaves a core to the sandbox) (demo preset: {_DEMO.backend.cpu_threads}).",
+    ),
+    dynamic_sampling: bool | None = typer.Option(
+        None,
+        "--dynamic-sampling/--no-dynamic-sampling",
+        help="DAPO: train only on groups whose rewards differ, sampling more questions to refill "
+        f"(demo preset: {'on' if _DEMO.filters.dynamic_sampling else 'off'}).",
+    ),
+    reuse_sft: Path | None = typer.Option(
+        None, "--reuse-sft", help="An earlier demo run: start from its SFT model and SFT evaluation."
+    ),
+    no_plots: bool = typer.Option(False, "--no-plots"),
+) -> None:
+    """A recipe's whole pipeline on a local model: (zero-shot eval), SFT, eval, RL, eval; table and plots."""
+    quiet_library_progress()
+    flags = {
+        "train.steps": rl_steps,
+        "sft.steps": sft_steps,
+        "rollout.group_size": group_size,
+        "rollout.questions_per_step": questions,
+        "eval.val_n": val_n,
+        "data.task_test_count": test_tasks,
+        "backend.cpu_threads": threads,
+        "filters.dynamic_sampling": dynamic_sampling,
+    }
+    own: DemoFields = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
+    chosen = _chosen_recipe(recipe, model, task)
+    own.update(chosen.fields)
+    own.update(_given_demo_fields(out, gsm8k, data_dir, no_plots))
+    settings = _settings(config or chosen.preset, overrides, seed, flags, **own)
+    try:
+        result = run_demo(settings, on_event=Printer())
+    except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
+        raise UserError(str(exc)) from None
+    _print_demo_result(result)
+
+
+def _chosen_recipe(recipe: str | None, model: str | None, task: str | None) -> Recipe:
+    """The recipe ``--recipe`` names, else the one of the deprecated ``--model`` / ``--task`` pair (said on
+    stderr), else ``tiny``."""
+    if recipe is not None:
+        if model is not None or task is not None:
+            raise UserError("--recipe picks the model and the task: drop --model / --task")
+        return recipe_named(recipe)
+    if model is None and task is None:
+        return recipe_named("tiny")
+    model, task = model or "tiny", task or "synthetic"
+    if model == "tiny" and task != "synthetic":
+        raise UserError(f"--task {task}: the tiny model runs the synthetic task only; see `retool recipes`")
+    chosen = recipe_for(model, task)
+    typer.echo(
+        f"--model / --task are deprecated and go in a later release: use --recipe {chosen.name}", err=True
+    )
+    return chosen
+
+
+def _given_demo_fields(
+    out: Path | None, gsm8k: int | None, data_dir: Path | None, no_plots: bool
+) -> DemoFields:
+    """The demo-only fields whose flags were given (the others keep the preset's or the model's value)."""
+    own: DemoFields = {}
+    if out is not None:
+        own["out"] = str(out)
+    if gsm8k is not None:
+        own["gsm8k_problems"] = gsm8k
+    if data_dir is not None:
+        own["data_dir"] = str(data_dir)
+    if no_plots:
+        own["plots"] = False
+    return own
+
+
+def _print_demo_result(result: DemoResult) -> None:
+    typer.echo(markdown_table(result.table))
+    typer.echo("\n" + gain_line(result.gain))
+    typer.echo(f"\ntimings (s): {json.dumps(result.timings)}")
+    typer.echo(f"run folder: {result.out}  (report.md, report.json, eval/, rl/, analysis/)")
+    typer.echo(
+        f"trajectory viewer: open {result.out / 'view' / 'index.html'}  (rebuild: retool view {result.out})"
+    )
+
+
+def sft_command(
+    out: Path = typer.Option(Path("runs/sft"), "--out", help="Output folder (model_sft/, sft_report.json)."),
+    model: str = typer.Option("tiny", "--model", help="HF folder to fine-tune, or 'tiny' to build one."),
+    config: str = typer.Option("demo", "--config", help=_CONFIG_HELP),
+    overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
+    steps: int | None = typer.Option(None, help=f"SFT steps (demo preset: {_DEMO.sft.steps})."),
+    batch_size: int | None = typer.Option(
+        None, "--batch-size", help=f"(demo preset: {_DEMO.sft.batch_size})"
+    ),
+    lr: float | None = typer.Option(
+        None, help=f"Peak learning rate (cosine decay) (demo preset: {_DEMO.sft.lr})."
+    ),
+    tasks: int | None = typer.Option(
+        None, help=f"Synthetic training problems (demo preset: {_DEMO.data.task_count})."
+    ),
+    hard_tool: float | None = typer.Option(
+        None,
+        "--hard-tool",
+        help=f"Share of hard problems solved with a call (demo preset: {_DEMO.sft.hard_tool}).",
+    ),
+    hard_error_fix: float | None = typer.Option(
+        None,
+        "--hard-error-fix",
+        help=f"Share with a failing call then a fix (demo preset: {_DEMO.sft.hard_error_fix}).",
+    ),
+    seed: int | None = typer.Option(None, help=f"(demo preset: {_DEMO.train.seed})"),
+    evaluate: bool = typer.Option(
+        True, "--eval/--no-eval", help="Report format rate and accuracy after SFT."
+    ),
+    threads: int | None = typer.Option(
+        None, help=f"torch threads (demo preset: {_DEMO.backend.cpu_threads})."
+    ),
+) -> None:
+    """Cold-start SFT on code-interleaved trajectories from the synthetic task family."""
+    if model != "tiny" and not Path(model).exists():
+        raise UserError(f"--model {model}: no such folder")
+    flags = {
+        "sft.steps": steps,
+        "sft.batch_size": batch_size,
+        "sft.lr": lr,
+        "data.task_count": tasks,
+        "sft.hard_tool": hard_tool,
+        "sft.hard_error_fix": hard_error_fix,
+        "backend.cpu_threads": threads,
+    }
+    settings = _settings(config, overrides, seed, flags, out=str(out))
+    try:
+        # "tiny" here is the demo's own tiny model, built for these tasks into OUT/model_init.
+        result = run_sft(settings, None if model == "tiny" else model, on_event=Printer(), evaluate=evaluate)
+    except ValueError as exc:
+        raise UserError(str(exc)) from None
+    typer.echo(json.dumps(result, indent=2))
+
+
+def recipes_command() -> None:
+    """The recipes ``retool demo --recipe NAME`` runs: name, model, task, preset, what it teaches."""
+    for recipe in RECIPES.values():
+        typer.echo(
+            f"{recipe.name:<12} {recipe.model:<8} {recipe.task:<12} {recipe.preset:<25} {recipe.description}"
+        )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("demo")(demo_command)
+    app.command("sft")(sft_command)
+    app.command("recipes")(recipes_command)

@@ -1,0 +1,62 @@
+"""``retool demo`` and ``retool sft`` by recipe: the recipe a run's settings name (``DemoSettings.task``),
+run through the generic pipeline (``retool.tasks.pipeline``).
+
+The entry points the benches, tests and docs call: ``run_demo``, ``run_sft``, ``real_model_settings`` (a
+recipe's preset and demo-only fields, then overrides), ``demo_source`` and ``held_out`` (what a run trains
+and is evaluated on). The pipeline's own helpers keep their home in ``retool.tasks.pipeline``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Unpack
+
+from retool.config import Config
+from retool.env import ProblemSource
+from retool.jsonl import JsonObject
+from retool.recipes import RECIPES, recipe_for, recipe_of_task
+from retool.tasks.pipeline import run_pipeline, run_recipe_sft
+from retool.tasks.recipe import HeldOut
+from retool.tasks.report import DemoResult
+from retool.tasks.settings import DemoFields, DemoSettings, Event
+
+# The tasks the registered recipes run (what ``DemoSettings.task`` may hold).
+DEMO_TASKS = tuple(dict.fromkeys(r.task for r in RECIPES.values()))
+
+
+def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResult:
+    """(Zero-shot eval), SFT, evaluate, RL, evaluate the recipe of ``settings.task``; everything under
+    ``settings.out`` (``retool.tasks.pipeline.run_pipeline``)."""
+    return run_pipeline(recipe_of_task(settings.task), settings, on_event)
+
+
+def run_sft(
+    settings: DemoSettings,
+    model: str | Path | None = None,
+    on_event: Event | None = None,
+    evaluate: bool = True,
+) -> JsonObject:
+    """The cold start of the recipe of ``settings.task`` on its own (``retool sft``)."""
+    return run_recipe_sft(recipe_of_task(settings.task), settings, model, on_event, evaluate)
+
+
+def real_model_settings(
+    name: str, overrides: Sequence[str] = (), **fields: Unpack[DemoFields]
+) -> DemoSettings:
+    """``DemoSettings`` of the named real model's recipe for ``fields['task']`` (default: the synthetic
+    tasks): its preset and demo-only fields, then ``overrides`` (``section.key=value`` or ``field=value``)
+    and ``fields``."""
+    recipe = recipe_for(name, fields.get("task", "synthetic"))
+    merged: DemoFields = {**recipe.fields, **fields}
+    return DemoSettings.load(overrides, config=recipe.preset, **merged)
+
+
+def demo_source(settings: DemoSettings, config: Config) -> ProblemSource:
+    """The problems RL trains on, as the recipe of ``settings.task`` picks them."""
+    return recipe_of_task(settings.task).source(settings, config)
+
+
+def held_out(settings: DemoSettings, source: ProblemSource) -> HeldOut:
+    """The train tasks, the held-out test tasks and the evaluation set of the recipe of ``settings.task``."""
+    return recipe_of_task(settings.task).held_out(settings, source)

@@ -1,0 +1,98 @@
+"""The ``mathematics`` recipe (``retool demo --recipe mathematics``): ReTool's two stages on DeepMind
+Mathematics (``retool data mathematics``) with SmolLM2-135M-Instruct, offline on CPU.
+
+Owns its task (``task.py``: the leak-checked train split, the held-out interpolate + extrapolate slice,
+the cold start from the model's own verified attempts), the benchmark's answer checker for the held-out
+set, its preset (``demo-smollm2-mathematics.toml``, which says why each value) and its demo-only fields:
+greedy evaluation text-only and with the tool on the first questions of every interpolate and extrapolate
+module, the zero-shot base model included.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from retool.components import Components
+from retool.config import Config
+from retool.data.mathematics import module_of
+from retool.data.problem import Problem
+from retool.data.synthetic import Task
+from retool.env import ProblemSource
+from retool.env.mathematics import MathematicsList, MathematicsSource
+from retool.recipes.mathematics.task import TASK, coldstart_examples, held_out_problems, mathematics_source
+from retool.tasks.recipe import HeldOut, Recipe, train_on_examples
+from retool.tasks.settings import DemoFields, DemoSettings, Event
+from retool.tasks.sft import SFTReport
+
+FIELDS: DemoFields = {
+    "out": "runs/demo-smollm2-mathematics",
+    "task": "mathematics",
+    "mathematics_problems": 2,  # x (56 interpolate + 15 extrapolate modules)
+    "base_eval_problems": 71,  # every k-th held-out problem: one per module
+    "base_eval_modes": ("text-only", "retool"),
+    "eval_modes": ("text-only", "retool"),
+    "coldstart_rows": 4,  # train problems per module, one greedy attempt each
+    "coldstart_samples": 1,
+    "coldstart_temperature": 0.0,
+    "eval_temperature": 0.0,
+}
+
+
+@dataclass(frozen=True)
+class MathematicsRecipe(Recipe):
+    """DeepMind Mathematics: the generated train split, the first questions of every test module held out."""
+
+    task: str = TASK
+
+    def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
+        maths = mathematics_source(config, settings.data_dir)
+        maths.problems("train")  # the leak check, before any model loads
+        return maths
+
+    def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
+        assert isinstance(source, MathematicsSource), "the mathematics recipe's source reads its data folder"
+        return HeldOut([], [], held_out_problems(settings.mathematics_problems, source.data_dir))
+
+    def cold_start(
+        self,
+        parts: Components,
+        settings: DemoSettings,
+        train: Sequence[Task],
+        config: Config,
+        emit: Event,
+        on_examples: Callable[[int], None] | None = None,
+    ) -> SFTReport:
+        """Cold-start SFT on the model's own verified attempts at train problems."""
+        emit("phase", {"phase": "sft", "detail": "sampling the model's own attempts under a few-shot prompt"})
+        examples, report_data = coldstart_examples(
+            parts,
+            config,
+            per_module=settings.coldstart_rows,
+            samples=settings.coldstart_samples,
+            temperature=settings.coldstart_temperature,
+            out=Path(settings.out),
+            data_dir=settings.data_dir,
+        )
+        emit(
+            "phase",
+            {"phase": "sft", "detail": f"{len(examples)} verified attempts kept of {report_data['sampled']}"},
+        )
+        return train_on_examples(parts, config, examples, report_data, emit)
+
+    def eval_source(self, problems: Sequence[Problem]) -> ProblemSource | None:
+        """The benchmark's checker: answers are checked as DeepMind Mathematics means them, not by
+        math-verify."""
+        if problems and all(module_of(p) for p in problems):
+            return MathematicsList(problems, shuffle=False, name="held-out")
+        return None
+
+
+RECIPE = MathematicsRecipe(
+    name="mathematics",
+    description="SmolLM2-135M-Instruct on DeepMind Mathematics: cold start from its own verified attempts",
+    model="smollm2",
+    preset="demo-smollm2-mathematics",
+    fields=FIELDS,
+)

@@ -1,0 +1,133 @@
+"""The ``tiny`` recipe, the embedded default (``retool demo``): a tiny Qwen2 model built here, whose
+tokenizer is trained on the synthetic task family's text, taught to call the interpreter on CPU in minutes.
+
+Owns the synthetic task (also run by ``retool.recipes.smollm2`` with a real model):
+
+- the problem source: the task family (``data.train_path = 'tasks'``, ``retool.env.synthetic``);
+- the held-out set: the family's test split (drawn with ``test_hard_fraction`` when set, held out against
+  the actual train split), plus a seeded GSM8K test slice when ``gsm8k_problems`` > 0;
+- the cold start: code-interleaved trajectories of the train tasks with the sandbox's REAL output
+  (``retool.tasks.sft``), in one stage or two (``sft.final_*``: the same problems in other styles);
+- its preset, ``demo.toml`` (the ``demo`` preset).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from retool.components import Components
+from retool.config import Config, ConfigError
+from retool.data.gsm8k import gsm8k_problems
+from retool.data.synthetic import Task, generate_tasks
+from retool.env import ProblemSource, TaskFamilySource, source_from_config
+from retool.tasks.recipe import HeldOut, Recipe, sandbox_observer
+from retool.tasks.settings import DemoSettings, Event, demo_data_dir
+from retool.tasks.sft import SFTExample, SFTMix, SFTReport, build_sft_examples, train_sft
+
+TASK = "synthetic"
+
+
+@dataclass(frozen=True)
+class SyntheticRecipe(Recipe):
+    """The synthetic task family with the model and preset of the recipe that names it."""
+
+    task: str = TASK
+    tiny_model: bool = True
+
+    def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
+        return task_source(config)
+
+    def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
+        return held_out_tasks(settings, task_source_of(source))
+
+    def cold_start(
+        self,
+        parts: Components,
+        settings: DemoSettings,
+        train: Sequence[Task],
+        config: Config,
+        emit: Event,
+        on_examples: Callable[[int], None] | None = None,
+    ) -> SFTReport:
+        return cold_start_sft(parts, train, config, emit, on_examples)
+
+
+def task_source(config: Config) -> TaskFamilySource:
+    return task_source_of(source_from_config(config))
+
+
+def task_source_of(source: ProblemSource) -> TaskFamilySource:
+    if not isinstance(source, TaskFamilySource):
+        raise ConfigError(
+            f"the demo trains on the synthetic tasks (data.train_path = 'tasks'), not {source.name!r}"
+        )
+    return source
+
+
+def held_out_tasks(settings: DemoSettings, source: TaskFamilySource) -> HeldOut:
+    """The train tasks, the held-out test tasks and the evaluation set (test tasks, plus the GSM8K slice
+    for real models). With ``test_hard_fraction`` the test split is drawn with that hard share and held
+    out against the actual train split (``generate_tasks`` holds a split out against a train stream of the
+    same share)."""
+    train = source.tasks("train")
+    if settings.test_hard_fraction is None:
+        test = source.tasks("test")
+    else:
+        d = settings.config.data
+        seen = {t.question for t in train if t.hard}
+        pool = generate_tasks(
+            2 * d.task_test_count + 16,
+            seed=d.seed,
+            hard_fraction=settings.test_hard_fraction,
+            kinds=list(d.task_kinds) or None,
+            split="test",
+        )
+        test = [t for t in pool if t.question not in seen][: d.task_test_count]
+    problems = [t.to_problem() for t in test]
+    if settings.gsm8k_problems > 0:
+        problems += gsm8k_problems(settings.gsm8k_problems, demo_data_dir(settings), seed=settings.seed)
+    return HeldOut(train, test, problems)
+
+
+def cold_start_sft(
+    parts: Components,
+    train: Sequence[Task],
+    config: Config,
+    emit: Event,
+    on_examples: Callable[[int], None] | None = None,
+    observe: Callable[[str], str] | None = None,
+) -> SFTReport:
+    """Build the code-interleaved SFT trajectories and train on them (``[sft]``); ``observe`` turns a
+    call's code into what the model is shown (default: its REAL output in the sandbox)."""
+    s = config.sft
+    if observe is None:
+        assert parts.executor is not None, "SFT observations come from the sandbox"
+        observe = sandbox_observer(parts.executor)
+    mix = SFTMix(s.hard_tool, s.hard_error_fix, s.easy_tool)
+    seed = config.train.seed
+    examples = build_sft_examples(train, parts.protocol, observe, mix, seed=seed)
+    final: list[SFTExample] = []
+    if s.final_steps:  # the second stage: the same problems, other styles (other seed)
+        final_mix = SFTMix(s.final_hard_tool, s.final_hard_error_fix, s.final_easy_tool)
+        final = build_sft_examples(train, parts.protocol, observe, final_mix, seed=seed + 7919)
+    if on_examples is not None:
+        on_examples(len(examples) + len(final))
+    return train_sft(
+        parts.backend,
+        examples,
+        final_examples=final,
+        final_steps=s.final_steps,
+        steps=s.steps,
+        batch_size=s.batch_size,
+        lr=s.lr,
+        optimizer=s.optimizer,
+        seed=seed,
+        on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
+    )
+
+
+RECIPE = SyntheticRecipe(
+    name="tiny",
+    description="a tiny Qwen2 built here learns to call the interpreter on synthetic arithmetic (CPU, minutes)",
+)

@@ -1,0 +1,121 @@
+"""What a recipe is: the questions the generic pipeline (``retool.tasks.pipeline``) asks of a task, and
+the helpers a recipe's cold start builds with.
+
+The pipeline knows no task by name. Everything that differs between tasks is a method of ``Recipe``:
+
+- ``source``: the problems RL trains on (a ``ProblemSource``; its leak check runs before any model loads);
+- ``held_out``: the train tasks the tiny model's tokenizer and the synthetic cold start read (none for a
+  dataset), the held-out test tasks, and the evaluation set;
+- ``cold_start``: the SFT examples of the first stage, trained through ``train_on_examples`` (or the
+  recipe's own call of ``retool.tasks.sft.train_sft``);
+- ``eval_source``: the source that scores the held-out set, when its answers need their own checker.
+
+A recipe also carries what it runs with: its name, the model it is sized for, its Config preset and its
+demo-only fields (``DemoSettings``). The recipes themselves and their registry sit one layer up, in
+``retool.recipes``: this module is the interface they implement, below them.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import NamedTuple
+
+from retool.components import Components
+from retool.config import Config
+from retool.data.problem import Problem
+from retool.data.synthetic import Task
+from retool.env import ProblemSource
+from retool.jsonl import JsonObject
+from retool.sandbox import Executor
+from retool.tasks.settings import DemoFields, DemoSettings, Event
+from retool.tasks.sft import SFTExample, SFTReport, train_sft
+
+
+class HeldOut(NamedTuple):
+    """The train tasks (synthetic recipes only), the held-out test tasks, and the evaluation set."""
+
+    train: list[Task]
+    test: list[Task]
+    problems: list[Problem]
+
+
+@dataclass(frozen=True)
+class Recipe(ABC):
+    """One task the demo pipeline runs end to end: cold start -> evaluate -> RL -> evaluate -> report.
+
+    ``task``: the name ``DemoSettings.task`` holds for it (what a run folder's ``settings.json`` records);
+    ``model``: the model its preset is sized for (``tiny``, built here, or a ``retool.tasks.real_model``
+    name); ``preset``: its Config preset (a TOML file in its folder); ``fields``: the demo-only fields it
+    sets; ``tiny_model``: whether the tiny model can run it (the tiny tokenizer is trained on the train
+    tasks' text, so only a recipe with train tasks can).
+    """
+
+    name: str
+    description: str
+    task: str
+    model: str = "tiny"
+    preset: str = "demo"
+    fields: DemoFields = field(default_factory=lambda: DemoFields())
+    tiny_model: bool = False
+
+    @abstractmethod
+    def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
+        """The problems RL trains on."""
+
+    @abstractmethod
+    def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
+        """The train tasks, the held-out test tasks and the evaluation set."""
+
+    @abstractmethod
+    def cold_start(
+        self,
+        parts: Components,
+        settings: DemoSettings,
+        train: Sequence[Task],
+        config: Config,
+        emit: Event,
+        on_examples: Callable[[int], None] | None = None,
+    ) -> SFTReport:
+        """Build the cold-start trajectories and train on them (``[sft]``); ``on_examples`` hears how many."""
+
+    def eval_source(self, problems: Sequence[Problem]) -> ProblemSource | None:
+        """The source whose scorer checks the held-out answers (None: the default verifier)."""
+        return None
+
+
+def train_on_examples(
+    parts: Components, config: Config, examples: Sequence[SFTExample], conversion: JsonObject, emit: Event
+) -> SFTReport:
+    """Cold-start SFT (``[sft]``) on trajectories a task built, its build report kept as the report's
+    ``conversion``."""
+    s = config.sft
+    report = train_sft(
+        parts.backend,
+        examples,
+        steps=s.steps,
+        batch_size=s.batch_size,
+        lr=s.lr,
+        optimizer=s.optimizer,
+        seed=config.train.seed,
+        on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
+    )
+    report.conversion = conversion
+    return report
+
+
+def sandbox_observer(executor: Executor) -> Callable[[str], str]:
+    """SFT observations: the canonical code's REAL output through the sandbox executor.
+
+    Each distinct program runs once: canonical code is deterministic, and the two SFT stages share
+    their problems, so most of the second stage's calls would repeat the first's.
+    """
+    seen: dict[str, str] = {}
+
+    def observe(code: str) -> str:
+        if code not in seen:
+            seen[code] = executor.format_tool_content(executor.run(code))
+        return seen[code]
+
+    return observe

@@ -1,0 +1,76 @@
+"""The recipe registry: every recipe is a folder with its preset, README and ``RECIPE``; the deprecated
+``--model`` / ``--task`` pairs map onto them; the demo-only fields a recipe sets are ``DemoSettings``'."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+from retool.config import load_config, preset_names
+from retool.recipes import RECIPES, UnknownRecipeError, recipe_for, recipe_named, recipe_of_task
+from retool.recipes.demo import DEMO_TASKS, real_model_settings
+from retool.tasks.settings import DemoFields, DemoSettings
+
+RECIPES_DIR = Path(__file__).resolve().parents[1] / "src" / "retool" / "recipes"
+
+
+def test_every_shipped_recipe_is_a_folder_with_its_preset_and_readme() -> None:
+    folders = sorted(p.name for p in RECIPES_DIR.iterdir() if (p / "__init__.py").is_file())
+    assert folders == sorted(["tiny", "smollm2", "gsm8k", "mathematics"])
+    assert set(folders) <= set(RECIPES)
+    for name in folders:
+        recipe = RECIPES[name]
+        assert (RECIPES_DIR / name / f"{recipe.preset}.toml").is_file(), name
+        assert recipe.preset in preset_names() and load_config(recipe.preset).model.name == recipe.model
+        readme = (RECIPES_DIR / name / "README.md").read_text()
+        assert f"Recipe `{name}`" in readme and "retool demo" in readme, name
+
+
+def test_the_deprecated_model_and_task_pairs_name_the_recipes() -> None:
+    pairs = {
+        ("tiny", "synthetic"): "tiny",
+        ("smollm2", "synthetic"): "smollm2",
+        ("smollm2", "gsm8k"): "gsm8k",
+        ("smollm2", "mathematics"): "mathematics",
+    }
+    assert {pair: recipe_for(*pair).name for pair in pairs} == pairs
+    assert recipe_of_task("synthetic") is recipe_named("tiny") and set(DEMO_TASKS) >= {"gsm8k", "mathematics"}
+    with pytest.raises(UnknownRecipeError, match="known: tiny, smollm2"):
+        recipe_for("gpt-17")
+    with pytest.raises(UnknownRecipeError, match="smollm2 runs synthetic, gsm8k, mathematics"):
+        recipe_for("smollm2", "mnist")
+    with pytest.raises(UnknownRecipeError, match="known: tiny, smollm2, gsm8k, mathematics"):
+        recipe_named("nope")
+    with pytest.raises(ValueError, match="unknown demo task 'mnist'"):
+        recipe_of_task("mnist")
+
+
+def test_a_recipe_sets_only_demo_fields_and_its_settings_carry_them() -> None:
+    demo_only = {f.name for f in dataclasses.fields(DemoSettings)} - {"config"}
+    assert set(DemoFields.__annotations__) == demo_only  # the keyword form names every field, no other
+    for recipe in RECIPES.values():
+        assert set(recipe.fields) <= demo_only, recipe.name
+        if recipe.model == "tiny":
+            continue
+        settings = real_model_settings(recipe.model, task=recipe.task)
+        assert settings.task == recipe.task
+        assert all(getattr(settings, k) == v for k, v in recipe.fields.items()), recipe.name
+
+
+def test_retool_recipes_lists_them_and_demo_takes_a_recipe(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from retool.cli import app
+
+    listed = CliRunner().invoke(app, ["recipes"])
+    assert listed.exit_code == 0
+    assert [line.split()[0] for line in listed.output.splitlines()][:4] == list(RECIPES)[:4]
+    result = CliRunner().invoke(app, ["demo", "--recipe", "nope", "--out", str(tmp_path / "r")])
+    assert result.exit_code == 2 and "unknown recipe 'nope'" in result.output
+    both = CliRunner().invoke(
+        app, ["demo", "--recipe", "tiny", "--task", "gsm8k", "--out", str(tmp_path / "r")]
+    )
+    assert both.exit_code == 2 and "drop --model / --task" in both.output
+    assert not (tmp_path / "r").exists()
