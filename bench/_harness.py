@@ -186,7 +186,8 @@ def seed_demo_command(
 ) -> list[str]:
     """The seed's ``task`` demo of SmolLM2 with ``DEMO_FIELDS`` (no evaluation of its own), then ``sets``;
     RL from ``reuse_sft``'s SFT model when given; resumed when ``out`` holds an unfinished run."""
-    args = ["--model", "smollm2", "--task", task, "--seed", str(seed), "--out", str(out), "--no-plots"]
+    recipe = "smollm2" if task == "synthetic" else task  # the SmolLM2 recipe of each task
+    args = ["--recipe", recipe, "--seed", str(seed), "--out", str(out), "--no-plots"]
     args += [x for s in (*DEMO_FIELDS, *sets) for x in ("--set", s)]
     if reuse_sft is not None:
         args += ["--reuse-sft", str(reuse_sft)]

@@ -1,6 +1,6 @@
 """Benchmark: ReTool's two stages on GSM8K with SmolLM2-135M-Instruct, measured on the whole test split.
 
-Sized to what its claims compare. The GSM8K demo (``retool demo --model smollm2 --task gsm8k``: cold start
+Sized to what its claims compare. The GSM8K demo (``retool demo --recipe gsm8k``: cold start
 from annotated train solutions, SFT, RL on GSM8K train) runs once per seed, each in a process of its own
 (its time and peak memory are its own), without its own evaluations on a test slice (``eval_modes=[]``,
 ``base_eval_problems=0``: the bench evaluates on the whole split instead): the first seed's run does the

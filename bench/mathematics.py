@@ -1,7 +1,7 @@
 """Benchmark: ReTool's two stages on DeepMind Mathematics with SmolLM2-135M-Instruct, interpolation and
 extrapolation, beside the paper's Transformer.
 
-The mathematics demo (``retool demo --model smollm2 --task mathematics``: a cold start from the model's own
+The mathematics demo (``retool demo --recipe mathematics``: a cold start from the model's own
 verified attempts, SFT, RL on the generated train split) runs once per seed, each in a process of its own,
 without evaluations of its own (the bench evaluates instead): the first seed's run does the cold start and
 SFT, every other seed's RL starts from that SFT model (``--reuse-sft``), so the seeds differ in RL. Then each

@@ -1,4 +1,4 @@
-"""The real-model demo as a bench: run ``retool demo --model smollm2`` (or read a finished run) and report
+"""The real-model demo as a bench: run ``retool demo --recipe smollm2`` (or read a finished run) and report
 its before/after table, gain and time split, with the wall time, peak memory and load of the run.
 
     python bench/real_model_demo.py [--out runs/demo-smollm2] [--set KEY=VALUE ...] [--write]
@@ -30,11 +30,11 @@ from _results import recording, write_printed
 
 
 def run_demo(out: Path, overrides: list[str]) -> float:
-    """``retool demo --model smollm2 --out OUT`` in a child process (its output straight to the terminal,
+    """``retool demo --recipe smollm2 --out OUT`` in a child process (its output straight to the terminal,
     not into the results file); returns its wall seconds."""
     sets = [x for item in overrides for x in ("--set", item)]
     env = {**os.environ, "OMP_WAIT_POLICY": os.environ.get("OMP_WAIT_POLICY", "PASSIVE")}
-    run = timed_demo(demo_command("--model", "smollm2", "--out", str(out), *sets), env=env)
+    run = timed_demo(demo_command("--recipe", "smollm2", "--out", str(out), *sets), env=env)
     if run.returncode != 0:
         raise SystemExit(f"retool demo exited with status {run.returncode}; nothing written")
     return run.wall_s

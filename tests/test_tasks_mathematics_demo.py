@@ -1,4 +1,4 @@
-"""The demo's DeepMind Mathematics task (``retool demo --model smollm2 --task mathematics``): its settings, the
+"""The demo's DeepMind Mathematics task (``retool demo --recipe mathematics``): its settings, the
 held-out slice, the cold start's pieces (few-shot turns, a sampled transcript re-tokenised without them, one
 verified interpreter-using attempt kept per problem) and (slow) a few-step slice of the whole recipe on
 SmolLM2 over fixture rows of the official generator."""
