@@ -5,7 +5,8 @@ from start to exit, CPU time of the whole process tree (the demo, its replicas, 
 processes: ``getrusage(RUSAGE_CHILDREN)``, what ``/usr/bin/time`` reports as "Percent of CPU"), the
 machine's busy CPU time over the same wall time (``/proc/stat``: the cross-check), peak memory of the
 largest process, the machine's load average before and after (other jobs inflate every figure: compare
-runs taken together), and the demo's own phase split (``phases.json``) and gain.
+runs taken together), the demo's own phase split (``phases.json``) and gain, and a digest of its results
+table (``report.md`` up to the timings): a refactor's arm must print the same table bit for bit.
 
     python bench/demo_speed.py                          # this checkout, one run
     python bench/demo_speed.py --runs 2 --src /path/to/other/checkout/src --write
@@ -18,6 +19,7 @@ arms alternate run by run. ``--write`` writes ``docs/results/demo_speed.md`` and
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import resource
@@ -64,6 +66,15 @@ def machine_busy_seconds() -> float | None:
     return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already inside user
 
 
+def results_digest(report_md: Path) -> str | None:
+    """sha256 (12 hex digits) of the demo's results: ``report.md`` before its timings table, which is the
+    one part a rerun of the same code on the same machine changes."""
+    if not report_md.is_file():
+        return None
+    results = report_md.read_text().split("\n| phase |", 1)[0]
+    return hashlib.sha256(results.encode()).hexdigest()[:12]
+
+
 def run_once(src: Path, out: Path, overrides: list[str]) -> dict[str, Any]:
     """One `retool demo` in a fresh process from source tree ``src``; its figures."""
     shutil.rmtree(out, ignore_errors=True)
@@ -95,6 +106,7 @@ def run_once(src: Path, out: Path, overrides: list[str]) -> dict[str, Any]:
     phases = out / "phases.json"
     if phases.is_file():
         row["phases"] = {k: v["seconds"] for k, v in json.loads(phases.read_text()).items()}
+    row["results"] = results_digest(out / "report.md")
     report = out / "report.json"
     if report.is_file():
         gain = json.loads(report.read_text())["gain"]
@@ -107,8 +119,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| run | code | wall | CPU | machine busy | peak RSS | load before / after | "
         + " | ".join(PHASES)
-        + " | gain [95% CI] |",
-        "|" + "---|" * (7 + len(PHASES)),
+        + " | gain [95% CI] | results (sha256) |",
+        "|" + "---|" * (8 + len(PHASES)),
     ]
     for k, r in enumerate(rows):
         ph = r.get("phases", {})
@@ -119,8 +131,11 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {k + 1} | {r['revision']} | {int(minutes)} min {seconds:04.1f} s | {r['cpu_percent']}% "
             f"| {busy} | {r['peak_rss_mb']} MB | {r['load_before']:.2f} / {r['load_after']:.2f} | "
             + " | ".join(f"{ph[p]:.1f} s" if p in ph else "-" for p in PHASES)
-            + f" | {gain} |"
+            + f" | {gain} | {r.get('results') or '-'} |"
         )
+    digests = {r.get("results") for r in rows}
+    same = "yes" if len(digests) == 1 and None not in digests else "no"
+    lines += ["", f"Every run printed the same results table (report.md before its timings): {same}."]
     return "\n".join(lines)
 
 
