@@ -97,7 +97,6 @@ from retool.backends.training.packing import pack_micro_batches, padding_efficie
 __all__ = [
     "DEFAULT_PREFIX_CACHE_MB",
     "LocalLoraSpec",
-    "LocalSamplingClient",
     "LocalTrainingClient",
     "autocast_dtype",
     "load_base_model",
