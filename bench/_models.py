@@ -12,11 +12,11 @@ def hf_folder_from_gguf(gguf: Path, out: Path) -> Path:
         return out
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from retool.backends.local.client import _forget_gguf_quantization
+    from retool.backends.local.loading import forget_gguf_quantization
 
     tok = AutoTokenizer.from_pretrained(str(gguf.parent), gguf_file=gguf.name)
     model = AutoModelForCausalLM.from_pretrained(str(gguf.parent), gguf_file=gguf.name, dtype="float32")
-    _forget_gguf_quantization(model)  # dequantized already; lets transformers save it as plain weights
+    forget_gguf_quantization(model)  # dequantized already; lets transformers save it as plain weights
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     tok.save_pretrained(out)

@@ -5,7 +5,7 @@ the trainer does (``guard_training_client``), scripts a fault on the stub (a han
 after the call was applied, a 503 / 429) and then checks what took effect on the "service": how many
 gradient accumulations each optimizer step consumed (``stub.steps``) and under which idempotency id every
 request arrived (``stub.wire_ids``: PyTRIO's event id, Tinker's ``<model_id>:<seq_id>``; a sample's request
-id). The guarantees under test (see ``retool.backends.remote.common``):
+id). The guarantees under test (see ``retool.backends.remote.calls``):
 
 - ``forward_backward`` / ``optim_step`` are re-sent by the SDK alone, under its own idempotency id, so a
   dropped or refused request is applied exactly once and the guard re-sends nothing;

@@ -1,6 +1,6 @@
 """The local sampler's CPU fast paths, each pinned against the plain path it replaces: decode steps that
 append KV in place (``_GrowingLayer``) give bitwise the same generations as concatenation; prepacked
-oneDNN linears (``_PackedLinear``) in the merged LoRA view give the plain linear's outputs to float
+oneDNN linears (``PackedLinear``) in the merged LoRA view give the plain linear's outputs to float
 rounding, keep its parameters and state dict, and follow every weight change; the client's worker threads
 run on the thread count it was given, also when the process's count changes later."""
 
@@ -17,7 +17,8 @@ from transformers.cache_utils import DynamicLayer
 from retool.backends.engine import generation
 from retool.backends.engine.generation import KV_SPARE_COLUMNS, _GrowingLayer
 from retool.backends.interface.types import AdamParams, Datum, Sample, SamplingParams
-from retool.backends.local.client import LocalTrainingClient, _can_pack, _PackedLinear
+from retool.backends.local.client import LocalTrainingClient
+from retool.backends.local.packed_linear import PackedLinear, can_pack
 
 
 @pytest.fixture(autouse=True)
@@ -121,9 +122,9 @@ def test_merged_view_runs_prepacked_linears_that_follow_the_weights(tiny_model_d
                     p.normal_(0, 0.2)
         c.mark_weights_changed()
         view = c.sampling_model()
-        assert _can_pack(view)
+        assert can_pack(view)
         linears = [m for m in view.modules() if isinstance(m, torch.nn.Linear)]
-        assert linears and all(type(m) is _PackedLinear for m in linears)
+        assert linears and all(type(m) is PackedLinear for m in linears)
         names = set(view.state_dict())
         assert names and not any("_packed" in n for n in names)  # saves as the plain model does
         assert (

@@ -330,7 +330,7 @@ class SFTConfig(_Section):
     # compares two working modes rather than a broken one.
     text_only_share: float = Field(default=0.0, ge=0.0, le=1.0)
     # The local backend's SFT forwards under torch.autocast: off, bfloat16, or auto (bfloat16 where the
-    # hardware computes it natively; ``retool.backends.local.client.autocast_dtype``). The weights, the
+    # hardware computes it natively; ``retool.backends.local.precision.autocast_dtype``). The weights, the
     # optimizer and RL stay in backend.dtype.
     autocast: Literal["off", "bfloat16", "auto"] = "off"
 

@@ -18,7 +18,7 @@ An exception may state its outcome itself (an ``outcome`` attribute holding a ``
 ``classify`` then believes it: an adapter whose SDK re-sends requests internally knows what the last
 attempt's status cannot say (a final 429 proves nothing about the earlier attempts the SDK made), and an
 SDK may report "no HTTP answer" as ``status_code = 0``, which is no status at all (see
-``retool.backends.remote.common.RemoteCallError``).
+``retool.backends.remote.calls.RemoteCallError``).
 
 The rule (``call_with_retry`` / ``acall_with_retry``): at most ``policy.attempts`` attempts; between them
 "full jitter" exponential backoff, ``uniform(0, min(max_backoff, backoff * 2**k))`` (a ``Retry-After``

@@ -59,7 +59,7 @@ __all__ = [
 # remote adapters torch through the loss math), which the rest of the package does not need.
 _LAZY = {
     "LocalTrainingClient": "retool.backends.local.client",
-    "LocalSamplingClient": "retool.backends.local.client",
+    "LocalSamplingClient": "retool.backends.local.sampling_client",
     "PytrioTrainingClient": "retool.backends.remote.pytrio",
     "TinkerTrainingClient": "retool.backends.remote.tinker",
     "pack_micro_batches": "retool.backends.training.packing",

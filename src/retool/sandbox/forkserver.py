@@ -51,6 +51,10 @@ sandbox must do: docs/spec.md §3):
   ``SandboxWorkerError`` (the rollout ends its trajectory as ``executor_error``). Counted in
   ``stats.worker_failures`` / ``stats.worker_restarts``. A run ended by its memory cap is reported as
   ``status == "memory_limit"`` (see ``retool.sandbox.base.is_memory_failure``).
+
+One thing: the fork-server executor, from the bubblewrap command that starts a server to the framed
+exchange with it; isolation profile, server pool and fault handling decide together what a call may
+do, so they stay in one file past 700 lines.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@
   arrived (both SDKs pipeline requests and rely on that order).
 - One base, many adapters (``share_base``, the default): each base model's weights are loaded once, frozen,
   and every client on it (training runs, samplers of saved paths, the base sampler) is a module tree over
-  those same tensors plus its own LoRA tensors (``retool.backends.local.client.share_module``), so N clients cost
+  those same tensors plus its own LoRA tensors (``retool.backends.local.loading.share_module``), so N clients cost
   the base plus N adapters and optimizer states. Their samplers (a run's saved or temporary weights, saved
   paths, the base) all run on one engine per base model (``retool.backends.samplers.multi_lora``): requests for
   different adapters and the base decode in one batch, each row through its own adapter (no merged copy
@@ -31,6 +31,10 @@ returned ``sequence_id``, its prompt, sampled tokens and the sampler's logprobs 
 session-scoped, kept a day after last use, bounded in tokens). A training datum names them through its
 provenance spans; the server checks each span's tokens against the record and trains the sampled positions
 against the *recorded* logprobs.
+
+One thing: the registry both wire APIs (``tinker_api``, ``pytrio_api``) read and change, i.e. runs,
+samplers, shared bases, stability records and limits under one set of locks and one call order, so it
+stays in one file past 700 lines.
 """
 
 from __future__ import annotations
@@ -61,10 +65,11 @@ from retool.backends.interface.types import (
 from retool.config import Config
 from retool.serve.storage import CheckpointMeta, LoraRequest, Storage, StorageError, new_id
 
-if TYPE_CHECKING:  # deferred: backends.local.client imports torch; only its types are named here
+if TYPE_CHECKING:  # deferred: backends.local imports torch; only its types are named here
     import torch
 
-    from retool.backends.local.client import LocalLoraSpec, LocalTrainingClient
+    from retool.backends.local.client import LocalTrainingClient
+    from retool.backends.local.loading import LocalLoraSpec
     from retool.backends.samplers.multi_lora import MultiLoraEngine
 
 logger = logging.getLogger(__name__)
@@ -340,7 +345,7 @@ class ServeState:
 
     def _new_client(self, model: ServedModel, lora: LoraRequest | None) -> LocalTrainingClient:
         """A ``LocalTrainingClient`` on ``model`` (LoRA as asked; ``None``: plain weights, for sampling)."""
-        from retool.backends.local.client import LocalLoraSpec  # deferred: imports torch
+        from retool.backends.local.loading import LocalLoraSpec  # deferred: imports torch
 
         cfg = self.config
         spec = None
@@ -357,10 +362,8 @@ class ServeState:
     def _build(
         self, model: ServedModel, spec: LocalLoraSpec | None, lora: LoraRequest | None
     ) -> LocalTrainingClient:
-        from retool.backends.local.client import (  # deferred: imports torch
-            LocalTrainingClient,
-            load_base_model,
-        )
+        from retool.backends.local.client import LocalTrainingClient  # deferred: imports torch
+        from retool.backends.local.loading import load_base_model
 
         cfg = self.config
         base = None

@@ -56,8 +56,10 @@ from typing import Any
 import torch
 
 from retool.backends.interface.types import AdamParams, Datum, OptimStepResult
-from retool.backends.local.client import DatumsPass, LocalTrainingClient, resolve_device
+from retool.backends.local.client import LocalTrainingClient
+from retool.backends.local.datums_pass import DatumsPass
 from retool.backends.local.heap import cap_mmap_threshold
+from retool.backends.local.loading import resolve_device
 from retool.backends.local.replica_sampling import (
     ReplicaEngine,
     ReplicaError,

@@ -40,7 +40,9 @@ import numpy as np
 
 from retool.backends.engine.generation import ContinuousGenerator, GenRequest
 from retool.backends.interface.types import Sample
-from retool.backends.local.client import BackendStats, LocalSamplingClient, LocalTrainingClient
+from retool.backends.local.client import LocalTrainingClient
+from retool.backends.local.sampling_client import LocalSamplingClient
+from retool.backends.local.stats import BackendStats
 from retool.child import messages
 
 _SAMPLING_FIELDS = (
@@ -237,6 +239,8 @@ class WeightsGate:
 
 class SplitSamplingClient(LocalSamplingClient):
     """Rank 0's live sampler over its own engine and its replicas' (see the module docstring)."""
+
+    _owner: LocalTrainingClient  # it reads more of its trainer than the base class's SamplerOwner names
 
     def __init__(
         self,

@@ -23,7 +23,7 @@ SDK facts this relies on (pytrio 0.2.9, read from its code):
   clear error instead of the SDK's.
 - Checkpoint names must match ``^[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9_-])?$``.
 
-Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote.common``):
+Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote.calls``):
 
 - Training calls (``forward_backward``, ``optim_step``, ``save_state``, the sampler refresh's weight save)
   are *events* on one ordered queue per training run (``transport/actor/training_run/coordinator.py``).
@@ -70,15 +70,9 @@ from typing import TYPE_CHECKING
 
 from retool.backends.interface.errors import BackendUnavailableError, sdk_label
 from retool.backends.interface.types import ReductionMode
-from retool.backends.remote.common import (
-    PendingCall,
-    RemoteTrainingClient,
-    StateOrderError,
-    call_kwargs,
-    import_sdk,
-    local_tokenizer,
-    resolve,
-)
+from retool.backends.remote.calls import PendingCall
+from retool.backends.remote.common import RemoteTrainingClient, StateOrderError
+from retool.backends.remote.sdk import call_kwargs, import_sdk, local_tokenizer, resolve
 from retool.retry import Failure
 
 if TYPE_CHECKING:

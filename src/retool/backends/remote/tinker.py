@@ -25,7 +25,7 @@ SDK facts this relies on (tinker 0.38.0, read from its code):
   text; ``stop=None`` keeps EOS as a stop while an explicit list replaces it (so the adapter appends EOS to
   any stop list). Paths look like ``tinker://<run>/weights/<name>``.
 
-Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote.common``):
+Faults: what the SDK does, and so what the adapter guarantees (see ``retool.backends.remote.calls``):
 
 - Every training request carries ``seq_id``, reserved once per call from the training client's counter
   (``lib/public_interfaces/training_client.py``: ``seq_id=request_id + 1``); the service orders a model's
@@ -89,14 +89,9 @@ from typing import TYPE_CHECKING, Any
 
 from retool.backends.interface.errors import BackendUnavailableError, sdk_label
 from retool.backends.interface.types import ReductionMode
-from retool.backends.remote.common import (
-    PendingCall,
-    RemoteTrainingClient,
-    check_sdk_kwargs,
-    import_sdk,
-    local_tokenizer,
-    resolve,
-)
+from retool.backends.remote.calls import PendingCall
+from retool.backends.remote.common import RemoteTrainingClient
+from retool.backends.remote.sdk import check_sdk_kwargs, import_sdk, local_tokenizer, resolve
 from retool.retry import Failure, status_code_of
 
 if TYPE_CHECKING:

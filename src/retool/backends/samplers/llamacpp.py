@@ -47,7 +47,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 
 from retool.backends.engine.generation import GenRequest
 from retool.backends.interface.types import Sample
-from retool.backends.local.client import LocalSamplingClient
+from retool.backends.local.sampling_client import LocalSamplingClient
 from retool.jsonl import JsonValue
 
 if TYPE_CHECKING:
@@ -247,6 +247,8 @@ class LlamaCppOptions(TypedDict, total=False):
 
 class LlamaCppSamplingClient(LocalSamplingClient):
     """Samples with llama.cpp (xllamacpp) from the base GGUF plus the trainer's current LoRA adapter."""
+
+    _owner: LocalTrainingClient  # it reads more of its trainer than the base class's SamplerOwner names
 
     def __init__(
         self,

@@ -20,7 +20,7 @@ own PEFT model. A row only ever gets its own adapter's tensors: ``_select`` maps
 key each request carries (``LocalSamplingClient.adapter``), and the prefix cache keeps each adapter's KV
 in its own space.
 
-Base linears are prepacked for oneDNN (``_PackedLinear``) on fp32 or bf16 CPU, as the merged sampler of an
+Base linears are prepacked for oneDNN (``PackedLinear``) on fp32 or bf16 CPU, as the merged sampler of an
 in-process client is: one packed copy of the base's linear weights per engine (per base model, not per
 client); ``pack=False`` keeps memory at the base plus the adapters.
 
@@ -39,14 +39,11 @@ from typing import Any
 
 import torch
 
-from retool.backends.local.client import (
-    BackendStats,
-    LocalSamplingClient,
-    LocalTrainingClient,
-    _can_pack,
-    _PackedLinear,
-    share_module,
-)
+from retool.backends.local.client import LocalTrainingClient
+from retool.backends.local.loading import share_module
+from retool.backends.local.packed_linear import PackedLinear, can_pack
+from retool.backends.local.sampling_client import LocalSamplingClient
+from retool.backends.local.stats import BackendStats
 
 # Stacked per-row LoRA tensors of one linear at most this many elements (else a loop over adapter groups)
 STACK_ELEMENTS = 1 << 22
@@ -135,8 +132,8 @@ class MultiLoraEngine:
         for name, module in list(self.model.named_modules()):
             if type(module) is torch.nn.Linear:
                 inner: torch.nn.Linear = module
-                if pack and _can_pack(self.model):
-                    inner = _PackedLinear.sharing(module)
+                if pack and can_pack(self.model):
+                    inner = PackedLinear.sharing(module)
                     inner.pack()
                 parent_name, _, child = name.rpartition(".")
                 parent = self.model.get_submodule(parent_name) if parent_name else self.model

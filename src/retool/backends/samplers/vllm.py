@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, TypedDict, Unpack
 from retool.backends.engine.generation import GenRequest
 from retool.backends.interface.errors import SdkOptionError, sdk_label
 from retool.backends.interface.types import Sample
-from retool.backends.local.client import LocalSamplingClient
+from retool.backends.local.sampling_client import LocalSamplingClient
 
 if TYPE_CHECKING:
     from retool.backends.local.client import LocalTrainingClient
@@ -111,6 +111,8 @@ def memory_settings(
 
 class VllmSamplingClient(LocalSamplingClient):
     """Samples with a vLLM engine that loads the trainer's LoRA adapter whenever the weights changed."""
+
+    _owner: LocalTrainingClient  # it reads more of its trainer than the base class's SamplerOwner names
 
     def __init__(
         self,
