@@ -66,7 +66,10 @@ def test_retool_recipes_lists_them_and_demo_takes_a_recipe(tmp_path: Path) -> No
 
     listed = CliRunner().invoke(app, ["recipes"])
     assert listed.exit_code == 0
-    assert [line.split()[0] for line in listed.output.splitlines()][:4] == list(RECIPES)[:4]
+    lines = listed.output.splitlines()
+    assert lines[0].split()[:3] == ["recipe", "model", "task"]
+    assert [line.split()[0] for line in lines[1:5]] == list(RECIPES)[:4]
+    assert "retool demo --recipe NAME" in listed.output
     result = CliRunner().invoke(app, ["demo", "--recipe", "nope", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2 and "unknown recipe 'nope'" in result.output
     both = CliRunner().invoke(

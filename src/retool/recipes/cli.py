@@ -235,10 +235,11 @@ def sft_command(
 
 def recipes_command() -> None:
     """The recipes ``retool demo --recipe NAME`` runs: name, model, task, preset, what it teaches."""
-    for recipe in RECIPES.values():
-        typer.echo(
-            f"{recipe.name:<12} {recipe.model:<8} {recipe.task:<12} {recipe.preset:<25} {recipe.description}"
-        )
+    rows = [("recipe", "model", "task", "preset", "what it teaches")]
+    rows += [(r.name, r.model, r.task, r.preset, r.description) for r in RECIPES.values()]
+    for name, model, task, preset, description in rows:
+        typer.echo(f"{name:<12} {model:<8} {task:<12} {preset:<25} {description}")
+    typer.echo("\nRun one: retool demo --recipe NAME (its README: src/retool/recipes/NAME/README.md)")
 
 
 def register(app: typer.Typer) -> None:
