@@ -131,3 +131,24 @@ def sdk_env(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> Path:
         sampling_retry_timeout_seconds=3,
     )
     return home
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    """Start the long runs that live in a process of their own (a module's ``start_early``: the vLLM
+    environment's tests) now, so they overlap the rest of the suite on the core it leaves idle."""
+    if session.config.option.collectonly:
+        return
+    for module in {getattr(item, "module", None) for item in session.items}:
+        start = getattr(module, "start_early", None)
+        if callable(start):
+            _EARLY_MODULES.append(module)
+            start()
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    """Stop an early run no test waited for (the session stopped first: ``-x``, an interrupt)."""
+    for module in _EARLY_MODULES:
+        module.stop_early()
+
+
+_EARLY_MODULES: list = []  # the modules whose early runs were started

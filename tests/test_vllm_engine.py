@@ -3,7 +3,8 @@
 one), and reports each of its tests here as one of this module's.
 
 Cost: ~2-3 minutes on 2 cores (one engine for most tests, ~20 s to start; three more in subprocesses: close,
-SIGKILL, ``retool train``; plus bench/gpu_smoke.py's CPU mode). Without the environment the tests skip,
+SIGKILL, ``retool train``; plus bench/gpu_smoke.py's CPU mode), started as soon as collection ends so that
+it overlaps the rest of the suite. Without the environment the tests skip,
 except under CI, where ``scripts/setup.sh --dev`` builds it and a missing one is a failure.
 """
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 import ast
 import os
 import subprocess
+import tempfile
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
@@ -35,6 +37,58 @@ def _engine_test_names() -> list[str]:
     return names
 
 
+class EngineRun:
+    """The vLLM environment's pytest over tests/vllm_engine/, in a process of its own, its JUnit report in
+    ``folder``. Started when collection ends (``conftest.pytest_collection_finish``), so it runs on the
+    core the rest of the suite leaves idle (most tests keep one core busy); the fixture waits for it."""
+
+    def __init__(self, folder: Path) -> None:
+        self.report = folder / "junit.xml"
+        self.log = folder / "output.txt"
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env["PYTHONPATH"] = str(
+            REPO / "src"
+        )  # this checkout's code, whatever the venv's editable install says
+        cmd = [str(VENV_PYTHON), "-m", "pytest", "-q", "-p", "no:cacheprovider", str(ENGINE_TESTS)]
+        with self.log.open("w") as out:
+            self.process = subprocess.Popen(
+                [*cmd, f"--junitxml={self.report}"], stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env
+            )
+
+    def results(self, timeout: float = 1500) -> dict[str, tuple[str, str]]:
+        try:
+            code = self.process.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            raise
+        if not self.report.exists():
+            pytest.fail(f"the vLLM engine tests did not run (exit {code}):\n{self.log.read_text()[-6000:]}")
+        results: dict[str, tuple[str, str]] = {}
+        for case in ET.parse(self.report).getroot().iter("testcase"):
+            name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
+            outcome, detail = "passed", ""
+            for child in case:
+                if child.tag in ("failure", "error", "skipped"):
+                    outcome, detail = child.tag, (child.get("message") or "") + "\n" + (child.text or "")
+            results[name] = (outcome, detail)
+        return results
+
+
+_EARLY: list[EngineRun] = []
+
+
+def start_early() -> None:
+    """Start the engine run now, when the environment exists (called once collection has ended)."""
+    if VENV_PYTHON.exists() and not _EARLY:
+        _EARLY.append(EngineRun(Path(tempfile.mkdtemp(prefix="vllm_engine-"))))
+
+
+def stop_early() -> None:
+    """Kill an early run that no test waited for."""
+    while _EARLY:
+        _EARLY.pop().process.kill()
+
+
 @pytest.fixture(scope="module")
 def engine_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[str, str]]:
     if not VENV_PYTHON.exists():
@@ -42,39 +96,8 @@ def engine_results(tmp_path_factory: pytest.TempPathFactory) -> dict[str, tuple[
         if os.environ.get("CI"):
             pytest.fail(message + " (CI builds it through scripts/setup.sh --dev)")
         pytest.skip(message)
-    report = tmp_path_factory.mktemp("vllm_engine") / "junit.xml"
-    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
-    env["PYTHONPATH"] = str(REPO / "src")  # this checkout's code, whatever the venv's editable install says
-    done = subprocess.run(
-        [
-            str(VENV_PYTHON),
-            "-m",
-            "pytest",
-            "-q",
-            "-p",
-            "no:cacheprovider",
-            str(ENGINE_TESTS),
-            f"--junitxml={report}",
-        ],
-        capture_output=True,
-        text=True,
-        timeout=1500,
-        cwd=REPO,
-        env=env,
-    )
-    if not report.exists():
-        pytest.fail(
-            f"the vLLM engine tests did not run (exit {done.returncode}):\n{done.stdout[-3000:]}{done.stderr[-3000:]}"
-        )
-    results: dict[str, tuple[str, str]] = {}
-    for case in ET.parse(report).getroot().iter("testcase"):
-        name = f"{case.get('classname', '').rsplit('.', 1)[-1]}::{case.get('name')}"
-        outcome, detail = "passed", ""
-        for child in case:
-            if child.tag in ("failure", "error", "skipped"):
-                outcome, detail = child.tag, (child.get("message") or "") + "\n" + (child.text or "")
-        results[name] = (outcome, detail)
-    return results
+    run = _EARLY.pop() if _EARLY else EngineRun(tmp_path_factory.mktemp("vllm_engine"))
+    return run.results()
 
 
 @pytest.mark.slow
