@@ -165,8 +165,8 @@ def test_resuming_with_a_smaller_bound_requeues_the_stale_batches(tmp_path: Path
 
 
 def _batch(step: int, version: int, problems: list[str]) -> Batch:
-    from retool.train.collect import Collected
     from retool.train.datasource import DataPosition
+    from retool.train.sampling import Collected
 
     by_id = {p.id: p for p in PROBLEMS}
     picked = [by_id[p] for p in problems]

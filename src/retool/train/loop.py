@@ -14,7 +14,7 @@ are built from the config, through the same functions every other command uses.
 
 One RL step (``_one_step``): hand the batch sampler the policy over the current weights and take this
 step's batch of groups (``submit`` / ``batch_for``: ``retool.train.pipeline``, whose ``StepSampler`` rolls
-the groups out and filters them, ``retool.train.collect``); build the datums, dropping what the filters
+the groups out and filters them, ``retool.train.sampling``); build the datums, dropping what the filters
 leave out (``build_step_data``, ``retool.train.step``); write the trajectories; train (``train_step``);
 log the metrics line and checkpoint when due. With ``train.max_steps_off_policy = 0`` (the default) the
 batch sampler is ``SyncSampler``: ``batch_for(t)`` samples batch t right there, from the weights step t
@@ -53,7 +53,7 @@ from retool.components import Components, build_components
 from retool.config import DEFAULT_TIS_CAP, Config, ConfigError, dump_config, load_config
 from retool.env import ProblemSource, retool_outcome, source_from_config
 from retool.jsonl import as_number
-from retool.rollout import GroupSampler, RolloutFn, run_rollout
+from retool.rollout import RolloutFn, run_rollout
 from retool.train.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -61,7 +61,6 @@ from retool.train.checkpoint import (
     restore_rng,
     write_text_atomic,
 )
-from retool.train.collect import StepSampler
 from retool.train.datasource import DataPosition, ProblemFeed, ProblemStream
 from retool.train.metrics import (
     MetricsLog,
@@ -81,6 +80,7 @@ from retool.train.pipeline import (
 )
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
+from retool.train.sampling import GroupSampler, StepSampler
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
 from retool.train.trackers import Tracker, checkpoint_entry, open_tracker
 

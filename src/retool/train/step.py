@@ -69,7 +69,7 @@ def is_degenerate(rewards: Sequence[float]) -> bool:
 
 def is_informative(group: Sequence[Trajectory]) -> bool:
     """The one verdict on a sampled group: its rewards differ, so its advantages carry a gradient. Dynamic
-    sampling keeps only such groups (``retool.train.collect``); ``build_step_data`` trains only them."""
+    sampling keeps only such groups (``retool.train.sampling``); ``build_step_data`` trains only them."""
     return not is_degenerate([float(t.reward) for t in group])
 
 
