@@ -173,6 +173,14 @@ def _batch(step: int, version: int, problems: list[str]) -> Batch:
     return Batch(step, version, Collected([], [[]] * len(picked), picked), DataPosition(index=step), [])
 
 
+def test_a_batch_pickled_before_the_informative_verdict_existed_still_loads() -> None:
+    batch = _batch(3, 2, ["p00"])
+    del batch.collected.__dict__["group_informative"]  # what a checkpoint written before it pickled
+    restored = pickle.loads(pickle.dumps(batch))
+    assert "group_informative" not in restored.collected.__dict__
+    assert restored.collected.group_informative is None  # build_step_data then decides itself
+
+
 def test_requeue_stale_keeps_the_fresh_prefix_and_requeues_in_draw_order() -> None:
     fresh, old, older = _batch(3, 2, ["p00"]), _batch(4, 1, ["p01", "p02"]), _batch(5, 3, ["p03"])
     older.replay = [PROBLEMS[9]]

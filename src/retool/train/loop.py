@@ -14,8 +14,8 @@ are built from the config, through the same functions every other command uses.
 
 One RL step (``_one_step``): hand the batch sampler the policy over the current weights and take this
 step's batch of groups (``submit`` / ``batch_for``: ``retool.train.pipeline``, whose ``StepSampler`` rolls
-the groups out and filters them, ``retool.train.sampling``); build the datums, dropping what the filters
-leave out (``build_step_data``, ``retool.train.step``); write the trajectories; train (``train_step``);
+the groups out, filters them and marks the informative ones, ``retool.train.sampling``); build the datums
+of the marked groups, dropping what the filters leave out (``build_step_data``, ``retool.train.step``); write the trajectories; train (``train_step``);
 log the metrics line and checkpoint when due. With ``train.max_steps_off_policy = 0`` (the default) the
 batch sampler is ``SyncSampler``: ``batch_for(t)`` samples batch t right there, from the weights step t
 starts with, after the previous step finished: the synchronous loop, no background task. With k >= 1 it
@@ -336,10 +336,14 @@ class Trainer:
         times["time/rollout"] = batch.seconds
         # 2. Filter and build the datums; every sampled group is recorded, the datums mark the trained ones.
         filters = cfg.filters
+        collected = batch.collected
         data = build_step_data(
-            batch.collected.groups, drop_void=filters.void_turn, drop_overlong=filters.overlong
+            collected.groups,
+            informative=collected.group_informative,
+            drop_void=filters.void_turn,
+            drop_overlong=filters.overlong,
         )
-        self.trajectories.write_step(step, batch.collected.sampled, data.datums, parts.protocol.decode)
+        self.trajectories.write_step(step, collected.sampled, data.datums, parts.protocol.decode)
         # 3. Train: forward-backward over micro-batches, one optimizer step.
         result = await train_step(
             self._backend,
