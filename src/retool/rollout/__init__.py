@@ -2,10 +2,11 @@
 
 Public names: ``run_rollout`` (the one rollout function; ``retool.rollout.engine``, which imports no
 environment kind) with its ``RolloutRequest``, shape ``RolloutFn`` and the ``Policy`` it samples with;
-``request_seed``; the immutable records ``Trajectory`` / ``Transition`` (``AssistantTurn``, ``STOP_REASONS``, ``ContinuityError`` come from
-``retool.env.types``); ``retool.rollout.records``: the trajectory record both training and evaluation
-write. A problem source's groups in one mode (``GroupSampler``, ``run_group_rollouts``) are sampled
-through ``run_rollout`` by ``retool.train.sampling``, the one module for groups and steps.
+``request_seed``; the immutable records ``Trajectory`` / ``Transition`` (``AssistantTurn``,
+``STOP_REASONS``, ``ContinuityError`` come from ``retool.env.types``); ``retool.rollout.records``: the
+trajectory record both training and evaluation write. A problem source's groups in one mode
+(``GroupSampler``, ``run_group_rollouts``) are sampled through ``run_rollout`` by
+``retool.train.sampling``, the one module for groups and steps.
 """
 
 from retool.rollout.engine import Policy, RolloutFn, RolloutRequest, request_seed, run_rollout
