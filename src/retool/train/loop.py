@@ -15,12 +15,12 @@ are built from the config, through the same functions every other command uses.
 One RL step (``_one_step``): hand the batch sampler the policy over the current weights and take this
 step's batch of groups (``submit`` / ``batch_for``: ``retool.train.pipeline``, whose ``StepSampler`` rolls
 the groups out, filters them and marks the informative ones, ``retool.train.sampling``); build the datums
-of the marked groups, dropping what the filters leave out (``build_step_data``, ``retool.train.step``); write the trajectories; train (``train_step``);
-log the metrics line and checkpoint when due. With ``train.max_steps_off_policy = 0`` (the default) the
-batch sampler is ``SyncSampler``: ``batch_for(t)`` samples batch t right there, from the weights step t
-starts with, after the previous step finished: the synchronous loop, no background task. With k >= 1 it
-is ``BatchSampler``, whose background task samples the batches of steps t+1..t+k while step t trains, k
-versions behind.
+of the marked groups, dropping what the filters leave out (``build_step_data``, ``retool.train.step``);
+write the trajectories; train (``train_step``); log the metrics line and checkpoint when due. With
+``train.max_steps_off_policy = 0`` (the default) the batch sampler is ``SyncSampler``: ``batch_for(t)``
+samples batch t right there, from the weights step t starts with, after the previous step finished: the
+synchronous loop, no background task. With k >= 1 it is ``BatchSampler``, whose background task samples
+the batches of steps t+1..t+k while step t trains, k versions behind.
 
 Exactness of resume: a step's problems come from a ``ProblemStream`` whose position is checkpointed;
 sampling seeds derive from ``(train.seed, step)``; weights, optimizer and RNG come back from the
