@@ -32,7 +32,8 @@ from retool.backends.interface.clients import SamplingClient
 from retool.backends.interface.types import Sample, SamplingParams
 from retool.config import RewardConfig, RolloutConfig, SamplingConfig, SandboxConfig
 from retool.data.problem import Problem
-from retool.rollout import Trajectory, run_group_rollouts, run_rollout
+from retool.rollout import Trajectory, run_rollout
+from retool.train.sampling import run_group_rollouts
 
 ANSWER_CORRECT_P = 0.5
 

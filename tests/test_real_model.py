@@ -206,7 +206,7 @@ def test_rollout_on_the_real_template_keeps_continuity_and_masks_the_interpreter
     client: Any, executor: Any, verifier: Any, config: Any
 ) -> None:
     from retool.data.synthetic import generate_tasks
-    from retool.rollout import run_group_rollouts
+    from retool.train.sampling import run_group_rollouts
     from retool.train.step import build_datum
 
     task = generate_tasks(1, seed=2, hard_fraction=1.0, kinds=["mul_big"])[0]

@@ -44,10 +44,10 @@ from retool.rollout import (
     RolloutRequest,
     Trajectory,
     request_seed,
-    run_group_rollouts,
     run_rollout,
 )
 from retool.sandbox.base import ExecResult, Executor
+from retool.train.sampling import run_group_rollouts
 
 
 @pytest.fixture(scope="module")

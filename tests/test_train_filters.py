@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from retool.config import ConfigError, FiltersConfig, RolloutConfig, load_config
 from retool.data.problem import Problem
 from retool.env import ReToolOutcome
-from retool.train.collect import StepSampler, questions_for_round, rollout_seed, round_seed
+from retool.train.sampling import StepSampler, questions_for_round, rollout_seed, round_seed
 from retool.train.step import build_step_data, is_overlong, is_void
 
 
@@ -125,8 +125,8 @@ class Stream:
 
 
 def rounds_recorder(informative: set[str]) -> tuple[Any, list[tuple[list[str], int]]]:
-    """A group sampler (``retool.rollout.GroupSampler``'s shape) whose groups are informative exactly for
-    the problems named in ``informative``; it notes the problem ids and the round (read off the round's
+    """A group sampler (``retool.train.sampling.GroupSampler``'s shape) whose groups are informative exactly
+    for the problems named in ``informative``; it notes the problem ids and the round (read off the round's
     seed) of every round it samples."""
     calls: list[tuple[list[str], int]] = []
     round_of = {round_seed(rollout_seed(0, 1), r): r for r in range(10)}
@@ -161,6 +161,8 @@ def test_without_dynamic_sampling_one_round_trains_every_group() -> None:
     assert len(out.groups) == 4 and out.groups == out.sampled
     assert (out.rounds, out.informative) == (1, 1)
     assert out.metrics()["sampling/groups_kept"] == 4.0
+    # The verdict on each kept group is recorded where it is decided; build_step_data reads it.
+    assert out.group_informative == (False, True, False, False)
 
 
 def test_dynamic_sampling_refills_until_enough_informative_groups() -> None:
@@ -179,6 +181,7 @@ def test_dynamic_sampling_refills_until_enough_informative_groups() -> None:
     ]
     assert [g[0].reward for g in out.groups] == [1.0] * 4
     assert len(out.groups) == 4 and len(out.sampled) == 8 and len(out.problems) == 8
+    assert out.group_informative == (True,) * 4
     m = out.metrics()
     assert m == {
         "sampling/rounds": 4.0,
@@ -202,6 +205,7 @@ def test_dynamic_sampling_oversamples_caps_rounds_and_cuts_extras() -> None:
     out = run(sample_batch(sample_round, Stream(), 4, filters))
     assert [len(c[0]) for c in calls] == [6, 6, 6] and [c[1] for c in calls] == [0, 1, 2]
     assert out.groups == [] and out.rounds == 3 and len(out.sampled) == 18
+    assert out.group_informative == ()
 
 
 def test_round_seeds_and_sizes() -> None:
@@ -277,7 +281,7 @@ def test_trainer_reports_dynamic_sampling_metrics_and_trains_only_informative_gr
 
 
 def test_text_only_count() -> None:
-    from retool.train.collect import text_only_count
+    from retool.train.sampling import text_only_count
 
     assert text_only_count(8, 0.0) == 0
     assert text_only_count(8, 0.25) == 2

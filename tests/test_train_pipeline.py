@@ -165,12 +165,20 @@ def test_resuming_with_a_smaller_bound_requeues_the_stale_batches(tmp_path: Path
 
 
 def _batch(step: int, version: int, problems: list[str]) -> Batch:
-    from retool.train.collect import Collected
     from retool.train.datasource import DataPosition
+    from retool.train.sampling import Collected
 
     by_id = {p.id: p for p in PROBLEMS}
     picked = [by_id[p] for p in problems]
     return Batch(step, version, Collected([], [[]] * len(picked), picked), DataPosition(index=step), [])
+
+
+def test_a_batch_pickled_before_the_informative_verdict_existed_still_loads() -> None:
+    batch = _batch(3, 2, ["p00"])
+    del batch.collected.__dict__["group_informative"]  # what a checkpoint written before it pickled
+    restored = pickle.loads(pickle.dumps(batch))
+    assert "group_informative" not in restored.collected.__dict__
+    assert restored.collected.group_informative is None  # build_step_data then decides itself
 
 
 def test_requeue_stale_keeps_the_fresh_prefix_and_requeues_in_draw_order() -> None:

@@ -152,6 +152,17 @@ def test_degenerate_groups_are_skipped_and_counted() -> None:
     assert adv_last == pytest.approx([-4 / 3, 2 / 3, 2 / 3])
 
 
+def test_the_step_samplers_verdict_is_read_not_decided_again() -> None:
+    groups = [[_traj(1.0, 3, 0), _traj(-1.0, 4, 1)], [_traj(1.0, 2, 2), _traj(-1.0, 2, 3)]]
+    assert len(build_step_data(groups).datums) == 4  # no verdict given: both groups' rewards differ
+    data = build_step_data(groups, informative=[False, True])
+    assert data.n_degenerate == 1 and len(data.datums) == 2
+    assert data.datum_index == [[None, None], [0, 1]]
+    assert data.advantages[0] == [1.0, -1.0]  # a group left out still has its advantages reported
+    with pytest.raises(ValueError, match="1 informative verdicts for 2 groups"):
+        build_step_data(groups, informative=[True])
+
+
 def test_all_degenerate_gives_no_datums() -> None:
     data = build_step_data([[_traj(-1.0, 2, 0), _traj(-1.0, 3, 1)]])
     assert data.datums == [] and data.n_degenerate == 1

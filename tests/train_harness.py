@@ -33,8 +33,8 @@ from retool.data.problem import Problem
 from retool.env import Attempt, ProblemSource, Score, Split, VerifierLike
 from retool.rollout import RolloutFn, RolloutRequest, Trajectory, run_rollout
 from retool.train.checkpoint import CheckpointManager
-from retool.train.collect import rollout_seed, round_seed
 from retool.train.loop import Trainer
+from retool.train.sampling import rollout_seed, round_seed
 
 logger = logging.getLogger("train_harness")
 

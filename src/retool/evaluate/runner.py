@@ -47,7 +47,8 @@ from retool.evaluate.store import (
     problem_record,
 )
 from retool.jsonl import JsonObject
-from retool.rollout import GroupSampler, RolloutFn, Trajectory, run_rollout
+from retool.rollout import RolloutFn, Trajectory, run_rollout
+from retool.train.sampling import GroupSampler
 
 logger = logging.getLogger(__name__)
 

@@ -1,12 +1,14 @@
 """retool.train: the ReTool RL loop (docs/spec.md §5-§6, chapter 8.4.7).
 
-- ``step``: datums with the interpreter feedback mask, group advantages, the one verdict on a group
+- ``step``: datums with the interpreter feedback mask, group advantages, the one test of a group
   (``is_informative``: rewards differ), mean-reduction weights, micro-batches, one optimizer step.
 - ``loop``: ``Trainer`` / ``run_training``: one RL step in ``Trainer._one_step`` (sample, build datums,
   train, log), checkpoints, resume.
-- ``pipeline``: the trainer's sampler of each step's batch: ``SyncSampler`` (sampled when the step asks,
-  the default) or ``BatchSampler`` (ahead of training with ``train.max_steps_off_policy`` >= 1); ``collect``: ``StepSampler``, one step's batch (rounds, dynamic
-  sampling, the text-only share, RoC); ``roc``: Resample-on-Correct.
+- ``sampling``: groups and steps: ``GroupSampler`` (a problem source's groups in one mode, also the
+  evaluator's), ``StepSampler`` (one step's batch: rounds, dynamic sampling, the text-only share, RoC,
+  each trained group's informative verdict); ``roc``: Resample-on-Correct.
+- ``pipeline``: when each step's batch is sampled: ``SyncSampler`` (when the step asks, the default) or
+  ``BatchSampler`` (ahead of training with ``train.max_steps_off_policy`` >= 1).
 - ``datasource``: the problem stream over a problem source's epochs, with a resumable position;
   ``ProblemFeed``.
 - ``checkpoint``: atomic checkpoints, keep-last-K, metrics repair on resume.

@@ -14,13 +14,13 @@ are built from the config, through the same functions every other command uses.
 
 One RL step (``_one_step``): hand the batch sampler the policy over the current weights and take this
 step's batch of groups (``submit`` / ``batch_for``: ``retool.train.pipeline``, whose ``StepSampler`` rolls
-the groups out and filters them, ``retool.train.collect``); build the datums, dropping what the filters
-leave out (``build_step_data``, ``retool.train.step``); write the trajectories; train (``train_step``);
-log the metrics line and checkpoint when due. With ``train.max_steps_off_policy = 0`` (the default) the
-batch sampler is ``SyncSampler``: ``batch_for(t)`` samples batch t right there, from the weights step t
-starts with, after the previous step finished: the synchronous loop, no background task. With k >= 1 it
-is ``BatchSampler``, whose background task samples the batches of steps t+1..t+k while step t trains, k
-versions behind.
+the groups out, filters them and marks the informative ones, ``retool.train.sampling``); build the datums
+of the marked groups, dropping what the filters leave out (``build_step_data``, ``retool.train.step``);
+write the trajectories; train (``train_step``); log the metrics line and checkpoint when due. With
+``train.max_steps_off_policy = 0`` (the default) the batch sampler is ``SyncSampler``: ``batch_for(t)``
+samples batch t right there, from the weights step t starts with, after the previous step finished: the
+synchronous loop, no background task. With k >= 1 it is ``BatchSampler``, whose background task samples
+the batches of steps t+1..t+k while step t trains, k versions behind.
 
 Exactness of resume: a step's problems come from a ``ProblemStream`` whose position is checkpointed;
 sampling seeds derive from ``(train.seed, step)``; weights, optimizer and RNG come back from the
@@ -53,7 +53,7 @@ from retool.components import Components, build_components
 from retool.config import DEFAULT_TIS_CAP, Config, ConfigError, dump_config, load_config
 from retool.env import ProblemSource, retool_outcome, source_from_config
 from retool.jsonl import as_number
-from retool.rollout import GroupSampler, RolloutFn, run_rollout
+from retool.rollout import RolloutFn, run_rollout
 from retool.train.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -61,7 +61,6 @@ from retool.train.checkpoint import (
     restore_rng,
     write_text_atomic,
 )
-from retool.train.collect import StepSampler
 from retool.train.datasource import DataPosition, ProblemFeed, ProblemStream
 from retool.train.metrics import (
     MetricsLog,
@@ -81,6 +80,7 @@ from retool.train.pipeline import (
 )
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
+from retool.train.sampling import GroupSampler, StepSampler
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
 from retool.train.trackers import Tracker, checkpoint_entry, open_tracker
 
@@ -336,10 +336,14 @@ class Trainer:
         times["time/rollout"] = batch.seconds
         # 2. Filter and build the datums; every sampled group is recorded, the datums mark the trained ones.
         filters = cfg.filters
+        collected = batch.collected
         data = build_step_data(
-            batch.collected.groups, drop_void=filters.void_turn, drop_overlong=filters.overlong
+            collected.groups,
+            informative=collected.group_informative,
+            drop_void=filters.void_turn,
+            drop_overlong=filters.overlong,
         )
-        self.trajectories.write_step(step, batch.collected.sampled, data.datums, parts.protocol.decode)
+        self.trajectories.write_step(step, collected.sampled, data.datums, parts.protocol.decode)
         # 3. Train: forward-backward over micro-batches, one optimizer step.
         result = await train_step(
             self._backend,

@@ -7,13 +7,13 @@ With ``train.max_steps_off_policy = 0`` that is ``SyncSampler``: ``batch_for`` s
 then (``sample_batch``), awaited by the trainer. With k >= 1 it is ``BatchSampler``: a background task
 samples the batches ahead, and ``batch_for`` takes one (sampled while earlier steps trained). A checkpoint
 asks either for the batches it holds (``drain``); ``aclose`` stops it. The work of one batch is
-``retool.train.collect.StepSampler``'s.
+``retool.train.sampling.StepSampler``'s.
 
 Policy versions. Version v is the weights after v optimizer steps (a resumed run starts at the version of
 its checkpoint). The trainer submits version t - 1 (a sampler over those weights, frozen: see
 ``TrainingClient.frozen_sampling_client_async``) when step t starts, before it trains.
 
-Batches. The batch of step t is everything sampling does for that step (``retool.train.collect``: one
+Batches. The batch of step t is everything sampling does for that step (``retool.train.sampling``: one
 round, or the rounds of dynamic sampling) on one policy; every trajectory in it is tagged with the
 policy's version (``Trajectory.policy_version``). One background task samples the batches in step order,
 one after another, each one on the policy of version
@@ -58,8 +58,8 @@ from typing import Protocol
 
 from retool.data.problem import Problem
 from retool.rollout import Policy
-from retool.train.collect import Collected, StepSampler
 from retool.train.datasource import DataPosition, ProblemFeed
+from retool.train.sampling import Collected, StepSampler
 
 logger = logging.getLogger(__name__)
 

@@ -68,8 +68,9 @@ def is_degenerate(rewards: Sequence[float]) -> bool:
 
 
 def is_informative(group: Sequence[Trajectory]) -> bool:
-    """The one verdict on a sampled group: its rewards differ, so its advantages carry a gradient. Dynamic
-    sampling keeps only such groups (``retool.train.collect``); ``build_step_data`` trains only them."""
+    """The one test of a sampled group: its rewards differ, so its advantages carry a gradient. The step
+    sampler applies it once per group it keeps (``retool.train.sampling``: ``Collected.group_informative``)
+    and ``build_step_data`` trains the groups it marks."""
     return not is_degenerate([float(t.reward) for t in group])
 
 
@@ -139,25 +140,36 @@ class StepData:
 
 
 def build_step_data(
-    groups: Sequence[Sequence[Trajectory]], *, drop_void: bool = False, drop_overlong: bool = False
+    groups: Sequence[Sequence[Trajectory]],
+    *,
+    informative: Sequence[bool] | None = None,
+    drop_void: bool = False,
+    drop_overlong: bool = False,
 ) -> StepData:
-    """Datums of every non-degenerate group, weighted for the exact mean over trained datums.
+    """Datums of every informative group, weighted for the exact mean over trained datums.
 
+    ``informative`` is the step sampler's verdict on each group (``Collected.group_informative``), read,
+    not decided again. Only without one (groups that did not come through the step sampler, or a batch
+    restored from a checkpoint written before the verdict was recorded) is ``is_informative`` applied here.
     ``drop_void`` / ``drop_overlong`` leave such trajectories out of the update. Their rewards still
     count in their group's mean (the baseline is the policy's, filters only withhold gradient), and the
     mean-reduction weights count only the datums actually trained.
     """
+    if informative is None:  # no step sampler's verdict to read: the same test, so the same groups train
+        informative = [is_informative(g) for g in groups]
+    elif len(informative) != len(groups):
+        raise ValueError(f"{len(informative)} informative verdicts for {len(groups)} groups")
     raw: list[Datum] = []
     n_degenerate = n_empty = n_void = n_overlong = 0
     all_advantages: list[list[float]] = []
     index: list[list[int | None]] = []
-    for group in groups:
+    for group, trains in zip(groups, informative, strict=True):
         rewards = [float(t.reward) for t in group]
         advantages = group_advantages(rewards)
         all_advantages.append(advantages)
         slots: list[int | None] = [None] * len(group)
         index.append(slots)
-        if not is_informative(group):
+        if not trains:
             n_degenerate += 1
             continue
         for k, (traj, adv) in enumerate(zip(group, advantages, strict=True)):

@@ -1,19 +1,32 @@
-"""One step's batch: which groups a step trains on, sampled round by round (``StepSampler``).
+"""Sampling, groups and steps: the one module that turns problems into the groups a step trains on.
 
-``StepSampler.sample(step, feed, policy)`` draws a round of questions from the feed, rolls each out as a
-group with the policy (``retool.rollout.GroupSampler``: the last ``rollout.text_only_share`` of a round's
-questions text-only, the rest with the tool) and keeps what the filters let through:
+Groups. A ``GroupSampler`` binds a problem source to the setup of one mode (``retool.env.retool.ToolSetup``:
+the tool on, or none for text-only) and to the rollout settings. ``sample(problems, policy, group_size=,
+seed=)`` asks the source for the batch's groups (``ProblemSource.group_builders``: one builder per
+problem, its index its position, each owning its environments and their scoring) and rolls them out in
+one ``RolloutRequest`` with the rollout function (``retool.rollout.engine.run_rollout`` unless a caller
+injects its own). The trainer (one sampler per mode), the evaluator and ``run_group_rollouts`` (the
+default ReTool environments from loose parts, for scripts and benchmarks) all sample through it;
+``GroupSampler.from_parts`` builds the setup from a run's components and config.
 
-- one round (the chapter), every group kept (``build_step_data`` trains the informative ones); or DAPO's
-  dynamic sampling: over-sample questions, drop the groups whose rewards are all equal (not
-  ``retool.train.step.is_informative``: every advantage is zero, no gradient) and sample
-  further rounds until ``questions_per_step`` informative groups are collected or ``max_extra_rounds``
-  extra rounds are spent; then the step trains on what it has. Extra informative groups of the last
-  round are dropped (in sampling order), so every step trains on at most ``questions_per_step`` groups,
-  as in DAPO.
+Steps. ``StepSampler.sample(step, feed, policy)`` draws a round of questions from the feed, rolls each out
+as a group with the group samplers (the last ``rollout.text_only_share`` of a round's questions
+text-only, the rest with the tool) and keeps what the filters let through:
+
+- one round (the chapter), every group kept; or DAPO's dynamic sampling: over-sample questions, drop the
+  groups whose rewards are all equal (not ``retool.train.step.is_informative``: every advantage is zero,
+  no gradient) and sample further rounds until ``questions_per_step`` informative groups are collected or
+  ``max_extra_rounds`` extra rounds are spent; then the step trains on what it has. Extra informative
+  groups of the last round are dropped (in sampling order), so every step trains on at most
+  ``questions_per_step`` groups, as in DAPO.
 - with ``filters.roc`` (Resample-on-Correct, ``retool.train.roc``) every sampled group is oversampled and
   down-sampled to the group size before the informative check; ``sampled`` keeps the whole oversampled
   groups (the policy's picture), ``groups`` the down-sampled ones.
+
+"All rewards equal" is decided here, once per trained group: ``Collected.group_informative`` holds the
+verdict beside ``groups`` and ``build_step_data`` trains the groups it marks, without deciding again.
+Without dynamic sampling the uninformative groups stay in ``groups`` (marked False): they still count in
+``sampling/groups_kept`` and in the trained trajectories the ``filter/*`` rates divide by.
 
 Every sampled group still counts in the step's task / tool / environment metrics: they describe the
 policy, and the kept groups alone would be a biased sample of it. A round whose trajectories were all
@@ -22,26 +35,137 @@ lost to a dead sampler or sandbox stops the run (``raise_if_step_lost``) instead
 Seeds: a step samples with ``rollout_seed(train.seed, step)``, round r with ``round_seed(that, r)``
 (the text-only share with that seed ``^ 0x5EED``), so a redone or resumed step samples alike; rounds
 draw their problems from the run's feed, so a resumed run draws the same ones.
+
+When a step's batch is sampled (now, or ahead of training within a staleness bound) is
+``retool.train.pipeline``'s.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
-from retool.config import FiltersConfig, RolloutConfig
+from retool.components import Components
+from retool.config import Config, FiltersConfig, RolloutConfig, SamplingConfig
 from retool.data.problem import Problem
-from retool.rollout import GroupSampler, Policy, Trajectory
+from retool.env.retool import Budgets, Tool, ToolSetup
+from retool.env.scoring import VerifierLike
+from retool.env.source import EnvSetup, ProblemList, ProblemSource
+from retool.protocol import ChatProtocol
+from retool.rollout.engine import OnTrajectory, Policy, RolloutFn, RolloutRequest, run_rollout
+from retool.rollout.types import Trajectory
 from retool.train.datasource import ProblemFeed
 from retool.train.metrics import raise_if_step_lost
 from retool.train.roc import resample_on_correct, sampled_group_size, tool_error_metrics
 from retool.train.step import is_informative
 
+# -- groups: one mode's groups of a batch of problems ---------------------------------------------------
+
+
+@dataclass(frozen=True)
+class GroupSampler:
+    """The groups of ``source``'s problems in one mode (``setup``), sampled with ``sampling``'s settings
+    through ``rollout_fn``."""
+
+    source: ProblemSource
+    setup: EnvSetup
+    sampling: SamplingConfig
+    max_inflight_samples: int = 64
+    rollout_fn: RolloutFn = run_rollout
+
+    @classmethod
+    def from_parts(
+        cls,
+        source: ProblemSource,
+        parts: Components,
+        config: Config,
+        *,
+        tools: bool = True,
+        rollout_fn: RolloutFn = run_rollout,
+    ) -> GroupSampler:
+        """ReTool environments of ``source`` with ``parts``' protocol and verifier, the executor as the tool
+        (``tools``; otherwise none: text-only, and ``parts.protocol`` must register no tool), the budgets,
+        sampling settings and in-flight cap of ``config``."""
+        budgets = Budgets.from_config(config.rollout)
+        setup = ToolSetup(parts.protocol, parts.executor if tools else None, parts.verifier, budgets)
+        return cls(
+            source,
+            setup,
+            config.sampling,
+            config.rollout.max_inflight_samples,
+            rollout_fn,
+        )
+
+    async def sample(
+        self,
+        problems: Sequence[Problem],
+        policy: Policy,
+        *,
+        group_size: int,
+        seed: int,
+        on_trajectory: OnTrajectory | None = None,
+    ) -> list[list[Trajectory]]:
+        """One group of ``group_size`` trajectories per problem, in order (none for no problems)."""
+        if not problems:
+            return []
+        request = RolloutRequest(
+            self.source.group_builders(problems, self.setup, group_size),
+            policy,
+            self.sampling,
+            seed=seed,
+            max_inflight_samples=self.max_inflight_samples,
+            on_trajectory=on_trajectory,
+        )
+        return await self.rollout_fn(request)
+
+
+async def run_group_rollouts(
+    problems: Sequence[Problem],
+    *,
+    sampler: Policy,
+    protocol: ChatProtocol,
+    executor: Tool | None,
+    verifier: VerifierLike,
+    rollout: RolloutConfig,
+    sampling: SamplingConfig,
+    group_size: int,
+    seed: int = 0,
+    use_tools: bool = True,
+    on_trajectory: OnTrajectory | None = None,
+    rollout_fn: RolloutFn = run_rollout,
+) -> list[list[Trajectory]]:
+    """The default ReTool environments of ``problems`` rolled out from loose parts (scripts, tests,
+    benchmarks; the trainer and the evaluator hold a ``GroupSampler`` of their own), through
+    ``rollout_fn`` (a benchmark passes another scheduling).
+
+    ``executor`` is the tool (None only with ``use_tools=False``: text-only); attempts are scored by the
+    verifier's check of the final answer.
+    """
+    if group_size < 1:
+        raise ValueError(f"group_size must be at least 1, got {group_size}")
+    if use_tools and executor is None:
+        raise ValueError("run_group_rollouts(use_tools=True) needs an executor")
+    setup = ToolSetup(protocol, executor if use_tools else None, verifier, Budgets.from_config(rollout))
+    setup.check()
+    source = ProblemList(problems, shuffle=False)
+    groups = GroupSampler(source, setup, sampling, rollout.max_inflight_samples, rollout_fn)
+    return await groups.sample(
+        problems, sampler, group_size=group_size, seed=seed, on_trajectory=on_trajectory
+    )
+
+
+# -- steps: which groups one step trains on -------------------------------------------------------------
+
 
 @dataclass
 class Collected:
-    """The outcome of one step's sampling."""
+    """The outcome of one step's sampling.
+
+    Checkpoints pickle it (``retool.train.pipeline.PipelineState``): a field added later needs a plain
+    default (a class attribute), so a batch pickled before it existed still loads and reads the default.
+    """
 
     groups: list[list[Trajectory]]  # the groups to train on (informative ones when dynamic sampling is on)
     sampled: list[list[Trajectory]] = field(default_factory=list)  # every group sampled this step, in order
@@ -49,6 +173,9 @@ class Collected:
     rounds: int = 1
     informative: int = 0  # sampled groups with differing rewards (before the cut to ``target``)
     roc_dropped: int = 0  # trajectories Resample-on-Correct left out (0 when it is off)
+    # Per group of ``groups``: its rewards differ (``is_informative``), decided when it was sampled. None in
+    # a batch a checkpoint pickled before the verdict was recorded (``build_step_data`` then decides).
+    group_informative: tuple[bool, ...] | None = None
 
     def with_policy_version(self, version: int) -> Collected:
         """The same groups, every trajectory tagged with the policy version that sampled it (a trained
@@ -121,8 +248,8 @@ class StepSampler:
         self.rollout, self.filters, self.seed = rollout, filters, seed
 
     async def sample(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
-        """This step's groups, rewards final; with ``filters.dynamic_sampling`` only informative ones;
-        with ``filters.roc`` each down-sampled to the group size."""
+        """This step's groups, rewards final, each with its verdict; with ``filters.dynamic_sampling``
+        only informative ones; with ``filters.roc`` each down-sampled to the group size."""
         target, group_size = self.rollout.questions_per_step, self.rollout.group_size
         if target < 1:
             raise ValueError(f"questions per step must be >= 1, got {target}")
@@ -135,7 +262,8 @@ class StepSampler:
         groups = await self._sample_round(step, 0, problems, policy)
         out.groups = self._down_sample(out, groups, step, 0)
         out.sampled, out.problems = list(groups), list(problems)
-        out.informative = sum(is_informative(g) for g in out.groups)
+        out.group_informative = tuple(is_informative(g) for g in out.groups)
+        out.informative = sum(out.group_informative)
         return out
 
     async def _dynamic_rounds(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
@@ -157,6 +285,7 @@ class StepSampler:
             out.informative += len(good)
             kept.extend(good)
         out.groups = kept[:target]
+        out.group_informative = (True,) * len(out.groups)  # only informative groups were kept
         return out
 
     async def _sample_round(
