@@ -74,7 +74,10 @@ class Recipe(ABC):
         try:
             return dataclasses.replace(settings, options=options_as(settings, self.options_type))
         except ConfigError as exc:  # e.g. --set task=NAME on another recipe's settings
-            raise ConfigError(f"the {settings.task} task (recipe {self.name}): {exc}") from None
+            raise ConfigError(
+                f"the {settings.task} task (recipe {self.name}): {exc}; these settings are another "
+                f"recipe's: run this one with --recipe {self.name}"
+            ) from None
 
     @abstractmethod
     def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
