@@ -344,10 +344,12 @@ def model_path(label: str, demo_dir: Path) -> Path:
 
 
 def saved_run(demo_dir: Path) -> tuple[dict[str, Any], Config]:
-    """A demo's ``settings.json`` and the config it ran with."""
+    """A demo's ``settings.json`` (in today's shape, whichever version wrote it: the recipe's options under
+    ``options``) and the config it ran with."""
     from retool.config import Config  # deferred: the evaluation process only
+    from retool.recipes.demo import run_settings  # deferred: the evaluation process only
 
-    saved: dict[str, Any] = json.loads((demo_dir / "settings.json").read_text())
+    saved: dict[str, Any] = run_settings(demo_dir)
     return saved, Config.model_validate(saved["config"])
 
 

@@ -38,7 +38,8 @@ from _machine import machine
 from _results import render_pages, write_result
 from retool.config import ConfigError
 from retool.evaluate.store import read_problem_records
-from retool.recipes.demo import run_demo
+from retool.recipes import recipe_named
+from retool.recipes.demo import recipe_fields, run_demo
 from retool.tasks.settings import DemoSettings
 
 # The issue's targets for the demo, checked per seed.
@@ -49,9 +50,10 @@ TARGET_RL_SHARE = 0.40
 
 
 def settings_from(args: argparse.Namespace) -> DemoSettings:
-    """The demo preset with ``--set`` overrides: ``section.key=value`` or a demo-only ``field=value``."""
+    """The demo preset with ``--set`` overrides: ``section.key=value``, a demo-only ``field=value`` or an
+    option of the tiny recipe (``name=value``)."""
     try:
-        return DemoSettings.load(args.set, plots=False)
+        return DemoSettings.load(args.set, plots=False, **recipe_fields(recipe_named("tiny")))
     except ConfigError as exc:
         raise SystemExit(f"--set: {exc}") from None
 

@@ -411,10 +411,8 @@ def training_source(cfg: Any, task: str) -> Any:
     from retool.recipes.demo import demo_source
     from retool.tasks.settings import DemoSettings
 
-    fields = recipe_for("smollm2", task).fields
-    settings = DemoSettings(
-        config=cfg, task=task, rl_max_solution_steps=fields.get("rl_max_solution_steps", 0)
-    )
+    # the recipe's options: the GSM8K source reads its rl_max_solution_steps, the synthetic one none
+    settings = DemoSettings(config=cfg, task=task, options=recipe_for("smollm2", task).options)
     return demo_source(settings, cfg)
 
 
@@ -627,20 +625,23 @@ def heldout_accuracy(
     (``gsm8k``: a GSM8K test slice of ``n``, greedy, one answer each), by this project's evaluator (the
     same sampler, sandbox and verifier for all)."""
     from retool.components import build_components
+    from retool.recipes import recipe_for
     from retool.recipes.demo import held_out
-    from retool.recipes.tiny import task_source
+    from retool.recipes.tiny import SyntheticOptions, task_source
     from retool.tasks.pipeline import evaluate_modes, phase_config, with_available_isolation
     from retool.tasks.settings import DemoSettings
 
     cfg = with_available_isolation(
         cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"enabled": False})})
     )
-    settings = DemoSettings(config=cfg, test_hard_fraction=1.0, eval_modes=("retool",), plots=False)
+    hard = SyntheticOptions(test_hard_fraction=1.0)
+    settings = DemoSettings(config=cfg, eval_modes=("retool",), plots=False, options=hard)
     rate = "hard_tool_call_rate"
     if task == "synthetic":
         _, _, problems = held_out(settings, task_source(cfg))
     else:
-        settings = replace(settings, task=task, gsm8k_problems=n, eval_temperature=0.0)
+        options = recipe_for("smollm2", task).options_type().with_values({"gsm8k_problems": n})
+        settings = replace(settings, task=task, options=options, eval_temperature=0.0)
         _, _, problems = held_out(settings, training_source(cfg, task))
         rate = "tool_call_rate"
     out: dict[str, dict[str, float]] = {}

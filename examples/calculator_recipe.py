@@ -4,9 +4,11 @@
 ``docs/recipes.md`` walks through it. A recipe answers four questions (``retool.tasks.recipe.Recipe``):
 what RL trains on (``source``), what is held out (``held_out``), how the cold start is built
 (``cold_start``) and what scores the held-out answers (``eval_source``); it names its preset and demo-only
-fields, and is registered by name. Run it::
+fields, declares its own options (``CalculatorOptions``: ``--set kinds=[...]``), and is registered by name:
+no file outside this one changes. Run it::
 
     python examples/calculator_recipe.py --out runs/calculator       # the whole pipeline, tiny model, CPU
+    python examples/calculator_recipe.py --set "kinds=['add_small', 'mul_big']"   # its own option
 
 or, from code, ``run_demo(calculator_settings("runs/calculator"))``. Its task kinds are the arithmetic
 ones: the calculator evaluates arithmetic, and the digit-sum and prime-count kinds' canonical code is a
@@ -18,7 +20,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from calculator_env import CalculatorSource, SympyCalculator
 
@@ -28,11 +30,11 @@ from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemList, ProblemSource, TaskFamilySource
 from retool.recipes import register_recipe
-from retool.recipes.demo import run_demo
-from retool.recipes.tiny import cold_start_sft, held_out_tasks, task_source_of
+from retool.recipes.demo import recipe_fields, run_demo
+from retool.recipes.tiny import SyntheticOptions, cold_start_sft, held_out_tasks, task_source_of
 from retool.tasks.recipe import HeldOut, Recipe
 from retool.tasks.report import gain_line, markdown_table
-from retool.tasks.settings import DemoFields, DemoSettings, Event
+from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.tasks.sft import SFTReport
 
 # The synthetic kinds whose canonical code is arithmetic (assignments and one printed expression).
@@ -40,10 +42,20 @@ ARITHMETIC_KINDS = ("add_small", "mul_small", "mul_big", "mod_pow", "linear_syst
 
 
 @dataclass(frozen=True)
+class CalculatorOptions(SyntheticOptions):
+    """The recipe's own options (``--set NAME=VALUE``; ``settings.json`` records them under ``options``):
+    the tiny recipe's (``test_hard_fraction``, ``gsm8k_problems``: its held-out split is reused) and
+    ``kinds``, the synthetic kinds it trains and is evaluated on (a subset of ``ARITHMETIC_KINDS``)."""
+
+    kinds: tuple[str, ...] = ARITHMETIC_KINDS
+
+
+@dataclass(frozen=True)
 class CalculatorRecipe(Recipe):
     """Arithmetic tasks; every tool call, in SFT, RL and evaluation, goes to the sympy calculator."""
 
     task: str = "calculator"
+    options: RecipeOptions = field(default_factory=CalculatorOptions)
     tiny_model: bool = True  # it has train tasks: the tiny model's tokenizer is trained on their text
 
     def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
@@ -53,7 +65,7 @@ class CalculatorRecipe(Recipe):
             test_count=d.task_test_count,
             seed=d.seed,
             hard_fraction=d.task_hard_fraction,
-            kinds=ARITHMETIC_KINDS,
+            kinds=options_as(settings, CalculatorOptions).kinds,
             shuffle=d.shuffle,
         )
         return CalculatorSource(family)
@@ -92,15 +104,16 @@ RECIPE = register_recipe(
 
 
 def calculator_settings(out: str, overrides: Sequence[str] = ()) -> DemoSettings:
-    """The recipe's settings: its preset (the ``demo`` one) and fields, then ``overrides``."""
-    fields: DemoFields = {**RECIPE.fields, "out": out}
+    """The recipe's settings: its preset (the ``demo`` one), fields and options, then ``overrides``."""
+    fields: DemoFields = {**recipe_fields(RECIPE), "out": out}
     return DemoSettings.load(overrides, config=RECIPE.preset, **fields)
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default=str(RECIPE.fields.get("out")))
-    ap.add_argument("--set", dest="overrides", action="append", default=[], help="section.key=value")
+    sets = "section.key=value, a demo field or an option of the recipe (kinds=[...])"
+    ap.add_argument("--set", dest="overrides", action="append", default=[], help=sets)
     args = ap.parse_args()
     result = run_demo(calculator_settings(args.out, args.overrides))
     print(markdown_table(result.table))

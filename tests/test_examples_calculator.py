@@ -19,7 +19,7 @@ import pytest
 
 from retool.backends.interface.types import Sample, SamplingParams
 from retool.components import Components
-from retool.config import Config, load_config
+from retool.config import Config, ConfigError, load_config
 from retool.data.problem import Problem
 from retool.env import ProblemList
 from retool.protocol import ChatProtocol
@@ -170,8 +170,9 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """``examples/calculator_recipe.py`` (``docs/recipes.md``'s worked example): registered by name, run by
-    ``run_demo``, its cold start's observations the calculator's, its tasks only the arithmetic kinds."""
-    from calculator_recipe import ARITHMETIC_KINDS, RECIPE, calculator_settings
+    ``run_demo``, its cold start's observations the calculator's, its tasks only the kinds its own option
+    ``kinds`` names (``--set``), recorded under ``options`` in ``settings.json``."""
+    from calculator_recipe import ARITHMETIC_KINDS, RECIPE, CalculatorOptions, calculator_settings
 
     from retool.recipes import RECIPES, recipe_of_task
     from retool.recipes.demo import run_demo
@@ -185,6 +186,9 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
 
     monkeypatch.setattr(SympyCalculator, "arun", counted)
     assert RECIPES["calculator"] is RECIPE and recipe_of_task("calculator") is RECIPE
+    assert calculator_settings("x").options == CalculatorOptions(kinds=ARITHMETIC_KINDS)
+    with pytest.raises(ConfigError, match=r"CalculatorOptions \(test_hard_fraction, gsm8k_problems, kinds\)"):
+        calculator_settings("x", ["kind=['add_small']"])
     shrunk = [
         "data.task_count=24",
         "data.task_test_count=6",
@@ -197,12 +201,15 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
         "filters.max_extra_rounds=1",
         "size=test",
         "plots=false",
+        "kinds=['add_small', 'mul_small', 'mul_big']",  # the recipe's own option
     ]
     out = tmp_path / "calculator"
     result = run_demo(calculator_settings(str(out), shrunk))
     assert {row["model"] for row in result.table} == {"sft", "rl"}
-    assert json.loads((out / "settings.json").read_text())["task"] == "calculator"
+    saved = json.loads((out / "settings.json").read_text())
+    assert saved["task"] == "calculator"
+    assert saved["options"]["kinds"] == ["add_small", "mul_small", "mul_big"]
     train = [json.loads(line) for line in (out / "tasks" / "train.jsonl").read_text().splitlines()]
-    assert train and {t["kind"] for t in train} <= set(ARITHMETIC_KINDS)
+    assert train and {t["kind"] for t in train} <= {"add_small", "mul_small", "mul_big"}
     # The cold start's observations are the calculator's output for the tasks' canonical code.
     assert {t["code"] for t in train} & set(calls)

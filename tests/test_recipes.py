@@ -4,11 +4,12 @@
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
 
-from retool.config import load_config, preset_names
+from retool.config import ConfigError, load_config, preset_names
 from retool.recipes import RECIPES, UnknownRecipeError, recipe_for, recipe_named, recipe_of_task
 from retool.recipes.demo import DEMO_TASKS, real_model_settings
 from retool.tasks.settings import DemoFields, DemoSettings
@@ -51,12 +52,49 @@ def test_a_recipe_sets_only_demo_fields_and_its_settings_carry_them() -> None:
     demo_only = {f.name for f in dataclasses.fields(DemoSettings)} - {"config"}
     assert set(DemoFields.__annotations__) == demo_only  # the keyword form names every field, no other
     for recipe in RECIPES.values():
-        assert set(recipe.fields) <= demo_only, recipe.name
+        assert set(recipe.fields) <= demo_only - {"options"}, recipe.name  # its options: ``options``
+        # Its options' names are its own: none is a generic field a --set of that name would mean.
+        assert not set(recipe.options_type.names()) & demo_only, recipe.name
         if recipe.model == "tiny":
             continue
         settings = real_model_settings(recipe.model, task=recipe.task)
-        assert settings.task == recipe.task
+        assert settings.task == recipe.task and settings.options == recipe.options, recipe.name
         assert all(getattr(settings, k) == v for k, v in recipe.fields.items()), recipe.name
+
+
+def test_a_recipe_declares_its_own_options_and_settings_json_records_them() -> None:
+    gsm8k = real_model_settings("smollm2", ["coldstart_rows=5"], task="gsm8k")
+    assert gsm8k.options == replace(RECIPES["gsm8k"].options, coldstart_rows=5)
+    assert gsm8k.as_dict()["options"] == {
+        "gsm8k_problems": 100,
+        "coldstart_rows": 5,
+        "rl_max_solution_steps": 3,
+    }
+    with pytest.raises(
+        ConfigError, match=r"Gsm8kOptions \(gsm8k_problems, coldstart_rows, rl_max_solution_steps\)"
+    ):
+        real_model_settings("smollm2", ["mathematics_problems=1"], task="gsm8k")
+    # settings built without a recipe read as the recipe's options type's defaults
+    plain = DemoSettings.load(["task=gsm8k"])
+    assert recipe_of_task("gsm8k").own_options(plain).options == type(RECIPES["gsm8k"].options)()
+
+
+def test_demo_set_names_a_recipe_option_or_lists_them(tmp_path: Path) -> None:
+    from typer.testing import CliRunner
+
+    from retool.cli import app
+
+    result = CliRunner().invoke(app, ["demo", "--recipe", "gsm8k", "--set", "nope=1", "--out", str(tmp_path)])
+    assert result.exit_code != 0 and "recipe gsm8k" in result.output and "coldstart_rows" in result.output
+    # --gsm8k is the synthetic (and GSM8K) recipes' option gsm8k_problems: the mathematics recipe has none
+    result = CliRunner().invoke(
+        app, ["demo", "--recipe", "mathematics", "--gsm8k", "3", "--out", str(tmp_path)]
+    )
+    assert (
+        result.exit_code != 0
+        and "gsm8k_problems" in result.output
+        and "mathematics_problems" in result.output
+    )
 
 
 def test_retool_recipes_lists_them_and_demo_takes_a_recipe(tmp_path: Path) -> None:

@@ -14,8 +14,9 @@ from typer.testing import CliRunner
 
 from retool.data.gsm8k import GSM8KLeakError, normalize_question
 from retool.recipes.demo import real_model_settings, run_demo
+from retool.recipes.gsm8k import Gsm8kOptions
 from retool.recipes.gsm8k.task import coldstart_rows, gsm8k_source, held_out_problems
-from retool.tasks.settings import DemoSettings
+from retool.tasks.settings import DemoSettings, options_as
 
 
 def _rows(path: Path) -> int:
@@ -27,7 +28,7 @@ def test_the_gsm8k_preset_and_fields() -> None:
     assert settings.task == "gsm8k" and settings.config.data.train_path == "gsm8k"
     assert settings.eval_modes == ("text-only", "retool") == settings.base_eval_modes
     assert settings.eval_temperature == 0.0 and settings.config.eval.val_n == 1
-    assert settings.out == "runs/demo-smollm2-gsm8k" and settings.coldstart_rows > 0
+    assert settings.out == "runs/demo-smollm2-gsm8k" and options_as(settings, Gsm8kOptions).coldstart_rows > 0
     # The synthetic task keeps its own preset.
     assert real_model_settings("smollm2").config.data.train_path == "tasks"
 

@@ -14,6 +14,7 @@ from retool.data.mathematics import module_of
 from retool.env.mathematics import MathematicsSource
 from retool.protocol import ChatProtocol
 from retool.recipes.demo import DEMO_TASKS, real_model_settings, run_demo
+from retool.recipes.mathematics import MathematicsOptions
 from retool.recipes.mathematics.task import (
     FEW_SHOT,
     _keep_verified,
@@ -21,6 +22,7 @@ from retool.recipes.mathematics.task import (
     few_shot_messages,
     trajectory_example,
 )
+from retool.tasks.settings import options_as
 from retool.tasks.sft import build_trajectory
 
 
@@ -29,7 +31,9 @@ def test_the_mathematics_preset_and_fields() -> None:
     assert "mathematics" in DEMO_TASKS and settings.task == "mathematics"
     assert settings.config.data.train_path == "mathematics" and settings.config.eval.dataset == "mathematics"
     assert settings.eval_modes == ("text-only", "retool") == settings.base_eval_modes
-    assert settings.eval_temperature == 0.0 and settings.mathematics_problems > 0
+    assert (
+        settings.eval_temperature == 0.0 and options_as(settings, MathematicsOptions).mathematics_problems > 0
+    )
     assert "sympy" in settings.config.sandbox.preimport
 
 

@@ -14,9 +14,9 @@ from typer.testing import CliRunner
 from retool.data import DataError
 from retool.data.gsm8k import GSM8K_FILE, gsm8k_problems
 from retool.recipes.demo import held_out, real_model_settings, run_demo
-from retool.recipes.tiny import task_source
+from retool.recipes.tiny import SyntheticOptions, task_source
 from retool.tasks import real_model as rm
-from retool.tasks.settings import DemoSettings
+from retool.tasks.settings import DemoSettings, options_as
 
 
 def test_missing_wheel_names_the_install_command() -> None:
@@ -82,8 +82,9 @@ def test_held_out_hard_split_never_repeats_a_training_question(fixture_data: Pat
     train, test, problems = held_out(settings, task_source(settings.config))
     assert all(t.hard for t in test) and len(test) == 60
     assert not {t.question for t in test} & {t.question for t in train}
-    assert len(problems) == 60 + settings.gsm8k_problems
-    assert sum(p.data_source == "gsm8k" for p in problems) == settings.gsm8k_problems
+    gsm8k = options_as(settings, SyntheticOptions).gsm8k_problems
+    assert len(problems) == 60 + gsm8k
+    assert sum(p.data_source == "gsm8k" for p in problems) == gsm8k
 
 
 def test_compact_system_prompt_keeps_the_rules_in_fewer_words(tiny_model_dir: Path) -> None:

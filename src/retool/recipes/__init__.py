@@ -11,8 +11,8 @@ one command, the one number it reaches, its cost here). The pipeline that runs i
 - ``gsm8k``: GSM8K with SmolLM2, cold start from annotated solutions;
 - ``mathematics``: DeepMind Mathematics with SmolLM2, cold start from its own verified attempts.
 
-Adding a recipe is a folder and one line in ``RECIPES`` (or ``register_recipe`` from one's own module:
-``docs/recipes.md``).
+Adding a recipe is a folder (its options, a ``RecipeOptions`` subclass, included) and one line in
+``RECIPES`` (or ``register_recipe`` from one's own module: ``docs/recipes.md``); no other file changes.
 """
 
 from __future__ import annotations

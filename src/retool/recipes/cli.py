@@ -15,8 +15,8 @@ import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
 from retool.errors import UserError
-from retool.recipes import RECIPES, recipe_for, recipe_named
-from retool.recipes.demo import run_demo, run_sft
+from retool.recipes import RECIPES, recipe_for, recipe_named, recipe_of_task
+from retool.recipes.demo import recipe_fields, run_demo, run_sft
 from retool.tasks.cli import Printer, quiet_library_progress
 from retool.tasks.recipe import Recipe
 from retool.tasks.report import DemoResult, gain_line, markdown_table
@@ -27,22 +27,27 @@ _DEMO = load_config("demo")
 
 
 def _settings(
+    recipe: Recipe,
     config: str,
     overrides: list[str],
     seed: int | None,
     flags: Mapping[str, object],
     **fields: Unpack[DemoFields],
 ) -> DemoSettings:
-    """The demo's settings: ``config`` + ``--set`` + the flags that were given (+ demo-only fields)."""
+    """The demo's settings: ``config`` + ``--set`` + the flags that were given (+ demo-only fields and the
+    ``recipe``'s options, whose names ``--set`` may set)."""
     sets = [*overrides, *(seed_overrides(seed) if seed is not None else []), *flag_overrides(flags)]
     try:
         return DemoSettings.load(sets, config=config, **fields)
     except ConfigError as exc:
-        raise UserError(str(exc)) from None
+        raise UserError(f"recipe {recipe.name}: {exc}") from None
 
 
 _CONFIG_HELP = "Preset or TOML file the settings start from."
-_SET_HELP = "Override section.key=value (repeatable), or a demo field: size, eval_modes, plots."
+_SET_HELP = (
+    "Override section.key=value (repeatable), a demo field (size, eval_modes, plots, ...) or an option "
+    "of the recipe (its README; a wrong name lists them)."
+)
 
 
 _RECIPE_HELP = "The recipe to run (default: tiny; `retool recipes` lists them)."
@@ -124,9 +129,11 @@ def demo_command(
     }
     own: DemoFields = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
     chosen = _chosen_recipe(recipe, model, task)
-    own.update(chosen.fields)
-    own.update(_given_demo_fields(out, gsm8k, data_dir, no_plots))
-    settings = _settings(config or chosen.preset, overrides, seed, flags, **own)
+    own.update(recipe_fields(chosen))
+    own.update(_given_demo_fields(out, data_dir, no_plots))
+    # --gsm8k N is the synthetic recipes' option gsm8k_problems; a --set of it still wins
+    sets = [*([] if gsm8k is None else [f"gsm8k_problems={gsm8k}"]), *overrides]
+    settings = _settings(chosen, config or chosen.preset, sets, seed, flags, **own)
     try:
         result = run_demo(settings, on_event=Printer())
     except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
@@ -153,15 +160,11 @@ def _chosen_recipe(recipe: str | None, model: str | None, task: str | None) -> R
     return chosen
 
 
-def _given_demo_fields(
-    out: Path | None, gsm8k: int | None, data_dir: Path | None, no_plots: bool
-) -> DemoFields:
+def _given_demo_fields(out: Path | None, data_dir: Path | None, no_plots: bool) -> DemoFields:
     """The demo-only fields whose flags were given (the others keep the preset's or the model's value)."""
     own: DemoFields = {}
     if out is not None:
         own["out"] = str(out)
-    if gsm8k is not None:
-        own["gsm8k_problems"] = gsm8k
     if data_dir is not None:
         own["data_dir"] = str(data_dir)
     if no_plots:
@@ -224,13 +227,24 @@ def sft_command(
         "sft.hard_error_fix": hard_error_fix,
         "backend.cpu_threads": threads,
     }
-    settings = _settings(config, overrides, seed, flags, out=str(out))
+    chosen = _sft_recipe(overrides)
+    settings = _settings(chosen, config, overrides, seed, flags, out=str(out), options=chosen.options_type())
     try:
         # "tiny" here is the demo's own tiny model, built for these tasks into OUT/model_init.
         result = run_sft(settings, None if model == "tiny" else model, on_event=Printer(), evaluate=evaluate)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     typer.echo(json.dumps(result, indent=2))
+
+
+def _sft_recipe(overrides: list[str]) -> Recipe:
+    """The recipe of the task ``--set task=NAME`` names (default: the synthetic one): the other ``--set``s
+    may name its options, which start from its options type's defaults, as ``DemoSettings``' do."""
+    task_sets = [o for o in overrides if o.partition("=")[0].strip() == "task"]
+    try:
+        return recipe_of_task(DemoSettings().with_overrides(task_sets).task)
+    except (ConfigError, ValueError) as exc:
+        raise UserError(str(exc)) from None
 
 
 def recipes_command() -> None:

@@ -2,12 +2,14 @@
 run through the generic pipeline (``retool.tasks.pipeline``).
 
 The entry points the benches, tests and docs call: ``run_demo``, ``run_sft``, ``real_model_settings`` (a
-recipe's preset and demo-only fields, then overrides), ``demo_source`` and ``held_out`` (what a run trains
-and is evaluated on). The pipeline's own helpers keep their home in ``retool.tasks.pipeline``.
+recipe's preset, demo-only fields and options, then overrides), ``recipe_fields``, ``run_settings`` (a run
+folder's ``settings.json``, older ones too), ``demo_source`` and ``held_out`` (what a run trains and is
+evaluated on). The pipeline's own helpers keep their home in ``retool.tasks.pipeline``.
 """
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Unpack
@@ -17,9 +19,9 @@ from retool.env import ProblemSource
 from retool.jsonl import JsonObject
 from retool.recipes import RECIPES, recipe_for, recipe_of_task
 from retool.tasks.pipeline import run_pipeline, run_recipe_sft
-from retool.tasks.recipe import HeldOut
+from retool.tasks.recipe import HeldOut, Recipe
 from retool.tasks.report import DemoResult
-from retool.tasks.settings import DemoFields, DemoSettings, Event
+from retool.tasks.settings import DemoFields, DemoSettings, Event, migrate_flat_options
 
 # The tasks the registered recipes run (what ``DemoSettings.task`` may hold).
 DEMO_TASKS = tuple(dict.fromkeys(r.task for r in RECIPES.values()))
@@ -45,11 +47,24 @@ def real_model_settings(
     name: str, overrides: Sequence[str] = (), **fields: Unpack[DemoFields]
 ) -> DemoSettings:
     """``DemoSettings`` of the named real model's recipe for ``fields['task']`` (default: the synthetic
-    tasks): its preset and demo-only fields, then ``overrides`` (``section.key=value`` or ``field=value``)
-    and ``fields``."""
+    tasks): its preset, demo-only fields and options, then ``overrides`` (``section.key=value``, or
+    ``name=value`` for a field or an option) and ``fields``."""
     recipe = recipe_for(name, fields.get("task", "synthetic"))
-    merged: DemoFields = {**recipe.fields, **fields}
+    merged: DemoFields = {**recipe_fields(recipe), **fields}
     return DemoSettings.load(overrides, config=recipe.preset, **merged)
+
+
+def recipe_fields(recipe: Recipe) -> DemoFields:
+    """What ``recipe`` sets of ``DemoSettings``: its demo-only fields and its options."""
+    return {**recipe.fields, "options": recipe.options}
+
+
+def run_settings(folder: Path) -> JsonObject:
+    """A run folder's ``settings.json`` in today's shape, whichever version wrote it: an older run's flat
+    option keys moved under ``options`` (those its task's recipe declares)."""
+    saved = json.loads((folder / "settings.json").read_text(encoding="utf-8"))
+    names = recipe_of_task(str(saved.get("task", "synthetic"))).options_type.names()
+    return migrate_flat_options(saved, names)
 
 
 def demo_source(settings: DemoSettings, config: Config) -> ProblemSource:

@@ -55,7 +55,7 @@ from retool.tasks.report import (
     table_rows,
     write_report,
 )
-from retool.tasks.settings import DemoSettings, Event, with_data_dir
+from retool.tasks.settings import DemoSettings, Event, RecipeOptions, migrate_flat_options, with_data_dir
 from retool.tasks.sft import SFTReport
 from retool.train.loop import Trainer
 from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
@@ -237,18 +237,14 @@ def write_tasks(path: Path, tasks: Sequence[Task]) -> None:
 
 
 # Settings that fix the tasks and the SFT model: a run reusing another's SFT must agree on all of them.
+OPTIONS_SLOT = "options"
 _SFT_KEYS = (
     "seed",
     "size",
     "task",
-    "coldstart_rows",
-    "coldstart_samples",
-    "coldstart_temperature",
-    "mathematics_problems",
+    OPTIONS_SLOT,  # the recipe's options but its RL_ONLY ones (``_sft_keys``)
     "eval_temperature",
     "eval_modes",
-    "test_hard_fraction",
-    "gsm8k_problems",
     "config.model.name",
     "config.model.system_prompt",
     "config.lora",
@@ -269,6 +265,23 @@ _SLICE_KEYS = frozenset({"seed", "config.data.seed", "config.eval.seed", "eval_m
 _RESUME_FREE = frozenset({"out", "resume", "plots", "data_dir"})
 
 
+def _sft_keys(options: RecipeOptions) -> list[str]:
+    """``_SFT_KEYS`` with the recipe's options that fix the tasks or the SFT model in their slot."""
+    own = [f"options.{name}" for name in options.names() if name not in options.RL_ONLY]
+    return [k for key in _SFT_KEYS for k in (own if key == OPTIONS_SLOT else [key])]
+
+
+def _shown(names: Sequence[str]) -> str:
+    """Setting names as ``--set`` takes them: a recipe's option by its own name, not ``options.NAME``."""
+    return ", ".join(name.removeprefix("options.") for name in names)
+
+
+def _recorded(path: Path, options: RecipeOptions) -> JsonObject:
+    """A run folder's ``settings.json`` in today's shape (an older run's flat option keys moved under
+    ``options``: ``migrate_flat_options``)."""
+    return migrate_flat_options(json.loads(path.read_text(encoding="utf-8")), options.names())
+
+
 def _start(recipe: Recipe, settings: DemoSettings, out: Path) -> Config:
     """Claim the run folder (or, ``resume``, check it is this run's), record the settings, set torch's
     threads and seed; the config in force."""
@@ -284,12 +297,12 @@ def _start(recipe: Recipe, settings: DemoSettings, out: Path) -> Config:
     if settings.resume:
         if not saved.is_file():
             raise FileNotFoundError(f"--resume {out}: no demo run there (no settings.json)")
-        earlier = json.loads(saved.read_text(encoding="utf-8"))
+        earlier = _recorded(saved, settings.options)
         mine = json.loads(json.dumps(settings.as_dict(), default=str))
         differ = settings_differences(earlier, mine, ignore=_RESUME_FREE)
         if differ:
             raise ValueError(
-                f"--resume {out}: the run was started with other settings ({', '.join(differ)}); "
+                f"--resume {out}: the run was started with other settings ({_shown(differ)}); "
                 "resume with the same options"
             )
     elif (out / "report.json").exists() or (out / "rl").exists() or (out / PHASES_FILE).exists():
@@ -323,6 +336,7 @@ def run_pipeline(recipe: Recipe, settings: DemoSettings, on_event: Event | None 
     and an interrupted evaluation from its JSONL.
     """
     emit = on_event or (lambda kind, data: None)
+    settings = recipe.own_options(settings)  # settings.json records the recipe's options by name
     out = Path(settings.out)
     config = _start(recipe, settings, out)
     prestart_training(config)  # for SFT (or, resumed after it, RL)
@@ -501,12 +515,12 @@ def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[P
     """The SFT model and SFT evaluation of an earlier run with the same tasks and SFT settings."""
     source = Path(str(settings.reuse_sft))
     try:
-        earlier = json.loads((source / "settings.json").read_text())
+        earlier = _recorded(source / "settings.json", settings.options)
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--reuse-sft {source}: not a finished demo run ({exc})") from None
     mine = settings.as_dict()
     # A run written by an older version lacks the settings added since: it ran with their defaults.
-    defaults = DemoSettings().as_dict()
+    defaults = DemoSettings(options=type(settings.options)()).as_dict()
 
     def before(key: str) -> JsonValue:
         value = setting_value(earlier, key)
@@ -514,10 +528,10 @@ def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[P
 
     # A run that evaluates no held-out slice (eval_modes = ()) copies no evaluation: it may reuse the SFT
     # model of another seed (bench/gsm8k.py: one SFT model, RL of each seed from it).
-    keys = _SFT_KEYS if settings.eval_modes else tuple(k for k in _SFT_KEYS if k not in _SLICE_KEYS)
+    keys = [k for k in _sft_keys(settings.options) if settings.eval_modes or k not in _SLICE_KEYS]
     differ = [k for k in keys if before(k) != setting_value(mine, k)]
     if differ:
-        raise ValueError(f"--reuse-sft {source}: its settings differ in {', '.join(differ)}")
+        raise ValueError(f"--reuse-sft {source}: its settings differ in {_shown(differ)}")
     if not (source / "model_sft" / "config.json").is_file():
         raise ValueError(f"--reuse-sft {source}: no model_sft/ folder")
     (out / "eval").mkdir(parents=True, exist_ok=True)
@@ -598,6 +612,7 @@ def run_recipe_sft(
     evaluation of the result on the held-out split: protocol-validity (format) rate and accuracy.
     """
     emit = on_event or (lambda kind, data: None)
+    settings = recipe.own_options(settings)
     out = Path(settings.out)
     out.mkdir(parents=True, exist_ok=True)
     set_torch_threads(settings.config)

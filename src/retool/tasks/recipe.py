@@ -10,26 +10,28 @@ The pipeline knows no task by name. Everything that differs between tasks is a m
   recipe's own call of ``retool.tasks.sft.train_sft``);
 - ``eval_source``: the source that scores the held-out set, when its answers need their own checker.
 
-A recipe also carries what it runs with: its name, the model it is sized for, its Config preset and its
-demo-only fields (``DemoSettings``). The recipes themselves and their registry sit one layer up, in
+A recipe also carries what it runs with: its name, the model it is sized for, its Config preset, the
+generic demo-only fields it sets (``DemoSettings``) and its own options (a ``RecipeOptions`` subclass
+declared in its folder: a recipe's knob needs no field outside it). The recipes themselves and their registry sit one layer up, in
 ``retool.recipes``: this module is the interface they implement, below them.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import NamedTuple
 
 from retool.components import Components
-from retool.config import Config
+from retool.config import Config, ConfigError
 from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemSource
 from retool.jsonl import JsonObject
 from retool.sandbox import Executor
-from retool.tasks.settings import DemoFields, DemoSettings, Event
+from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.tasks.sft import SFTExample, SFTReport, train_sft
 
 
@@ -47,9 +49,10 @@ class Recipe(ABC):
 
     ``task``: the name ``DemoSettings.task`` holds for it (what a run folder's ``settings.json`` records);
     ``model``: the model its preset is sized for (``tiny``, built here, or a ``retool.tasks.real_model``
-    name); ``preset``: its Config preset (a TOML file in its folder); ``fields``: the demo-only fields it
-    sets; ``tiny_model``: whether the tiny model can run it (the tiny tokenizer is trained on the train
-    tasks' text, so only a recipe with train tasks can).
+    name); ``preset``: its Config preset (a TOML file in its folder); ``fields``: the generic demo-only
+    fields it sets; ``options``: its own options with this recipe's values (their type, ``options_type``,
+    says which names ``--set NAME=VALUE`` takes); ``tiny_model``: whether the tiny model can run it (the
+    tiny tokenizer is trained on the train tasks' text, so only a recipe with train tasks can).
     """
 
     name: str
@@ -58,7 +61,23 @@ class Recipe(ABC):
     model: str = "tiny"
     preset: str = "demo"
     fields: DemoFields = field(default_factory=lambda: DemoFields())
+    options: RecipeOptions = field(default_factory=RecipeOptions)
     tiny_model: bool = False
+
+    @property
+    def options_type(self) -> type[RecipeOptions]:
+        return type(self.options)
+
+    def own_options(self, settings: DemoSettings) -> DemoSettings:
+        """``settings`` with options of this recipe's type (what ``settings.json`` records): as given, or,
+        for settings built without the recipe, its type's defaults with the values given set."""
+        try:
+            return dataclasses.replace(settings, options=options_as(settings, self.options_type))
+        except ConfigError as exc:  # e.g. --set task=NAME on another recipe's settings
+            raise ConfigError(
+                f"the {settings.task} task (recipe {self.name}): {exc}; these settings are another "
+                f"recipe's: run this one with --recipe {self.name}"
+            ) from None
 
     @abstractmethod
     def source(self, settings: DemoSettings, config: Config) -> ProblemSource:

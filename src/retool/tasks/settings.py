@@ -1,20 +1,21 @@
-"""What a demo run is given: ``DemoSettings`` (a ``Config`` plus the demo-only fields), the typed keyword
-form of those fields (``DemoFields``), and the progress events a run reports (``DemoEvent``).
+"""What a demo run is given: ``DemoSettings`` (a ``Config``, the generic demo-only fields and the recipe's
+own options), the typed keyword form of those fields (``DemoFields``), the base of a recipe's options
+(``RecipeOptions``), and the progress events a run reports (``DemoEvent``).
 
-The fields are one flat namespace for every recipe (``retool.recipes``), because a run folder's
-``settings.json`` records them so: a resumed run (``--resume``) and a run reusing another's SFT model
-(``--reuse-sft``) compare them key by key, so the set of names and their meaning stay as they were. A
-recipe sets the ones it uses through its own ``fields``; the pipeline (``retool.tasks.pipeline``) reads
-only the generic ones.
+The generic fields are what the pipeline (``retool.tasks.pipeline``) reads; a recipe's knobs are its
+``RecipeOptions`` subclass, declared in its own folder, so a new recipe needs no field here.
+``settings.json`` records the options under ``options``; a run folder written before recorded them as
+flat top-level keys, which ``migrate_flat_options`` moves into the new shape, so ``--resume`` and
+``--reuse-sft`` on an older run compare the same values as before.
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypedDict, Unpack
+from typing import TYPE_CHECKING, Any, ClassVar, Self, TypedDict, TypeVar, Unpack
 
 from retool.config import Config, ConfigError, apply_overrides, load_config, override_config
 from retool.jsonl import JsonObject
@@ -53,6 +54,52 @@ def seed_overrides(seed: int) -> list[str]:
     return [f"train.seed={seed}", f"data.seed={seed}", f"eval.seed={seed}"]
 
 
+@dataclass(frozen=True)
+class RecipeOptions:
+    """A recipe's own options: subclassed in the recipe's folder as a frozen dataclass whose every field has
+    a default (JSON values: a bool, number, string, None or tuple of them). ``--set NAME=VALUE`` sets one,
+    ``settings.json`` records them under ``options``. This base has none: the options of settings built
+    without a recipe, which the recipe that runs them reads as its own defaults (``options_as``).
+
+    ``RL_ONLY``: the options that change only RL, not the tasks or the SFT model, so a run may reuse the SFT
+    model of a run that differs in them (``--reuse-sft``).
+    """
+
+    RL_ONLY: ClassVar[frozenset[str]] = frozenset()
+
+    @classmethod
+    def names(cls) -> tuple[str, ...]:
+        return tuple(f.name for f in dataclasses.fields(cls))
+
+    def with_values(self, values: Mapping[str, object]) -> Self:
+        """These options with ``values`` set; ``ConfigError`` naming the known options for an unknown name."""
+        unknown = [name for name in values if name not in self.names()]
+        if unknown:
+            raise ConfigError(f"no option {', '.join(unknown)} in {self.described()}")
+        return dataclasses.replace(self, **values)
+
+    def described(self) -> str:
+        """The options by name, for an error message: ``SyntheticOptions (test_hard_fraction, ...)``."""
+        return f"{type(self).__name__} ({', '.join(self.names()) or 'none'})"
+
+    def as_dict(self) -> JsonObject:
+        """What ``settings.json`` records (tuples as the lists JSON reads back)."""
+        values = {name: getattr(self, name) for name in self.names()}
+        return {k: list(v) if isinstance(v, tuple) else v for k, v in values.items()}
+
+
+Options = TypeVar("Options", bound=RecipeOptions)
+
+
+def options_as(settings: DemoSettings, kind: type[Options]) -> Options:
+    """``settings.options`` as the recipe's options type ``kind``: as they are when they are of it, else
+    (settings built without the recipe) ``kind``'s defaults with the values given set."""
+    if isinstance(settings.options, kind):
+        return settings.options
+    given = settings.options
+    return kind().with_values({name: getattr(given, name) for name in given.names()})
+
+
 class DemoFields(TypedDict, total=False):
     """The demo-only fields of ``DemoSettings`` as keywords (what a recipe's ``fields`` set)."""
 
@@ -61,19 +108,13 @@ class DemoFields(TypedDict, total=False):
     eval_modes: tuple[str, ...]
     plots: bool
     reuse_sft: str | None
-    test_hard_fraction: float | None
-    gsm8k_problems: int
     data_dir: str | None
     base_eval_problems: int
     base_eval_modes: tuple[str, ...]
     task: str
-    coldstart_rows: int
-    coldstart_samples: int
-    coldstart_temperature: float
-    mathematics_problems: int
-    rl_max_solution_steps: int
     eval_temperature: float | None
     resume: bool
+    options: RecipeOptions
 
 
 @dataclass(frozen=True)
@@ -85,19 +126,12 @@ class DemoSettings:
     whose SFT model and SFT evaluation (same tasks and SFT settings) this run starts from, redoing only
     RL and its evaluation, e.g. to compare RL settings on one SFT model.
 
-    Real models (``config.model.name`` a name from ``retool.tasks.real_model`` or a GGUF / HF path; the
-    ``demo-smollm2`` preset): ``test_hard_fraction`` (hard share of the held-out split; None: the train
-    split's), ``gsm8k_problems`` (GSM8K test problems added to the held-out set, from ``data_dir``),
-    ``base_eval_problems`` (zero-shot eval of the model before SFT on every k-th held-out problem, in
-    ``base_eval_modes``).
-    ``task``: the recipe's task (``retool.recipes``): ``synthetic`` (the task family) or ``gsm8k``
-    (``retool.recipes.gsm8k``, real models only:
-    cold start from ``coldstart_rows`` annotated GSM8K train solutions, RL on GSM8K's train split (only
-    problems solved in at most ``rl_max_solution_steps`` annotated steps, when > 0), the held-out set
-    ``gsm8k_problems`` test problems) or ``mathematics`` (``retool.recipes.mathematics``, real models only:
-    cold start from the model's own verified attempts, ``coldstart_samples`` at ``coldstart_temperature``
-    on ``coldstart_rows`` train problems *per module*; RL on the generated train split; held out: the first
-    ``mathematics_problems`` questions of every interpolate and extrapolate module).
+    ``data_dir``: the folder the task's data files are read from (``--data-dir``); ``base_eval_problems``
+    (real models): zero-shot eval of the model before SFT on every k-th held-out problem, in
+    ``base_eval_modes``.
+    ``task``: the recipe's task (``retool.recipes``: ``synthetic``, ``gsm8k``, ``mathematics``, ...);
+    ``options``: the recipe's own options (its ``RecipeOptions`` subclass, e.g. the GSM8K recipe's cold-start
+    rows), set by ``--set NAME=VALUE`` as a field is.
     ``eval_temperature``: the evaluations' sampling temperature (None: ``[sampling]``'s, as in RL; 0: greedy).
     ``resume``: continue the run in ``out`` (finished phases skipped, RL from its last checkpoint, an
     evaluation from its JSONL); the settings must match its ``settings.json``.
@@ -109,32 +143,30 @@ class DemoSettings:
     eval_modes: tuple[str, ...] = ("text-only", "retool")
     plots: bool = True
     reuse_sft: str | None = None
-    test_hard_fraction: float | None = None
-    gsm8k_problems: int = 0
     data_dir: str | None = None
     base_eval_problems: int = 0
     base_eval_modes: tuple[str, ...] = ("retool",)
     task: str = "synthetic"
-    coldstart_rows: int = 0
-    coldstart_samples: int = 2
-    coldstart_temperature: float = 0.7
-    mathematics_problems: int = 0
-    rl_max_solution_steps: int = 0
     eval_temperature: float | None = None
     resume: bool = False
+    options: RecipeOptions = field(default_factory=RecipeOptions)
 
     @classmethod
     def load(
         cls, overrides: Sequence[str] = (), *, config: str | Path = DEMO_PRESET, **fields: Unpack[DemoFields]
     ) -> DemoSettings:
         """Settings from ``config`` (a preset or TOML file) and ``overrides``: ``section.key=value`` for the
-        config, ``field=value`` (no dot) for a demo-only field; ``fields`` set demo-only fields directly."""
+        config, ``name=value`` (no dot) for a demo-only field or one of the recipe's ``options``; ``fields``
+        set demo-only fields (and ``options``) directly."""
         return cls(config=load_config(config), **fields).with_overrides(overrides)
 
     def with_overrides(self, overrides: Sequence[str]) -> DemoSettings:
         config_sets = [o for o in overrides if "." in o.partition("=")[0]]
-        own = {k: v for k, v in (_demo_field(o) for o in overrides if o not in config_sets)}
-        return dataclasses.replace(self, config=override_config(self.config, config_sets), **own)
+        named = [_named_value(o, self.options) for o in overrides if o not in config_sets]
+        own = {k: v for k, v in named if k in _OWN_FIELDS}
+        options = self.options.with_values({k: v for k, v in named if k not in _OWN_FIELDS})
+        config = override_config(self.config, config_sets)
+        return dataclasses.replace(self, config=config, options=options, **own)
 
     def with_seed(self, seed: int) -> DemoSettings:
         return self.with_overrides(seed_overrides(seed))
@@ -144,26 +176,56 @@ class DemoSettings:
         return self.config.train.seed
 
     def as_dict(self) -> JsonObject:
-        """What ``settings.json`` / ``report.json`` record: the demo-only fields, the seed, the config."""
-        own = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "config"}
+        """What ``settings.json`` / ``report.json`` record: the demo-only fields, the recipe's options, the
+        seed, the config."""
+        own = {name: getattr(self, name) for name in _OWN_FIELDS}
         return {
             **own,
             "eval_modes": list(self.eval_modes),
             "base_eval_modes": list(self.base_eval_modes),
+            "options": self.options.as_dict(),
             "seed": self.seed,
             "config": self.config.model_dump(),
         }
 
 
-def _demo_field(override: str) -> tuple[str, Any]:  # a field chosen by name: its type is the value's
+# The demo-only fields ``field=value`` sets (the options and the config are set by their own names).
+_OWN_FIELDS = tuple(f.name for f in dataclasses.fields(DemoSettings) if f.name not in ("config", "options"))
+
+
+def _named_value(override: str, options: RecipeOptions) -> tuple[str, Any]:  # its type is the value's
     name = override.partition("=")[0].strip()
-    known = [f.name for f in dataclasses.fields(DemoSettings) if f.name != "config"]
-    if name not in known:
+    if name not in _OWN_FIELDS and name not in options.names():
         raise ConfigError(
-            f"override {override!r}: not section.key=value, nor a demo field ({', '.join(known)})"
+            f"override {override!r}: not section.key=value, nor a demo field ({', '.join(_OWN_FIELDS)}), "
+            f"nor an option of the recipe's {options.described()}"
         )
     value = apply_overrides({}, [override])[name]
     return name, tuple(value) if isinstance(value, list) else value
+
+
+# The recipe options that were flat demo fields before each recipe declared its own: a ``settings.json``
+# written then records them as top-level keys, every run all of them.
+FLAT_OPTION_KEYS = (
+    "test_hard_fraction",
+    "gsm8k_problems",
+    "coldstart_rows",
+    "coldstart_samples",
+    "coldstart_temperature",
+    "mathematics_problems",
+    "rl_max_solution_steps",
+)
+
+
+def migrate_flat_options(saved: JsonObject, known: Collection[str]) -> JsonObject:
+    """A recorded ``settings.json`` in today's shape: an older run's flat option keys moved under
+    ``options``, those of them the run's recipe declares (``known``); the others were fields every run
+    carried and its recipe never read. A run already in today's shape comes back as it is."""
+    if "options" in saved:
+        return saved
+    kept = {k: v for k, v in saved.items() if k not in FLAT_OPTION_KEYS}
+    options = {k: saved[k] for k in FLAT_OPTION_KEYS if k in saved and k in known}
+    return {**kept, "options": options}
 
 
 def with_data_dir(settings: DemoSettings, config: Config) -> Config:

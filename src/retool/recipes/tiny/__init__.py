@@ -5,7 +5,8 @@ Owns the synthetic task (also run by ``retool.recipes.smollm2`` with a real mode
 
 - the problem source: the task family (``data.train_path = 'tasks'``, ``retool.env.synthetic``);
 - the held-out set: the family's test split (drawn with ``test_hard_fraction`` when set, held out against
-  the actual train split), plus a seeded GSM8K test slice when ``gsm8k_problems`` > 0;
+  the actual train split), plus a seeded GSM8K test slice when ``gsm8k_problems`` > 0 (its options,
+  ``SyntheticOptions``);
 - the cold start: code-interleaved trajectories of the train tasks with the sandbox's REAL output
   (``retool.tasks.sft``), in one stage or two (``sft.final_*``: the same problems in other styles);
 - its preset, ``demo.toml`` (the ``demo`` preset).
@@ -14,7 +15,7 @@ Owns the synthetic task (also run by ``retool.recipes.smollm2`` with a real mode
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from retool.components import Components
 from retool.config import Config, ConfigError
@@ -22,10 +23,22 @@ from retool.data.gsm8k import gsm8k_problems
 from retool.data.synthetic import Task, generate_tasks
 from retool.env import ProblemSource, TaskFamilySource, source_from_config
 from retool.tasks.recipe import HeldOut, Recipe, sandbox_observer
-from retool.tasks.settings import DemoSettings, Event, demo_data_dir
+from retool.tasks.settings import DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
 from retool.tasks.sft import SFTExample, SFTMix, SFTReport, build_sft_examples, train_sft
 
 TASK = "synthetic"
+
+
+@dataclass(frozen=True)
+class SyntheticOptions(RecipeOptions):
+    """The synthetic task's own options (``--set NAME=VALUE``).
+
+    ``test_hard_fraction``: the hard share of the held-out split (None: the train split's);
+    ``gsm8k_problems``: GSM8K test problems added to the held-out set (from ``data_dir``).
+    """
+
+    test_hard_fraction: float | None = None
+    gsm8k_problems: int = 0
 
 
 @dataclass(frozen=True)
@@ -33,6 +46,7 @@ class SyntheticRecipe(Recipe):
     """The synthetic task family with the model and preset of the recipe that names it."""
 
     task: str = TASK
+    options: RecipeOptions = field(default_factory=SyntheticOptions)
     tiny_model: bool = True
 
     def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
@@ -70,8 +84,9 @@ def held_out_tasks(settings: DemoSettings, source: TaskFamilySource) -> HeldOut:
     for real models). With ``test_hard_fraction`` the test split is drawn with that hard share and held
     out against the actual train split (``generate_tasks`` holds a split out against a train stream of the
     same share)."""
+    options = options_as(settings, SyntheticOptions)
     train = source.tasks("train")
-    if settings.test_hard_fraction is None:
+    if options.test_hard_fraction is None:
         test = source.tasks("test")
     else:
         d = settings.config.data
@@ -79,14 +94,14 @@ def held_out_tasks(settings: DemoSettings, source: TaskFamilySource) -> HeldOut:
         pool = generate_tasks(
             2 * d.task_test_count + 16,
             seed=d.seed,
-            hard_fraction=settings.test_hard_fraction,
+            hard_fraction=options.test_hard_fraction,
             kinds=list(d.task_kinds) or None,
             split="test",
         )
         test = [t for t in pool if t.question not in seen][: d.task_test_count]
     problems = [t.to_problem() for t in test]
-    if settings.gsm8k_problems > 0:
-        problems += gsm8k_problems(settings.gsm8k_problems, demo_data_dir(settings), seed=settings.seed)
+    if options.gsm8k_problems > 0:
+        problems += gsm8k_problems(options.gsm8k_problems, demo_data_dir(settings), seed=settings.seed)
     return HeldOut(train, test, problems)
 
 
