@@ -3,8 +3,8 @@ figure compared, in one run.
 
 ``retool demo``'s table is not reproducible bit for bit even from one source tree: its RL rollouts run
 concurrently with the sandbox, so which sequences share a decode batch (and so the last bits of their
-logits) depends on timing, and the run drifts from there (two runs of one commit on one machine: +31.2 and
-+31.4 points). This bench removes that freedom and keeps everything else of the training path: the tiny
+logits) depends on timing, and the run drifts from there (``bench/demo_speed.py --runs 2`` shows two runs of
+one commit printing different RL rows). This bench removes that freedom and keeps everything else of the training path: the tiny
 model, one torch thread, the two-stage cold-start SFT loop on synthetic tasks, then RL steps of the tiny
 config in three schedules (synchronous; dynamic sampling with a text-only share; one step off-policy)
 with a reward that depends on the sampled tokens only (their parity: every optimizer step moves). Each
