@@ -445,3 +445,18 @@ def gain_cell(before: list[ProblemRecord], after: list[ProblemRecord]) -> str:
     g = paired_gain(before, after, seed=0)
     lo, hi = g["ci95"]
     return ci_cell(g["gain"], lo, hi)
+
+
+def revision(src: Path) -> str:
+    """The short commit of the checkout ``src`` lies in (with ``+`` when it has uncommitted changes)."""
+    git = ["git", "-C", str(src)]
+    try:
+        rev = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        )
+        dirty = subprocess.run(
+            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
+        )
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: an exported tree, named so
+        return src.parent.name if src.name == "src" else src.name
+    return rev.stdout.strip() + ("+" if dirty.stdout.strip() else "")

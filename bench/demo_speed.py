@@ -24,31 +24,15 @@ import json
 import os
 import resource
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
 
-from _harness import ci_cell, demo_command, timed_demo  # bench/, on sys.path when run as a script
+from _harness import ci_cell, demo_command, revision, timed_demo  # bench/, on sys.path when run as a script
 from _results import render_pages, write_result
 
 REPO = Path(__file__).resolve().parents[1]
 PHASES = ("model", "sft", "eval_sft", "rl", "eval_rl")
-
-
-def revision(src: Path) -> str:
-    """The short commit of the checkout ``src`` lies in (with ``+`` when it has uncommitted changes)."""
-    git = ["git", "-C", str(src)]
-    try:
-        rev = subprocess.run(
-            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
-        )
-        dirty = subprocess.run(
-            [*git, "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True
-        )
-    except (OSError, subprocess.CalledProcessError):  # not a git checkout: an exported tree, named so
-        return src.parent.name if src.name == "src" else src.name
-    return rev.stdout.strip() + ("+" if dirty.stdout.strip() else "")
 
 
 def machine_busy_seconds() -> float | None:

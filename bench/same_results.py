@@ -26,7 +26,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _harness import REPO  # bench/, on sys.path when run as a script
+from _harness import REPO, revision  # bench/, on sys.path when run as a script
 from _results import render_pages, user_paths, write_result
 
 RL_BASE = [
@@ -195,7 +195,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (model / "config.json").is_file():
         build_tiny_model(model, size="test", seed=0)
     arms: dict[str, dict[str, Any]] = {}
-    for name, src in ((f"`{user_paths(str(args.src))}`", args.src), ("this checkout", REPO / "src")):
+    for where, src in ((f"`{user_paths(str(args.src))}`", args.src), ("this checkout", REPO / "src")):
+        name = f"{where} ({revision(src.resolve())})"
         arms[name] = run_arm(src.resolve(), args.out / f"arm{len(arms)}.json", model.resolve())
     text = report(arms)
     print(text)
