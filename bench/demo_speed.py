@@ -5,8 +5,10 @@ from start to exit, CPU time of the whole process tree (the demo, its replicas, 
 processes: ``getrusage(RUSAGE_CHILDREN)``, what ``/usr/bin/time`` reports as "Percent of CPU"), the
 machine's busy CPU time over the same wall time (``/proc/stat``: the cross-check), peak memory of the
 largest process, the machine's load average before and after (other jobs inflate every figure: compare
-runs taken together), the demo's own phase split (``phases.json``) and gain, and a digest of its results
-table (``report.md`` up to the timings): a refactor's arm must print the same table bit for bit.
+runs taken together), the demo's own phase split (``phases.json``) and gain, and digests of its results
+table (``report.md`` up to the timings) and of the table's rows evaluated before RL (base and SFT): those
+repeat bit for bit from run to run, the RL rows do not (rollouts run concurrently with the sandbox, so which
+sequences share a decode batch depends on timing: ``bench/same_results.py`` is the exact comparison).
 
     python bench/demo_speed.py                          # this checkout, one run
     python bench/demo_speed.py --runs 2 --src /path/to/other/checkout/src --write
@@ -50,12 +52,15 @@ def machine_busy_seconds() -> float | None:
     return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")  # guest time is already inside user
 
 
-def results_digest(report_md: Path) -> str | None:
-    """sha256 (12 hex digits) of the demo's results: ``report.md`` before its timings table, which is the
-    one part a rerun of the same code on the same machine changes."""
+def results_digest(report_md: Path, before_rl: bool = False) -> str | None:
+    """sha256 (12 hex digits) of the demo's results: ``report.md`` before its timings table (the part a rerun
+    of the same code on the same machine could repeat), or with ``before_rl`` only the rows of the models
+    evaluated before RL (base, SFT)."""
     if not report_md.is_file():
         return None
     results = report_md.read_text().split("\n| phase |", 1)[0]
+    if before_rl:
+        results = "\n".join(x for x in results.splitlines() if x.startswith(("| base ", "| sft ")))
     return hashlib.sha256(results.encode()).hexdigest()[:12]
 
 
@@ -91,6 +96,7 @@ def run_once(src: Path, out: Path, overrides: list[str]) -> dict[str, Any]:
     if phases.is_file():
         row["phases"] = {k: v["seconds"] for k, v in json.loads(phases.read_text()).items()}
     row["results"] = results_digest(out / "report.md")
+    row["before_rl"] = results_digest(out / "report.md", before_rl=True)
     report = out / "report.json"
     if report.is_file():
         gain = json.loads(report.read_text())["gain"]
@@ -103,8 +109,8 @@ def table(rows: list[dict[str, Any]]) -> str:
     lines = [
         "| run | code | wall | CPU | machine busy | peak RSS | load before / after | "
         + " | ".join(PHASES)
-        + " | gain [95% CI] | results (sha256) |",
-        "|" + "---|" * (8 + len(PHASES)),
+        + " | gain [95% CI] | rows before RL (sha256) | results (sha256) |",
+        "|" + "---|" * (9 + len(PHASES)),
     ]
     for k, r in enumerate(rows):
         ph = r.get("phases", {})
@@ -115,11 +121,18 @@ def table(rows: list[dict[str, Any]]) -> str:
             f"| {k + 1} | {r['revision']} | {int(minutes)} min {seconds:04.1f} s | {r['cpu_percent']}% "
             f"| {busy} | {r['peak_rss_mb']} MB | {r['load_before']:.2f} / {r['load_after']:.2f} | "
             + " | ".join(f"{ph[p]:.1f} s" if p in ph else "-" for p in PHASES)
-            + f" | {gain} | {r.get('results') or '-'} |"
+            + f" | {gain} | {r.get('before_rl') or '-'} | {r.get('results') or '-'} |"
         )
-    digests = {r.get("results") for r in rows}
-    same = "yes" if len(digests) == 1 and None not in digests else "no"
-    lines += ["", f"Every run printed the same results table (report.md before its timings): {same}."]
+
+    def same(key: str) -> str:
+        digests = {r.get(key) for r in rows}
+        return "yes" if len(digests) == 1 and None not in digests else "no"
+
+    lines += [
+        "",
+        f"Every run printed the same rows before RL (base, SFT): {same('before_rl')}; the same whole results"
+        f" table (report.md before its timings): {same('results')}.",
+    ]
     return "\n".join(lines)
 
 
