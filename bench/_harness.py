@@ -427,6 +427,36 @@ def evaluate_model(
     facts_file.write_text(json.dumps(facts) + "\n")
 
 
+def eval_runs(folder: Path) -> dict[str, dict[str, float]]:
+    """Each evaluated model's ``<label>.run.json`` in ``folder`` (``evaluate_model``: seconds, peak RSS)."""
+    return {
+        p.name.removesuffix(".run.json"): json.loads(p.read_text()) for p in sorted(folder.glob("*.run.json"))
+    }
+
+
+def demo_table(demos: Mapping[int, Mapping[str, Any]]) -> str:
+    """Each seed's demo: wall time, peak memory, its phases (SFT, or the run it reused it from; RL; its own
+    held-out evaluations, when it ran any) and the cold start's yield."""
+    lines = [
+        "Each seed's demo (a process of its own): wall time, peak memory, its phases:",
+        "",
+        "| seed | total | peak RSS | SFT | RL | its own evaluations | cold start kept |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for seed, rep in demos.items():
+        t = rep["timings"]
+        conv = rep.get("sft", {}).get("conversion", {})
+        reused = rep.get("settings", {}).get("reuse_sft")
+        sft = f"reused ({Path(reused).name})" if reused else f"{t.get('sft', 0) / 60:.1f} min"
+        evals = sum(float(v) for k, v in t.items() if k.startswith("eval_"))
+        of = conv.get("read", conv.get("sampled", "-"))
+        lines.append(
+            f"| {seed} | {t['total'] / 60:.1f} min | {rep['machine'].get('peak_rss_gib', 0):.1f} GiB | {sft} | "
+            f"{t.get('rl', 0) / 60:.1f} min | {evals / 60:.1f} min | {conv.get('kept', '-')} of {of} |"
+        )
+    return "\n".join(lines)
+
+
 # -- table cells --------------------------------------------------------------------------------------
 
 

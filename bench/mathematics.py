@@ -4,7 +4,9 @@ extrapolation, beside the paper's Transformer.
 The mathematics demo (``retool demo --recipe mathematics``: a cold start from the model's own
 verified attempts, SFT, RL on the generated train split) runs once per seed, each in a process of its own,
 without evaluations of its own (the bench evaluates instead): the first seed's run does the cold start and
-SFT, every other seed's RL starts from that SFT model (``--reuse-sft``), so the seeds differ in RL. Then each
+SFT, every other seed's RL starts from that SFT model (``--reuse-sft``), so the seeds differ in RL. A user's
+own ``retool demo --recipe mathematics --seed 0 --out runs/bench-mathematics/seed0`` (its held-out
+evaluations included: the recipe's 45-minute claim is that run's time) serves as the first seed. Then each
 model the claims compare is evaluated once, text-only and with the tool, greedy, each turn ending at its first
 closed ``\\boxed{...}``, on the first ``--per-module`` questions of every interpolate module (56) and every
 extrapolate module (15): the base model and the SFT model once (greedy decoding does not depend on the seed),
@@ -15,9 +17,10 @@ Reported: per split, the mean over modules of each module's accuracy (the paper'
 Transformer, trained on 2M examples of every module, reaches 76% interpolation and 50% extrapolation, by
 exact match), with the checker's equivalence and the paper's exact match side by side; paired bootstrap 95%
 intervals (over questions) for RL minus SFT and for retool minus text-only; a per-module table with the
-tool-call rate and the share of calls that raised.
+tool-call rate and the share of calls that raised; each target of the recipe, met or missed; each demo's and
+each evaluation's time and the bench's sum against its 2 hours (``PER_MODULE`` says why 5 questions a module).
 
-    python bench/mathematics.py                          # seeds 0 and 1, --per-module 10
+    python bench/mathematics.py                          # seeds 0 and 1, --per-module 5
     python bench/mathematics.py --seeds 0 --per-module 2 # a quick look
     python bench/mathematics.py --from-demo runs/demo-smollm2-mathematics --write
                                                          # read one finished demo's own evaluations
@@ -31,11 +34,13 @@ import json
 import logging
 from collections import defaultdict
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from _harness import (  # bench/, on sys.path when run as a script
     MODES,
+    demo_table,
     eval_config,
+    eval_runs,
     evaluate_in_process,
     evaluate_model,
     evaluate_plan,
@@ -51,6 +56,14 @@ from retool.evaluate.store import ProblemRecord, read_problem_records
 SPLITS = ("interpolate", "extrapolate")
 PAPER = {"interpolate": 0.76, "extrapolate": 0.50}  # Saxton et al. 2019, Transformer, module means
 SFT_LABEL = "sft"
+BUDGET_MIN = 120  # the whole bench, on the 2-core machine it is sized for
+# Questions per module: 5 x 56 = 280 interpolate and 5 x 15 = 75 extrapolate questions a model and mode.
+# At the 5-12% accuracies the 12-03 demo measured, a paired difference over 280 questions has a 95%
+# interval about +-5 points wide, and over 75 about +-9: a gain of the size RL showed there (+3.6
+# interpolate) is resolved only if it grows, which is the question. Ten a module would halve neither
+# interval's width enough to change that and would double the evaluations (4 models x 2 modes), taking the
+# bench past its 2 hours here; fewer would make the extrapolate interval wider than any plausible gain.
+PER_MODULE = 5
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -58,7 +71,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--seeds", default="0,1", help="comma-separated demo seeds (default 0,1)")
     ap.add_argument("--out", type=Path, default=Path("runs/bench-mathematics"))
     ap.add_argument("--set", action="append", default=[], help="override for every demo (key=value)")
-    ap.add_argument("--per-module", type=int, default=10, help="questions per module and split (default 10)")
+    ap.add_argument(
+        "--per-module",
+        type=int,
+        default=PER_MODULE,
+        help=f"questions per module and split (default {PER_MODULE})",
+    )
     ap.add_argument("--data-dir", default=None, help="the generated files (default: the data folder)")
     ap.add_argument("--threads", type=int, default=0, help="torch threads of each evaluation (0: every core)")
     ap.add_argument("--from-demo", type=Path, default=None, help="report a finished demo's own evaluations")
@@ -220,18 +238,15 @@ def rescore(records: list[ProblemRecord]) -> list[ProblemRecord]:
     then comes from one version of ``retool.reward.mathematics``, whichever scored the run."""
     from retool.reward.mathematics import check
 
-    out = []
+    out: list[ProblemRecord] = []
     for rec in records:
         module = str(rec.get("data_source", "")).removeprefix("mathematics/")
-        cands = [
-            {
-                **c,
-                "correct": c.get("answer") is not None
-                and check(str(c["answer"]), str(rec["reference"]), module),
-            }
+        verdicts = [
+            c.get("answer") is not None and check(str(c["answer"]), str(rec["reference"]), module)
             for c in rec["candidates"]
         ]
-        out.append({**rec, "candidates": cands, "n_correct": sum(c["correct"] for c in cands)})
+        cands = [{**c, "correct": ok} for c, ok in zip(rec["candidates"], verdicts, strict=True)]
+        out.append(cast(ProblemRecord, {**rec, "candidates": cands, "n_correct": sum(verdicts)}))
     return out
 
 
@@ -258,6 +273,58 @@ def demo_facts(folder: Path) -> str:
     )
 
 
+def targets(evals: dict[str, dict[str, list[ProblemRecord]]], seeds: list[int]) -> list[str]:
+    """The issue's targets, each checked against the figures above: met or missed, with the figure."""
+    from retool.evaluate.metrics import paired_gain  # deferred: numpy
+
+    lines = ["Targets (each met only where the 95% interval's lower end is above 0):", ""]
+
+    def check(name: str, before: list[ProblemRecord], after: list[ProblemRecord]) -> None:
+        g = paired_gain(before, after, seed=0)
+        lo, hi = g["ci95"]
+        verdict = "met" if lo > 0 else "missed"
+        lines.append(f"- {name}: {g['gain'] * 100:+.1f} [{lo * 100:+.1f}, {hi * 100:+.1f}]: **{verdict}**")
+
+    for seed in seeds:
+        rl = evals.get(f"rl-s{seed}", {})
+        if "retool" not in rl:
+            continue
+        for split in SPLITS:
+            if SFT_LABEL in evals and "retool" in evals[SFT_LABEL]:
+                before = of_split(evals[SFT_LABEL]["retool"], split)
+                check(f"seed {seed}, {split}: RL over SFT (retool)", before, of_split(rl["retool"], split))
+            if "text-only" in rl:
+                before = of_split(rl["text-only"], split)
+                check(
+                    f"seed {seed}, {split}: RL retool over RL text-only",
+                    before,
+                    of_split(rl["retool"], split),
+                )
+        mean = split_mean(module_stats(rl["retool"]), "extrapolate", "accuracy")
+        verdict = "met" if mean >= PAPER["extrapolate"] else "missed"
+        lines.append(
+            f"- seed {seed}: RL retool extrapolation mean {pct(mean)} against the paper's Transformer"
+            f" {pct(PAPER['extrapolate'])}: **{verdict}**"
+        )
+    return lines
+
+
+def cost_lines(demos: dict[int, dict[str, Any]], runs: dict[str, dict[str, float]], threads: int) -> str:
+    """Each seed's demo, each model's evaluation, and the bench's sum against its budget."""
+    per_model = ", ".join(f"{k} {v['seconds'] / 60:.1f} min" for k, v in runs.items())
+    evals = sum(v["seconds"] for v in runs.values())
+    total = (sum(rep["timings"]["total"] for rep in demos.values()) + evals) / 60
+    within = "within" if total <= BUDGET_MIN else "over"
+    how = f"{threads} torch threads" if threads else "every core"
+    peak = max((v["peak_rss_gib"] for v in runs.values()), default=0.0)
+    return (
+        demo_table(demos)
+        + f"\n\nEvaluations (a process per model, both modes at once, {how}): {per_model or '-'};"
+        + f" peak RSS {peak:.1f} GiB.\n\nThe bench in all (demos + evaluations): {total:.0f} min, {within} its"
+        + f" {BUDGET_MIN}-minute budget."
+    )
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(message)s")
@@ -272,7 +339,7 @@ def main(argv: list[str] | None = None) -> None:
         text = report(evals, demo_facts(args.from_demo) + "\n\n" + CAVEATS)
     else:
         seeds = [int(s) for s in args.seeds.split(",") if s.strip()]
-        run_seed_demos("mathematics", seeds, args.out, args.set, args.data_dir, log)
+        demos = run_seed_demos("mathematics", seeds, args.out, args.set, args.data_dir, log)
         folder = args.out / f"per-module-{args.per_module}"
 
         def evaluate(label: str, outputs: dict[str, Path], demo_dir: Path) -> None:
@@ -283,7 +350,8 @@ def main(argv: list[str] | None = None) -> None:
 
         evals = evaluate_plan(seeds, args.out, folder, evaluate, read, log)
         scope = f"seeds {', '.join(map(str, seeds))}; the first {args.per_module} questions of every module, greedy"
-        text = report(evals, CAVEATS)
+        extra = "\n".join(targets(evals, seeds)) + "\n\n" + cost_lines(demos, eval_runs(folder), args.threads)
+        text = report(evals, extra + "\n\n" + CAVEATS)
     print(text)
     if args.write:
         head = f"Held-out: {scope}; one answer per question.\n\n"
