@@ -123,3 +123,47 @@ def test_the_command_line(tmp_path: Path) -> None:
     assert "train rows dropped as test questions: 0" in done.stdout
     bad = _retool_data_mathematics("--out", str(tmp_path), "--modules", "x", "--python", python)
     assert bad.returncode == 2 and bad.stderr.strip().startswith("error:") and "Traceback" not in bad.stderr
+
+
+def _generators_writing_to(folder: Path) -> list[int]:
+    """Pids of generator processes writing under ``folder`` (their ``--out`` is in the builder's temporary
+    folder, which the test puts under ``folder`` with TMPDIR)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmd = (proc / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        if any(part.endswith(b"generator.py") for part in cmd) and str(folder).encode() in b" ".join(cmd):
+            pids.append(int(proc.name))
+    return pids
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
+def test_a_killed_builder_leaves_no_generator_running(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    python = str(_generator())
+    cmd = [sys.executable, "-m", "retool", "data", "mathematics", "--out", str(tmp_path / "data")]
+    cmd += ["--train-per-module", "100000", "--test-per-module", "0", "--python", python]
+    env = {**os.environ, "TMPDIR": str(tmp_path)}  # the generators' temp folder: under tmp_path, to find them
+    builder = subprocess.Popen(cmd, cwd=REPO, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.monotonic() + 120
+        while not _generators_writing_to(tmp_path) and time.monotonic() < deadline:
+            assert builder.poll() is None, "the builder stopped before its generator started"
+            time.sleep(0.2)
+        assert _generators_writing_to(tmp_path), "no generator started within 2 minutes"
+    finally:
+        builder.send_signal(signal.SIGKILL)  # no cleanup code of the builder's runs: the kernel's alone
+        builder.wait()
+    deadline = time.monotonic() + 30
+    while _generators_writing_to(tmp_path) and time.monotonic() < deadline:
+        time.sleep(0.2)
+    left = _generators_writing_to(tmp_path)
+    for pid in left:  # never leave one behind, even when the test fails
+        os.kill(pid, signal.SIGKILL)
+    assert not left, f"generators still running after their builder was killed: {left}"

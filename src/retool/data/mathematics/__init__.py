@@ -19,10 +19,12 @@ versions, seeds, counts, the files' sha256).
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import tempfile
 import time
@@ -152,6 +154,18 @@ def split_modules(python: Path, split: str) -> list[str]:
     return done.stdout.split()
 
 
+def _die_with_parent_hook() -> Callable[[], None] | None:
+    """What the generator process runs before it starts (Linux): ask for SIGTERM when the builder dies,
+    however it dies (a SIGTERM or SIGKILL to ``retool data mathematics`` alone would otherwise leave the
+    generators running, orphaned, for the rest of their hour). libc is loaded here, in the parent: the child
+    of a fork only makes the call. None where there is no glibc (the builder's own cleanup still runs)."""
+    try:
+        prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
+    except (OSError, AttributeError):
+        return None
+    return lambda: prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+
+
 def _run_splits(
     python: Path,
     per_split: dict[MathSplit, int],
@@ -161,23 +175,32 @@ def _run_splits(
     on_module: Callable[[str], None] | None,
 ) -> dict[MathSplit, Path]:
     """Generate every split at once (one process each: the machine's cores); stderr names each finished
-    module, passed to ``on_module``."""
+    module, passed to ``on_module``. An interruption (Ctrl-C, an error) stops every generator before it
+    propagates; a killed builder takes them with it (``_die_with_parent_hook``)."""
     env = {**os.environ, "PYTHONHASHSEED": "0"}
     procs: dict[MathSplit, tuple[subprocess.Popen[str], Path]] = {}
-    for split, n in per_split.items():
-        out = folder / f"{split}.raw.jsonl"
-        cmd = _command(python, split, n, seed, modules[split], out)
-        procs[split] = (subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env), out)
     errors = []
-    for split, (proc, _) in procs.items():
-        assert proc.stderr is not None
-        tail: list[str] = []
-        for line in proc.stderr:
-            if on_module is not None and line.startswith(f"{split}/"):
-                on_module(line.split(":")[0])
-            tail = [*tail[-20:], line]
-        if proc.wait() != 0:
-            errors.append(f"{split}: {''.join(tail).strip()[-400:]}")
+    hook = _die_with_parent_hook()
+    try:
+        for split, n in per_split.items():
+            out = folder / f"{split}.raw.jsonl"
+            cmd = _command(python, split, n, seed, modules[split], out)
+            proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, text=True, env=env, preexec_fn=hook)
+            procs[split] = (proc, out)
+        for split, (proc, _) in procs.items():
+            assert proc.stderr is not None
+            tail: list[str] = []
+            for line in proc.stderr:
+                if on_module is not None and line.startswith(f"{split}/"):
+                    on_module(line.split(":")[0])
+                tail = [*tail[-20:], line]
+            if proc.wait() != 0:
+                errors.append(f"{split}: {''.join(tail).strip()[-400:]}")
+    finally:
+        for proc, _ in procs.values():
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     if errors:
         raise DataError("the DeepMind Mathematics generator failed: " + " | ".join(errors))
     return {split: out for split, (_, out) in procs.items()}
