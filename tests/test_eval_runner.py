@@ -212,6 +212,58 @@ def test_output_without_summary_is_refused(tmp_path: Path) -> None:
         run(out)
 
 
+def test_a_second_writer_of_one_output_is_refused_and_changes_nothing(tmp_path: Path) -> None:
+    import subprocess
+    import sys
+
+    from retool.evaluate import EvalStoreError
+
+    out = tmp_path / "e.jsonl"
+    run(out, problems=PROBLEMS[:2])
+    before = out.read_bytes(), summary_path_for(out).read_bytes()
+    # Another process is writing the output (an earlier run of the same command, still going): it holds the
+    # store's claim until it exits.
+    holder = (
+        "import sys, time\n"
+        "from retool.evaluate import ResultStore\n"
+        "with ResultStore(sys.argv[1]).claimed():\n"
+        "    print('claimed', flush=True)\n"
+        "    time.sleep(60)\n"
+    )
+    proc = subprocess.Popen([sys.executable, "-c", holder, str(out)], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout is not None and proc.stdout.readline().strip() == "claimed"
+        fake = FakeRollout()
+        with pytest.raises(EvalStoreError, match="another evaluation is writing this output"):
+            run(out, rollout=fake)
+        assert fake.calls == []
+        assert (out.read_bytes(), summary_path_for(out).read_bytes()) == before
+    finally:
+        proc.kill()
+        proc.wait()
+    # The claim ends with the process, however it ended (here: killed): the output resumes.
+    assert run(out, problems=PROBLEMS[:2])["status"] == "complete"
+
+
+def test_a_fresh_run_that_fails_before_writing_leaves_no_file(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    out = tmp_path / "nothing.jsonl"
+    with pytest.raises(RuntimeError, match="went away"):
+        run(out, rollout=FakeRollout(crash_after=0), concurrency=1)
+    # it wrote its incomplete summary first, so the (empty) output stays with it, resumable
+    assert json.loads(summary_path_for(out).read_text())["status"] == "incomplete"
+
+    def full_disk(self: ResultStore, summary: Any) -> None:
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(ResultStore, "write_summary", full_disk)
+    fresh = tmp_path / "refused.jsonl"
+    with pytest.raises(OSError, match="No space"):
+        run(fresh)
+    assert not fresh.exists() and not summary_path_for(fresh).exists()
+
+
 def test_sampler_errors_are_retried_not_recorded(tmp_path: Path) -> None:
     out = tmp_path / "s.jsonl"
     summary = run(out, rollout=FakeRollout(fail_ids={"q1"}))

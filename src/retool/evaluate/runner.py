@@ -219,31 +219,32 @@ async def run_eval(
     plan = _Plan(groups, components.sampler, val_n, seed)
     settings = _settings(problems, components, config, mode, val_n, seed, identity or EvalIdentity())
     store = ResultStore(output)
-    previous = check_resumable(store, settings)
-    decode = getattr(components.protocol, "decode", None)
-    session = _Session(problems, store, settings, previous, (bootstrap_resamples, seed), decode)
-    todo = session.todo()
-    done = len(problems) - len(todo)
-    logger.info(
-        "eval %s: %d problems, %d done, %d to run (val_n=%d)", mode, len(problems), done, len(todo), val_n
-    )
-    store.write_summary(session.summary("incomplete"))
-    if on_progress is not None:
-        on_progress(done, len(problems))
-    keep = e.save_transcripts if save_transcripts is None else save_transcripts
-    semaphore = asyncio.Semaphore(max(1, e.concurrency if concurrency is None else concurrency))
-
-    async def one(problem: Problem) -> None:
-        async with semaphore:
-            trajectories, pseed = await plan.rollout(problem)
-        session.record(problem, trajectories, pseed, keep)
+    with store.claimed():  # the output's only writer until the summary is written
+        previous = check_resumable(store, settings)
+        decode = getattr(components.protocol, "decode", None)
+        session = _Session(problems, store, settings, previous, (bootstrap_resamples, seed), decode)
+        todo = session.todo()
+        done = len(problems) - len(todo)
+        logger.info(
+            "eval %s: %d problems, %d done, %d to run (val_n=%d)", mode, len(problems), done, len(todo), val_n
+        )
+        store.write_summary(session.summary("incomplete"))
         if on_progress is not None:
-            on_progress(len(session.done), len(problems))
+            on_progress(done, len(problems))
+        keep = e.save_transcripts if save_transcripts is None else save_transcripts
+        semaphore = asyncio.Semaphore(max(1, e.concurrency if concurrency is None else concurrency))
 
-    await _gather_or_save(session, [one(p) for p in todo])
-    summary = session.summary()
-    store.write_summary(summary)
-    return summary
+        async def one(problem: Problem) -> None:
+            async with semaphore:
+                trajectories, pseed = await plan.rollout(problem)
+            session.record(problem, trajectories, pseed, keep)
+            if on_progress is not None:
+                on_progress(len(session.done), len(problems))
+
+        await _gather_or_save(session, [one(p) for p in todo])
+        summary = session.summary()
+        store.write_summary(summary)
+        return summary
 
 
 def _settings(

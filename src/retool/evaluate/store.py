@@ -9,10 +9,12 @@ summary is replaced atomically (write to a temporary file, then ``os.replace``).
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import TypedDict, cast
 
@@ -98,6 +100,30 @@ class ResultStore:
     def __init__(self, output: str | Path) -> None:
         self.path = Path(output)
         self.summary_path = summary_path_for(self.path)
+
+    @contextlib.contextmanager
+    def claimed(self) -> Iterator[None]:
+        """Inside, this process is the output's only writer: an exclusive lock on the JSONL itself, which the
+        kernel releases when the process ends, however it ends. Two evaluations appending to one output (a
+        rerun while the first still runs, e.g. left running by a killed parent) would interleave their
+        records, and each one's resume truncates the other's unfinished last line; the second gets
+        ``EvalStoreError`` instead. A run that fails before writing anything leaves no empty file behind."""
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        created = not self.path.exists()
+        with self.path.open("ab") as fh:
+            try:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                raise EvalStoreError(
+                    f"{self.path}: another evaluation is writing this output now (the same command still "
+                    "running?); wait for it or stop it, or choose another --output"
+                ) from None
+            try:
+                yield
+            except BaseException:
+                if created and self.path.stat().st_size == 0 and not self.summary_path.exists():
+                    self.path.unlink()
+                raise
 
     def load(self) -> dict[str, ProblemRecord]:
         """Finished records by problem id; drops (and truncates away) a partial last line."""
