@@ -59,10 +59,10 @@ SFT_LABEL = "sft"
 BUDGET_MIN = 120  # the whole bench, on the 2-core machine it is sized for
 # Questions per module: 5 x 56 = 280 interpolate and 5 x 15 = 75 extrapolate questions a model and mode.
 # At the 5-12% accuracies the 12-03 demo measured, a paired difference over 280 questions has a 95%
-# interval about +-5 points wide, and over 75 about +-9: a gain of the size RL showed there (+3.6
-# interpolate) is resolved only if it grows, which is the question. Ten a module would halve neither
-# interval's width enough to change that and would double the evaluations (4 models x 2 modes), taking the
-# bench past its 2 hours here; fewer would make the extrapolate interval wider than any plausible gain.
+# interval of roughly +-5 points, over 75 roughly +-9 (binomial estimates): a gain of the size RL showed
+# there (+3.6 interpolate) is resolved only if it grows, which is the question asked. Ten a module would
+# narrow each interval by only 1/sqrt(2) and double the evaluations (4 models x 2 modes), taking the bench
+# past its 2 hours here; fewer would leave the extrapolate interval wider than any plausible gain.
 PER_MODULE = 5
 
 
