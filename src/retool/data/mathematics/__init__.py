@@ -157,7 +157,7 @@ def split_modules(python: Path, split: str) -> list[str]:
 def _die_with_parent_hook() -> Callable[[], None] | None:
     """What the generator process runs before it starts (Linux): ask for SIGTERM when the builder dies,
     however it dies (a SIGTERM or SIGKILL to ``retool data mathematics`` alone would otherwise leave the
-    generators running, orphaned, for the rest of their hour). libc is loaded here, in the parent: the child
+    generators running, orphaned, until they finish). libc is loaded here, in the parent: the child
     of a fork only makes the call. None where there is no glibc (the builder's own cleanup still runs)."""
     try:
         prctl = ctypes.CDLL("libc.so.6", use_errno=True).prctl
