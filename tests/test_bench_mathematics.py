@@ -77,3 +77,15 @@ def test_cost_lines_add_the_demos_and_the_evaluations_against_the_budget() -> No
     assert "78 min, within its 120-minute budget" in text  # 33 + 20 + 10 + 15
     runs["rl-s0"] = {"seconds": 3600.0, "peak_rss_gib": 3.0}
     assert "138 min, over its 120-minute budget" in bench.cost_lines({0: demo, 1: reused}, runs, 0)
+
+
+def test_the_readme_table_tallies_the_targets_it_is_given() -> None:
+    evals = {
+        "sft": {"text-only": _model([False] * 4, [False] * 4), "retool": _model([True] * 4, [False] * 4)}
+    }
+    lines = bench.compact_table(
+        evals, ["Targets ...", "", "- seed 0, interpolate: A: +1.0 [+0.5, +2.0]: **met**"]
+    )
+    assert "| sft | 0.0% / 100.0% | 0.0% / 0.0% | 100.0% |" in lines
+    assert lines[-1] == "Targets met: 1 of 1: seed 0, interpolate: A."
+    assert bench.compact_table(evals, ["- x: +0.0 [+0.0, +0.0]: **missed**"])[-1] == "Targets met: 0 of 1."
