@@ -150,6 +150,13 @@ def split_mean(stats: dict[tuple[str, str], dict[str, float]], split: str, key: 
     return sum(values) / len(values) if values else 0.0
 
 
+def overall_call_rate(stats: dict[tuple[str, str], dict[str, float]]) -> float:
+    """The share of all answers that called the tool (every module weighted by its answers)."""
+    return sum(s["call_rate"] * s["n"] for s in stats.values()) / max(
+        1.0, sum(s["n"] for s in stats.values())
+    )
+
+
 def of_split(records: list[ProblemRecord], split: str) -> list[ProblemRecord]:
     return [r for r in records if split_and_module(r)[0] == split]
 
@@ -163,10 +170,7 @@ def means_table(evals: dict[str, dict[str, list[ProblemRecord]]]) -> list[str]:
         for mode, recs in by_mode.items():
             st = module_stats(recs)
             cells = [pct(split_mean(st, sp, k)) for sp in SPLITS for k in ("accuracy", "exact")]
-            calls = sum(s["call_rate"] * s["n"] for s in st.values()) / max(
-                1.0, sum(s["n"] for s in st.values())
-            )
-            lines.append(f"| {label} | {mode} | " + " | ".join(cells) + f" | {pct(calls)} |")
+            lines.append(f"| {label} | {mode} | " + " | ".join(cells) + f" | {pct(overall_call_rate(st))} |")
     paper = " | ".join(f"{pct(PAPER[sp])} | {pct(PAPER[sp])}" for sp in SPLITS)
     lines.append(f"| paper's Transformer (Saxton et al. 2019) | text | {paper} | - |")
     return lines
@@ -322,10 +326,7 @@ def compact_table(evals: dict[str, dict[str, list[ProblemRecord]]], target_lines
                 f"{pct(split_mean(st['text-only'], sp, 'accuracy'))} / {pct(split_mean(st['retool'], sp, 'accuracy'))}"
                 for sp in SPLITS
             ]
-            calls = sum(s["call_rate"] * s["n"] for s in st["retool"].values()) / max(
-                1.0, sum(s["n"] for s in st["retool"].values())
-            )
-            lines.append(f"| {label} | " + " | ".join(cells) + f" | {pct(calls)} |")
+            lines.append(f"| {label} | " + " | ".join(cells) + f" | {pct(overall_call_rate(st['retool']))} |")
     paper = " | ".join(f"{pct(PAPER[sp])} (text, exact match)" for sp in SPLITS)
     lines.append(f"| paper's Transformer (112M training examples) | {paper} | - |")
     met = [t for t in target_lines if t.endswith("**met**")]
