@@ -8,7 +8,8 @@
 - ``sft_start``: a cold-start SFT model (the SFT stage alone, no evaluation), made once and reused;
 - the held-out evaluation those two-stage benches run on every model they compare (``plan``,
   ``evaluate_plan``; ``evaluate_in_process``: a process per model; ``eval_config``, ``evaluate_model``:
-  inside it), and the files that let a rerun skip a finished model (``results_path``, ``keep_results``);
+  inside it; ``EvalClock``: its time, kept while it runs), and the files that let a rerun skip a finished
+  model (``results_path``, ``keep_results``);
 - the cells their tables print: ``pct``, ``pts``, ``ci_cell``, ``gain_cell``.
 
 Imported as ``_harness`` with bench/ on ``sys.path`` (a bench run as a script has it; tests insert it).
@@ -24,6 +25,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
@@ -377,8 +379,9 @@ def evaluate_model(
     source: Any = None,
 ) -> None:
     """``--eval-one``'s work: ``problems`` in each of ``modes`` concurrently on one engine, written to
-    ``eval_output(folder, label, mode)``; time and peak memory added to ``<folder>/<label>.run.json``
-    (a resumed evaluation adds its time to the first's). ``threads``: torch threads (0: every core)."""
+    ``eval_output(folder, label, mode)``; time and peak memory kept in ``<folder>/<label>.run.json`` by an
+    ``EvalClock`` (a resumed evaluation adds its time to the first's). ``threads``: torch threads (0: every
+    core)."""
     import torch  # deferred: the evaluation process only
 
     from retool.components import build_components
@@ -414,21 +417,78 @@ def evaluate_model(
             ]
         )
 
-    t0 = time.perf_counter()
-    with build_components(config) as parts:  # outside the event loop: it starts its own
-        asyncio.run(run(parts))
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
-    facts_file = folder / f"{label}.run.json"
-    before = json.loads(facts_file.read_text()) if facts_file.is_file() else {}  # a resumed evaluation
-    facts = {
-        "seconds": round(before.get("seconds", 0.0) + time.perf_counter() - t0, 1),
-        "peak_rss_gib": round(max(peak, before.get("peak_rss_gib", 0.0)), 2),
-    }
-    facts_file.write_text(json.dumps(facts) + "\n")
+    outputs = [eval_output(folder, label, mode) for mode in modes]
+    with EvalClock(folder / f"{label}.run.json", outputs), build_components(config) as parts:
+        asyncio.run(run(parts))  # outside the event loop: build_components starts its own
+
+
+def answers_written(outputs: Sequence[Path]) -> int:
+    """The records (one a problem) in the evaluation outputs that exist."""
+    return sum(p.read_bytes().count(b"\n") for p in outputs if p.is_file())
+
+
+class EvalClock:
+    """A model's evaluation time and peak memory in its ``<label>.run.json``, rewritten every ``every``
+    seconds while the evaluation runs and once at its end, so a pass that is killed (a stopped bench, a
+    session's end) still counts up to its last write; a resumed evaluation adds its passes to the first's.
+
+    ``timed_answers``: the records written to ``outputs`` while a clock ran. Fewer than the outputs hold
+    means some were written by a pass nobody timed (the harness kept no time of an interrupted pass before
+    this clock), so the seconds under-state the evaluation; a file without the field cannot tell.
+    """
+
+    def __init__(self, facts_file: Path, outputs: Sequence[Path], every: float = 30.0) -> None:
+        self.facts_file = facts_file
+        self.outputs = list(outputs)
+        self.every = every
+        self._before: dict[str, Any] = {}
+        self._answers_at_start = 0
+        self._t0 = 0.0
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def __enter__(self) -> EvalClock:
+        if self.facts_file.is_file():  # a resumed evaluation
+            self._before = json.loads(self.facts_file.read_text())
+        self._answers_at_start = answers_written(self.outputs)
+        self._t0 = time.perf_counter()
+        self.write()
+        self._thread = threading.Thread(target=self._tick, name="eval-clock", daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join()
+        self.write()
+
+    def _tick(self) -> None:
+        while not self._stop.wait(self.every):
+            self.write()
+
+    def facts(self) -> dict[str, Any]:
+        before = self._before
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
+        facts: dict[str, Any] = {
+            "seconds": round(before.get("seconds", 0.0) + time.perf_counter() - self._t0, 1),
+            "peak_rss_gib": round(max(peak, before.get("peak_rss_gib", 0.0)), 2),
+        }
+        if not before or "timed_answers" in before:  # else an untimed past: the count would be wrong
+            timed = answers_written(self.outputs) - self._answers_at_start
+            facts["timed_answers"] = before.get("timed_answers", 0) + timed
+        return facts
+
+    def write(self) -> None:
+        """Replace the file whole (a reader, or a kill mid-write, never sees half of it)."""
+        tmp = self.facts_file.with_name(self.facts_file.name + ".tmp")
+        tmp.write_text(json.dumps(self.facts()) + "\n")
+        os.replace(tmp, self.facts_file)
 
 
 def eval_runs(folder: Path) -> dict[str, dict[str, float]]:
-    """Each evaluated model's ``<label>.run.json`` in ``folder`` (``evaluate_model``: seconds, peak RSS)."""
+    """Each evaluated model's ``<label>.run.json`` in ``folder`` (``EvalClock``: seconds, peak RSS, and
+    ``timed_answers`` where its clock kept them)."""
     return {
         p.name.removesuffix(".run.json"): json.loads(p.read_text()) for p in sorted(folder.glob("*.run.json"))
     }

@@ -9,6 +9,7 @@ import argparse
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -118,6 +119,85 @@ def test_the_report_compares_each_seed_with_the_shared_sft_model() -> None:
     demos = {0: {"timings": {"total": 60.0}, "machine": {}}, 1: {"timings": {"total": 30.0}, "machine": {}}}
     summary = bench.summary_table(evals, demos, {}, [0, 1])  # type: ignore[arg-type]
     assert "seed 0: +25.0" in summary and "seed 1: +50.0" in summary
+
+
+def test_the_eval_clock_keeps_an_interrupted_pass_and_adds_a_resumed_one(tmp_path: Path) -> None:
+    facts_file = tmp_path / "sft.run.json"
+    output = tmp_path / "sft_retool.jsonl"
+    output.write_text('{"id": "a"}\n')  # an answer from before any clock: not timed
+    clock = _harness.EvalClock(facts_file, [output], every=0.01)
+    with clock:
+        output.write_text('{"id": "a"}\n{"id": "b"}\n{"id": "c"}\n')
+        deadline = time.monotonic() + 10
+        while (
+            time.monotonic() < deadline
+            and json.loads(facts_file.read_text() or "{}").get("timed_answers") != 2
+        ):
+            time.sleep(0.01)  # the clock rewrites the file while the pass runs: a kill here keeps it
+    first = json.loads(facts_file.read_text())
+    assert first["timed_answers"] == 2 and first["seconds"] >= 0 and first["peak_rss_gib"] > 0
+    with _harness.EvalClock(facts_file, [output, tmp_path / "sft_text-only.jsonl"], every=60):
+        (tmp_path / "sft_text-only.jsonl").write_text('{"id": "a"}\n')
+        time.sleep(0.05)
+    resumed = json.loads(facts_file.read_text())
+    assert resumed["timed_answers"] == 3 and resumed["seconds"] >= first["seconds"] + 0.05
+    assert not list(tmp_path.glob("*.tmp"))
+
+
+def test_a_model_evaluation_writes_both_modes_and_times_every_answer(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """``--eval-one``'s work on a real (tiny) model: both modes' records, and a clock over all of them."""
+    from retool.config import load_config
+    from retool.data.problem import Problem
+
+    config = load_config(
+        None,
+        [
+            f'model.name="{tiny_model_dir}"',
+            "lora.enabled=false",
+            "backend.device='cpu'",
+            "rollout.max_tokens_per_turn=8",
+            "sandbox.workers=1",
+            f'train.run_dir="{tmp_path / "scratch"}"',
+        ],
+    )
+    problems = [Problem(id=f"t{i}", question=f"What is {i} + {i}?", answer=str(2 * i)) for i in range(3)]
+    _harness.evaluate_model("rl-s0", list(bench.MODES), tmp_path, config, problems, "toy")
+    for mode in bench.MODES:
+        assert len(_harness.eval_output(tmp_path, "rl-s0", mode).read_text().splitlines()) == 3
+    facts = _harness.eval_runs(tmp_path)["rl-s0"]
+    assert facts["timed_answers"] == 6 and facts["seconds"] > 0
+
+
+def test_a_clock_file_from_before_the_count_never_gains_one(tmp_path: Path) -> None:
+    facts_file = tmp_path / "base.run.json"
+    facts_file.write_text('{"seconds": 100.0, "peak_rss_gib": 9.0}\n')  # an older harness: no count
+    with _harness.EvalClock(facts_file, [tmp_path / "base_retool.jsonl"], every=60):
+        (tmp_path / "base_retool.jsonl").write_text('{"id": "a"}\n')
+    facts = json.loads(facts_file.read_text())
+    assert "timed_answers" not in facts and facts["seconds"] >= 100.0 and facts["peak_rss_gib"] == 9.0
+
+
+def test_the_summary_says_what_time_was_not_counted_and_gives_no_verdict_it_cannot_back() -> None:
+    evals = {
+        label: {"text-only": _records([False] * 4, 0), "retool": _records([True] * 4, 1)}
+        for label in ("base", "sft", "rl-s0")
+    }
+    demos = {0: {"timings": {"total": 600.0}, "machine": {}}}
+    runs = {
+        "base": {"seconds": 60.0, "peak_rss_gib": 1.0},
+        "sft": {"seconds": 60.0, "peak_rss_gib": 1.0, "timed_answers": 5},
+        "rl-s0": {"seconds": 60.0, "peak_rss_gib": 1.0, "timed_answers": 8},
+    }
+    summary = bench.summary_table(evals, demos, runs, [0])  # type: ignore[arg-type]
+    assert "base kept only the time of the pass that finished it" in summary
+    assert "sft: 5 of its 8 answers timed" in summary and "rl-s0:" not in summary
+    assert "at least 0.2 h, no verdict" in summary  # 13 min counted, under 150: not "within"
+    complete = {k: {**v, "timed_answers": 8} for k, v in runs.items()}
+    assert "0.2 h, within its 2.5-hour target" in bench.summary_table(evals, demos, complete, [0])  # type: ignore[arg-type]
+    long_demo = {0: {"timings": {"total": 9600.0}, "machine": {}}}
+    assert "at least 2.7 h, over its" in bench.summary_table(evals, long_demo, runs, [0])  # type: ignore[arg-type]
 
 
 def test_the_engine_stops_at_the_first_closed_boxed_answer(tiny_model_dir: Path) -> None:
