@@ -171,7 +171,7 @@ def report(evals: dict[str, dict[str, list[ProblemRecord]]], steps: dict[str, in
         "By annotated steps of the reference solution (accuracy text-only / retool, tool-call rate):",
         "",
     ]
-    head = "| model | " + " | ".join(f"{b} steps" for b in STEP_BUCKETS) + " |"
+    head = "| model | " + " | ".join(f"{b} step" if b == "1" else f"{b} steps" for b in STEP_BUCKETS) + " |"
     lines += [head, "|---|" + "---|" * len(STEP_BUCKETS)]
     counts = {b: 0 for b in STEP_BUCKETS}
     for rec in next(iter(next(iter(evals.values())).values())):  # the problems evaluated
