@@ -8,8 +8,8 @@
 - ``sft_start``: a cold-start SFT model (the SFT stage alone, no evaluation), made once and reused;
 - the held-out evaluation those two-stage benches run on every model they compare (``plan``,
   ``evaluate_plan``; ``evaluate_in_process``: a process per model; ``eval_config``, ``evaluate_model``:
-  inside it; ``EvalClock``: its time, kept while it runs), and the files that let a rerun skip a finished
-  model (``results_path``, ``keep_results``);
+  inside it; ``EvalClock``: its time, kept while it runs; ``timing_gaps``: what that time may leave out),
+  and the files that let a rerun skip a finished model (``results_path``, ``keep_results``);
 - the cells their tables print: ``pct``, ``pts``, ``ci_cell``, ``gain_cell``.
 
 Imported as ``_harness`` with bench/ on ``sys.path`` (a bench run as a script has it; tests insert it).
@@ -484,6 +484,31 @@ class EvalClock:
         tmp = self.facts_file.with_name(self.facts_file.name + ".tmp")
         tmp.write_text(json.dumps(self.facts()) + "\n")
         os.replace(tmp, self.facts_file)
+
+
+def timing_gaps(
+    runs: dict[str, dict[str, float]], evals: dict[str, dict[str, list[ProblemRecord]]]
+) -> list[str]:
+    """What the kept evaluation time may leave out (``EvalClock``), one phrase per case. A file without
+    ``timed_answers`` predates the clock: the harness then timed only a pass that ran to its end, so an
+    interrupted pass before it is not counted (whether there was one, the file cannot tell). A file with
+    fewer timed answers than the outputs hold had such a pass."""
+    untimed = [label for label, facts in sorted(runs.items()) if "timed_answers" not in facts]
+    gaps = []
+    if untimed:
+        gaps.append(
+            f"{name_list(untimed)} kept only the time of the pass that finished {'it' if len(untimed) == 1 else 'each'};"
+            " an interrupted pass before it is not counted"
+        )
+    for label, facts in sorted(runs.items()):
+        held = sum(len(records) for records in evals.get(label, {}).values())
+        if "timed_answers" in facts and facts["timed_answers"] < held:
+            gaps.append(f"{label}: {int(facts['timed_answers']):,} of its {held:,} answers timed")
+    return gaps
+
+
+def name_list(labels: list[str]) -> str:
+    return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
 
 
 def eval_runs(folder: Path) -> dict[str, dict[str, float]]:

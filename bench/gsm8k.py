@@ -45,6 +45,7 @@ from _harness import (  # bench/, on sys.path when run as a script
     record_stats,
     run_seed_demos,
     saved_run,
+    timing_gaps,
 )
 from _results import render_pages, write_result
 from retool.data.annotated import ParseFailure, parse_solution
@@ -196,31 +197,6 @@ ANCHORS = (
     " ToRL-1.5B, MATH500 73.8 -> 77.8; plain GRPO at 0.5B moves GSM8K 36.7 -> 49.5 (SimpleRL-Zoo);"
     " SmolLM2-135M-Instruct's model card gives GSM8K 1.4 (5-shot)."
 )
-
-
-def timing_gaps(
-    runs: dict[str, dict[str, float]], evals: dict[str, dict[str, list[ProblemRecord]]]
-) -> list[str]:
-    """What the kept evaluation time may leave out (``EvalClock``), one phrase per case. A file without
-    ``timed_answers`` predates the clock: the harness then timed only a pass that ran to its end, so an
-    interrupted pass before it is not counted (whether there was one, the file cannot tell). A file with
-    fewer timed answers than the outputs hold had such a pass."""
-    untimed = [label for label, facts in sorted(runs.items()) if "timed_answers" not in facts]
-    gaps = []
-    if untimed:
-        gaps.append(
-            f"{_names(untimed)} kept only the time of the pass that finished {'it' if len(untimed) == 1 else 'each'};"
-            " an interrupted pass before it is not counted"
-        )
-    for label, facts in sorted(runs.items()):
-        held = sum(len(records) for records in evals.get(label, {}).values())
-        if "timed_answers" in facts and facts["timed_answers"] < held:
-            gaps.append(f"{label}: {int(facts['timed_answers']):,} of its {held:,} answers timed")
-    return gaps
-
-
-def _names(labels: list[str]) -> str:
-    return labels[0] if len(labels) == 1 else ", ".join(labels[:-1]) + " and " + labels[-1]
 
 
 def summary_table(
