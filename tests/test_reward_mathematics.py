@@ -5,6 +5,8 @@ verifier's worker processes."""
 from __future__ import annotations
 
 import json
+import math
+import re
 from collections import defaultdict
 from pathlib import Path
 
@@ -66,6 +68,25 @@ def test_another_question_s_answer_is_refused_in_every_module(fixture_data: Path
         ("\\frac{-4}{19}", "-4/19", "arithmetic__mixed", True),  # LaTeX in the box
         ("0.6000000000000001", "0.6", "arithmetic__mul", True),  # a float's rounding, as printed
         ("0.6001", "0.6", "arithmetic__mul", False),
+        ("198081599.5", "198081599.4", "arithmetic__add_or_sub", False),  # a wrong last digit, any magnitude
+        ("0.0008053600", "0.0008053609", "measurement__conversion", False),
+        ("-326516380.5", "-326516380.4", "arithmetic__add_or_sub", False),
+        ("0.0000000021", "0.000000002106854835", "measurement__conversion", False),  # close, but not it
+        ("999.999999999999", "1000", "arithmetic__mul", False),  # the nearest decimal of 15 digits
+        ("0.30000000000000004", "0.3", "arithmetic__add_or_sub", True),  # what 0.1 + 0.2 prints
+        ("-0.30000000000000004", "-0.3", "arithmetic__add_or_sub", True),
+        ("0.30000000000000004", "-0.3", "arithmetic__add_or_sub", False),
+        ("15.999999999999998", "16", "arithmetic__mul", True),
+        ("0.50", "0.5", "arithmetic__mul", True),  # trailing zeros
+        ("5e-1", "1/2", "arithmetic__div", True),  # scientific notation
+        ("2.106854835e-09", "0.000000002106854835", "measurement__conversion", True),
+        ("2.106854836e-09", "0.000000002106854835", "measurement__conversion", False),
+        ("6.39164871455009e+16", "63916487145500894.99", "arithmetic__add_or_sub_big", True),  # past float64
+        ("-0.21052631578947367", "-4/19", "arithmetic__div", True),  # a fraction as a float prints it
+        ("-0.2105263158", "-4/19", "arithmetic__div", False),  # a rounded decimal is not the fraction
+        # Cancellation noise is refused (mathematics._float_printed says why), with the unrounded answer:
+        ("145.0599999999995", "145.06", "arithmetic__add_or_sub", False),  # -10577 + 10722.06
+        ("0.6228000000000122", "0.62", "numbers__round_number_composed", False),  # 145 - 144.3772, unrounded
         ("(-201)/39 + (-12)/(-78)", "-5", "arithmetic__mixed", False),  # the question restated is no answer
         ("-10/2", "-5", "arithmetic__div", False),  # nor is an unreduced fraction
         ("-8/38", "-4/19", "arithmetic__div", False),
@@ -91,6 +112,90 @@ def test_equivalent_answers_pass_where_the_form_allows(
     pred: str, answer: str, module: str, expected: bool
 ) -> None:
     assert check(pred, answer, module) is expected
+
+
+# A number written with a decimal point, alone or as a list element (``-0.2`` in ``f, -0.2, k``).
+_DECIMAL = re.compile(r"-?\d*\.\d+")
+# The modules whose fixture rows hold decimal answers (those of every split together).
+_DECIMAL_MODULES = {
+    "arithmetic__add_or_sub",
+    "arithmetic__add_or_sub_big",
+    "arithmetic__mul",
+    "arithmetic__mul_big",
+    "comparison__closest",
+    "comparison__sort",
+    "comparison__sort_composed",
+    "measurement__conversion",
+    "numbers__round_number",
+    "numbers__round_number_composed",
+}
+
+
+def wrong_digits(number: str) -> list[str]:
+    """``number`` with the last of its first 15 significant digits (the most float64 always tells apart)
+    one up and one down."""
+    digits = [i for i, c in enumerate(number) if c.isdigit()]
+    significant = [i for i in digits if i >= next(j for j in digits if number[j] != "0")][:15]
+    i = significant[-1]
+    return [number[:i] + str((int(number[i]) + step) % 10) + number[i + 1 :] for step in (1, 9)]
+
+
+def test_a_wrong_digit_is_refused_in_every_module_with_decimal_answers(fixture_data: Path) -> None:
+    accepted, modules = [], set()
+    for r in rows(fixture_data):
+        answer, module = r["answer"], r["module"]
+        for found in _DECIMAL.finditer(answer):
+            modules.add(module)
+            number = found.group()
+            for wrong in [*wrong_digits(number), number[1:] if number[0] == "-" else "-" + number]:
+                pred = answer[: found.start()] + wrong + answer[found.end() :]
+                if check(pred, answer, module):
+                    accepted.append((module, pred, answer))
+    assert accepted == []
+    assert modules == _DECIMAL_MODULES
+
+
+def test_a_decimal_answer_is_accepted_as_written_and_as_a_float_prints_it(fixture_data: Path) -> None:
+    refused = []
+    for r in rows(fixture_data):
+        answer, module = r["answer"], r["module"]
+        if not _DECIMAL.fullmatch(answer) or answer_form(answer, module) != "value":
+            continue
+        value = float(answer)
+        printed = [
+            answer + "00",
+            repr(value),
+            f"{value:.17g}",
+            f"{value:.17e}",
+            repr(math.nextafter(value, math.inf)),  # a float one step off: the last operation's rounding
+            repr(math.nextafter(value, -math.inf)),
+        ]
+        refused += [(module, pred, answer) for pred in printed if not check(pred, answer, module)]
+    assert refused == []
+
+
+@pytest.mark.parametrize(
+    ("computed", "answer", "module"),
+    [
+        (0.1 + 0.2, "0.3", "arithmetic__add_or_sub"),
+        (0.458 + -0.293, "0.165", "arithmetic__add_or_sub"),
+        (1.7 + -2.322, "-0.622", "arithmetic__add_or_sub"),
+        (63916487145500895 - 0.01, "63916487145500894.99", "arithmetic__add_or_sub_big"),
+        (0.05 * 10158.6, "507.93", "arithmetic__mul"),
+        (-0.631 * -0.0086288, "0.0054447728", "arithmetic__mul_big"),
+        (56207848 * 10.2, "573320049.6", "arithmetic__mul_big"),
+        (0.3422231 * 12, "4.1066772", "measurement__conversion"),
+        (35094.02 / 1000, "35.09402", "measurement__conversion"),
+        (7.584677406 / 3600000000, "0.000000002106854835", "measurement__conversion"),
+        (7.584677406 * 1e-6 / 3600, "0.000000002106854835", "measurement__conversion"),
+        (-4 / 19, "-4/19", "arithmetic__div"),
+        (1 / 3, "1/3", "arithmetic__div"),
+    ],
+)
+def test_what_python_prints_for_a_computed_answer_is_accepted(
+    computed: float, answer: str, module: str
+) -> None:
+    assert check(repr(computed), answer, module)
 
 
 def test_the_paper_s_exact_match_is_string_equality() -> None:

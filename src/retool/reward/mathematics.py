@@ -3,12 +3,13 @@
 The dataset's answers come in a handful of forms: integers, decimals and fractions; ``True`` / ``False``;
 a choice letter or a variable's name (``comparison``); lists (sorted values, roots, prime factors); times of
 day; numbers written in another base; and expressions in a variable (polynomials, derivatives, surds,
-powers, factorisations). ``check(pred, answer, module)`` accepts an answer *equivalent* to the reference
-where the form allows it (``-3/4`` for ``-0.75``; ``y = 16`` for ``16``; roots in any order; a polynomial
-with its terms in another order) and refuses one that only *evaluates* to it where the question asks for a
-form (``Factor ...`` wants a product, ``Expand`` / ``Collect`` an expanded sum, ``Simplify`` no more
-operations than the reference). ``exact_match`` is the paper's own metric, string equality, reported
-beside it.
+powers, factorisations). ``check(pred, answer, module)`` accepts an answer *equivalent* to the reference where
+the form allows it (``-3/4`` for ``-0.75``; ``y = 16`` for ``16``; roots in any order; a polynomial with its
+terms in another order; a decimal off the reference by no more than printing a float64 result adds,
+``0.30000000000000004`` for ``0.3``, never by a digit float64 tells apart) and refuses one that only
+*evaluates* to it where the question asks for a form (``Factor ...`` wants a product, ``Expand`` / ``Collect``
+an expanded sum, ``Simplify`` no more operations than the reference). ``exact_match`` is the paper's own
+metric, string equality, reported beside it.
 
 The check runs inside the verifier's worker processes (``retool.reward.verifier``: a hard timeout, a
 memory cap), reached through a *typed reference* (``retool.reward.equivalence.typed_reference``): the
@@ -224,8 +225,10 @@ def _ordered_list(p: str, a: str, module: str) -> bool:
 
 
 _NUMBER = re.compile(r"^[+-]?(\d+\.?\d*|\.\d+)([eE][+-]?\d+)?(/[+-]?\d+)?$")
-# A decimal an interpreter printed through binary floats (0.6000000000000001): the same number, within this.
-_FLOAT_REL = 1e-9
+# float64's unit roundoff: rounding a real number to the nearest float64 moves it by at most this fraction.
+_UNIT_ROUNDOFF = sympy.Rational(1, 2**53)
+# How many units of roundoff a printed float may stray from the exact answer (``_float_printed`` says why).
+_FLOAT_NOISE_UNITS = 8
 
 
 def _value(p: str, a: str, module: str) -> bool:
@@ -237,10 +240,39 @@ def _value(p: str, a: str, module: str) -> bool:
         if not _NUMBER.match(p) or not _reduced(p):
             return False
         pe = _parse(p)
-        if _equal(pe, ae):
-            return True
-        return "." in p and abs(float(pe - ae)) <= _FLOAT_REL * max(1.0, abs(float(ae)))
+        return _equal(pe, ae) or (_is_decimal(p) and _float_printed(pe, ae))
     return _equal(_parse(p), ae)
+
+
+def _is_decimal(number: str) -> bool:
+    """Written as Python prints a float (``0.5``, ``1e+16``), not as an integer or a fraction."""
+    return "." in number or "e" in number.lower()
+
+
+def _float_printed(p: sympy.Expr, a: sympy.Expr) -> bool:
+    """Whether the decimal ``p`` is the rational ``a`` as an interpreter prints a float64 computation of it
+    (``0.1 + 0.2`` prints ``0.30000000000000004``): ``|p - a| <= 8 * u * |a|`` with ``u = 2**-53``, compared
+    exactly on the written digits (``p`` and ``a`` are sympy rationals; no float arithmetic here).
+
+    Why 8 units of roundoff: reading a decimal into a float, each arithmetic operation, and printing the
+    result with ``repr`` each move the value by at most ``u`` of it, so a product or quotient of two decimals
+    strays by about ``4u`` at most and a short chain of such steps (a unit conversion) by a few more. Why no
+    more than 9: two decimals of at most 15 significant digits (the most float64 always tells apart) that
+    differ in any digit differ by at least ``1e-15`` of the reference, and ``9u < 1e-15``; so a wrong digit on
+    such an answer is refused at every magnitude (``198081599.5`` for ``198081599.4``, ``0.0008053600`` for
+    ``0.0008053609``: no absolute tolerance does that). A digit past the 15th is accepted when it is within
+    the bound: float64 cannot carry it.
+
+    What this refuses: the noise a subtraction of nearly equal numbers leaves (``-10577 + 10722.06`` prints
+    ``145.0599999999995``). It is bounded by the size of the question's numbers, which the checker does not
+    see, not by the answer's; and the bound the answer's own digits would give (the prediction, rounded to the
+    reference's decimal places, is the reference) also accepts the unrounded value as the answer to
+    ``Round x to n decimal places``. Such a float is refused; the model is to round what it prints. An
+    irrational reference (no module's answer is one) is answered only by an equal expression.
+    """
+    if not (p.is_Rational and a.is_Rational):
+        return False
+    return bool(abs(p - a) <= _FLOAT_NOISE_UNITS * _UNIT_ROUNDOFF * abs(a))
 
 
 def _factor(p: str, a: str, module: str) -> bool:
