@@ -157,6 +157,9 @@ class CalculatorSource(ProblemSource):
     def epoch(self, seed: int, epoch: int) -> list[Problem]:
         return self.inner.epoch(seed, epoch)
 
+    def category(self, problem: Problem) -> str:
+        return self.inner.category(problem)
+
     async def score(self, attempt: Attempt, verifier: VerifierLike) -> Score:
         return await self.inner.score(attempt, verifier)
 

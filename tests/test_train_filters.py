@@ -123,6 +123,12 @@ class Stream:
         self.position += n
         return out
 
+    def observe(self, problems: Any, groups: Any) -> None:
+        """The step sampler shows every round's groups; this stream's order does not depend on them."""
+
+    def group_size(self, problem: Any, default: int) -> int:
+        return default
+
 
 def rounds_recorder(informative: set[str]) -> tuple[Any, list[tuple[list[str], int]]]:
     """A group sampler (``retool.train.sampling.GroupSampler``'s shape) whose groups are informative exactly
@@ -188,6 +194,7 @@ def test_dynamic_sampling_refills_until_enough_informative_groups() -> None:
         "sampling/groups_sampled": 8.0,
         "sampling/groups_informative": 4.0,
         "sampling/groups_kept": 4.0,
+        "sampling/informative_share": 0.5,  # 4 informative of 8 sampled, every round counted
     }
 
 

@@ -63,6 +63,9 @@ class ParityScoredSource(ProblemSource):
     def epoch(self, seed: int, epoch: int) -> list[Problem]:
         return self.inner.epoch(seed, epoch)
 
+    def category(self, problem: Problem) -> str:
+        return self.inner.category(problem)
+
     async def score(self, attempt: Attempt, verifier: VerifierLike) -> Score:
         score = await self.inner.score(attempt, verifier)
         return dataclasses.replace(score, reward=parity_reward(attempt))

@@ -111,8 +111,35 @@ class LoraConfig(_Section):
     target_modules: list[str] = Field(default_factory=lambda: ["q_proj", "k_proj", "v_proj", "o_proj"])
 
 
+class PassRateConfig(_Section):
+    """``data.selection = "pass_rate"``: how problems are drawn by their estimated pass rates
+    (``retool.train.selection``; docs/training.md, "Sampling where the gradient is")."""
+
+    # A problem is drawn while its estimated pass rate lies in [band_low, band_high]; outside it is retired
+    # (hopeless below, solved above) and gets only the ``explore`` share of draws.
+    band_low: float = Field(default=0.05, ge=0.0, le=1.0)
+    band_high: float = Field(default=0.95, ge=0.0, le=1.0)
+    explore: float = Field(default=0.1, ge=0.0, le=1.0)
+    # Smoothing: the prior's weight in attempts (a problem's prior is its category's rate, a category's 0.5),
+    # and how many recent attempts a problem's / a category's estimate follows (older ones fade).
+    prior_attempts: float = Field(default=4.0, gt=0.0)
+    problem_window: float = Field(default=64.0, gt=0.0)
+    category_window: float = Field(default=256.0, gt=0.0)
+    # A problem estimated below ``rare_below`` gets a group of ``group_size_rare`` attempts (0: off; only
+    # a size above rollout.group_size has an effect), so a rare success has a chance to show up.
+    group_size_rare: int = Field(default=0, ge=0)
+    rare_below: float = Field(default=0.15, ge=0.0, le=1.0)
+
+    @model_validator(mode="after")
+    def _check_band(self) -> PassRateConfig:
+        if self.band_low > self.band_high:
+            raise ValueError(f"band_low = {self.band_low} is above band_high = {self.band_high}")
+        return self
+
+
 class DataConfig(_Section):
-    """Where problems come from: an environment (``retool.env``) named by ``train_path``."""
+    """Where problems come from: an environment (``retool.env``) named by ``train_path``; in which order
+    training draws them (``selection``: the source's epochs, or by estimated pass rate)."""
 
     # A registered environment (tasks, dapo, aime2025, aime2024, math500), a JSONL / JSON / parquet file
     # (e.g. the train.jsonl `retool prepare` writes), a folder `retool prepare dapo` wrote, or a Hub id.
@@ -129,6 +156,10 @@ class DataConfig(_Section):
     task_test_count: int = Field(default=200, ge=1)
     task_hard_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
     task_kinds: list[str] = Field(default_factory=list)
+    # "epoch": every problem once per epoch, in the source's order; "pass_rate": where groups are likely
+    # to be mixed (``[data.pass_rate]``, ``retool.train.selection``).
+    selection: Literal["epoch", "pass_rate"] = "epoch"
+    pass_rate: PassRateConfig = Field(default_factory=PassRateConfig)
 
 
 class RolloutConfig(_Section):

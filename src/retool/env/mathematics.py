@@ -36,6 +36,11 @@ def mathematics_reference(problem: Problem) -> str:
     return typed_reference(KIND, module, problem.answer)
 
 
+def mathematics_category(problem: Problem) -> str:
+    """A mathematics problem's category: its module (another problem's: its ``data_source``, or "all")."""
+    return module_of(problem) or problem.data_source or "all"
+
+
 async def score_mathematics(attempt: Attempt, verifier: VerifierLike) -> Score:
     """+1 / -1 from the mathematics checker; -1 for any stop other than an answer."""
     return await score_final_answer(attempt, verifier, mathematics_reference(attempt.problem))
@@ -101,12 +106,18 @@ class MathematicsSource(ProblemSource):
             raise SourceError(f"mathematics: no {split} problems")
         return list(self._splits[split])
 
+    def category(self, problem: Problem) -> str:
+        return mathematics_category(problem)
+
     async def score(self, attempt: Attempt, verifier: VerifierLike) -> Score:
         return await score_mathematics(attempt, verifier)
 
 
 class MathematicsList(ProblemList):
     """A fixed list of DeepMind Mathematics problems (a held-out slice), scored by the mathematics checker."""
+
+    def category(self, problem: Problem) -> str:
+        return mathematics_category(problem)
 
     async def score(self, attempt: Attempt, verifier: VerifierLike) -> Score:
         return await score_mathematics(attempt, verifier)

@@ -2,7 +2,8 @@
 
 Shaped after tinker-cookbook's ``RLDataset``: a ``ProblemSource`` says *which* problems there are
 (``problems(split)``), in which order training sees them (``epoch(seed, epoch)``, a pure function so a
-resumed run draws the same ones) and how a finished attempt is scored (``score``; by default the
+resumed run draws the same ones), which category each belongs to (``category``: what per-category pass
+rates and the pass-rate selection group by) and how a finished attempt is scored (``score``; by default the
 chapter's +1 / -1 check of the final ``\\boxed{}`` answer). It hands out the groups of a batch of
 problems (``group_builders(problems, setup, n)``, the shape of ``RLDataset.get_batch``): one
 ``EnvGroupBuilder`` per problem, made by the run's ``EnvSetup`` (what every environment of one mode
@@ -73,6 +74,11 @@ class ProblemSource(abc.ABC):
         if self.shuffle:
             random.Random(seed * 1_000_003 + epoch).shuffle(order)
         return order
+
+    def category(self, problem: Problem) -> str:
+        """The category of ``problem``, for per-category pass rates and the pass-rate selection
+        (``data.selection``): by default its ``data_source``, ``"all"`` when it has none."""
+        return problem.data_source or "all"
 
     async def score(self, attempt: Attempt, verifier: VerifierLike) -> Score:
         """The reward of a finished attempt (and ``correct``, ``valid_format``, ``answer``); default: the

@@ -7,6 +7,8 @@ Layout under ``RUN_DIR/checkpoints/``::
         rng.pt              Python / NumPy / torch RNG states
         backend/            whatever the training backend saved (local backends)
         pipeline.pkl        off-policy pipelining only: batches sampled for later steps, not yet trained
+        selection.json      data.selection = "pass_rate" only: the selector's state (plain JSON: its
+                            pass-rate counts, cursors and draw count; ``retool.train.selection``)
     latest                  the name of the newest complete checkpoint (written after the rename)
 
 A checkpoint is built in a hidden temp folder and renamed into place, and ``latest`` is replaced
@@ -52,6 +54,7 @@ CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 PIPELINE_FILE = "pipeline.pkl"
+SELECTION_FILE = "selection.json"
 
 
 class CheckpointError(RuntimeError):
@@ -296,6 +299,29 @@ class CheckpointManager:
         if not isinstance(payload, kind):
             raise CheckpointError(f"{where}: holds a {type(payload).__name__}, not a {kind.__name__}")
         return payload
+
+    def write_selection(self, tmp: Path, step: int, state: JsonObject) -> None:
+        """Store the pass-rate selector's state (``retool.train.selection``) in the checkpoint being built
+        in ``tmp``, as JSON."""
+        where = tmp / SELECTION_FILE
+        try:
+            write_text_atomic(where, json.dumps(state, sort_keys=True))
+        except OSError as exc:  # a full disk, as for every other file of the checkpoint
+            raise self.write_error(step, "writing the selection state", where, exc) from exc
+
+    @staticmethod
+    def load_selection(path: Path) -> JsonObject | None:
+        """The selector's state stored in checkpoint ``path``; None when it stores none (epoch order)."""
+        where = path / SELECTION_FILE
+        if not where.is_file():
+            return None
+        try:
+            state = json.loads(where.read_text(encoding="utf-8"))
+        except ValueError as exc:
+            raise CheckpointError(f"{where}: unreadable ({exc})") from None
+        if not isinstance(state, dict):
+            raise CheckpointError(f"{where}: holds a JSON {type(state).__name__}, not an object")
+        return state
 
     @staticmethod
     def load(path: Path) -> tuple[TrainerState, RngState, str]:

@@ -5,7 +5,9 @@ order to train on them (a problem source's ``ProblemSource.epoch``, see ``retool
 walks epochs one after another and remembers ``(epoch, index)``; resuming rebuilds the epoch's iterable
 from the same seed and skips ``index`` problems, so no problem is repeated or skipped across a restart.
 ``ProblemFeed`` is what a step's sampling draws from: problems sent back for sampling again first (see
-``retool.train.pipeline``), then the stream.
+``retool.train.pipeline``), then the run's ``ProblemOrder``: the epoch stream, or the pass-rate selector
+(``retool.train.selection``), which also sees every group sampled (``observe``) and hands a checkpoint its
+state (``snapshot``).
 """
 
 from __future__ import annotations
@@ -14,9 +16,12 @@ import collections
 import itertools
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass
+from typing import Protocol
 
 from retool.data.problem import Problem
 from retool.errors import UserError
+from retool.jsonl import JsonObject
+from retool.rollout.types import Trajectory
 
 DataSource = Callable[[int, int], Iterable[Problem]]
 
@@ -37,6 +42,31 @@ class DataPosition:
     @classmethod
     def from_dict(cls, d: Mapping[str, int]) -> DataPosition:
         return cls(epoch=int(d["epoch"]), index=int(d["index"]), seed=int(d["seed"]))
+
+
+@dataclass(frozen=True)
+class OrderSnapshot:
+    """An adaptive order's state after a batch drew its problems and saw its groups: what a checkpoint
+    stores to resume it (plain JSON), and its ``selection/*`` metrics for the step's record."""
+
+    state: JsonObject
+    metrics: dict[str, float]
+
+
+class ProblemOrder(Protocol):
+    """Which problems training draws next: ``ProblemStream`` (epoch order) or
+    ``retool.train.selection.PassRateSelector``."""
+
+    @property
+    def position(self) -> DataPosition: ...
+
+    def next_batch(self, n: int) -> list[Problem]: ...
+
+    def observe(self, problems: Sequence[Problem], groups: Sequence[Sequence[Trajectory]]) -> None: ...
+
+    def group_size(self, problem: Problem, default: int) -> int: ...
+
+    def snapshot(self) -> OrderSnapshot | None: ...
 
 
 class ProblemStream:
@@ -77,12 +107,23 @@ class ProblemStream:
             self.position.index += 1
         return batch
 
+    def observe(self, problems: Sequence[Problem], groups: Sequence[Sequence[Trajectory]]) -> None:
+        """Epoch order does not depend on how the groups went."""
+
+    def group_size(self, problem: Problem, default: int) -> int:
+        """Every problem's group has the run's size."""
+        return default
+
+    def snapshot(self) -> OrderSnapshot | None:
+        """None: the position alone resumes an epoch stream."""
+        return None
+
 
 class ProblemFeed:
-    """The problems batches draw, in order: requeued problems first, then the run's stream."""
+    """The problems batches draw, in order: requeued problems first, then the run's order."""
 
-    def __init__(self, stream: ProblemStream, replay: Sequence[Problem] = ()) -> None:
-        self.stream = stream
+    def __init__(self, order: ProblemOrder, replay: Sequence[Problem] = ()) -> None:
+        self.order = order
         self.replay: collections.deque[Problem] = collections.deque(replay)
 
     def next_batch(self, n: int) -> list[Problem]:
@@ -90,10 +131,22 @@ class ProblemFeed:
         while self.replay and len(out) < n:
             out.append(self.replay.popleft())
         if len(out) < n:
-            out.extend(self.stream.next_batch(n - len(out)))
+            out.extend(self.order.next_batch(n - len(out)))
         return out
+
+    def observe(self, problems: Sequence[Problem], groups: Sequence[Sequence[Trajectory]]) -> None:
+        """Every group sampled from ``problems`` (one per problem, in order), for an order that adapts."""
+        self.order.observe(problems, groups)
+
+    def group_size(self, problem: Problem, default: int) -> int:
+        """How many attempts ``problem``'s group gets (``default``: ``rollout.group_size``)."""
+        return self.order.group_size(problem, default)
 
     @property
     def position(self) -> DataPosition:
-        """The stream's position (a copy)."""
-        return DataPosition(**asdict(self.stream.position))
+        """The order's position (a copy)."""
+        return DataPosition(**asdict(self.order.position))
+
+    def snapshot(self) -> OrderSnapshot | None:
+        """The order's state now (None for epoch order)."""
+        return self.order.snapshot()

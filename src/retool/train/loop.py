@@ -51,8 +51,9 @@ from retool.backends.interface.clients import SamplingClient, TrainingClient
 from retool.backends.remote.guarded import guard_training_client
 from retool.components import Components, build_components
 from retool.config import DEFAULT_TIS_CAP, Config, ConfigError, dump_config, load_config
+from retool.data.problem import Problem
 from retool.env import ProblemSource, retool_outcome, source_from_config
-from retool.jsonl import as_number
+from retool.jsonl import JsonObject, as_number
 from retool.rollout import RolloutFn, run_rollout
 from retool.train.checkpoint import (
     CheckpointManager,
@@ -61,10 +62,11 @@ from retool.train.checkpoint import (
     restore_rng,
     write_text_atomic,
 )
-from retool.train.datasource import DataPosition, ProblemFeed, ProblemStream
+from retool.train.datasource import DataPosition, ProblemFeed, ProblemOrder, ProblemStream
 from retool.train.metrics import (
     MetricsLog,
     MetricsRecord,
+    category_pass_rates,
     fault_counters,
     rollout_metrics,
     scalars_of,
@@ -81,6 +83,7 @@ from retool.train.pipeline import (
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
 from retool.train.sampling import GroupSampler, StepSampler
+from retool.train.selection import PassRateSelector
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
 from retool.train.trackers import Tracker, checkpoint_entry, open_tracker
 
@@ -94,6 +97,17 @@ StepHook = Callable[[int, MetricsRecord], None]
 
 class RunDirError(RuntimeError):
     """The run folder cannot be used as asked (exists without --resume, or holds no run to resume)."""
+
+
+@dataclass
+class Restored:
+    """Where a run starts: the steps completed, the stream's position, the batches a checkpoint held for
+    later steps (None: none) and the pass-rate selector's state (None: none stored)."""
+
+    step: int
+    position: DataPosition
+    queued: PipelineState | None = None
+    selection: JsonObject | None = None
 
 
 @dataclass
@@ -185,19 +199,19 @@ class Trainer:
         assert self._guarded is not None, "components are built when the run starts"
         return self._guarded
 
-    async def _restore(self) -> tuple[int, DataPosition, PipelineState | None]:
-        """Load the latest checkpoint (when resuming); return the completed step, the data position and
-        the batches it holds that were sampled for later steps (None: it holds none)."""
+    async def _restore(self) -> Restored:
+        """Load the latest checkpoint (when resuming); return what the run starts from."""
         seed = self.config.data.seed
         if not self.resume:
-            return 0, DataPosition(seed=seed), None
+            return Restored(0, DataPosition(seed=seed))
         ckpt = self.checkpoints.latest()
         if ckpt is None:
             logger.info("no checkpoint in %s: starting from step 0", self.run_dir)
             repair_metrics(self.metrics.path, TrainerState(step=0, data_position={}))
-            return 0, DataPosition(seed=seed), None
+            return Restored(0, DataPosition(seed=seed))
         state, rng, backend_path = CheckpointManager.load(ckpt)
         queued = CheckpointManager.load_pipeline(ckpt, PipelineState)
+        selection = CheckpointManager.load_selection(ckpt)
         await self._backend.load_state_async(backend_path)
         restore_rng(rng)
         dropped = repair_metrics(self.metrics.path, state)
@@ -208,7 +222,7 @@ class Trainer:
             len(queued.batches) if queued is not None else 0,
             dropped,
         )
-        return state.step, DataPosition.from_dict(state.data_position), queued
+        return Restored(state.step, DataPosition.from_dict(state.data_position), queued, selection)
 
     async def _check_backend(self) -> None:
         """Once per run, after any checkpoint is loaded (PyTRIO loads state only before training): a
@@ -231,7 +245,7 @@ class Trainer:
         self._stop_requested = True
         logger.warning("signal %d: finishing this step, saving a checkpoint, then stopping", signum)
 
-    async def _start(self) -> tuple[int, DataPosition, PipelineState | None, Tracker]:
+    async def _start(self) -> tuple[Restored, Tracker]:
         """Open the tracker, build (or take) the components, restore a checkpoint, check the backend."""
         self._prepare_run_dir()
         # The tracker first: one that cannot start stops the run before any work (``retool.train.trackers``).
@@ -239,21 +253,36 @@ class Trainer:
         self._open_tracker = tracker
         try:
             self._build_components()
-            start_step, position, queued = await self._restore()
+            restored = await self._restore()
             await self._check_backend()
         except BaseException:
             tracker.close()
             await self._close_components()
             raise
-        return start_step, position, queued, tracker
+        return restored, tracker
 
-    def _batch_sampler(
-        self, start_step: int, position: DataPosition, queued: PipelineState | None
-    ) -> StepBatches:
+    def _problem_order(self, position: DataPosition, selection: JsonObject | None) -> ProblemOrder:
+        """The order problems are drawn in (``data.selection``), resumed at ``position`` / ``selection``:
+        the source's epochs, or by estimated pass rate (``retool.train.selection``)."""
+        cfg, source = self.config, self.source
+        assert source is not None
+        if cfg.data.selection == "epoch":
+            return ProblemStream(source.epoch, seed=position.seed, position=position)
+        return PassRateSelector(
+            source.problems("train"),
+            source.category,
+            cfg.data.pass_rate,
+            group_size=cfg.rollout.group_size,
+            seed=position.seed,
+            state=selection,
+        )
+
+    def _batch_sampler(self, restored: Restored) -> StepBatches:
         """The sampler of this run's batches: synchronous for k = 0; for k >= 1 sampling ahead (started),
         holding the batches a checkpoint restored (stale ones requeued)."""
         cfg, parts, source = self.config, self.components, self.source
         assert parts is not None and source is not None
+        start_step, queued = restored.step, restored.queued
         k = cfg.train.max_steps_off_policy
         batches = [b for b in queued.batches if b.step <= cfg.train.steps] if queued is not None else []
         if batches and [b.step for b in batches] != list(
@@ -263,16 +292,19 @@ class Trainer:
                 f"the checkpoint of step {start_step} holds batches of steps {[b.step for b in batches]}"
             )
         batches, replay, self._requeued = requeue_stale(batches, queued.replay if queued else [], k)
-        # The stream resumes after the last batch the checkpoint kept, not after the requeued ones.
-        resume_at = batches[-1].position if batches else position
-        stream = ProblemStream(source.epoch, seed=position.seed, position=resume_at)
+        # The order resumes after the last batch the checkpoint kept, not after the requeued ones.
+        resume_at, selection = restored.position, restored.selection
+        if batches:
+            last = batches[-1]
+            resume_at, selection = last.position, last.order.state if last.order is not None else None
+        order = self._problem_order(resume_at, selection)
         tools = GroupSampler.from_parts(source, parts, cfg, rollout_fn=self._rollout_fn)
         text = None  # the text-only share's parts: the tool protocol's text-only twin, no executor
         if cfg.rollout.text_only_share > 0:
             text_parts = parts.for_mode(False)
             text = GroupSampler.from_parts(source, text_parts, cfg, tools=False, rollout_fn=self._rollout_fn)
         steps = StepSampler(tools, text, cfg.rollout, cfg.filters, seed=cfg.train.seed)
-        feed = ProblemFeed(stream, replay)
+        feed = ProblemFeed(order, replay)
         if k == 0:  # every restored batch is at least one version old, so requeued: none is left to hold
             assert not batches, "a synchronous run holds no batch sampled ahead"
             return SyncSampler(steps, feed)
@@ -289,14 +321,15 @@ class Trainer:
 
     async def run_async(self) -> TrainSummary:
         cfg = self.config
-        start_step, position, queued, tracker = await self._start()
+        restored, tracker = await self._start()
+        start_step = restored.step
         progress = Progress(cfg.train.steps, start_step, enabled=cfg.logging.progress)
         installed = _install_signals(self._on_signal)
         step = start_step
         last: MetricsRecord = {}
         sampler: StepBatches | None = None
         try:
-            sampler = self._batch_sampler(start_step, position, queued)
+            sampler = self._batch_sampler(restored)
             while step < cfg.train.steps and not self._stop_requested:
                 step += 1
                 last = await self._one_step(step, sampler, tracker)
@@ -355,7 +388,8 @@ class Trainer:
         )
         # 4. Log: the metrics line (checkpointed with the step when one is due), the tracker.
         faults = fault_counters(self._backend, parts.executor, parts.verifier)
-        record = _step_record(step, batch, data, result, times, faults)
+        assert self.source is not None
+        record = _step_record(step, batch, data, result, times, faults, self.source.category)
         record.update(pipeline_metrics(batch, step - 1, queued, self._requeued))
         self._check_sampler(step, record)
         if self._checkpoint_due(step):
@@ -402,11 +436,13 @@ class Trainer:
             backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
         except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
             raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
-        queued, position = await sampler.drain(step + sampler.k)
+        queued, position, order = await sampler.drain(step + sampler.k)
         extra = checkpoint_entry(self._open_tracker)  # a resume reopens the tracker run
         if queued.batches or queued.replay:  # a synchronous run's checkpoint stays as it always was
             self.checkpoints.write_pipeline(tmp, step, queued)
             extra["pipeline"] = {"batches": [b.step for b in queued.batches], "replay": len(queued.replay)}
+        if order is not None:
+            self.checkpoints.write_selection(tmp, step, order.state)
         # The metrics line travels inside the checkpoint, so it carries the checkpoint's own cost.
         record["time/checkpoint"] = time.perf_counter() - t0
         record["time/step"] = time.perf_counter() - t_step
@@ -463,12 +499,14 @@ def _step_record(
     result: TrainStepResult,
     times: dict[str, float],
     faults: dict[str, float],
+    category_of: Callable[[Problem], str],
 ) -> MetricsRecord:
     """The step's metrics line (``time/step`` and ``time/checkpoint`` are filled in by the caller)."""
     collected = batch.collected
     sampled = collected.sampled
     record: MetricsRecord = {"step": step}
     record.update(rollout_metrics(sampled))
+    record.update(category_pass_rates(collected.problems, sampled, category_of))
     record.update(result.metrics())
     record.update(collected.metrics())
     record.update(collected.roc_metrics())
@@ -488,6 +526,8 @@ def _step_record(
     record["time/checkpoint"] = 0.0
     record["data/epoch"] = float(batch.position.epoch)
     record["data/index"] = float(batch.position.index)
+    if batch.order is not None:
+        record.update(batch.order.metrics)
     record.update(faults)
     record["problem_ids"] = [p.id for p in collected.problems]
     record["rewards"] = [[float(t.reward) for t in g] for g in sampled]

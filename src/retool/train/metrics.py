@@ -4,6 +4,8 @@ Definitions (all over the step's trajectories unless said otherwise):
 
 - task: ``reward_mean``, ``correct_rate``, ``format_rate`` (final answer in a valid format),
   ``degenerate_group_rate`` (groups with all rewards equal / groups).
+- category: ``category/<name>/pass_rate``, correct / trajectories of the step's groups of each category
+  (``ProblemSource.category``: a Mathematics module; by default the problem's ``data_source``).
 - tool: ``code_share`` (trajectories with >= 1 code call), ``mean_code_calls``,
   ``correct_without_code_rate`` (correct and no call / trajectories), ``correct_with_code_rate``,
   ``self_correction_rate`` (a call failed, a later one was retried and the trajectory ended correct /
@@ -38,10 +40,12 @@ import json
 import logging
 import math
 import os
-from collections.abc import Sequence
+from collections import defaultdict
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from retool.backends.interface.clients import TrainingClient
+from retool.data.problem import Problem
 from retool.env.retool import ReToolOutcome, retool_outcome
 from retool.jsonl import JsonValue, read_jsonl_objects
 from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage owns the stop reasons
@@ -61,7 +65,8 @@ def _rate(num: float, den: float) -> float:
 MetricsRecord = dict[str, JsonValue]
 
 
-_INFRA_STOPS = frozenset({"sampler_error", "executor_error"})
+# Stops that say the infrastructure failed (a dead sampler or sandbox), not the policy.
+INFRA_STOPS = frozenset({"sampler_error", "executor_error"})
 
 
 class StepLostError(RuntimeError):
@@ -76,7 +81,7 @@ def raise_if_step_lost(groups: Sequence[Sequence[Trajectory]], step: int) -> Non
     train nothing. Raised before the step trains or checkpoints, so a resume redoes it.
     """
     outcomes = [t.outcome for g in groups for t in g]
-    if not outcomes or not all(o.stop_reason in _INFRA_STOPS for o in outcomes):
+    if not outcomes or not all(o.stop_reason in INFRA_STOPS for o in outcomes):
         return
     reasons = sorted({o.stop_reason for o in outcomes})
     first = next((o.error for o in outcomes if o.error), "no error text")
@@ -118,13 +123,27 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
     m.update(_exec_metrics([r for o in outcomes for r in o.exec_results]))
     for reason in STOP_REASONS:
         m[f"stop/{reason}"] = _rate(sum(o.stop_reason == reason for o in outcomes), n)
-    m["faults/trajectories_lost"] = float(sum(o.stop_reason in _INFRA_STOPS for o in outcomes))
+    m["faults/trajectories_lost"] = float(sum(o.stop_reason in INFRA_STOPS for o in outcomes))
     m["faults/verify_errors"] = float(sum(o.reward_status == "error" for o in outcomes))
     m["faults/verify_timeouts"] = float(sum(o.reward_status == "timeout" for o in outcomes))
     m.update(_token_metrics(trajs))
     m["time/sample"] = sum(float(t.sample_seconds) for t in trajs)
     m["time/execute"] = sum(float(o.exec_seconds) for o in outcomes)
     return m
+
+
+def category_pass_rates(
+    problems: Sequence[Problem], groups: Sequence[Sequence[Trajectory]], category_of: Callable[[Problem], str]
+) -> dict[str, float]:
+    """``category/<name>/pass_rate`` of the categories sampled: correct over trajectories, every group of
+    ``groups`` (one per problem of ``problems``, in order) counted."""
+    passed: dict[str, int] = defaultdict(int)
+    attempts: dict[str, int] = defaultdict(int)
+    for problem, group in zip(problems, groups, strict=True):
+        category = category_of(problem)
+        passed[category] += sum(1 for t in group if t.outcome.correct)
+        attempts[category] += len(group)
+    return {f"category/{c}/pass_rate": _rate(passed[c], attempts[c]) for c in sorted(attempts)}
 
 
 def _tool_metrics(outcomes: Sequence[ReToolOutcome]) -> dict[str, float]:

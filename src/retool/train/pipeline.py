@@ -39,7 +39,8 @@ problems in the same order as the synchronous loop does (they diverge only where
 sampling's extra rounds, differ).
 
 Resume. A checkpoint of step c first waits for batches c+1..c+k (all sampled by versions <= c - 1,
-which exist) and stores them with the feed's position after them (``PipelineState``); a resume puts them
+which exist) and stores them with the feed's position after them (``PipelineState``; with the pass-rate
+order also its state after them, ``Batch.order``); a resume puts them
 back in the queue and samples batch c+k+1 onwards from the checkpoint's weights (version c), exactly as the
 uninterrupted run did. So a run killed at any moment and resumed trains on the same samples; the work in
 flight when it died (batches c+k+1 and later) is lost and sampled again, and no batch is trained twice. A
@@ -58,7 +59,7 @@ from typing import Protocol
 
 from retool.data.problem import Problem
 from retool.rollout import Policy
-from retool.train.datasource import DataPosition, ProblemFeed
+from retool.train.datasource import DataPosition, OrderSnapshot, ProblemFeed
 from retool.train.sampling import Collected, StepSampler
 
 logger = logging.getLogger(__name__)
@@ -74,6 +75,7 @@ class Batch:
     position: DataPosition  # the stream's position after this batch drew its problems
     replay: list[Problem] = field(default_factory=list)  # requeued problems still waiting after it
     seconds: float = 0.0  # wall time of its sampling
+    order: OrderSnapshot | None = None  # an adaptive order's state after it (None: epoch order)
 
     def lag(self, trainer_version: int) -> int:
         return trainer_version - self.version
@@ -127,7 +129,8 @@ async def sample_batch(
     tagged with that version, and where the feed stands after it."""
     t0 = time.perf_counter()
     collected = (await steps.sample(step, feed, policy)).with_policy_version(version)
-    return Batch(step, version, collected, feed.position, list(feed.replay), time.perf_counter() - t0)
+    seconds = time.perf_counter() - t0
+    return Batch(step, version, collected, feed.position, list(feed.replay), seconds, feed.snapshot())
 
 
 class StepBatches(Protocol):
@@ -141,7 +144,7 @@ class StepBatches(Protocol):
 
     async def batch_for(self, step: int) -> Batch: ...
 
-    async def drain(self, through: int) -> tuple[PipelineState, DataPosition]: ...
+    async def drain(self, through: int) -> tuple[PipelineState, DataPosition, OrderSnapshot | None]: ...
 
     async def aclose(self) -> None: ...
 
@@ -170,8 +173,8 @@ class SyncSampler:
         version, policy = self._policy
         return await sample_batch(self.steps, step, self.feed, version, policy)
 
-    async def drain(self, through: int) -> tuple[PipelineState, DataPosition]:
-        return PipelineState(0, [], list(self.feed.replay)), self.feed.position
+    async def drain(self, through: int) -> tuple[PipelineState, DataPosition, OrderSnapshot | None]:
+        return PipelineState(0, [], list(self.feed.replay)), self.feed.position, self.feed.snapshot()
 
     async def aclose(self) -> None:
         self._policy = None
@@ -204,7 +207,11 @@ class BatchSampler:
         self._next = first_step + len(restored)  # the next step to sample
         # Where the feed stood after the last batch the trainer took: a checkpoint resumes from there when
         # none of the batches after it could be stored (checkpoints come after a step, so after a take).
-        self._taken: tuple[DataPosition, list[Problem]] = (feed.position, list(feed.replay))
+        self._taken: tuple[DataPosition, list[Problem], OrderSnapshot | None] = (
+            feed.position,
+            list(feed.replay),
+            feed.snapshot(),
+        )
         self._policies: dict[int, Policy] = {}
         self._submitted = -1  # the newest version submitted
         self._error: BaseException | None = None  # what stopped the sampling, at step ``self._next``
@@ -277,19 +284,21 @@ class BatchSampler:
                 raise RuntimeError(f"no batch for step {step}: the sampler is at step {self._next}")
             await self._progress(f"the batch of step {step}")
         batch = self._batches.pop(step)
-        self._taken = (batch.position, list(batch.replay))
+        self._taken = (batch.position, list(batch.replay), batch.order)
         return batch
 
-    async def drain(self, through: int) -> tuple[PipelineState, DataPosition]:
+    async def drain(self, through: int) -> tuple[PipelineState, DataPosition, OrderSnapshot | None]:
         """Wait until the batches up to step ``through`` are sampled (or one failed); return what a
         checkpoint stores (the batches sampled so far, not taken, and the replay list after the last of
-        them) and the stream position to resume from (after that batch)."""
+        them), and the order's position and state to resume from (after that batch)."""
         through = min(through, self.last_step)
         while self._next <= through and self._error is None:
             await self._progress(f"the batches up to step {through}")
         kept = [self._batches[s] for s in sorted(self._batches) if s <= through]
-        position, replay = (kept[-1].position, kept[-1].replay) if kept else self._taken
-        return PipelineState(self.k, kept, list(replay)), DataPosition(**asdict(position))
+        position, replay, order = (
+            (kept[-1].position, kept[-1].replay, kept[-1].order) if kept else self._taken
+        )
+        return PipelineState(self.k, kept, list(replay)), DataPosition(**asdict(position)), order
 
     async def aclose(self) -> None:
         """Stop the sampling (a batch in flight is cancelled: lost, never half-stored)."""

@@ -32,6 +32,9 @@ Every sampled group still counts in the step's task / tool / environment metrics
 policy, and the kept groups alone would be a biased sample of it. A round whose trajectories were all
 lost to a dead sampler or sandbox stops the run (``raise_if_step_lost``) instead of burning steps.
 
+Every sampled group, kept or not, is shown to the feed once its round is done (``ProblemFeed.observe``),
+before the next round draws: the pass-rate order (``retool.train.selection``) learns from it.
+
 Seeds: a step samples with ``rollout_seed(train.seed, step)``, round r with ``round_seed(that, r)``
 (the text-only share with that seed ``^ 0x5EED``), so a redone or resumed step samples alike; rounds
 draw their problems from the run's feed, so a resumed run draws the same ones.
@@ -196,6 +199,8 @@ class Collected:
             "sampling/groups_sampled": float(len(self.sampled)),
             "sampling/groups_informative": float(self.informative),
             "sampling/groups_kept": float(len(self.groups)),
+            # informative sampled groups over all sampled groups, every dynamic-sampling round counted
+            "sampling/informative_share": self.informative / len(self.sampled) if self.sampled else 0.0,
         }
 
     def roc_metrics(self) -> dict[str, float]:
@@ -217,6 +222,34 @@ def rollout_seed(base_seed: int, step: int) -> int:
 def round_seed(step_seed: int, round_index: int) -> int:
     """Round 0 keeps the step's seed (dynamic sampling off samples exactly as before); later rounds differ."""
     return step_seed if round_index == 0 else (step_seed + 1_000_033 * round_index) % (2**31 - 1)
+
+
+async def sample_by_size(
+    groups: GroupSampler, problems: list[Problem], sizes: list[int], policy: Policy, size: int, seed: int
+) -> list[list[Trajectory]]:
+    """One group per problem, in order, problem i's of ``sizes[i]`` trajectories: one rollout request per
+    size. Problems of the usual ``size`` keep ``seed``, so a round where every group has it samples exactly
+    as one request would; another size n samples with a seed of its own."""
+    by_size: dict[int, list[int]] = {}
+    for i, n in enumerate(sizes):
+        by_size.setdefault(n, []).append(i)
+    if set(by_size) <= {size}:
+        return await groups.sample(problems, policy, group_size=size, seed=seed)
+    sampled = await asyncio.gather(
+        *(
+            groups.sample(
+                [problems[i] for i in where],
+                policy,
+                group_size=n,
+                seed=seed if n == size else (seed + 7919 * n) % (2**31 - 1),
+            )
+            for n, where in by_size.items()
+        )
+    )
+    out: dict[int, list[Trajectory]] = {}
+    for where, result in zip(by_size.values(), sampled, strict=True):
+        out.update(zip(where, result, strict=True))
+    return [out[i] for i in range(len(problems))]
 
 
 def text_only_count(n_questions: int, share: float) -> int:
@@ -259,7 +292,8 @@ class StepSampler:
             return await self._dynamic_rounds(step, feed, policy)
         out = Collected(groups=[])
         problems = feed.next_batch(target)
-        groups = await self._sample_round(step, 0, problems, policy)
+        groups = await self._sample_round(step, 0, problems, policy, feed)
+        feed.observe(problems, groups)
         out.groups = self._down_sample(out, groups, step, 0)
         out.sampled, out.problems = list(groups), list(problems)
         out.group_informative = tuple(is_informative(g) for g in out.groups)
@@ -276,7 +310,8 @@ class StepSampler:
             if missing <= 0:
                 break
             problems = feed.next_batch(questions_for_round(missing, filters.oversample))
-            groups = await self._sample_round(step, round_index, problems, policy)
+            groups = await self._sample_round(step, round_index, problems, policy, feed)
+            feed.observe(problems, groups)  # before the next round draws: a pass-rate order adapts
             out.rounds = round_index + 1
             out.sampled.extend(groups)
             out.problems.extend(problems)
@@ -289,19 +324,23 @@ class StepSampler:
         return out
 
     async def _sample_round(
-        self, step: int, round_index: int, problems: list[Problem], policy: Policy
+        self, step: int, round_index: int, problems: list[Problem], policy: Policy, feed: ProblemFeed
     ) -> list[list[Trajectory]]:
         """One group per problem, in order: the round's last questions text-only under
-        ``rollout.text_only_share``, the others with the tool (oversampled under RoC)."""
+        ``rollout.text_only_share``, the others with the tool (oversampled under RoC), each of the size
+        the feed's order gives it (``rollout.group_size``, or the pass-rate order's rare-success size)."""
         seed = round_seed(rollout_seed(self.seed, step), round_index)
         split = len(problems) - text_only_count(len(problems), self.rollout.text_only_share)
         size = sampled_group_size(self.rollout.group_size, self.filters)
+        sizes = [
+            sampled_group_size(feed.group_size(p, self.rollout.group_size), self.filters) for p in problems
+        ]
         if split < len(problems) and self.text is None:
             raise ValueError("rollout.text_only_share > 0 needs a text-only group sampler")
         text = self.text or self.tools  # with no text-only sampler the text part is empty
         tool_groups, text_groups = await asyncio.gather(
-            self.tools.sample(problems[:split], policy, group_size=size, seed=seed),
-            text.sample(problems[split:], policy, group_size=size, seed=seed ^ 0x5EED),
+            sample_by_size(self.tools, problems[:split], sizes[:split], policy, size, seed),
+            sample_by_size(text, problems[split:], sizes[split:], policy, size, seed ^ 0x5EED),
         )
         groups = [*tool_groups, *text_groups]
         raise_if_step_lost(groups, step)
