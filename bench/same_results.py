@@ -68,7 +68,8 @@ def sft_losses(model: Path) -> list[float]:
     from retool.backends.local.client import LocalTrainingClient
     from retool.data.synthetic import generate_tasks
     from retool.protocol import ChatProtocol
-    from retool.tasks.sft import build_sft_examples, train_sft
+    from retool.tasks.sft import build_sft_examples
+    from retool.train.sft import train_sft
 
     protocol = ChatProtocol(AutoTokenizer.from_pretrained(model))
     examples = build_sft_examples(generate_tasks(16, seed=0), protocol, lambda code: "42\n", seed=0)

@@ -35,7 +35,7 @@ from retool.recipes.tiny import SyntheticOptions, cold_start_sft, held_out_tasks
 from retool.tasks.recipe import HeldOut, Recipe
 from retool.tasks.report import gain_line, markdown_table
 from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
-from retool.tasks.sft import SFTReport
+from retool.train.sft import SFTReport
 
 # The synthetic kinds whose canonical code is arithmetic (assignments and one printed expression).
 ARITHMETIC_KINDS = ("add_small", "mul_small", "mul_big", "mod_pow", "linear_system")

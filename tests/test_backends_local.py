@@ -462,6 +462,29 @@ def test_save_then_load_in_fresh_process_reproduces_next_step(tiny_model_dir: Pa
     assert got == expected
 
 
+def test_loading_a_state_saved_before_any_step_starts_again_from_it(
+    tiny_model_dir: Path, tmp_path: Path
+) -> None:
+    """Expert iteration trains every round from the start's state: loading it restores the weights and
+    leaves no optimizer moments of the steps taken since (the next step is the first step again)."""
+    c = LocalTrainingClient(tiny_model_dir, lora=None, device="cpu", seed=0, checkpoint_dir=tmp_path)
+    datums = _synthetic_datums(2, [12, 18], c.vocab_size)
+    start = c.save_state("start")
+    first = []
+    for _ in range(2):
+        c.forward_backward(datums, "cross_entropy")
+        c.optim_step(AdamParams(lr=1e-2))
+        first.append(c.forward(datums, "cross_entropy").loss)
+    c.load_state(start)
+    assert c.step == 0 and c.optimizer is None
+    again = []
+    for _ in range(2):
+        c.forward_backward(datums, "cross_entropy")
+        c.optim_step(AdamParams(lr=1e-2))
+        again.append(c.forward(datums, "cross_entropy").loss)
+    assert again == pytest.approx(first, rel=1e-5)
+
+
 def test_load_state_rejects_mismatch(tiny_model_dir: Path, tmp_path: Path) -> None:
     c = LocalTrainingClient(tiny_model_dir, lora=None, device="cpu", seed=0, checkpoint_dir=tmp_path)
     path = c.save_state("s0")

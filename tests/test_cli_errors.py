@@ -10,6 +10,7 @@ translation is tested in-process, with transformers' OSError stood in for.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -102,6 +103,10 @@ CASES: dict[str, tuple[list[str], tuple[str, ...]]] = {
     ),
     "sft: no such model": (["sft", "--model", "/no/such/model"], ("/no/such/model",)),
     "sft: bad config": (["sft", *BAD_SET], (BAD_SET_ERROR,)),
+    "sft --data: no such file": (
+        ["sft", "--data", "/no/such/traces.jsonl"],
+        ("--data /no/such/traces.jsonl: no such file",),
+    ),
     "demo: unknown model": (["demo", "--model", "/no/such/model"], ("'/no/such/model'", "known: tiny")),
     "demo: no such model path": (
         ["demo", "--set", "model.name=/no/such/model", "--out", "d"],
@@ -128,6 +133,29 @@ CASES: dict[str, tuple[list[str], tuple[str, ...]]] = {
 def test_a_user_error_ends_the_command_with_one_line_and_exit_2(case: str, tmp_path: Path) -> None:
     args, expected = CASES[case]
     assert_one_line_error(run_retool(tmp_path, *args), *expected)
+
+
+TRACE = {"id": "t1", "question": "q", "answer": "1", "style": "tool", "tokens": [1, 2], "weights": [0, 1]}
+
+
+@pytest.mark.parametrize(
+    ("second_line", "expected"),
+    [
+        ('{"id": "t2", "tokens": [1, 2', ("traces.jsonl:2: not a JSON line",)),
+        (
+            json.dumps({"question": "q", "answer": "#### 1"}),
+            ("traces.jsonl:2: not an SFT trace (no id, style,",),
+        ),
+        (json.dumps({**TRACE, "weights": [1]}), ("traces.jsonl:2: 2 tokens but 1 weights",)),
+    ],
+    ids=["broken row", "not a trace file", "tokens and weights differ"],
+)
+def test_sft_data_names_the_line_that_is_not_a_trace(
+    second_line: str, expected: tuple[str, ...], tmp_path: Path
+) -> None:
+    (tmp_path / "traces.jsonl").write_text(json.dumps(TRACE) + "\n" + second_line + "\n")
+    assert_one_line_error(run_retool(tmp_path, "sft", "--data", "traces.jsonl", "--out", "o"), *expected)
+    assert not (tmp_path / "o").exists()
 
 
 def test_the_traceback_is_shown_on_request(tmp_path: Path) -> None:

@@ -16,16 +16,8 @@ from retool.data.problem import Problem
 from retool.protocol import ChatProtocol
 from retool.sandbox import make_executor
 from retool.sandbox.base import Executor
-from retool.tasks.coldstart import (
-    Dropped,
-    assistant_spans,
-    budget_violation,
-    caching_observer,
-    convert_file,
-    convert_solution,
-    read_examples,
-    write_examples,
-)
+from retool.tasks.coldstart import Dropped, caching_observer, convert_file, convert_solution
+from retool.train.sft import assistant_spans, budget_violation, read_examples, write_examples
 
 
 def _rows(path: Path) -> int:

@@ -174,7 +174,8 @@ def test_one_sft_step_moves_only_the_adapter(client: Any, executor: Any) -> None
 
     from retool.data.synthetic import generate_tasks
     from retool.tasks.recipe import sandbox_observer
-    from retool.tasks.sft import SFTMix, build_sft_examples, train_sft
+    from retool.tasks.sft import SFTMix, build_sft_examples
+    from retool.train.sft import train_sft
 
     tasks = generate_tasks(2, seed=1, hard_fraction=1.0, kinds=["mul_big", "mod_pow"])
     examples = build_sft_examples(

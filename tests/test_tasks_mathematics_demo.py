@@ -1,7 +1,7 @@
 """The demo's DeepMind Mathematics task (``retool demo --recipe mathematics``): its settings, the
-held-out slice, the cold start's pieces (few-shot turns, a sampled transcript re-tokenised without them, one
-verified interpreter-using attempt kept per problem) and (slow) a few-step slice of the whole recipe on
-SmolLM2 over fixture rows of the official generator."""
+held-out slice, the cold start's pieces (few-shot turns, a sampled transcript re-tokenised without them, the
+problems of each round of expert iteration; what a round keeps is tests/test_train_expert_iteration.py's)
+and (slow) a few-step slice of the whole recipe on SmolLM2 over fixture rows of the official generator."""
 
 from __future__ import annotations
 
@@ -14,10 +14,9 @@ from retool.data.mathematics import module_of
 from retool.env.mathematics import MathematicsSource
 from retool.protocol import ChatProtocol
 from retool.recipes.demo import DEMO_TASKS, real_model_settings, run_demo
-from retool.recipes.mathematics import MathematicsOptions
+from retool.recipes.mathematics import MathematicsOptions, cold_start_of
 from retool.recipes.mathematics.task import (
     FEW_SHOT,
-    _keep_verified,
     coldstart_problems,
     few_shot_messages,
     trajectory_example,
@@ -88,43 +87,27 @@ def test_a_sampled_transcript_is_retokenised_without_the_few_shot_turns(qwen_tok
     )
 
 
-def test_one_verified_interpreter_using_attempt_is_kept_per_problem(
-    qwen_tokenizers: dict, tmp_path: Path
-) -> None:
-    from retool.data.problem import Problem
+def test_later_cold_start_rounds_draw_other_problems_of_every_module(fixture_data: Path) -> None:
+    source = MathematicsSource(fixture_data / "mathematics")
+    first = coldstart_problems(source, 1, 0)
+    later = coldstart_problems(source, 1, 0, round_index=1, exclude={p.id for p in first})
+    assert len(later) == 56 and not {p.id for p in first} & {p.id for p in later}
+    assert {module_of(p) for p in later} == {module_of(p) for p in first}
+    # The fixture holds two train rows a module: a third round finds none left.
+    both = {p.id for p in [*first, *later]}
+    assert coldstart_problems(source, 1, 0, round_index=2, exclude=both) == []
 
-    plain = _protocol(qwen_tokenizers)
-    config = real_model_settings("smollm2", task="mathematics").config
-    problems = [
-        Problem(
-            f"mathematics-train-numbers__gcd-{i}",
-            f"Calculate the gcd of {6 * i} and {9 * i}.",
-            str(3 * i),
-            "mathematics/numbers__gcd",
-        )
-        for i in (1, 2, 3)
-    ]
-    call = plain.fmt.render_call("import math\nprint(math.gcd(6, 9))")
 
-    def candidate(correct: bool, calls: int) -> dict:
-        turns = [plain.assistant_message(call), plain.tool_message("3")] if calls else []
-        messages = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}, *turns]
-        messages.append(plain.assistant_message("\\boxed{3}"))
-        return {"correct": correct, "code_calls": calls, "messages": messages, "valid_format": True}
-
-    records = [
-        {"id": problems[0].id, "candidates": [candidate(False, 1), candidate(True, 1), candidate(True, 1)]},
-        {"id": problems[1].id, "candidates": [candidate(True, 0)]},  # right, but without the interpreter
-        {"id": problems[2].id, "candidates": [candidate(False, 0)]},
-    ]
-    samples = tmp_path / "samples.jsonl"
-    samples.write_text("".join(json.dumps(r) + "\n" for r in records))
-    examples, report = _keep_verified(plain, config, problems, samples, skip=1)
-    assert [e.task.id for e in examples] == [problems[0].id]
-    assert report["sampled"] == 5 and report["correct"] == 3 and report["kept"] == 1
-    assert report["dropped"] == {"correct without a call": 1} and report["kept_by_module"] == {
-        "numbers__gcd": 1
-    }
+def test_the_cold_start_is_one_few_shot_round_unless_asked_for_more() -> None:
+    settings = real_model_settings("smollm2", task="mathematics")
+    cold = cold_start_of(options_as(settings, MathematicsOptions))
+    assert (cold.rounds, cold.per_module, cold.samples, cold.temperature) == (1, 4, 1, 0.0)
+    assert cold.max_trajectories is None and cold.keep == 1
+    more = real_model_settings(
+        "smollm2", ["coldstart_rounds=3", "coldstart_max_trajectories=500"], task="mathematics"
+    )
+    cold = cold_start_of(options_as(more, MathematicsOptions))
+    assert (cold.rounds, cold.max_trajectories) == (3, 500)
 
 
 @pytest.mark.slow

@@ -10,7 +10,8 @@ import pytest
 from retool.config import SFTOptimizerConfig, dump_config, load_config
 from retool.data.synthetic import generate_tasks
 from retool.tasks.model import build_demo_model, protocol_for
-from retool.tasks.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style, train_sft
+from retool.tasks.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style
+from retool.train.sft import train_sft
 
 
 def _observe(code: str) -> str:
@@ -185,3 +186,81 @@ def test_the_sft_loop_reads_its_own_optimizer_settings(protocol, tmp_path: Path)
     train_sft(tuned, examples, steps=4, batch_size=2, lr=1.0, optimizer=cfg.sft.optimizer)  # type: ignore[arg-type]
     assert {a.beta2 for a in tuned.adams} == {0.9}  # type: ignore[attr-defined]  # not RL's 0.5
     assert [a.lr for a in tuned.adams[:2]] == [0.5, 1.0]  # type: ignore[attr-defined]
+
+
+def _traces(protocol, tmp_path: Path, n: int = 24) -> Path:  # type: ignore[no-untyped-def]
+    """A trace file as ``retool data coldstart`` writes it: tool trajectories of ``n`` synthetic tasks."""
+    from retool.train.sft import write_examples
+
+    examples = build_sft_examples(
+        generate_tasks(n, seed=3), protocol, _observe, SFTMix(1.0, 0.0, 1.0), seed=0
+    )
+    path = tmp_path / "traces.jsonl"
+    write_examples(examples, path)
+    return path
+
+
+# Small and on one process: the demo preset otherwise trains 1500 steps on one process per core.
+DATA_SETS = ["--set", "backend.processes=1", "--set", "sft.optimizer.warmup=2", "--steps", "30"]
+
+
+def test_retool_sft_data_trains_the_configs_model_on_a_trace_file(
+    demo_model: Path, protocol, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    import json
+
+    from typer.testing import CliRunner
+
+    from retool.cli import app
+    from retool.components import build_components
+
+    data, out = _traces(protocol, tmp_path), tmp_path / "sft"
+    args = ["sft", "--data", str(data), "--out", str(out), "--set", f"model.name={demo_model}", *DATA_SETS]
+    result = CliRunner().invoke(app, [*args, "--lr", "1e-2", "--batch-size", "8"])
+    assert result.exit_code == 0, result.output
+    report = json.loads((out / "sft_report.json").read_text())
+    assert report["traces"] == {"read": 24, "used": 24, "over_budget": 0}
+    assert report["sft"]["steps"] == 30 and len(report["losses"]) == 30
+    assert sum(report["losses"][-5:]) / 5 < 0.7 * sum(report["losses"][:3]) / 3
+    assert "sft step" in result.output  # the progress display's lines
+    # The folder is an ordinary model: what `retool eval --model OUT/model_sft` loads.
+    config = load_config("demo", [f"model.name={out / 'model_sft'}", "backend.processes=1"])
+    with build_components(config, tools=False) as parts:
+        assert parts.protocol.fmt.name == "hermes"
+
+
+def test_retool_sft_data_refuses_traces_of_another_model_or_over_the_budgets(
+    demo_model: Path, protocol, tmp_path: Path
+) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from retool.cli import app
+    from retool.tasks.model import protocol_for
+
+    compact = protocol_for(protocol.tokenizer, system_prompt="compact")  # another system prompt
+    data, out = _traces(compact, tmp_path, n=4), tmp_path / "sft"
+    args = ["sft", "--data", str(data), "--out", str(out), "--set", f"model.name={demo_model}", *DATA_SETS]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 2
+    assert f"{data}:1: trace" in result.output and "was not tokenised for model.name" in result.output
+    assert "retool data coldstart --model" in result.output
+    # The model's own traces, every one longer than a turn may be.
+    (tmp_path / "own").mkdir()
+    own = _traces(protocol, tmp_path / "own", n=4)
+    tight = ["--set", "rollout.max_tokens_per_turn=2"]
+    over = CliRunner().invoke(app, ["sft", "--data", str(own), *args[3:], *tight])
+    assert over.exit_code == 2 and "every trace is over the RL budgets" in over.output
+
+
+def test_sft_progress_logs_a_line_every_few_steps_with_the_time_left(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    from retool.train.sft import SFTProgress
+
+    progress = SFTProgress(steps=25, every=10)
+    with caplog.at_level("INFO", logger="retool.train.sft"):
+        for step in range(25):
+            progress(step, 1.0)
+    lines = [r.getMessage() for r in caplog.records]
+    assert [line.split("  ")[0] for line in lines] == ["sft step 10/25", "sft step 20/25", "sft step 25/25"]
+    assert all("loss 1.0000" in line and "ETA" in line for line in lines) and lines[-1].endswith("ETA 0s")

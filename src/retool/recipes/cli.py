@@ -21,6 +21,7 @@ from retool.tasks.cli import Printer, quiet_library_progress
 from retool.tasks.recipe import Recipe
 from retool.tasks.report import DemoResult, gain_line, markdown_table
 from retool.tasks.settings import DemoFields, DemoSettings, seed_overrides
+from retool.tasks.traces import MODEL_FOLDER, run_trace_sft
 
 # The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
 _DEMO = load_config("demo")
@@ -182,9 +183,20 @@ def _print_demo_result(result: DemoResult) -> None:
     )
 
 
+_DATA_HELP = (
+    "A JSONL of SFT traces (`retool data coldstart`, or expert iteration's kept.jsonl): train the model "
+    "model.name names (or --model) on it instead of the synthetic mix."
+)
+
+
 def sft_command(
     out: Path = typer.Option(Path("runs/sft"), "--out", help="Output folder (model_sft/, sft_report.json)."),
-    model: str = typer.Option("tiny", "--model", help="HF folder to fine-tune, or 'tiny' to build one."),
+    data: Path | None = typer.Option(None, "--data", help=_DATA_HELP),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="HF folder to fine-tune, or 'tiny' to build one (default: tiny; with --data, model.name).",
+    ),
     config: str = typer.Option("demo", "--config", help=_CONFIG_HELP),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
     steps: int | None = typer.Option(None, help=f"SFT steps (demo preset: {_DEMO.sft.steps})."),
@@ -208,33 +220,67 @@ def sft_command(
         help=f"Share with a failing call then a fix (demo preset: {_DEMO.sft.hard_error_fix}).",
     ),
     seed: int | None = typer.Option(None, help=f"(demo preset: {_DEMO.train.seed})"),
-    evaluate: bool = typer.Option(
-        True, "--eval/--no-eval", help="Report format rate and accuracy after SFT."
+    evaluate: bool | None = typer.Option(
+        None,
+        "--eval/--no-eval",
+        help="Report format rate and accuracy after SFT (synthetic mix only; default on).",
     ),
     threads: int | None = typer.Option(
         None, help=f"torch threads (demo preset: {_DEMO.backend.cpu_threads})."
     ),
 ) -> None:
-    """Cold-start SFT on code-interleaved trajectories from the synthetic task family."""
-    if model != "tiny" and not Path(model).exists():
-        raise UserError(f"--model {model}: no such folder")
+    """Cold-start SFT on code-interleaved trajectories: the synthetic task family's, or a trace file's (--data)."""
     flags = {
         "sft.steps": steps,
         "sft.batch_size": batch_size,
         "sft.lr": lr,
-        "data.task_count": tasks,
-        "sft.hard_tool": hard_tool,
-        "sft.hard_error_fix": hard_error_fix,
         "backend.cpu_threads": threads,
     }
+    if data is not None:
+        if any(flag is not None for flag in (tasks, hard_tool, hard_error_fix, evaluate)):
+            raise UserError(
+                "--tasks, --hard-tool, --hard-error-fix and --eval are the synthetic mix's: with --data, "
+                f"evaluate the result with `retool eval --model {out / MODEL_FOLDER}`"
+            )
+        _sft_on_data(data, out, model, config, overrides, seed, flags)
+        return
+    if model is not None and model != "tiny" and not Path(model).exists():
+        raise UserError(f"--model {model}: no such folder")
+    flags.update({"data.task_count": tasks, "sft.hard_tool": hard_tool, "sft.hard_error_fix": hard_error_fix})
     chosen = _sft_recipe(overrides)
     settings = _settings(chosen, config, overrides, seed, flags, out=str(out), options=chosen.options_type())
     try:
         # "tiny" here is the demo's own tiny model, built for these tasks into OUT/model_init.
-        result = run_sft(settings, None if model == "tiny" else model, on_event=Printer(), evaluate=evaluate)
+        base = None if model in (None, "tiny") else model
+        result = run_sft(settings, base, on_event=Printer(), evaluate=evaluate is not False)
     except ValueError as exc:
         raise UserError(str(exc)) from None
     typer.echo(json.dumps(result, indent=2))
+
+
+def _sft_on_data(
+    data: Path,
+    out: Path,
+    model: str | None,
+    config: str,
+    overrides: list[str],
+    seed: int | None,
+    flags: Mapping[str, object],
+) -> None:
+    """``retool sft --data``: the config's model (``--model`` sets model.name) on the file's traces."""
+    if not data.is_file():
+        raise UserError(f"--data {data}: no such file")
+    sets = [*overrides, *(seed_overrides(seed) if seed is not None else []), *flag_overrides(flags)]
+    sets += [] if model is None else [f"model.name={model}"]
+    try:
+        settings = load_config(config, sets)
+    except ConfigError as exc:
+        raise UserError(str(exc)) from None
+    try:
+        result = run_trace_sft(settings, data, out, on_event=Printer())
+    except (ConfigError, ValueError) as exc:
+        raise UserError(str(exc)) from None
+    typer.echo(json.dumps({k: v for k, v in result.items() if k != "losses"}, indent=2))
 
 
 def _sft_recipe(overrides: list[str]) -> Recipe:

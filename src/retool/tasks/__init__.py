@@ -9,9 +9,11 @@ phases of ``retool demo`` -- and the interface a recipe implements.
   ``retool.tasks.report``: the table, gain and report files.
 - ``retool.tasks.model``: the demo's tiny Qwen2 model, its tokenizer trained on the task text;
   ``retool.tasks.real_model``: where a named pretrained model's file is.
-- ``retool.tasks.sft``: code-interleaved SFT trajectories built with ``retool.protocol`` and trained with
-  ``cross_entropy`` through a ``TrainingClient``; ``retool.tasks.coldstart``: annotated solutions turned
-  into such trajectories (``retool data coldstart``, the GSM8K recipe's cold start).
+- ``retool.tasks.sft``: the synthetic task family's code-interleaved SFT trajectories, built with
+  ``retool.protocol`` (the trace type, its file and the trainer are ``retool.train.sft``'s);
+  ``retool.tasks.coldstart``: annotated solutions turned into such trajectories (``retool data coldstart``,
+  the GSM8K recipe's cold start); ``retool.tasks.traces``: ``retool sft --data``, SFT of any model on a
+  trace file.
 - ``retool.tasks.cli``: the progress printer the demo's commands share, and ``retool data coldstart``.
 
 The synthetic task family itself is data (``retool.data.synthetic``, the environment ``tasks``) and the

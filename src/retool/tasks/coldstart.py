@@ -5,7 +5,7 @@ trajectory in the model's own call format: the reasoning text up to an annotatio
 is the annotation's expression, the REAL sandbox output as the observation, the text after it, and so on;
 the last turn is the rest of the reasoning and ``\\boxed{answer}``. Built with ``retool.tasks.sft``'s
 ``build_trajectory`` (the rollout's own token bookkeeping), so the sequences are what the SFT stage trains
-on (``SFTExample``) and token-exact. A row is kept only if every observation matches its annotation's result
+on (``retool.train.sft.SFTExample``, written with its ``write_examples``) and token-exact. A row is kept only if every observation matches its annotation's result
 and the final answer verifies against the reference; every other row is counted under its reason.
 """
 
@@ -23,14 +23,14 @@ from retool.config import RolloutConfig, SandboxConfig
 from retool.data.annotated import AnnotatedSolution, ParseFailure, Step, matches_result, parse_solution
 from retool.data.gsm8k import gsm8k_answer, normalize_question
 from retool.data.problem import Problem
-from retool.data.synthetic import Task
 from retool.jsonl import JsonObject
 from retool.protocol import ChatProtocol
 from retool.reward.verifier import score_answer
 from retool.sandbox import make_executor
 from retool.sandbox.base import Executor
 from retool.sandbox.forkserver import strict_support
-from retool.tasks.sft import SFTExample, answer_text, build_trajectory
+from retool.tasks.sft import answer_text, build_trajectory
+from retool.train.sft import SFTExample, budget_violation
 
 logger = logging.getLogger(__name__)
 
@@ -212,36 +212,6 @@ def convert_solution(
     return SFTExample(task=problem, style=STYLE, tokens=tokens, weights=weights, text=protocol.decode(tokens))
 
 
-def assistant_spans(weights: Sequence[float]) -> list[int]:
-    """Lengths of the runs of trained tokens: one per assistant turn (prompt and observations weigh 0)."""
-    spans: list[int] = []
-    run = 0
-    for w in [*weights, 0.0]:
-        if w > 0:
-            run += 1
-        elif run:
-            spans.append(run)
-            run = 0
-    return spans
-
-
-def budget_violation(example: SFTExample, budgets: RolloutConfig) -> str | None:
-    """Why the rollout would have cut ``example`` short (None: it fits): more calls or turns than allowed,
-    a turn over ``max_tokens_per_turn`` or a trajectory over ``max_trajectory_tokens``. Trained on, such a
-    trajectory would teach behaviour that RL and evaluation then stop half-way."""
-    turns = assistant_spans(example.weights)
-    # A turn's span includes its end-of-turn token, which the sampler emits within the turn's budget.
-    if len(turns) - 1 > budgets.max_code_calls:
-        return f"{len(turns) - 1} calls > max_code_calls {budgets.max_code_calls}"
-    if len(turns) > budgets.max_assistant_turns:
-        return f"{len(turns)} turns > max_assistant_turns {budgets.max_assistant_turns}"
-    if max(turns, default=0) > budgets.max_tokens_per_turn:
-        return f"a turn of {max(turns)} tokens > max_tokens_per_turn {budgets.max_tokens_per_turn}"
-    if len(example.tokens) > budgets.max_trajectory_tokens:
-        return f"{len(example.tokens)} tokens > max_trajectory_tokens {budgets.max_trajectory_tokens}"
-    return None
-
-
 def run_text(code: str) -> str:
     """The observer of a text-only trajectory, which makes no call: never called."""
     raise AssertionError(f"a text-only trajectory ran code: {code!r}")
@@ -332,37 +302,6 @@ def convert_file(
 def _calls(solution: str, per_call: int) -> int:
     parsed = parse_solution(solution)
     return 0 if isinstance(parsed, ParseFailure) else len(_chunks(parsed, per_call))
-
-
-def write_examples(examples: Sequence[SFTExample], path: str | Path) -> None:
-    """One JSON line per trajectory: the problem, ``style``, ``tokens``, ``weights`` and the decoded ``text``."""
-    with Path(path).open("w", encoding="utf-8") as fh:
-        for ex in examples:
-            problem = ex.task.to_problem() if isinstance(ex.task, Task) else ex.task
-            record = {
-                **problem.to_dict(),
-                "style": ex.style,
-                "tokens": ex.tokens,
-                "weights": ex.weights,
-                "text": ex.text,
-            }
-            fh.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
-def read_examples(path: str | Path) -> list[SFTExample]:
-    """The trajectories ``write_examples`` wrote, ready for ``train_sft``."""
-    out: list[SFTExample] = []
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if line.strip():
-            r = json.loads(line)
-            problem = Problem(
-                str(r["id"]), str(r["question"]), str(r["answer"]), str(r.get("data_source", ""))
-            )
-            tokens, weights = [int(t) for t in r["tokens"]], [float(w) for w in r["weights"]]
-            if len(tokens) != len(weights):
-                raise ValueError(f"{path}: {problem.id} has {len(tokens)} tokens but {len(weights)} weights")
-            out.append(SFTExample(problem, str(r["style"]), tokens, weights, str(r.get("text", ""))))
-    return out
 
 
 def coldstart_protocol(model: str, tool_format: str = "auto", system_prompt: str = "full") -> ChatProtocol:

@@ -56,8 +56,8 @@ from retool.tasks.report import (
     write_report,
 )
 from retool.tasks.settings import DemoSettings, Event, RecipeOptions, migrate_flat_options, with_data_dir
-from retool.tasks.sft import SFTReport
 from retool.train.loop import Trainer
+from retool.train.sft import SFTReport
 from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
 
 if TYPE_CHECKING:

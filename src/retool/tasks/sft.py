@@ -1,10 +1,13 @@
-"""Cold-start SFT (the paper's first stage): code-interleaved trajectories built from the task family.
+"""Cold-start SFT data (the paper's first stage): code-interleaved trajectories built from the task family.
 
-Each trajectory is built with the same ``ChatProtocol`` calls the RL rollout uses (``build_prompt``,
+Owns the synthetic style mix (``SFTMix``: direct answers, calls, a failing call then its fix) and
+``build_trajectory``, the token bookkeeping every cold start that writes its own traces builds with (the
+annotated solutions of ``retool.tasks.coldstart``, the recipes' own). The trace type, its file and the
+trainer are ``retool.train.sft``'s. Each trajectory is built with the same ``ChatProtocol`` calls the RL rollout uses (``build_prompt``,
 ``encode_completion``, ``build_next_prompt``), so the SFT policy sees exactly the token layout it will
 act in. Tool outputs are the code's real output (through the sandbox executor when one is given).
-Loss: ``cross_entropy`` on assistant tokens only (weight 0 on prompt and observation tokens), through
-a ``TrainingClient``.
+Trained with ``retool.train.sft.train_sft``: ``cross_entropy`` on assistant tokens only (weight 0 on
+prompt and observation tokens).
 
 The data mix is deliberately imperfect: on hard problems only a fraction of trajectories call the
 tool, the rest answer directly with the true number (which a tiny model cannot reproduce). The SFT
@@ -13,22 +16,15 @@ policy therefore sometimes skips the tool on hard problems and fails; RL has som
 
 from __future__ import annotations
 
-import asyncio
 import logging
-import math
 import random
-import time
-from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
-from retool.backends.interface.clients import TrainingClient
-from retool.backends.interface.types import AdamParams, Datum
-from retool.config import SFTOptimizerConfig
-from retool.data.problem import Problem
 from retool.data.synthetic import Task
-from retool.jsonl import JsonObject
 from retool.protocol import ChatProtocol
 from retool.protocol.chat import Message
+from retool.train.sft import SFTExample
 
 logger = logging.getLogger(__name__)
 
@@ -54,22 +50,6 @@ class SFTMix:
                 raise ValueError(f"SFTMix.{name} must be in [0, 1]")
         if self.hard_tool + self.hard_error_fix > 1.0:
             raise ValueError("SFTMix.hard_tool + hard_error_fix must be <= 1")
-
-
-@dataclass
-class SFTExample:
-    task: Task | Problem  # a synthetic task, or a problem from a file (``retool data coldstart``)
-    style: str  # direct | tool | error_fix
-    tokens: list[int]
-    weights: list[float]  # per token of ``tokens``: 1 on assistant tokens
-    text: str = ""
-
-    def to_datum(self, scale: float = 1.0) -> Datum:
-        return Datum(
-            input_tokens=self.tokens[:-1],
-            target_tokens=self.tokens[1:],
-            weights=[w * scale for w in self.weights[1:]],
-        )
 
 
 def answer_text(value: int | str) -> str:
@@ -179,120 +159,3 @@ def build_sft_examples(
         )
         for t in tasks
     ]
-
-
-@dataclass
-class SFTReport:
-    steps: int
-    examples: int
-    losses: list[float] = field(default_factory=list)
-    seconds: float = 0.0
-    styles: dict[str, int] = field(default_factory=dict)
-    conversion: JsonObject = field(default_factory=dict)  # how the examples were built (annotated solutions)
-
-    def as_dict(self) -> JsonObject:
-        extra: JsonObject = {"conversion": self.conversion} if self.conversion else {}
-        return {
-            "steps": self.steps,
-            "examples": self.examples,
-            "first_loss": self.losses[0] if self.losses else None,
-            "final_loss": sum(self.losses[-5:]) / max(1, len(self.losses[-5:])) if self.losses else None,
-            "seconds": self.seconds,
-            "styles": dict(self.styles),
-            **extra,
-        }
-
-
-def train_sft(
-    client: TrainingClient,
-    examples: Sequence[SFTExample],
-    *,
-    steps: int,
-    batch_size: int = 16,
-    lr: float = 3e-3,
-    optimizer: SFTOptimizerConfig | None = None,
-    seed: int = 0,
-    on_step: Callable[[int, float], None] | None = None,
-    final_examples: Sequence[SFTExample] = (),
-    final_steps: int = 0,
-) -> SFTReport:
-    """Cross-entropy SFT through ``client.forward_backward_async(..., "cross_entropy")`` + ``optim_step_async``.
-
-    The loss per batch is the mean over assistant tokens (weights scaled by 1 / assistant tokens).
-    Learning rate: peak ``lr``, linear warm-up then cosine decay to 10%, over all ``steps``; the warm-up
-    and AdamW's settings are ``optimizer``'s (``[sft.optimizer]``; default: its defaults). With ``final_examples``
-    the last ``final_steps`` steps draw their batches from those instead (a second stage, same schedule).
-    All steps run in one event loop: a loop per call (the sync methods) cost ~1.5 ms a call, 3% of a tiny
-    model's step.
-    """
-    if not examples:
-        raise ValueError("no SFT examples")
-    if final_steps and not final_examples:
-        raise ValueError("final_steps > 0 needs final_examples")
-    report = SFTReport(steps=steps, examples=len(examples) + len(final_examples))
-    for ex in [*examples, *final_examples]:
-        report.styles[ex.style] = report.styles.get(ex.style, 0) + 1
-    start = time.perf_counter()
-    batches = _sft_batches(examples, final_examples, steps, final_steps, batch_size, seed)
-    settings = optimizer if optimizer is not None else SFTOptimizerConfig()
-    asyncio.run(_train_steps(client, batches, steps, lr, settings, report, on_step))
-    report.seconds = time.perf_counter() - start
-    return report
-
-
-def _sft_batches(
-    examples: Sequence[SFTExample],
-    final_examples: Sequence[SFTExample],
-    steps: int,
-    final_steps: int,
-    batch_size: int,
-    seed: int,
-) -> Iterator[list[SFTExample]]:
-    """Each step's batch: epochs of shuffled ``examples``, then of ``final_examples`` for the last
-    ``final_steps`` steps."""
-    rng = random.Random(f"retool-sft-order/{seed}")
-    order: list[int] = []
-    pool = examples
-    for step in range(steps):
-        if final_steps and step == steps - final_steps:
-            pool, order = final_examples, []
-        if len(order) < batch_size:
-            fresh = list(range(len(pool)))
-            rng.shuffle(fresh)
-            order += fresh
-        yield [pool[i] for i in order[:batch_size]]
-        del order[:batch_size]
-
-
-async def _train_steps(
-    client: TrainingClient,
-    batches: Iterator[list[SFTExample]],
-    steps: int,
-    lr: float,
-    optimizer: SFTOptimizerConfig,
-    report: SFTReport,
-    on_step: Callable[[int, float], None] | None,
-) -> None:
-    warmup = optimizer.warmup
-    for step, batch in enumerate(batches):
-        n_tokens = sum(sum(ex.weights[1:]) for ex in batch)
-        datums = [ex.to_datum(1.0 / n_tokens) for ex in batch]
-        result = await client.forward_backward_async(datums, "cross_entropy")
-        frac = (
-            (step + 1) / warmup
-            if step < warmup
-            else 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-        )
-        await client.optim_step_async(
-            AdamParams(
-                lr=lr * frac,
-                beta1=optimizer.beta1,
-                beta2=optimizer.beta2,
-                eps=optimizer.eps,
-                weight_decay=optimizer.weight_decay,
-                grad_clip_norm=optimizer.grad_clip_norm,
-            )
-        )
-        report.losses.append(float(result.loss))
-        if on_step is not None:
-            on_step(step, float(result.loss))

@@ -14,6 +14,8 @@
 - ``checkpoint``: atomic checkpoints, keep-last-K, metrics repair on resume.
 - ``metrics``: per-step metrics and ``metrics.jsonl``; ``trackers``: TensorBoard / SwanLab / W&B;
   ``progress``: the live display.
+- ``sft``: the first stage's peer of the RL loop: ``SFTExample`` traces, their file, ``train_sft``;
+  ``expert_iteration``: rounds of sampling, keeping verified tool-using attempts and SFT on the pool.
 - ``cli``: ``retool train``.
 """
 

@@ -626,6 +626,9 @@ class LocalTrainingClient(TrainingClient):
 
     def _load_state(self, path: str) -> None:
         folder = Path(path)
+        # A state saved before any optimizer step has no optimizer: loading it must leave none either (a
+        # fresh one at the next step), not the moments of the steps taken since.
+        self.optimizer = None
         self.step = load_state_folder(
             folder,
             model=self.model,

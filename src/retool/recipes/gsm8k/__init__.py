@@ -22,7 +22,7 @@ from retool.env import ProblemSource
 from retool.recipes.gsm8k.task import TASK, coldstart_examples, gsm8k_source, held_out_problems
 from retool.tasks.recipe import HeldOut, Recipe, train_on_examples
 from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
-from retool.tasks.sft import SFTReport
+from retool.train.sft import SFTReport
 
 FIELDS: DemoFields = {
     "out": "runs/demo-smollm2-gsm8k",

@@ -29,8 +29,8 @@ from retool.data.readers import DataError
 from retool.env.gsm8k import Gsm8kSource
 from retool.env.source import Split
 from retool.jsonl import JsonObject
-from retool.tasks.coldstart import ConvertReport, convert_file, read_examples, write_examples, write_rejects
-from retool.tasks.sft import SFTExample
+from retool.tasks.coldstart import ConvertReport, convert_file, write_rejects
+from retool.train.sft import SFTExample, read_examples, write_examples
 
 logger = logging.getLogger(__name__)
 

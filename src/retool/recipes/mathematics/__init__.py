@@ -22,10 +22,18 @@ from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemSource
 from retool.env.mathematics import MathematicsList, MathematicsSource
-from retool.recipes.mathematics.task import TASK, coldstart_examples, held_out_problems, mathematics_source
+from retool.recipes.mathematics.task import (
+    TASK,
+    ColdStart,
+    coldstart_expert_iteration,
+    coldstart_summary,
+    held_out_problems,
+    mathematics_source,
+)
 from retool.tasks.recipe import HeldOut, Recipe, train_on_examples
 from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
-from retool.tasks.sft import SFTReport
+from retool.train.expert_iteration import RoundReport
+from retool.train.sft import SFTReport
 
 FIELDS: DemoFields = {
     "out": "runs/demo-smollm2-mathematics",
@@ -42,14 +50,26 @@ class MathematicsOptions(RecipeOptions):
     """The DeepMind Mathematics recipe's own options (``--set NAME=VALUE``).
 
     ``mathematics_problems``: held out, the first that many questions of every interpolate and extrapolate
-    module; the cold start samples the model's own attempts, ``coldstart_samples`` at
-    ``coldstart_temperature`` on ``coldstart_rows`` train problems *per module*, and keeps the verified ones.
+    module; the cold start samples the model's own attempts under a few-shot prompt, ``coldstart_samples``
+    at ``coldstart_temperature`` on ``coldstart_rows`` train problems *per module*, and keeps the verified
+    ones. With ``coldstart_rounds`` > 1 it grows by expert iteration: each further round samples the SFT
+    model without the prompt, ``coldstart_round_samples`` at ``coldstart_round_temperature`` on
+    ``coldstart_round_rows`` other train problems per module, keeps at most ``coldstart_keep`` verified
+    attempts a problem, and fine-tunes on the pool again; sampling stops after
+    ``coldstart_max_trajectories`` trajectories (0: no limit).
     """
 
     mathematics_problems: int = 0
     coldstart_rows: int = 0
     coldstart_samples: int = 2
     coldstart_temperature: float = 0.7
+    # One round is the few-shot sampling alone (what the demo is sized for); the bench raises it.
+    coldstart_rounds: int = 1
+    coldstart_round_rows: int = 16
+    coldstart_round_samples: int = 4
+    coldstart_round_temperature: float = 0.7
+    coldstart_keep: int = 1
+    coldstart_max_trajectories: int = 0
 
 
 OPTIONS = MathematicsOptions(
@@ -58,6 +78,21 @@ OPTIONS = MathematicsOptions(
     coldstart_samples=1,
     coldstart_temperature=0.0,
 )
+
+
+def cold_start_of(options: MathematicsOptions) -> ColdStart:
+    """The cold start's sizes the options set."""
+    return ColdStart(
+        per_module=options.coldstart_rows,
+        samples=options.coldstart_samples,
+        temperature=options.coldstart_temperature,
+        rounds=options.coldstart_rounds,
+        round_per_module=options.coldstart_round_rows,
+        round_samples=options.coldstart_round_samples,
+        round_temperature=options.coldstart_round_temperature,
+        keep=options.coldstart_keep,
+        max_trajectories=options.coldstart_max_trajectories or None,
+    )
 
 
 @dataclass(frozen=True)
@@ -86,23 +121,26 @@ class MathematicsRecipe(Recipe):
         emit: Event,
         on_examples: Callable[[int], None] | None = None,
     ) -> SFTReport:
-        """Cold-start SFT on the model's own verified attempts at train problems."""
+        """Cold-start SFT on the model's own verified attempts at train problems (rounds of expert
+        iteration after the few-shot one, ``coldstart_rounds``)."""
         emit("phase", {"phase": "sft", "detail": "sampling the model's own attempts under a few-shot prompt"})
-        options = options_as(settings, MathematicsOptions)
-        examples, report_data = coldstart_examples(
+        cold = cold_start_of(options_as(settings, MathematicsOptions))
+
+        def heard(report: RoundReport) -> None:
+            detail = f"round {report.round}: {report.kept} verified attempts kept of {report.sampled}"
+            emit("phase", {"phase": "sft", "detail": f"{detail} (pool {report.pool})"})
+
+        result = coldstart_expert_iteration(
             parts,
             config,
-            per_module=options.coldstart_rows,
-            samples=options.coldstart_samples,
-            temperature=options.coldstart_temperature,
+            cold,
             out=Path(settings.out),
+            train=lambda pool: train_on_examples(parts, config, pool, {}, emit),
             data_dir=settings.data_dir,
+            on_round=heard,
         )
-        emit(
-            "phase",
-            {"phase": "sft", "detail": f"{len(examples)} verified attempts kept of {report_data['sampled']}"},
-        )
-        return train_on_examples(parts, config, examples, report_data, emit)
+        result.sft.conversion = coldstart_summary(result)
+        return result.sft
 
     def eval_source(self, problems: Sequence[Problem]) -> ProblemSource | None:
         """The benchmark's checker: answers are checked as DeepMind Mathematics means them, not by

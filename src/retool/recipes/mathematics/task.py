@@ -18,28 +18,34 @@ Owns what differs from the other tasks, and nothing of the pipeline itself (``re
 
 from __future__ import annotations
 
-import asyncio
 import dataclasses
 import json
 import logging
 import random
 from collections import Counter, defaultdict
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from retool.components import Components
 from retool.config import Config
 from retool.data.mathematics import TEST_SPLITS, module_of, read_split
 from retool.data.problem import Problem
-from retool.data.readers import DataError
 from retool.env.mathematics import MathematicsList, MathematicsSource
-from retool.evaluate.runner import run_eval
-from retool.evaluate.store import read_problem_records
 from retool.jsonl import JsonObject
 from retool.protocol import ChatProtocol
 from retool.protocol.chat import Message
-from retool.tasks.coldstart import budget_violation, read_examples, write_examples
-from retool.tasks.sft import SFTExample, answer_text, build_trajectory
+from retool.rollout.types import Trajectory
+from retool.tasks.sft import answer_text, build_trajectory
+from retool.train.expert_iteration import (
+    ExpertIterationResult,
+    ExpertIterationSettings,
+    RoundPlan,
+    RoundReport,
+    run_expert_iteration,
+)
+from retool.train.sampling import GroupSampler
+from retool.train.sft import SFTExample, SFTReport, write_examples
 
 logger = logging.getLogger(__name__)
 
@@ -89,12 +95,23 @@ def held_out_problems(per_module: int, data_dir: str | Path | None) -> list[Prob
     return out
 
 
-def coldstart_problems(source: MathematicsSource, per_module: int, seed: int) -> list[Problem]:
-    """``per_module`` train problems of every module, drawn with ``seed``."""
+def coldstart_problems(
+    source: MathematicsSource,
+    per_module: int,
+    seed: int,
+    *,
+    round_index: int = 0,
+    exclude: Collection[str] = frozenset(),
+) -> list[Problem]:
+    """``per_module`` train problems of every module, drawn with ``seed`` (and, after the first round, the
+    round's index), none of the ids in ``exclude`` (the earlier rounds' problems)."""
     by_module: dict[str, list[Problem]] = defaultdict(list)
     for p in source.problems("train"):
-        by_module[module_of(p)].append(p)
-    rng = random.Random(f"retool-mathematics-coldstart/{seed}")
+        if p.id not in exclude:
+            by_module[module_of(p)].append(p)
+    rng = random.Random(
+        f"retool-mathematics-coldstart/{seed}" + (f"/round-{round_index}" if round_index else "")
+    )
     picked: list[Problem] = []
     for module in sorted(by_module):
         rows = by_module[module]
@@ -158,29 +175,8 @@ def trajectory_example(
     return SFTExample(problem, "tool", tokens, weights)
 
 
-async def _sample(
-    parts: Components, config: Config, problems: Sequence[Problem], samples: int, output: Path
-) -> None:
-    view = parts.for_mode(True)
-    await view.refresh_sampler()
-    await run_eval(
-        list(problems),
-        view,
-        config=config,
-        mode="retool",
-        output=output,
-        val_n=samples,
-        seed=config.train.seed,
-        identity={"model": "coldstart", "checkpoint": "base", "dataset": "mathematics train"},
-        concurrency=len(problems),
-        save_transcripts=True,
-        source=MathematicsList(problems, shuffle=False, name="mathematics-coldstart"),
-        bootstrap_resamples=10,  # the cold start reads its records, not their interval
-    )
-
-
-def _coldstart_config(config: Config, temperature: float, prompt_tokens: int) -> Config:
-    """The sampling config of the cold start: its temperature, and the trajectory budget raised by the
+def _coldstart_config(config: Config, temperature: float, prompt_tokens: int = 0) -> Config:
+    """The sampling config of a cold-start round: its temperature, and the trajectory budget raised by the
     few-shot turns' length (they sit in the context; the kept trajectories are checked without them)."""
     sampling = config.sampling.model_copy(update={"temperature": temperature})
     budget = config.rollout.max_trajectory_tokens + prompt_tokens
@@ -188,87 +184,139 @@ def _coldstart_config(config: Config, temperature: float, prompt_tokens: int) ->
     return config.model_copy(update={"sampling": sampling, "rollout": rollout})
 
 
-def coldstart_examples(
-    parts: Components,
-    config: Config,
-    *,
-    per_module: int,
-    samples: int,
-    temperature: float,
-    out: Path,
-    data_dir: str | Path | None = None,
-) -> tuple[list[SFTExample], JsonObject]:
-    """The cold-start trajectories: ``samples`` attempts at ``temperature`` on ``per_module`` seeded train
-    problems of every module, under the few-shot prompt; one verified, interpreter-using attempt kept per
-    problem, re-tokenised with the plain prompt. Cached in ``out/coldstart/`` (samples resumable)."""
-    folder = out / COLDSTART_DIR
-    kept_file, report_file = folder / "train.jsonl", folder / "report.json"
-    if kept_file.is_file() and report_file.is_file():
-        return read_examples(kept_file), json.loads(report_file.read_text(encoding="utf-8"))
+@dataclass(frozen=True)
+class ColdStart:
+    """The cold start's sizes. Round 0: ``samples`` attempts at ``temperature`` on ``per_module`` train
+    problems of every module, under the few-shot prompt. Each further round (``rounds`` in all): the SFT
+    model's own attempts without it, ``round_samples`` at ``round_temperature`` on ``round_per_module``
+    other problems of every module. At most ``keep`` verified attempts a problem; sampling stops after
+    ``max_trajectories`` trajectories in all (None: no limit)."""
+
+    per_module: int
+    samples: int = 1
+    temperature: float = 0.0
+    rounds: int = 1
+    round_per_module: int = 16
+    round_samples: int = 4
+    round_temperature: float = 0.7
+    keep: int = 1
+    max_trajectories: int | None = None
+
+
+class _RoundProblems:
+    """Each round's problems, drawn once: round 0 under ``cold.per_module``, later rounds under
+    ``cold.round_per_module`` among the problems no earlier round drew."""
+
+    def __init__(self, source: MathematicsSource, cold: ColdStart, seed: int) -> None:
+        self.source, self.cold, self.seed = source, cold, seed
+        self.rounds: list[list[Problem]] = []
+
+    def __call__(self, round_index: int) -> list[Problem]:
+        while len(self.rounds) <= round_index:
+            r = len(self.rounds)
+            per_module = self.cold.per_module if r == 0 else self.cold.round_per_module
+            drawn = {p.id for problems in self.rounds for p in problems}
+            self.rounds.append(
+                coldstart_problems(self.source, per_module, self.seed, round_index=r, exclude=drawn)
+            )
+        return self.rounds[round_index]
+
+
+def _few_shot_round(parts: Components, config: Config, cold: ColdStart, problems: list[Problem]) -> RoundPlan:
+    """Round 0: the base model's attempts under the few-shot prompt, kept re-tokenised without it."""
     assert parts.executor is not None, "the few-shot outputs and the attempts' calls run in the sandbox"
-    folder.mkdir(parents=True, exist_ok=True)
-    problems = coldstart_problems(mathematics_source(config, data_dir), per_module, config.train.seed)
     outputs = {code: parts.executor.format_tool_content(parts.executor.run(code)) for _, code in FEW_SHOT}
     shots = few_shot_messages(parts.protocol, outputs)
     prompted = dataclasses.replace(parts, protocol=parts.protocol.with_examples(shots))
-    samples_file = folder / "samples.jsonl"
     extra = len(prompted.protocol.build_prompt(prompted.protocol.initial_messages(""))) - len(
         parts.protocol.build_prompt(parts.protocol.initial_messages(""))
     )
-    sampling = _coldstart_config(config, temperature, extra)
-    asyncio.run(_sample(prompted, sampling, problems, samples, samples_file))
-    examples, report = _keep_verified(parts.protocol, config, problems, samples_file, skip=1 + len(shots))
-    if not examples:
-        raise DataError(f"the mathematics cold start kept none of {report['sampled']} samples: {report}")
-    write_examples(examples, folder / "train.partial")
-    (folder / "train.partial").replace(kept_file)
-    report_file.write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    logger.info("mathematics cold start: %d of %d problems kept", len(examples), len(problems))
-    return examples, report
+    source = MathematicsList(problems, shuffle=False, name="mathematics-coldstart")
+    sampler = GroupSampler.from_parts(source, prompted, _coldstart_config(config, cold.temperature, extra))
+    skip, observation_tokens = 1 + len(shots), config.rollout.max_observation_tokens
+
+    def plain(traj: Trajectory) -> SFTExample | None:
+        return trajectory_example(
+            parts.protocol, traj.problem, traj.outcome.messages, skip, observation_tokens
+        )
+
+    return RoundPlan(problems, sampler, cold.samples, plain)
 
 
-def _keep_verified(
-    protocol: ChatProtocol, config: Config, problems: Sequence[Problem], samples_file: Path, skip: int
-) -> tuple[list[SFTExample], JsonObject]:
-    """One verified, interpreter-using attempt per problem (the first in sample order), within the RL
-    budgets; the counts by module and by reason."""
-    by_id = {p.id: p for p in problems}
-    examples: list[SFTExample] = []
-    sampled = correct = 0
-    dropped: Counter[str] = Counter()
+def coldstart_expert_iteration(
+    parts: Components,
+    config: Config,
+    cold: ColdStart,
+    *,
+    out: Path,
+    train: Callable[[Sequence[SFTExample]], SFTReport],
+    data_dir: str | Path | None = None,
+    on_round: Callable[[RoundReport], None] | None = None,
+) -> ExpertIterationResult:
+    """The cold start: round 0 under the few-shot prompt, then ``cold.rounds - 1`` rounds of expert
+    iteration (``retool.train.expert_iteration``), each fine-tuning ``parts.backend`` with ``train`` on the
+    pool from the start. Rounds are kept in ``out/coldstart/round-N`` (a finished round is read back); the
+    pool goes to ``out/coldstart/train.jsonl``, the summary to ``report.json``."""
+    folder = out / COLDSTART_DIR
+    problems = _RoundProblems(mathematics_source(config, data_dir), cold, config.train.seed)
+
+    def plan(round_index: int) -> RoundPlan:
+        if round_index == 0:
+            return _few_shot_round(parts, config, cold, problems(0))
+        source = MathematicsList(problems(round_index), shuffle=False, name="mathematics-coldstart")
+        sampling = _coldstart_config(config, cold.round_temperature)
+        return RoundPlan.from_parts(
+            problems(round_index), parts, sampling, samples=cold.round_samples, source=source
+        )
+
+    settings = ExpertIterationSettings(
+        rounds=cold.rounds,
+        keep_per_problem=cold.keep,
+        max_trajectories=cold.max_trajectories,
+        seed=config.train.seed,
+    )
+    result = run_expert_iteration(
+        parts.backend,
+        plan,
+        train,
+        settings,
+        out=folder,
+        budgets=config.rollout,
+        category=module_of,
+        on_round=on_round,
+    )
+    write_examples(result.pool, folder / "train.jsonl")
+    (folder / "report.json").write_text(
+        json.dumps(coldstart_summary(result), indent=2) + "\n", encoding="utf-8"
+    )
+    logger.info("mathematics cold start: %d traces kept of %d sampled", len(result.pool), result.sampled)
+    return result
+
+
+def coldstart_summary(result: ExpertIterationResult) -> JsonObject:
+    """The cold start's counts over its rounds (problems, sampled, right, kept, kept by module, dropped) and
+    each round's own report."""
     kept_by_module: Counter[str] = Counter()
-    for record in read_problem_records(samples_file):
-        problem = by_id[str(record["id"])]
-        candidates = record.get("candidates", [])
-        sampled += len(candidates)
-        correct += sum(bool(c["correct"]) for c in candidates)
-        example = None
-        for cand in candidates:
-            if not cand["correct"]:
-                continue
-            if int(cand["code_calls"]) < 1:
-                dropped["correct without a call"] += 1
-                continue
-            example = trajectory_example(
-                protocol, problem, cand.get("messages", []), skip, config.rollout.max_observation_tokens
-            )
-            why = (
-                budget_violation(example, config.rollout) if example is not None else "unreadable transcript"
-            )
-            if why is None:
-                break
-            dropped[why.split(" ")[-2] if example is not None else why] += 1
-            example = None
-        if example is not None:
-            examples.append(example)
-            kept_by_module[module_of(problem)] += 1
-    report: JsonObject = {
-        "problems": len(problems),
-        "sampled": sampled,
-        "correct": correct,
-        "kept": len(examples),
-        "dropped": dict(dropped),
+    dropped: Counter[str] = Counter()
+    for r in result.rounds:
+        kept_by_module.update(r.kept_by_category)
+        dropped.update(r.dropped)
+    return {
+        "problems": sum(r.problems for r in result.rounds),
+        "sampled": result.sampled,
+        "correct": sum(r.correct for r in result.rounds),
+        "kept": len(result.pool),
+        "dropped": dict(sorted(dropped.items())),
         "kept_by_module": dict(sorted(kept_by_module.items())),
+        "modules_kept": len(kept_by_module),
         "few_shot": [q for q, _ in FEW_SHOT],
+        "rounds": [_without_losses(r.as_dict()) for r in result.rounds],
     }
-    return examples, report
+
+
+def _without_losses(round_report: JsonObject) -> JsonObject:
+    """A round's report without its SFT loss curve (``round-N/report.json`` keeps it)."""
+    sft = round_report.get("sft")
+    if not isinstance(sft, dict):
+        return round_report
+    return {**round_report, "sft": {k: v for k, v in sft.items() if k != "losses"}}

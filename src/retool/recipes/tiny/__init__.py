@@ -24,7 +24,8 @@ from retool.data.synthetic import Task, generate_tasks
 from retool.env import ProblemSource, TaskFamilySource, source_from_config
 from retool.tasks.recipe import HeldOut, Recipe, sandbox_observer
 from retool.tasks.settings import DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
-from retool.tasks.sft import SFTExample, SFTMix, SFTReport, build_sft_examples, train_sft
+from retool.tasks.sft import SFTMix, build_sft_examples
+from retool.train.sft import SFTExample, SFTReport, train_sft
 
 TASK = "synthetic"
 
