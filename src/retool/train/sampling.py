@@ -195,6 +195,7 @@ class Collected:
             "sampling/rounds": float(self.rounds),
             "sampling/groups_sampled": float(len(self.sampled)),
             "sampling/groups_informative": float(self.informative),
+            "sampling/informative_share": self.informative / len(self.sampled) if self.sampled else 0.0,
             "sampling/groups_kept": float(len(self.groups)),
         }
 
