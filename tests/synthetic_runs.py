@@ -258,6 +258,9 @@ def write_training_run(
                 "policy/grad_norm": rng.uniform(0.1, 1.0),
                 "task/degenerate_group_rate": data.n_degenerate / data.n_groups,
                 "task/degenerate_groups": float(data.n_degenerate),
+                "sampling/informative_share": 1.0 - data.n_degenerate / data.n_groups,
+                "policy/entropy": 1.5 - skill,  # the policy sharpens as it learns
+                "policy/ref_kl": 0.01 * step if step % 2 == 0 else None,  # train.ref_kl_every = 2
                 "problem_ids": [p.id for p in chosen],
             }
         )

@@ -193,3 +193,38 @@ def test_checkpoint_labels_drop_generic_path_parts() -> None:
     assert short_label("runs/r1/checkpoints/step_000050/backend") == "r1/step_000050"
     assert short_label("tinker://abc/weights/7") == "abc/7"
     assert short_label("step_3") == "step_3"
+
+
+def test_training_curves_draw_the_instruments(tmp_path: Path) -> None:
+    """Entropy beside the sampled-token NLL, the KL to the start (null on the steps that did not measure
+    it: skipped, not 0), void-turn and truncation rates and the informative share each get a panel."""
+    from retool.analyze.plots import curve_keys, plot_training
+    from retool.analyze.report import load_training_log
+
+    path = tmp_path / "run" / "metrics.jsonl"
+    path.parent.mkdir()
+    rows = [
+        {
+            "step": s,
+            "task/reward_mean": 0.1 * s,
+            "policy/entropy": 2.0 - 0.1 * s,
+            "policy/sampled_nll": 2.1 - 0.1 * s,
+            "policy/ref_kl": 0.01 * s if s % 2 == 0 else None,
+            "task/void_turn_rate": 0.05,
+            "task/truncated_rate": 0.1,
+            "sampling/informative_share": 0.5,
+        }
+        for s in range(1, 7)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    log = load_training_log(path)
+    panels = dict(curve_keys([log]))
+    assert panels["entropy (nats)"] == ["policy/entropy", "policy/sampled_nll"]
+    assert panels["KL to the starting policy"] == ["policy/ref_kl"]
+    assert panels["void turns, truncation"] == ["task/void_turn_rate", "task/truncated_rate"]
+    assert panels["informative share of groups"] == ["sampling/informative_share"]
+    assert [r["step"] for r in log.rows if "policy/ref_kl" in r] == [2, 4, 6]
+    out = tmp_path / "out"
+    out.mkdir()
+    [png] = plot_training([log], out)
+    assert png.read_bytes().startswith(PNG_MAGIC)

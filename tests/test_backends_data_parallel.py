@@ -103,6 +103,12 @@ def test_a_step_on_three_processes_is_the_step_of_one(tiny_model_dir: Path, lora
         a, b = one.forward(datums, "cross_entropy"), dp.forward(datums, "cross_entropy")
         for x, y in zip(a.token_logprobs or [], b.token_logprobs or [], strict=True):
             assert y == pytest.approx(x, abs=1e-4)
+        # The instruments merge over the shares: the policy's entropy, and the KL to the start (LoRA).
+        measure = {"measure_ref_kl": 1.0} if lora else None
+        a, b = one.forward(datums, "ppo", measure), dp.forward(datums, "ppo", measure)
+        assert a.entropy is not None and b.entropy == pytest.approx(a.entropy, rel=1e-5)
+        if lora:
+            assert a.ref_kl is not None and a.ref_kl > 0 and b.ref_kl == pytest.approx(a.ref_kl, rel=1e-3)
     finally:
         dp.close()
         one.close()

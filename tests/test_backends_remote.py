@@ -842,4 +842,7 @@ def test_a_training_run_and_its_resume_through_the_sdk(
         rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
         assert [r["step"] for r in rows] == [1, 2, 3]
         assert all(r["policy/server/loss_ratio"] == pytest.approx(1.0, rel=1e-5) for r in rows)
+        # the service returns neither the policy's entropy nor the starting policy's logprobs: null
+        assert all(r["policy/entropy"] is None and r["policy/ref_kl"] is None for r in rows)
+        assert all(r["policy/sampled_nll"] > 0 for r in rows)  # from the sampler's logprobs, any backend
         assert stub.errors == []

@@ -94,6 +94,10 @@ def test_page_loads_clean_and_stays_offline(built: Built, browser: Any) -> None:
     assert page.locator("table.evals tr").count() == 1 + 4
     page.hover("#charts .chart svg >> nth=0")
     assert "step" in page.text_content("#charts .chart .tip >> nth=0")
+    # the KL to the start, measured every other step, is one line through the steps that have it
+    kl = page.locator("#charts .chart", has_text="KL to the starting policy").locator("path.line").first
+    d = kl.get_attribute("d") or ""
+    assert d.count("M") == 1 and d.count("L") >= 1, d
     page.close()
 
 

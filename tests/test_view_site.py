@@ -177,6 +177,30 @@ def test_live_server_rebuilds_on_refresh_when_inputs_change(tmp_path: Path) -> N
         server.server_close()
 
 
+def test_overview_charts_the_instruments(demo: Path, tmp_path: Path) -> None:
+    """Entropy, sampled-token NLL, KL to the start (measured every other step: null between, drawn as one
+    line), tool-call, void-turn and truncation rates and the informative share reach the index as curves
+    and the overview names them among its charts."""
+    data = page_data(build_site([demo], tmp_path / "site").index)
+    series = data["runs"][0]["curves"]["series"]
+    keys = (
+        "policy/entropy",
+        "policy/sampled_nll",
+        "tool/code_share",
+        "task/void_turn_rate",
+        "task/truncated_rate",
+        "sampling/informative_share",
+    )
+    for key in keys:
+        assert key in series and len(series[key]) == 4 and all(v is not None for v in series[key])
+    assert [v is not None for v in series["policy/ref_kl"]] == [False, True, False, True]
+    app_js = (resources.files("retool.view") / "assets" / "app.js").read_text(encoding="utf-8")
+    charts = app_js[app_js.index("const CHARTS") : app_js.index("function renderOverview")]
+    for key in (*keys, "policy/ref_kl"):
+        assert f'"{key}"' in charts
+    assert 'keys: ["policy/ref_kl"], sparse: true' in charts
+
+
 def test_overview_charts_the_tool_error_rates_calls_and_response_length(demo: Path, tmp_path: Path) -> None:
     """The RoC metrics (``tool/error_rate_correct`` / ``_wrong``), calls per trajectory and response length
     reach the index as curves, and the overview names them among its charts."""

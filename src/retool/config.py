@@ -233,6 +233,10 @@ class LossConfig(_Section):
     # when the backend's sampler computes in other numerics than its trainer by design (bf16 sampling over
     # fp32 masters: backend.dtype), else off.
     tis_cap: Annotated[float, Field(ge=0.0)] | Literal["auto"] = "auto"
+    # KL-to-start penalty: ref_kl_coef * k3(policy || start) added to every trained token's loss (the
+    # GRPO / verl "KL loss"; ``retool.backends.training.losses``). The start is the LoRA adapter switched
+    # off, so it needs the local backend with LoRA. 0: off (the KL is still measured: train.ref_kl_every).
+    ref_kl_coef: float = Field(default=0.0, ge=0.0)
 
 
 # loss.tis_cap = "auto" where sampler and trainer numerics differ by design (retool.train.loop.resolve_tis_cap)
@@ -392,6 +396,10 @@ class TrainConfig(_Section):
     # Stale-sampler check: on a step trained on-policy (lag 0), a mean |sampler - trainer logprob| above
     # this means the sampler did not sample from the trained weights (0: no check).
     sampler_check_tol: float = Field(default=0.05, ge=0.0)
+    # Measure policy/ref_kl (KL to the starting policy, local backend with LoRA) every this many steps: one
+    # extra forward without gradient per micro-batch (``LocalTrainingClient._reference_logprobs``). 0: never
+    # (unless loss.ref_kl_coef > 0, which needs it every step).
+    ref_kl_every: int = Field(default=1, ge=0)
 
 
 class Config(_Section):
@@ -428,6 +436,7 @@ class Config(_Section):
                 f"{self.backend.kind!r} (use ppo or importance_sampling there)"
             )
         _check_roc(self.filters, self.rollout.group_size)
+        _check_ref_kl(self)
         engine = self.backend.sampler if self.backend.kind == "local" else "hf"
         if self.train.max_steps_off_policy > 0 and engine != "hf":
             raise ValueError(
@@ -436,6 +445,23 @@ class Config(_Section):
                 "max_steps_off_policy = 0)"
             )
         return self
+
+
+def _check_ref_kl(config: Config) -> None:
+    """The KL-to-start penalty needs the starting policy's logprobs: the local backend's LoRA switched off."""
+    coef = config.loss.ref_kl_coef
+    if coef <= 0:
+        return
+    if config.backend.kind != "local":
+        raise ValueError(
+            f"loss.ref_kl_coef = {coef:g} needs the starting policy's logprobs, which only the local backend "
+            f"computes; backend.kind = {config.backend.kind!r} (set loss.ref_kl_coef = 0)"
+        )
+    if not config.lora.enabled:
+        raise ValueError(
+            f"loss.ref_kl_coef = {coef:g} needs LoRA: the starting policy is the adapter switched off, and full "
+            "fine-tuning (lora.enabled = false) keeps no copy of the starting weights (set loss.ref_kl_coef = 0)"
+        )
 
 
 def _check_roc(filters: FiltersConfig, group_size: int) -> None:

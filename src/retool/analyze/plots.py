@@ -5,8 +5,10 @@
 - ``format_rate.png``: share of candidates with a valid ``\\boxed{}`` per checkpoint and mode;
 - ``code_calls.png``: mean code calls and tool-call rate per checkpoint and mode;
 - ``pass_at_k.png``: the unbiased pass@k curve of every eval;
-- ``training_curves.png``: reward / correct rate / format rate / code calls per step from ``metrics.jsonl``
-  (whichever of those keys the log has).
+- ``training_curves.png``: per step from ``metrics.jsonl`` (whichever panels' keys the log has): reward,
+  correct rate, format rate, code calls and tool-call rate, the policy's entropy beside the sampled
+  tokens' NLL, the KL to the starting policy (measured every ``train.ref_kl_every`` steps: a step without
+  it is skipped, not drawn as 0), void-turn and truncation rates, and the informative share of groups.
 """
 
 from __future__ import annotations
@@ -32,6 +34,10 @@ CURVE_PANELS: tuple[tuple[str, Callable[[str], bool]], ...] = (
     ("correct rate", lambda k: "correct_rate" in k and "without" not in k and "with_code" not in k),
     ("format rate", lambda k: "format_rate" in k),
     ("code calls", lambda k: ("code_calls" in k or "code_share" in k) and not k.startswith("stop/")),
+    ("entropy (nats)", lambda k: k in ("policy/entropy", "policy/sampled_nll")),
+    ("KL to the starting policy", lambda k: k == "policy/ref_kl"),
+    ("void turns, truncation", lambda k: k in ("task/void_turn_rate", "task/truncated_rate")),
+    ("informative share of groups", lambda k: k == "sampling/informative_share"),
 )
 
 
@@ -161,13 +167,19 @@ def plot_training(logs: list[TrainingLog], out_dir: Path) -> list[Path]:
         return []
     panels = curve_keys(logs)
     if not panels:
-        logger.warning("training logs have no reward / correct / format / code-call keys; no curves drawn")
+        logger.warning(
+            "training logs have none of the curves' keys (reward, correct, format, ...); no curves drawn"
+        )
         return []
     plt = _pyplot()
     from matplotlib.ticker import MaxNLocator  # deferred: matplotlib, as in _pyplot
 
-    fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4), squeeze=False)
-    for ax, (title, keys) in zip(axes[0], panels, strict=True):
+    cols = min(4, len(panels))  # rows of at most four panels
+    rows = -(-len(panels) // cols)
+    fig, axes = plt.subplots(rows, cols, figsize=(4.5 * cols, 4 * rows), squeeze=False)
+    for ax in axes.flat[len(panels) :]:
+        ax.set_visible(False)
+    for ax, (title, keys) in zip(axes.flat, panels, strict=False):
         for log in logs:
             for key in keys:
                 pts = [(r["step"], r[key]) for r in log.rows if key in r]

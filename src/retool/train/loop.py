@@ -150,6 +150,7 @@ class Trainer:
         self._owns_components = False
         self._guarded: TrainingClient | None = None  # the backend behind retries (``[retry]``)
         self._tis_cap = 0.0  # loss.tis_cap resolved against the backend (``resolve_tis_cap``)
+        self._measures_ref_kl = False  # the backend computes the starting policy's logprobs
         self._rollout_fn = rollout_fn
         self._tracker = tracker
         self._open_tracker: Tracker = Tracker()  # the run's tracker once open (its id goes in checkpoints)
@@ -229,6 +230,7 @@ class Trainer:
         remote backend measures how its service normalises the loss, or refuses to train. No-op locally."""
         cfg = self.config
         self._tis_cap = resolve_tis_cap(cfg.loss.tis_cap, self._backend)
+        self._measures_ref_kl = _reference_kl_available(cfg, self._backend)
         await self._backend.check_reduction_async(cfg.loss.name, _loss_config(cfg, self._tis_cap))
 
     async def _save_backend(self, folder: Path, name: str) -> tuple[str, bool]:
@@ -382,7 +384,7 @@ class Trainer:
             self._backend,
             data.datums,
             loss_fn=cfg.loss.name,
-            loss_config=_loss_config(cfg, self._tis_cap),
+            loss_config=_loss_config(cfg, self._tis_cap, self._ref_kl_due(step)),
             adam=adam_params_from_config(cfg),
             micro_batch_tokens=cfg.backend.micro_batch_tokens,
         )
@@ -399,6 +401,12 @@ class Trainer:
         self.metrics.append(record)
         tracker.log(scalars_of(record), step)
         return record
+
+    def _ref_kl_due(self, step: int) -> bool:
+        """Measure the KL to the starting policy this step: every ``train.ref_kl_every`` steps, where the
+        backend can (the ``loss.ref_kl_coef`` penalty measures it every step anyway)."""
+        every = self.config.train.ref_kl_every
+        return self._measures_ref_kl and every > 0 and step % every == 0
 
     def _checkpoint_due(self, step: int) -> bool:
         """Every ``checkpoint.every`` steps, after the last one, and when a signal asked the run to stop."""
@@ -477,8 +485,30 @@ def resolve_tis_cap(setting: float | str, backend: TrainingClient) -> float:
     return DEFAULT_TIS_CAP
 
 
-def _loss_config(cfg: Config, tis_cap: float = 0.0) -> dict[str, float] | None:
-    """The loss config the backend gets; ``tis_cap`` (resolved) only where > 0 and the loss reads it."""
+def _reference_kl_available(cfg: Config, backend: TrainingClient) -> bool:
+    """Whether ``policy/ref_kl`` can be measured on ``backend``; a ``loss.ref_kl_coef`` penalty it cannot
+    compute stops the run (the config refuses the usual causes already: a remote backend, no LoRA)."""
+    why = backend.reference_kl_unavailable
+    if why is not None and cfg.loss.ref_kl_coef > 0:
+        raise ConfigError(f"loss.ref_kl_coef = {cfg.loss.ref_kl_coef:g} needs the starting policy: {why}")
+    if why is not None and cfg.train.ref_kl_every > 0:
+        logger.info("policy/ref_kl (KL to the starting policy) is not measured: %s", why)
+    return why is None
+
+
+def _loss_config(cfg: Config, tis_cap: float = 0.0, measure_ref_kl: bool = False) -> dict[str, float] | None:
+    """The loss config the backend gets: the policy loss's (``_policy_loss_config``), with the KL-to-start
+    penalty when ``loss.ref_kl_coef`` > 0, else a request to measure that KL when ``measure_ref_kl``."""
+    out = _policy_loss_config(cfg, tis_cap)
+    if cfg.loss.ref_kl_coef > 0:
+        return {**(out or {}), "ref_kl_coef": cfg.loss.ref_kl_coef}
+    if measure_ref_kl:
+        return {**(out or {}), "measure_ref_kl": 1.0}
+    return out
+
+
+def _policy_loss_config(cfg: Config, tis_cap: float) -> dict[str, float] | None:
+    """The policy loss's own config; ``tis_cap`` (resolved) only where > 0 and the loss reads it."""
     loss = cfg.loss
     if loss.name in ("ppo", "importance_sampling") and tis_cap > 0:
         clips = {"clip_low": loss.clip_low, "clip_high": loss.clip_high}

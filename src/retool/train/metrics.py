@@ -3,10 +3,18 @@
 Definitions (all over the step's trajectories unless said otherwise):
 
 - task: ``reward_mean``, ``correct_rate``, ``format_rate`` (final answer in a valid format),
-  ``degenerate_group_rate`` (groups with all rewards equal / groups).
+  ``degenerate_group_rate`` (groups with all rewards equal / groups), ``void_turn_rate`` (SimpleTIR's void
+  turn, ``retool.train.step.is_void``: the last turn has neither a complete call nor an answer),
+  ``truncated_rate`` (cut by a token budget, ``is_overlong``); both over every sampled trajectory,
+  whether or not the filters (``filter/void_rate``, ``filter/overlong_rate``: over the trajectories of
+  trained groups) leave it out.
+- sampling: ``groups_sampled`` (every round of dynamic sampling included), ``groups_informative`` (their
+  rewards differ), ``informative_share`` (informative / sampled; 1 - ``degenerate_group_rate``),
+  ``groups_kept``, ``rounds``.
 - category: ``category/<name>/pass_rate``, correct / trajectories of the step's groups of each category
   (``ProblemSource.category``: a Mathematics module; by default the problem's ``data_source``).
-- tool: ``code_share`` (trajectories with >= 1 code call), ``mean_code_calls``,
+- tool: ``code_share``, the tool-call rate (trajectories with >= 1 code call / trajectories; the eval's
+  ``tool_call_rate``), ``mean_code_calls``,
   ``correct_without_code_rate`` (correct and no call / trajectories), ``correct_with_code_rate``,
   ``self_correction_rate`` (a call failed, a later one was retried and the trajectory ended correct /
   trajectories), ``self_correction_given_error`` (the same over trajectories that hit an error),
@@ -25,7 +33,15 @@ Definitions (all over the step's trajectories unless said otherwise):
   ``remote_calls`` / ``remote_retries`` / ``remote_timeouts`` / ``remote_failures`` /
   ``remote_replays`` (guarded backend calls, see ``retool.backends.remote.guarded``).
 - policy: ``ratio_mean/min/max``, ``clip_fraction``, ``loss``, ``grad_norm``, ``lr`` (from the backend),
-  ``response_length`` (mean sampled tokens per trajectory).
+  ``response_length`` (mean completion tokens: sampled tokens per trajectory). Two entropy figures not to
+  confuse: ``entropy``, the exact entropy of the policy's next-token distribution (whole vocabulary, nats)
+  averaged over the completion tokens of the datums trained this step, computed by the local backend in
+  its training forward (``None`` on a remote service); ``sampled_nll``, the mean negative logprob the
+  sampler gave its own tokens over every completion token sampled this step (any backend): a Monte Carlo
+  estimate of the sampling policy's entropy at temperature 1, a cross-entropy otherwise. ``ref_kl``: the
+  k3 estimate of KL(policy || starting policy), ``exp(d) - d - 1`` with ``d = lp_start - lp`` averaged
+  over the trained completion tokens, the start being the LoRA adapter switched off (local backend with
+  LoRA, every ``train.ref_kl_every`` steps; ``None`` otherwise); before the first optimizer step it is 0.
 - stop: share of each stop reason.
 - time: ``refresh``, ``rollout`` (wall), ``sample`` and ``execute`` (summed over trajectories; they
   overlap, so they can exceed the wall time), ``train``, ``checkpoint``, ``step`` (wall), seconds.
@@ -52,7 +68,7 @@ from retool.rollout.types import STOP_REASONS, Trajectory  # the rollout stage o
 from retool.sandbox.base import ExecResult
 from retool.train.checkpoint import RunWriteError
 from retool.train.roc import tool_error_metrics
-from retool.train.step import trajectory_tokens
+from retool.train.step import is_overlong, is_void, trajectory_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -118,6 +134,8 @@ def rollout_metrics(groups: Sequence[Sequence[Trajectory]]) -> dict[str, float]:
     m["task/correct_rate"] = _rate(sum(o.correct for o in outcomes), n)
     m["task/format_rate"] = _rate(sum(o.valid_format for o in outcomes), n)
     m["task/trajectories"] = float(n)
+    m["task/void_turn_rate"] = _rate(sum(is_void(t) for t in trajs), n)
+    m["task/truncated_rate"] = _rate(sum(is_overlong(t) for t in trajs), n)
     m.update(_tool_metrics(outcomes))
     m.update(tool_error_metrics(trajs))
     m.update(_exec_metrics([r for o in outcomes for r in o.exec_results]))
@@ -181,14 +199,17 @@ def _exec_metrics(results: Sequence[ExecResult]) -> dict[str, float]:
 
 
 def _token_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
-    """Prompt, completion, observation and total tokens of the step, and the mean response length."""
+    """Prompt, completion, observation and total tokens of the step, the mean response length and the
+    mean negative sampler logprob of the completion tokens (``policy/sampled_nll``)."""
     prompt = completion = observation = total = 0
+    nll = 0.0
     for t in trajs:
         if not t.turns:
             continue
-        tokens, _, sampled = trajectory_tokens(t)
+        tokens, logprobs, sampled = trajectory_tokens(t)
         first_prompt = len(t.turns[0].prompt_tokens)
         done = sum(sampled)
+        nll -= sum(lp for lp, s in zip(logprobs, sampled, strict=True) if s)
         prompt += first_prompt
         completion += done
         observation += len(tokens) - first_prompt - done
@@ -199,6 +220,7 @@ def _token_metrics(trajs: Sequence[Trajectory]) -> dict[str, float]:
         "tokens/observation": float(observation),
         "tokens/total": float(total),
         "policy/response_length": _rate(completion, len(trajs)),
+        "policy/sampled_nll": _rate(nll, completion),
     }
 
 

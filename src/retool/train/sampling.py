@@ -198,9 +198,9 @@ class Collected:
             "sampling/rounds": float(self.rounds),
             "sampling/groups_sampled": float(len(self.sampled)),
             "sampling/groups_informative": float(self.informative),
-            "sampling/groups_kept": float(len(self.groups)),
             # informative sampled groups over all sampled groups, every dynamic-sampling round counted
             "sampling/informative_share": self.informative / len(self.sampled) if self.sampled else 0.0,
+            "sampling/groups_kept": float(len(self.groups)),
         }
 
     def roc_metrics(self) -> dict[str, float]:

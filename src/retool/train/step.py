@@ -209,8 +209,12 @@ class TrainStepResult:
     real_tokens: int = 0
     seconds: float = 0.0
 
-    def metrics(self) -> dict[str, float]:
-        out: dict[str, float] = {
+    def metrics(self) -> dict[str, float | None]:
+        """The step's ``train/*``, ``policy/*`` and ``offpolicy/*`` metrics; ``policy/entropy`` and
+        ``policy/ref_kl`` are ``None`` where the backend did not measure them (a remote service; the
+        reference KL off this step; no datums)."""
+        fb = self.forward_backward
+        out: dict[str, float | None] = {
             "train/datums": float(self.n_datums),
             "train/micro_batches": float(self.n_micro_batches),
             "train/optimizer_stepped": float(self.optimizer_stepped),
@@ -218,8 +222,9 @@ class TrainStepResult:
             "train/real_tokens": float(self.real_tokens),
             "policy/grad_norm": self.grad_norm,
             "policy/lr": self.lr,
+            "policy/entropy": fb.entropy if fb is not None else None,
+            "policy/ref_kl": fb.ref_kl if fb is not None else None,
         }
-        fb = self.forward_backward
         if fb is not None:
             out.update(fb.as_metrics("policy/"))
             if fb.mismatch_tokens:  # RL losses: how far the sampler's logprobs are from the trainer's
@@ -255,6 +260,14 @@ def merge_forward_backward(results: Sequence[ForwardBackwardResult]) -> ForwardB
     def per_measured(attr: str) -> float:
         return sum(getattr(r, attr) * r.mismatch_tokens for r in results) / measured if measured else 0.0
 
+    def where_measured(attr: str) -> float | None:
+        """Token-weighted over the calls that measured ``attr``; None when none did."""
+        have = [(getattr(r, attr), r.trained_tokens) for r in results if getattr(r, attr) is not None]
+        tokens = sum(n for _, n in have)
+        if not have:
+            return None
+        return sum(v * n for v, n in have) / tokens if tokens else sum(v for v, _ in have) / len(have)
+
     return ForwardBackwardResult(
         loss=sum(r.loss for r in results),
         trained_tokens=total_tokens,
@@ -268,6 +281,8 @@ def merge_forward_backward(results: Sequence[ForwardBackwardResult]) -> ForwardB
         kl_k3=per_measured("kl_k3"),
         ratio_outside=per_measured("ratio_outside"),
         tis_truncated=per_measured("tis_truncated"),
+        entropy=where_measured("entropy"),
+        ref_kl=where_measured("ref_kl"),
         extra=extra,
     )
 

@@ -61,6 +61,13 @@ class TrainingClient(abc.ABC):
         weights; ``None`` when they agree up to float rounding. ``loss.tis_cap = "auto"`` reads it."""
         return None
 
+    @property
+    def reference_kl_unavailable(self) -> str | None:
+        """Why this client cannot compute logprobs under the policy training started from (the reference
+        of ``policy/ref_kl`` and of the ``ref_kl_coef`` penalty, ``retool.backends.training.losses``);
+        ``None`` when it can. A remote service returns no such logprobs."""
+        return "the service computes no reference-policy logprobs"
+
     @abc.abstractmethod
     async def forward_backward_async(
         self, datums: Sequence[Datum], loss_fn: LossName, loss_config: dict[str, float] | None = None

@@ -100,6 +100,11 @@ class ForwardBackwardResult:
     tokens of an RL loss (``retool.backends.training.losses``): mean and max ``|lp - mu|``, the k3 estimate of
     KL(sampler || trainer), the share of tokens with ``exp(lp - mu)`` outside [0.5, 2] and, with truncated
     importance sampling, the share whose weight was cut to the cap.
+
+    Measured by the local backend only (``None`` where the backend did not): ``entropy``, the mean entropy
+    of the policy's next-token distribution (over the whole vocabulary, in nats) at the trained positions;
+    ``ref_kl``, the mean k3 estimate of KL(policy || reference) over them, when the loss config asked for
+    the reference policy (``measure_ref_kl`` / ``ref_kl_coef``: ``retool.backends.training.losses``).
     """
 
     loss: float
@@ -114,6 +119,8 @@ class ForwardBackwardResult:
     kl_k3: float = 0.0
     ratio_outside: float = 0.0
     tis_truncated: float = 0.0
+    entropy: float | None = None
+    ref_kl: float | None = None
     extra: dict[str, float] = field(default_factory=dict)
     # The learner's logprob of every target token, one list per datum in call order (local backend only;
     # ``retool serve`` returns them as the SDKs' ``loss_fn_outputs[i]["logprobs"]``).

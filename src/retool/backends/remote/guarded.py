@@ -145,6 +145,10 @@ class GuardedTrainingClient(TrainingClient):
         return self._inner.precision_mismatch
 
     @property
+    def reference_kl_unavailable(self) -> str | None:
+        return self._inner.reference_kl_unavailable
+
+    @property
     def guard(self) -> str:
         """Which idempotency guard protects ``forward_backward``: ``dedupe``, ``replay`` or ``none``."""
         if self.dedupes:

@@ -48,6 +48,15 @@ mean and max ``|lp - mu|``, the k3 estimate of KL(sampler || trainer) (``r - 1 -
 ``r = exp(lp - mu)``, Schulman's estimator, unbiased and >= 0 per token) and the share of tokens whose
 ratio lies outside [0.5, 2]; with TIS, the share of tokens whose weight was truncated.
 
+KL to the reference policy (``ref_lp``: the policy the run started from; the local backend computes it with
+the LoRA adapter switched off). Given ``ref_lp``, every RL loss measures the k3 estimate of KL(policy ||
+reference) per trained token, ``exp(d) - d - 1`` with ``d = ref_lp - lp`` (>= 0, 0 where the two agree), and
+with ``ref_kl_coef = beta > 0`` in the loss config adds ``beta * w * (exp(d) - d - 1)`` to the token's loss
+(the "KL loss" of GRPO / verl / SimpleRL, k3 form): its gradient ``beta * w * (1 - exp(d)) * grad lp``
+pulls ``lp`` back towards ``ref_lp`` and vanishes where they agree. ``measure_ref_kl = 1`` asks the backend
+for the reference logprobs without a penalty (the trainer's ``policy/ref_kl`` instrument); the loss itself
+reads only ``ref_kl_coef``.
+
 Positions with weight 0 contribute nothing, not even NaN: their log-ratio is forced to 0 before ``exp`` so
 that a padded ``lp_old`` of 0 can never overflow.
 """
@@ -68,14 +77,16 @@ DEFAULT_RATIO_CAP = 2.0
 LOSS_NAMES = ("ppo", "importance_sampling", "cross_entropy", "cispo", "dro", "gspo", "stable_reinforce")
 # The config keys each loss reads (cross_entropy accepts the PPO ones and ignores them: the training loop
 # passes one config whatever the loss).
+# Every RL loss reads the reference-KL keys (module docstring).
+REF_KL_KEYS = frozenset({"ref_kl_coef", "measure_ref_kl"})
 LOSS_CONFIG_KEYS: dict[str, frozenset[str]] = {
     "cross_entropy": frozenset({"clip_low", "clip_high", "tis_cap"}),
-    "importance_sampling": frozenset({"clip_low", "clip_high", "tis_cap"}),
-    "ppo": frozenset({"clip_low", "clip_high", "tis_cap"}),
-    "cispo": frozenset({"clip_low", "clip_high"}),
-    "gspo": frozenset({"clip_low", "clip_high"}),
-    "dro": frozenset({"beta"}),
-    "stable_reinforce": frozenset({"kl_coeff", "ratio_cap"}),
+    "importance_sampling": frozenset({"clip_low", "clip_high", "tis_cap"}) | REF_KL_KEYS,
+    "ppo": frozenset({"clip_low", "clip_high", "tis_cap"}) | REF_KL_KEYS,
+    "cispo": frozenset({"clip_low", "clip_high"}) | REF_KL_KEYS,
+    "gspo": frozenset({"clip_low", "clip_high"}) | REF_KL_KEYS,
+    "dro": frozenset({"beta"}) | REF_KL_KEYS,
+    "stable_reinforce": frozenset({"kl_coeff", "ratio_cap"}) | REF_KL_KEYS,
 }
 _CONFIG_KEYS = frozenset().union(*LOSS_CONFIG_KEYS.values())
 # A token whose sampler/trainer ratio lies outside [1/2, 2] counts as mismatched (``ratio_outside``).
@@ -94,6 +105,9 @@ class TokenLoss:
     # with TIS whether the token's importance weight was cut to the cap. Detached.
     behaviour_log_ratio: torch.Tensor | None = None
     truncated: torch.Tensor | None = None
+    # Given the reference logprobs: the k3 estimate of KL(policy || reference) per token (0 at untrained
+    # positions), detached.
+    ref_kl: torch.Tensor | None = None
 
 
 @dataclass
@@ -114,6 +128,12 @@ class LossTally:
     k3_sum: float = 0.0
     outside: int = 0
     truncated: int = 0
+    # the trained tokens whose reference KL (``TokenLoss.ref_kl``) / policy entropy (``add_entropy``) the
+    # backend measured, and their sums
+    ref_kl_tokens: int = 0
+    ref_kl_sum: float = 0.0
+    entropy_tokens: int = 0
+    entropy_sum: float = 0.0
     extra: dict[str, float] = field(default_factory=dict)
 
     def add(self, tl: TokenLoss) -> torch.Tensor:
@@ -130,7 +150,15 @@ class LossTally:
             self.clipped += int(tl.clipped[sel].sum())
             if tl.behaviour_log_ratio is not None:
                 self._add_mismatch(tl.behaviour_log_ratio[sel].double(), tl.truncated, sel)
+            if tl.ref_kl is not None:
+                self.ref_kl_tokens += n
+                self.ref_kl_sum += float(tl.ref_kl[sel].double().sum())
         return sel
+
+    def add_entropy(self, entropy: torch.Tensor, sel: torch.Tensor) -> None:
+        """Count the policy's entropy (``entropy``, per position) over the trained positions ``sel``."""
+        self.entropy_tokens += int(sel.sum())
+        self.entropy_sum += float(entropy[sel].double().sum())
 
     def _add_mismatch(
         self, log_ratio: torch.Tensor, truncated: torch.Tensor | None, sel: torch.Tensor
@@ -147,7 +175,10 @@ class LossTally:
 
     def merge(self, other: LossTally) -> None:
         """Add ``other``'s counts: the tally of a call whose datums were split between processes."""
-        for name in ("loss", "trained", "clipped", "ratio_sum", "measured", "diff_sum", "k3_sum"):
+        for name in (
+            *("loss", "trained", "clipped", "ratio_sum", "measured", "diff_sum", "k3_sum"),
+            *("ref_kl_tokens", "ref_kl_sum", "entropy_tokens", "entropy_sum"),
+        ):
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.outside += other.outside
         self.truncated += other.truncated
@@ -171,6 +202,8 @@ class LossTally:
             kl_k3=self.k3_sum / self.measured if self.measured else 0.0,
             ratio_outside=self.outside / self.measured if self.measured else 0.0,
             tis_truncated=self.truncated / self.measured if self.measured else 0.0,
+            entropy=self.entropy_sum / self.entropy_tokens if self.entropy_tokens else None,
+            ref_kl=self.ref_kl_sum / self.ref_kl_tokens if self.ref_kl_tokens else None,
             extra=dict(extra or {}),
         )
 
@@ -219,13 +252,16 @@ def token_loss(
     advantages: torch.Tensor | None = None,
     loss_config: dict[str, float] | None = None,
     ratio_mask: torch.Tensor | None = None,
+    ref_lp: torch.Tensor | None = None,
 ) -> TokenLoss:
     """Weighted per-token loss of ``loss_fn``; ``lp`` is the learner's logprob of each target token,
     ``old_lp`` the sampler's (see the module docstring for TIS). ``ratio_mask`` (gspo only, the shape of
-    ``lp``; the last dimension is the sequence) marks the tokens the sequence ratio averages over."""
+    ``lp``; the last dimension is the sequence) marks the tokens the sequence ratio averages over.
+    ``ref_lp`` (RL losses): the reference policy's logprobs, for the KL measure and the ``ref_kl_coef``
+    penalty (module docstring)."""
     if loss_fn not in LOSS_NAMES:
         raise ValueError(f"unknown loss_fn {loss_fn!r}; known: {', '.join(LOSS_NAMES)}")
-    check_config(loss_fn, loss_config)
+    cfg = check_config(loss_fn, loss_config)
     trained = weights != 0
     w = weights.to(lp.dtype)
     if loss_fn == "cross_entropy":
@@ -235,9 +271,56 @@ def token_loss(
     if old_lp is None or advantages is None:
         raise ValueError(f"loss {loss_fn!r} needs sampler logprobs and advantages")
     if loss_fn in ("cispo", "dro", "gspo", "stable_reinforce"):
-        return _policy_loss(loss_fn, lp, w, trained, old_lp, advantages, dict(loss_config or {}), ratio_mask)
-    lo, hi = clip_thresholds(loss_config)
-    cap = tis_cap(loss_config)
+        tl = _policy_loss(loss_fn, lp, w, trained, old_lp, advantages, cfg, ratio_mask)
+    else:
+        tl = _ppo_loss(loss_fn, lp, w, trained, old_lp, advantages, cfg)
+    return _with_reference_kl(tl, lp, w, ref_lp, cfg.get("ref_kl_coef", 0.0))
+
+
+def wants_reference(loss_fn: str, loss_config: dict[str, float] | None) -> bool:
+    """Whether a call needs the reference policy's logprobs: an RL loss whose config asks to measure the
+    reference KL (``measure_ref_kl``) or penalises it (``ref_kl_coef`` > 0)."""
+    cfg = loss_config or {}
+    asked = float(cfg.get("measure_ref_kl", 0.0)) > 0 or float(cfg.get("ref_kl_coef", 0.0)) > 0
+    return loss_fn != "cross_entropy" and asked
+
+
+def reference_k3(lp: torch.Tensor, ref_lp: torch.Tensor, trained: torch.Tensor) -> torch.Tensor:
+    """Per token ``exp(d) - d - 1`` with ``d = ref_lp - lp`` (k3 of KL(policy || reference)); 0 where not
+    ``trained`` (``d`` is forced to 0 there, so a padded position never reaches ``exp``)."""
+    d = torch.where(trained, ref_lp.to(lp.dtype) - lp, torch.zeros_like(lp))
+    return torch.exp(d) - d - 1.0
+
+
+def _with_reference_kl(
+    tl: TokenLoss, lp: torch.Tensor, w: torch.Tensor, ref_lp: torch.Tensor | None, coef: float
+) -> TokenLoss:
+    """``tl`` with the reference KL measured and, for ``coef > 0``, ``coef * w * k3`` added to its loss."""
+    if coef < 0:
+        raise ValueError(f"ref_kl_coef must be >= 0 (0: no penalty), got {coef}")
+    if ref_lp is None:
+        if coef > 0:
+            raise ValueError("ref_kl_coef > 0 needs the reference policy's logprobs (ref_lp)")
+        return tl
+    k3 = reference_k3(lp, ref_lp, tl.trained)
+    tl.ref_kl = k3.detach()
+    if coef > 0:
+        tl.loss = tl.loss + torch.where(tl.trained, coef * w * k3, torch.zeros_like(lp))
+    return tl
+
+
+def _ppo_loss(
+    loss_fn: str,
+    lp: torch.Tensor,
+    w: torch.Tensor,
+    trained: torch.Tensor,
+    old_lp: torch.Tensor,
+    advantages: torch.Tensor,
+    cfg: dict[str, float],
+) -> TokenLoss:
+    """ppo and importance_sampling, with TIS when the config's ``tis_cap`` > 0 (module docstring)."""
+    lo, hi = clip_thresholds(cfg)
+    cap = tis_cap(cfg)
     old = old_lp.to(lp.dtype)
     adv = advantages.to(lp.dtype)
     behaviour = torch.where(trained, lp - old, torch.zeros_like(lp))

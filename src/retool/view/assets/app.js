@@ -108,9 +108,14 @@
   const CHARTS = [
     { title: "Reward (mean)", keys: ["task/reward_mean"] },
     { title: "Correct rate", keys: ["task/correct_rate"], pct: true },
-    { title: "Code share (trajectories with a call)", keys: ["tool/code_share"], pct: true },
+    { title: "Tool-call rate (trajectories with a call)", keys: ["tool/code_share"], pct: true },
+    { title: "Informative groups (rewards differ) / sampled", keys: ["sampling/informative_share"], pct: true },
     { title: "Degenerate groups (all rewards equal)", keys: ["task/degenerate_group_rate"], pct: true },
+    { title: "Void turns and truncation (all sampled)", keys: ["task/void_turn_rate", "task/truncated_rate"], pct: true },
     { title: "Response length (sampled tokens)", keys: ["policy/response_length"] },
+    { title: "Entropy: policy (trained tokens) vs sampled-token NLL", keys: ["policy/entropy", "policy/sampled_nll"] },
+    // measured every train.ref_kl_every steps: the line joins the steps that have it
+    { title: "KL to the starting policy (k3)", keys: ["policy/ref_kl"], sparse: true },
     { title: "Calls per trajectory", keys: ["tool/mean_code_calls"] },
     {
       title: "Tool-error rate: correct vs wrong trajectories",
@@ -204,7 +209,10 @@
         const vals = smooth ? ema(c.series[key]) : c.series[key];
         let band = null;
         if (spec.band && spec.band.every((k) => k in c.series)) band = [c.series[spec.band[0]], c.series[spec.band[1]]];
-        series.push({ label: D.runs.length > 1 ? run.label : key, steps: c.step, vals, band, color: COLORS[ri % COLORS.length] });
+        // one colour per run; with a single run, one per key
+        const color = COLORS[(D.runs.length > 1 ? ri : series.length) % COLORS.length];
+        const label = D.runs.length > 1 ? run.label + (spec.keys.length > 1 ? ": " + key : "") : key;
+        series.push({ label, steps: c.step, vals, band, color });
       });
     });
     const xs = series.flatMap((s) => s.steps);
@@ -254,7 +262,7 @@
       let d = "", pen = false;
       s.steps.forEach((x, i) => {
         const v = s.vals[i];
-        if (v === null) { pen = false; return; }
+        if (v === null) { if (!spec.sparse) pen = false; return; }
         d += (pen ? "L" : "M") + X(x).toFixed(1) + "," + Y(v).toFixed(1);
         pen = true;
       });
