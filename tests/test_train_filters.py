@@ -195,7 +195,6 @@ def test_dynamic_sampling_refills_until_enough_informative_groups() -> None:
         "sampling/groups_informative": 4.0,
         "sampling/informative_share": 0.5,  # of every group sampled, extra rounds included
         "sampling/groups_kept": 4.0,
-        "sampling/informative_share": 0.5,  # 4 informative of 8 sampled, every round counted
     }
 
 
