@@ -220,6 +220,25 @@ def test_sampling_stops_at_exactly_max_trajectories(tmp_path: Path) -> None:
     assert [r.sampled for r in early.rounds] == [24, 6] and early.rounds[1].attempted == 2
 
 
+def test_a_round_with_no_problems_left_ends_the_run(tmp_path: Path) -> None:
+    """A source spent before ``rounds`` (every problem drawn by earlier rounds) stops the run: an empty
+    round would only fine-tune on the same pool again."""
+    script, client = Script(), FakeClient()
+    trainer = Trainer(client)
+
+    def plan(r: int) -> RoundPlan:
+        if r == 0:
+            return plan_for(script, 6)
+        sampler = GroupSampler(ProblemList([], shuffle=False), Setup(), SamplingConfig(), rollout_fn=script)  # type: ignore[arg-type]
+        return RoundPlan([], sampler, 6)
+
+    result = run_expert_iteration(
+        client, plan, trainer, ExpertIterationSettings(rounds=50), out=tmp_path / "ei", budgets=BUDGETS
+    )
+    assert [r.round for r in result.rounds] == [0] and len(trainer.calls) == 1
+    assert not (tmp_path / "ei" / "round-1").exists()
+
+
 def test_a_resumed_run_reads_finished_rounds_back_without_sampling(tmp_path: Path) -> None:
     first, client = Script(), FakeClient()
     run(tmp_path, first, client, rounds=2, keep_per_problem=2)

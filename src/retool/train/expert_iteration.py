@@ -256,9 +256,13 @@ def run_expert_iteration(
         else:
             if weights.start is None and settings.rounds > 1:
                 weights.save_start()
+            round_plan = plan(r)
+            if reports and not round_plan.problems:
+                logger.info("expert iteration: no problems left for round %d; stopping", r)
+                break  # the source is spent: another round would only fine-tune on the same pool again
             if reports:
                 weights.hold(reports[-1], keeper.examples)
-            report, sft = _run_round(r, plan(r), keeper, weights, settings, reports, budgets, category, out)
+            report, sft = _run_round(r, round_plan, keeper, weights, settings, reports, budgets, category, out)
             reports.append(report)
         if on_round is not None:
             on_round(reports[-1])

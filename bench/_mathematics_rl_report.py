@@ -1,0 +1,260 @@
+"""The report of ``bench/mathematics_rl.py``: the cold start, the learning-rate sweep, the informative share
+with and without the pass-rate selector, the learning curves (table + PNG), the instruments' curves (PNG),
+the cost of a step, the final table with paired bootstrap intervals, and each target met or missed.
+
+Everything is read back from the bench's run folder, so the report can be rewritten at any time.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+from typing import Any
+
+from _harness import eval_output, gain_cell, pct, pts
+from mathematics import SPLITS, means_table, module_stats, of_split, split_mean
+from retool.evaluate.store import ProblemRecord, read_problem_records
+from retool.jsonl import read_jsonl_objects
+
+INSTRUMENTS = (  # (metrics key, title) drawn per seed
+    ("task/correct_rate", "train accuracy"),
+    ("policy/entropy", "entropy (nats)"),
+    ("policy/ref_kl", "KL to the start (k3)"),
+    ("tool/code_share", "tool-call rate"),
+    ("task/void_turn_rate", "void-turn rate"),
+    ("sampling/informative_share", "informative share"),
+)
+
+
+def _json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def _metrics(run: Path) -> list[dict[str, Any]]:
+    path = run / "metrics.jsonl"
+    return list(read_jsonl_objects(path)) if path.is_file() else []
+
+
+def _records(folder: Path, label: str, mode: str) -> list[ProblemRecord]:
+    path = eval_output(folder, label, mode)
+    return read_problem_records(path) if path.is_file() else []
+
+
+def _split_means(records: list[ProblemRecord]) -> dict[str, float]:
+    stats = module_stats(records)
+    return {sp: split_mean(stats, sp, "accuracy") for sp in SPLITS}
+
+
+def _mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def coldstart_lines(out: Path) -> list[str]:
+    cold = _json(out / "sft" / "coldstart" / "report.json") or {}
+    phase = _json(out / "sft" / "phase.json") or {}
+    if not cold:
+        return ["Cold start: not run yet."]
+    rounds = ", ".join(
+        f"round {r['round']}: {r['kept']} kept of {r['sampled']}" for r in cold.get("rounds", [])
+    )
+    return [
+        f"Cold start (expert iteration from the base model, then SFT): {cold['kept']} verified tool-using traces"
+        f" over {cold.get('modules_kept', '?')} modules, from {cold['sampled']} sampled trajectories ({rounds});"
+        f" {phase.get('seconds', 0.0) / 60:.1f} min with its SFT."
+    ]
+
+
+def sweep_lines(out: Path) -> list[str]:
+    choice = _json(out / "sweep" / "choice.json")
+    if not choice:
+        return ["Learning-rate sweep: not run yet."]
+    lines = [
+        "| learning rate | steps | train accuracy, last half | informative share | collapsed |",
+        "|---|---|---|---|---|",
+    ]
+    for lr, row in choice["runs"].items():
+        lines.append(
+            f"| {lr} | {row['steps']} | {pct(row['late_accuracy'])} | {pct(row['informative_share'])} |"
+            f" {'yes' if row['collapsed'] else 'no'} |"
+        )
+    epoch = _metrics(out / "sweep" / "epoch")
+    middle = list(choice["runs"])[len(choice["runs"]) // 2]
+    share = _mean([float(m.get("sampling/informative_share") or 0.0) for m in epoch])
+    lines += [
+        "",
+        f"Chosen: {choice['lr']}. Informative share of sampled groups from the same start and seed at {middle}:"
+        f" pass-rate selection {pct(choice['runs'][middle]['informative_share'])}, epoch order {pct(share)}.",
+    ]
+    return lines
+
+
+def curve_rows(out: Path, seeds: list[int]) -> dict[int, dict[int, dict[str, float]]]:
+    """Held-out retool accuracy (module means per split) at every curve point, by seed and step."""
+    start = _records(out / "curve-start", "step0000", "retool")
+    rows: dict[int, dict[int, dict[str, float]]] = {}
+    for seed in seeds:
+        folder = out / f"rl-s{seed}" / "curve"
+        points = {0: _split_means(start)} if start else {}
+        for path in sorted(folder.glob("step*_retool.jsonl")):
+            step = int(path.name[4:8])
+            points[step] = _split_means(_records(folder, f"step{step:04d}", "retool"))
+        rows[seed] = points
+    return rows
+
+
+def curve_lines(rows: dict[int, dict[int, dict[str, float]]]) -> list[str]:
+    steps = sorted({s for points in rows.values() for s in points})
+    head = "| step | " + " | ".join(f"s{seed} interpolate | s{seed} extrapolate" for seed in rows) + " |"
+    lines = [head, "|---|" + "---|---|" * len(rows)]
+    for step in steps:
+        cells = []
+        for points in rows.values():
+            p = points.get(step)
+            cells += [pct(p["interpolate"]), pct(p["extrapolate"])] if p else ["-", "-"]
+        lines.append(f"| {step} | " + " | ".join(cells) + " |")
+    return lines
+
+
+def draw(out: Path, seeds: list[int], rows: dict[int, dict[int, dict[str, float]]]) -> list[str]:
+    """The learning curve and the instruments, as PNGs beside the report."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(10, 3.5))
+    for ax, split in zip(axes, SPLITS, strict=True):
+        for seed, points in rows.items():
+            steps = sorted(points)
+            ax.plot(steps, [100 * points[s][split] for s in steps], marker="o", label=f"seed {seed}")
+        ax.set(title=f"held-out retool accuracy, {split}", xlabel="RL step", ylabel="%")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "mathematics_rl_curve.png", dpi=100)
+    fig, axes = plt.subplots(2, 3, figsize=(13, 6))
+    for ax, (key, title) in zip(axes.flat, INSTRUMENTS, strict=True):
+        for seed in seeds:
+            ms = _metrics(out / f"rl-s{seed}")
+            xs = [m["step"] for m in ms if m.get(key) is not None]
+            ax.plot(xs, [float(m[key]) for m in ms if m.get(key) is not None], label=f"seed {seed}")
+        ax.set(title=title, xlabel="RL step")
+        ax.legend()
+    fig.tight_layout()
+    fig.savefig(out / "mathematics_rl_instruments.png", dpi=100)
+    plt.close("all")
+    return ["mathematics_rl_curve.png", "mathematics_rl_instruments.png"]
+
+
+def cost_lines(out: Path, seeds: list[int]) -> list[str]:
+    lines = ["| seed | steps | RL steps an hour | sampling | training | checkpoint | sampled trajectories |"]
+    lines.append("|---|---|---|---|---|---|---|")
+    for seed in seeds:
+        ms = _metrics(out / f"rl-s{seed}")
+        if not ms:
+            continue
+        total = sum(float(m.get("time/step") or 0.0) for m in ms)
+        share = {
+            k: sum(float(m.get(f"time/{k}") or 0.0) for m in ms) / total
+            for k in ("rollout", "train", "checkpoint")
+        }
+        trajs = int(sum(float(m.get("task/trajectories") or 0.0) for m in ms))
+        lines.append(
+            f"| {seed} | {len(ms)} | {3600 * len(ms) / total:.1f} | {pct(share['rollout'])} | {pct(share['train'])}"
+            f" | {pct(share['checkpoint'])} | {trajs} |"
+        )
+    return lines
+
+
+def final_evals(out: Path, labels: list[str]) -> dict[str, dict[str, list[ProblemRecord]]]:
+    evals = {}
+    for label in labels:
+        by_mode = {m: _records(out / "final", label, m) for m in ("text-only", "retool")}
+        if all(by_mode.values()):
+            evals[label] = by_mode
+    return evals
+
+
+def gains_lines(evals: dict[str, dict[str, list[ProblemRecord]]], seeds: list[int]) -> list[str]:
+    lines = ["| comparison | interpolate | extrapolate |", "|---|---|---|"]
+    pairs = [(f"rl-s{s}", "sft") for s in seeds] + [("ei", "sft")] + [(f"rl-s{s}", "ei") for s in seeds]
+    for after, before in pairs:
+        if after in evals and before in evals:
+            for mode in ("retool", "text-only"):
+                cells = [
+                    gain_cell(of_split(evals[before][mode], sp), of_split(evals[after][mode], sp))
+                    for sp in SPLITS
+                ]
+                lines.append(f"| {after} - {before} ({mode}) | " + " | ".join(cells) + " |")
+    return lines
+
+
+def target_lines(out: Path, evals: dict[str, dict[str, list[ProblemRecord]]], seeds: list[int]) -> list[str]:
+    """Each target of issue 50, met or missed, from the records and metrics."""
+    lines = []
+    for s in seeds:
+        rl = f"rl-s{s}"
+        if rl not in evals or "sft" not in evals:
+            lines.append(f"- seed {s}: final evaluation not run yet")
+            continue
+        for split, need in (("interpolate", 0.10), ("extrapolate", 0.0)):
+            cell = gain_cell(of_split(evals["sft"]["retool"], split), of_split(evals[rl]["retool"], split))
+            gain = split_mean(module_stats(evals[rl]["retool"]), split, "accuracy") - split_mean(
+                module_stats(evals["sft"]["retool"]), split, "accuracy"
+            )
+            low = float(cell.split("[")[1].split(",")[0]) / 100
+            met = low > 0 and gain >= need
+            lines.append(
+                f"- seed {s}, {split}: RL over SFT (retool) {cell}, need {pts(need)} and CI above 0: **{'met' if met else 'missed'}**"
+            )
+        ms = _metrics(out / rl)
+        start_calls = float(ms[0].get("tool/code_share") or 0.0) if ms else 0.0
+        worst_calls = min((float(m.get("tool/code_share") or 0.0) for m in ms), default=0.0)
+        worst_void = max((float(m.get("task/void_turn_rate") or 0.0) for m in ms), default=0.0)
+        ok = worst_calls >= start_calls - 0.10 and worst_void < 0.10
+        lines.append(
+            f"- seed {s}, no collapse: lowest tool-call rate {pct(worst_calls)} against {pct(start_calls)} at step 1,"
+            f" highest void-turn rate {pct(worst_void)}: **{'met' if ok else 'missed'}**"
+        )
+        if "ei" in evals:
+            cell = gain_cell(
+                of_split(evals["ei"]["retool"], "interpolate"), of_split(evals[rl]["retool"], "interpolate")
+            )
+            low = float(cell.split("[")[1].split(",")[0]) / 100
+            lines.append(
+                f"- seed {s}: RL over expert iteration at equal trajectories (retool, interpolate) {cell}: **{'met' if low > 0 else 'missed'}**"
+            )
+        ext = split_mean(module_stats(evals[rl]["retool"]), "extrapolate", "accuracy")
+        lines.append(
+            f"- seed {s}, stretch: retool extrapolation mean {pct(ext)} against the paper's Transformer 50.0%: **{'met' if ext >= 0.5 else 'missed'}**"
+        )
+    return lines
+
+
+def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> str:
+    out = args.out
+    rows = curve_rows(out, seeds)
+    pngs = draw(out, seeds, rows)
+    labels = ["sft", *[f"rl-s{s}" for s in seeds], "ei"]
+    evals = final_evals(out, labels)
+    lines = [*coldstart_lines(out), "", "Learning-rate sweep (seed 0, short runs from the SFT model):", ""]
+    lines += sweep_lines(out)
+    lines += [
+        "",
+        f"Learning curve: held-out retool accuracy (module means, greedy, {args.curve_per_module} a module) every {args.chunk} steps at lr {lr}:",
+        "",
+    ]
+    lines += curve_lines(rows)
+    lines += ["", f"Curves: {', '.join(pngs)} (beside this file in the run folder).", "", "Cost of RL:", ""]
+    lines += cost_lines(out, seeds)
+    lines += [
+        "",
+        f"Expert iteration continued to {budget} sampled trajectories (the cold start's plus RL seed {seeds[0]}'s).",
+        "",
+    ]
+    lines += [f"Final models, {args.final_per_module} questions of every module, greedy, module means:", ""]
+    lines += means_table(evals) if evals else ["not run yet"]
+    lines += ["", "Paired differences over questions, percentage points [95% paired bootstrap CI]:", ""]
+    lines += gains_lines(evals, seeds)
+    lines += ["", "Targets (issue 50):", "", *target_lines(out, evals, seeds)]
+    return "\n".join(lines)

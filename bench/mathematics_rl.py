@@ -1,0 +1,360 @@
+"""Benchmark: does RL itself move SmolLM2-135M on DeepMind Mathematics? Learning curves over seeds, the
+instruments RL engineers read, and expert iteration at an equal number of sampled trajectories beside it.
+
+One cold start, then everything from it, each phase in a process of its own and kept as it finishes, so a
+rerun of the same command resumes where the last one stopped (the run folder may span several sittings;
+keep it outside the work tree):
+
+1. ``coldstart``: expert iteration from the base model (round 0 under the recipe's few-shot prompt, then
+   ``--coldstart-rounds - 1`` rounds of the SFT model's own verified, tool-using attempts) and SFT on the
+   pool -> ``sft/model_sft``.
+2. ``sweep``: short RL runs from the SFT model, one per ``--lrs`` value (seed 0, pass-rate selection), and
+   one at the middle rate in epoch order (the informative share with and without the selector, same start);
+   the rate with the highest train accuracy over the last half of its steps, among those that kept the
+   tool-call rate within ``COLLAPSE_POINTS`` of the first step's, is used below.
+3. ``rl-s<seed>``: RL for ``--steps`` steps in chunks of ``CHUNK``; after each chunk the merged policy is
+   evaluated greedy, tool on, on a fixed held-out slice (``--curve-per-module`` questions of every
+   interpolate and extrapolate module): the learning curve. Longer while the train accuracy still rises
+   (``--max-steps``).
+4. ``ei``: the cold start's expert iteration continued until it has sampled as many trajectories as
+   RL seed 0 (cold start included): the baseline RL must beat.
+5. ``final``: SFT, each RL seed and EI on ``--final-per-module`` questions of every module, text-only and
+   with the tool, greedy; paired bootstrap intervals over questions.
+
+    python bench/mathematics_rl.py --out /work/runs/mathematics_rl            # the whole bench
+    python bench/mathematics_rl.py --out DIR --write                          # + docs/results/mathematics_rl.md
+    python bench/mathematics_rl.py --smoke --out /tmp/slice                   # a few-step slice (CI)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from _harness import eval_output  # bench/, on sys.path when run as a script
+
+log = logging.getLogger("mathematics_rl")
+
+CHUNK = 10  # steps between two points of the learning curve
+COLLAPSE_POINTS = 0.10  # the issue's bound: tool-call rate never more than 10 points under the start's
+VOID_BOUND = 0.10  # and void turns under 10% on every logged step
+# RL's settings beside the recipe's preset (each is item 3 of issue 50 or the selector of item 2): void and
+# truncated trajectories left out of the loss, problems drawn where groups are likely mixed.
+RL_SETS = (
+    "filters.void_turn=true",
+    "filters.overlong=true",
+    "data.selection=pass_rate",
+    "checkpoint.every=5",
+    "checkpoint.keep_last=1",
+)
+SMOKE = {  # a few-step slice: every phase, sizes cut to minutes
+    "steps": 2,
+    "sweep_steps": 1,
+    "lrs": "1e-4",
+    "curve_per_module": 1,
+    "final_per_module": 1,
+    "coldstart_rounds": 1,
+    "chunk": 1,
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", type=Path, default=Path("runs/bench-mathematics-rl"))
+    ap.add_argument("--seeds", default="0,1")
+    ap.add_argument("--steps", type=int, default=100, help="RL steps a seed (default 100)")
+    ap.add_argument("--max-steps", type=int, default=160, help="longer while train accuracy rises")
+    ap.add_argument("--lrs", default="5e-5,1e-4,2e-4", help="the sweep's learning rates")
+    ap.add_argument("--sweep-steps", type=int, default=10)
+    ap.add_argument("--coldstart-rounds", type=int, default=3)
+    ap.add_argument("--curve-per-module", type=int, default=2)
+    ap.add_argument("--final-per-module", type=int, default=10)
+    ap.add_argument("--set", action="append", default=[], help="config override for every phase")
+    ap.add_argument("--data-dir", default=None)
+    ap.add_argument("--smoke", action="store_true", help="a few-step slice of every phase")
+    ap.add_argument("--write", action="store_true", help="write docs/results/mathematics_rl.md")
+    ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # a child's work
+    ap.add_argument("--arg", action="append", default=[], help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    args.chunk = CHUNK
+    if args.smoke:
+        for k, v in SMOKE.items():
+            setattr(args, k, v)
+        args.max_steps = args.steps
+    return args
+
+
+# -- the settings every phase shares ------------------------------------------------------------------------
+
+
+def settings(args: argparse.Namespace, out: Path, extra: list[str] | tuple[str, ...] = ()) -> Any:
+    """The mathematics recipe's demo settings, with the bench's cold start and ``--set``."""
+    from retool.recipes import recipe_named
+    from retool.recipes.demo import recipe_fields
+    from retool.tasks.settings import DemoSettings
+
+    recipe = recipe_named("mathematics")
+    sets = [f"coldstart_rounds={args.coldstart_rounds}", *args.set, *extra]
+    if args.smoke:
+        sets += ["coldstart_rows=2", "sft.steps=2", "sft.batch_size=2", "lora.rank=4", "lora.alpha=8"]
+        sets += ["rollout.questions_per_step=2", "rollout.group_size=2", "filters.dynamic_sampling=false"]
+        sets += ["backend.sample_batch_size=8"]
+    fields = {**recipe_fields(recipe), "out": str(out)}
+    if args.data_dir:
+        fields["data_dir"] = args.data_dir
+    return DemoSettings.load(sets, config=recipe.preset, **fields)
+
+
+def child(args: argparse.Namespace, phase: str, *extra: str) -> None:
+    """``phase`` in a process of its own (its memory freed when it ends; a kill loses only its own work)."""
+    cmd = [sys.executable, __file__, "--phase", phase, "--out", str(args.out), *[f"--arg={x}" for x in extra]]
+    cmd += [f"--set={s}" for s in args.set] + (["--smoke"] if args.smoke else [])
+    cmd += [f"--coldstart-rounds={args.coldstart_rounds}"]
+    cmd += ["--data-dir", args.data_dir] if args.data_dir else []
+    subprocess.run(cmd, check=True)
+
+
+def read_json(path: Path) -> Any:
+    return json.loads(path.read_text()) if path.is_file() else None
+
+
+def write_json(path: Path, value: Any) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(value, indent=2) + "\n")
+    tmp.replace(path)
+
+
+# -- phases run in a child ------------------------------------------------------------------------------------
+
+
+def phase_coldstart(args: argparse.Namespace) -> None:
+    """The cold start (expert iteration from the base model) and SFT -> ``<dir>/model_sft``."""
+    from _harness import sft_start
+    from retool.tasks.real_model import resolve_model_path
+
+    out = Path(args.arg[0])
+    rounds, budget = int(args.arg[1]), int(args.arg[2])
+    extra = [f"coldstart_rounds={rounds}", f"coldstart_max_trajectories={budget}"]
+    started = time.perf_counter()
+    s = settings(args, out, extra)
+    sft_start(s, resolve_model_path(s.config.model.name))
+    write_json(out / "phase.json", {"seconds": time.perf_counter() - started})
+
+
+def phase_rl(args: argparse.Namespace) -> None:
+    """RL from the SFT model to step ``until`` (resumed from the run's checkpoint), then the merged policy
+    -> ``<run>/model_latest``."""
+    from retool.components import build_components
+    from retool.recipes.mathematics.task import mathematics_source
+    from retool.tasks.pipeline import local_backend, phase_config, save_hf, with_available_isolation
+    from retool.train.loop import Trainer
+
+    run, until, seed, lr, selection = (
+        Path(args.arg[0]),
+        int(args.arg[1]),
+        args.arg[2],
+        args.arg[3],
+        args.arg[4],
+    )
+    sets = [*RL_SETS, f"train.steps={until}", f"train.seed={seed}", f"optimizer.lr={lr}"]
+    sets.append(f"data.selection={selection}")
+    s = settings(args, run, sets)
+    config = phase_config(with_available_isolation(s.config), args.out / "sft" / "model_sft", run)
+    source = mathematics_source(config, s.data_dir)
+    started = time.perf_counter()
+    with build_components(config) as parts:
+        trainer = Trainer(
+            config, run, resume=(run / "config.toml").is_file(), source=source, components=parts
+        )
+        summary = trainer.run()
+        save_hf(local_backend(parts), run / "model_latest")
+    seconds = time.perf_counter() - started
+    write_json(run / "model_latest" / "step.json", {"step": summary.last_step, "seconds": seconds})
+
+
+def phase_eval(args: argparse.Namespace) -> None:
+    """The model at ``path`` greedy on ``per_module`` held-out questions of every module, in ``modes``."""
+    from _harness import eval_config, evaluate_model
+    from retool.env.mathematics import MathematicsList
+    from retool.recipes.mathematics.task import held_out_problems
+
+    label, path, folder, per_module, modes = (
+        args.arg[0],
+        Path(args.arg[1]),
+        Path(args.arg[2]),
+        int(args.arg[3]),
+        args.arg[4].split(","),
+    )
+    s = settings(args, folder)
+    config = eval_config(s.config, path, folder, len(modes))
+    config = config.model_copy(update={"sampling": config.sampling.model_copy(update={"temperature": 0.0})})
+    problems = held_out_problems(per_module, s.data_dir)
+    source = MathematicsList(problems, shuffle=False, name="mathematics held-out")
+    evaluate_model(label, modes, folder, config, problems, "mathematics held-out", 0, source)
+
+
+PHASES = {"coldstart": phase_coldstart, "rl": phase_rl, "eval": phase_eval}
+
+
+# -- the plan the parent follows ------------------------------------------------------------------------------
+
+
+def metrics(run: Path) -> list[dict[str, Any]]:
+    from retool.jsonl import read_jsonl_objects
+
+    path = run / "metrics.jsonl"
+    return list(read_jsonl_objects(path)) if path.is_file() else []
+
+
+def sampled_trajectories(run: Path) -> int:
+    """Trajectories RL sampled (every dynamic-sampling round), from its metrics."""
+    return int(sum(float(m.get("task/trajectories", 0.0) or 0.0) for m in metrics(run)))
+
+
+def evaluate(
+    args: argparse.Namespace, label: str, path: Path, folder: Path, per_module: int, modes: str
+) -> None:
+    from retool.evaluate.store import summary_path_for
+
+    outputs = [eval_output(folder, label, m) for m in modes.split(",")]
+    if all(
+        summary_path_for(o).is_file() and read_json(summary_path_for(o)).get("status") == "complete"
+        for o in outputs
+    ):
+        return
+    log.info("evaluating %s (%s) on %d a module", label, modes, per_module)
+    child(args, "eval", label, str(path), str(folder), str(per_module), modes)
+
+
+def coldstart(args: argparse.Namespace) -> Path:
+    sft = args.out / "sft"
+    if not (sft / "model_sft" / "config.json").is_file():
+        log.info("cold start: expert iteration, %d rounds, then SFT", args.coldstart_rounds)
+        child(args, "coldstart", str(sft), str(args.coldstart_rounds), "0")
+    return sft / "model_sft"
+
+
+def train_to(args: argparse.Namespace, run: Path, until: int, seed: int, lr: str, selection: str) -> None:
+    done = read_json(run / "model_latest" / "step.json")
+    if done is None or done["step"] != until:
+        log.info("RL %s: to step %d (lr %s, %s)", run.name, until, lr, selection)
+        child(args, "rl", str(run), str(until), str(seed), lr, selection)
+
+
+def sweep(args: argparse.Namespace) -> str:
+    """Short runs, one per learning rate, and one in epoch order; the rate chosen."""
+    choice = read_json(args.out / "sweep" / "choice.json")
+    if choice:
+        return str(choice["lr"])
+    lrs = args.lrs.split(",")
+    rows = {}
+    for lr in lrs:
+        run = args.out / "sweep" / f"lr{lr}"
+        train_to(args, run, args.sweep_steps, 0, lr, "pass_rate")
+        rows[lr] = run_summary(metrics(run))
+    middle = lrs[len(lrs) // 2]
+    train_to(args, args.out / "sweep" / "epoch", args.sweep_steps, 0, middle, "epoch")
+    kept = [lr for lr in lrs if not rows[lr]["collapsed"]] or lrs
+    best = max(kept, key=lambda lr: rows[lr]["late_accuracy"])
+    write_json(args.out / "sweep" / "choice.json", {"lr": best, "runs": rows})
+    return best
+
+
+def run_summary(ms: list[dict[str, Any]]) -> dict[str, Any]:
+    """Train accuracy over the last half of a run's steps, informative share, and whether it collapsed."""
+    if not ms:
+        return {"late_accuracy": 0.0, "informative_share": 0.0, "collapsed": True, "steps": 0}
+    late = ms[len(ms) // 2 :]
+    start_calls = float(ms[0].get("tool/code_share") or 0.0)
+    collapsed = any(
+        float(m.get("tool/code_share") or 0.0) < start_calls - COLLAPSE_POINTS
+        or float(m.get("task/void_turn_rate") or 0.0) >= VOID_BOUND
+        for m in ms
+    )
+    return {
+        "late_accuracy": mean([float(m.get("task/correct_rate") or 0.0) for m in late]),
+        "informative_share": mean([float(m.get("sampling/informative_share") or 0.0) for m in ms]),
+        "collapsed": collapsed,
+        "steps": len(ms),
+    }
+
+
+def mean(xs: list[float]) -> float:
+    return sum(xs) / len(xs) if xs else 0.0
+
+
+def still_rising(ms: list[dict[str, Any]]) -> bool:
+    """The last 20 steps' train accuracy above the 20 before by more than 2 points."""
+    acc = [float(m.get("task/correct_rate") or 0.0) for m in ms]
+    return len(acc) >= 40 and mean(acc[-20:]) > mean(acc[-40:-20]) + 0.02
+
+
+def rl_seed(args: argparse.Namespace, seed: int, lr: str) -> Path:
+    """RL in chunks, the held-out curve after each; longer while the train accuracy rises."""
+    run = args.out / f"rl-s{seed}"
+    step, target = 0, args.steps
+    while step < target:
+        step = min(step + args.chunk, target)
+        done = read_json(run / "model_latest" / "step.json")
+        if done is not None and done["step"] > step:
+            continue  # trained past this point already: its curve point was kept (or its model is gone)
+        train_to(args, run, step, seed, lr, "pass_rate")
+        evaluate(
+            args, f"step{step:04d}", run / "model_latest", run / "curve", args.curve_per_module, "retool"
+        )
+        if step == target and target < args.max_steps and still_rising(metrics(run)):
+            target = min(target + 2 * args.chunk, args.max_steps)
+    return run
+
+
+def expert_iteration(args: argparse.Namespace, trajectories: int) -> Path:
+    """The cold start's expert iteration continued to ``trajectories`` sampled in all."""
+    ei = args.out / "ei"
+    if not (ei / "model_sft" / "config.json").is_file():
+        if not (ei / "coldstart").is_dir():
+            shutil.copytree(args.out / "sft" / "coldstart", ei / "coldstart")  # its rounds are read back
+        log.info("expert iteration continued to %d sampled trajectories", trajectories)
+        child(args, "coldstart", str(ei), "1000", str(trajectories))
+    return ei / "model_sft"
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    if args.phase:
+        PHASES[args.phase](args)
+        return
+    args.out.mkdir(parents=True, exist_ok=True)
+    seeds = [int(s) for s in args.seeds.split(",")]
+    sft = coldstart(args)
+    evaluate(args, "step0000", sft, args.out / "curve-start", args.curve_per_module, "retool")
+    lr = sweep(args)
+    runs = {seed: rl_seed(args, seed, lr) for seed in seeds}
+    cold = read_json(args.out / "sft" / "coldstart" / "report.json") or {}
+    budget = int(cold.get("sampled", 0)) + sampled_trajectories(runs[seeds[0]])
+    ei = expert_iteration(args, budget)
+    models = {"sft": sft, **{f"rl-s{s}": r / "model_latest" for s, r in runs.items()}, "ei": ei}
+    for label, path in models.items():
+        evaluate(args, label, path, args.out / "final", args.final_per_module, "text-only,retool")
+    from _mathematics_rl_report import report
+
+    text = report(args, seeds, lr, budget)
+    (args.out / "mathematics_rl.md").write_text(text + "\n")
+    print(text)
+    if args.write:
+        from _results import render_pages, write_result
+
+        write_result("mathematics_rl", "RL on DeepMind Mathematics with SmolLM2-135M: learning curves", text)
+        render_pages()
+
+
+if __name__ == "__main__":
+    main()

