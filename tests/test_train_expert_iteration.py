@@ -7,6 +7,7 @@ through the real environments, that a kept attempt is the trace ``retool sft --d
 from __future__ import annotations
 
 import json
+import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -315,3 +316,18 @@ def test_a_kept_attempt_is_the_trace_retool_sft_data_trains_on(qwen_tokenizers: 
     assert (kept.tokens, kept.weights) == (tokens, weights)
     assert kept.text == protocol.decode(tokens) and protocol_mismatch(kept, protocol) is None
     assert protocol_mismatch(kept, protocol.with_examples([{"role": "user", "content": "hi"}])) is not None
+
+
+def test_a_long_chunk_says_how_far_it_got(caplog: pytest.LogCaptureFixture) -> None:
+    """While a chunk samples, a line at most every ``every`` seconds, none for its last trajectory (the
+    round's own line follows it)."""
+    from retool.train.expert_iteration import _Ticker
+
+    ticker = _Ticker(3, every=0.0)
+    with caplog.at_level(logging.INFO, logger="retool.train.expert_iteration"):
+        for _ in range(3):
+            ticker(None)  # type: ignore[arg-type]
+    assert [r.getMessage() for r in caplog.records] == [
+        "expert iteration: 1/3 trajectories of this chunk sampled",
+        "expert iteration: 2/3 trajectories of this chunk sampled",
+    ]

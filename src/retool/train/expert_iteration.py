@@ -262,7 +262,9 @@ def run_expert_iteration(
                 break  # the source is spent: another round would only fine-tune on the same pool again
             if reports:
                 weights.hold(reports[-1], keeper.examples)
-            report, sft = _run_round(r, round_plan, keeper, weights, settings, reports, budgets, category, out)
+            report, sft = _run_round(
+                r, round_plan, keeper, weights, settings, reports, budgets, category, out
+            )
             reports.append(report)
         if on_round is not None:
             on_round(reports[-1])
@@ -452,6 +454,22 @@ async def _sample_round(
         )
 
 
+class _Ticker:
+    """A progress line at most every ``every`` seconds while a chunk samples: a chunk of a few hundred
+    problems takes minutes on a CPU, and a silent terminal for that long reads as a hang."""
+
+    def __init__(self, total: int, every: float = 30.0) -> None:
+        self.total, self.every, self.done = total, every, 0
+        self.last = time.perf_counter()
+
+    def __call__(self, traj: Trajectory) -> None:
+        self.done += 1
+        now = time.perf_counter()
+        if now - self.last >= self.every and self.done < self.total:
+            self.last = now
+            logger.info("expert iteration: %d/%d trajectories of this chunk sampled", self.done, self.total)
+
+
 async def _sample_chunk(
     sampler: GroupSampler,
     policy: Policy,
@@ -462,7 +480,8 @@ async def _sample_chunk(
 ) -> list[list[Trajectory]]:
     """``size`` attempts at each problem, as many as ``room`` trajectories allow (the last group smaller)."""
     whole = len(problems) if room is None else min(len(problems), room // size)
-    groups = await sampler.sample(problems[:whole], policy, group_size=size, seed=seed)
+    ticker = _Ticker(whole * size)
+    groups = await sampler.sample(problems[:whole], policy, group_size=size, seed=seed, on_trajectory=ticker)
     rest = 0 if room is None else min(room - whole * size, size)
     if rest > 0 and whole < len(problems):
         last = problems[whole]
