@@ -249,7 +249,9 @@ def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> 
     lines += cost_lines(out, seeds)
     lines += [
         "",
-        f"Expert iteration continued to {budget} sampled trajectories (the cold start's plus RL seed {seeds[0]}'s).",
+        f"Expert iteration continued to {budget} sampled trajectories (the cold start's plus RL seed {seeds[0]}'s)."
+        if budget
+        else "Expert iteration continued: not run yet (report of a run in progress).",
         "",
     ]
     lines += [f"Final models, {args.final_per_module} questions of every module, greedy, module means:", ""]

@@ -80,6 +80,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--smoke", action="store_true", help="a few-step slice of every phase")
     ap.add_argument("--write", action="store_true", help="write docs/results/mathematics_rl.md")
+    ap.add_argument("--report", action="store_true", help="only the report, of what the run folder holds now")
     ap.add_argument("--phase", default=None, help=argparse.SUPPRESS)  # a child's work
     ap.add_argument("--arg", action="append", default=[], help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -334,6 +335,10 @@ def main(argv: list[str] | None = None) -> None:
         return
     args.out.mkdir(parents=True, exist_ok=True)
     seeds = [int(s) for s in args.seeds.split(",")]
+    if args.report:  # a look at a run still going (or stopped): nothing is sampled or trained
+        choice = read_json(args.out / "sweep" / "choice.json") or {}
+        publish(args, seeds, str(choice.get("lr", "-")), 0)
+        return
     sft = coldstart(args)
     evaluate(args, "step0000", sft, args.out / "curve-start", args.curve_per_module, "retool")
     lr = sweep(args)
@@ -344,6 +349,11 @@ def main(argv: list[str] | None = None) -> None:
     models = {"sft": sft, **{f"rl-s{s}": r / "model_latest" for s, r in runs.items()}, "ei": ei}
     for label, path in models.items():
         evaluate(args, label, path, args.out / "final", args.final_per_module, "text-only,retool")
+    publish(args, seeds, lr, budget)
+
+
+def publish(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> None:
+    """The report into the run folder, printed, and with ``--write`` into docs/results."""
     from _mathematics_rl_report import report
 
     text = report(args, seeds, lr, budget)
