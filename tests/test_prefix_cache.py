@@ -266,11 +266,12 @@ def test_requests_join_mid_decode_and_leave_when_done(uncached: LocalTrainingCli
             return out
 
         long_task = asyncio.ensure_future(
-            tagged("long", sampler.sample_async(long_prompt, 1, SamplingParams(max_tokens=120, seed=1)))
+            tagged("long", sampler.sample_async(long_prompt, 1, SamplingParams(max_tokens=400, seed=1)))
         )
+        # The long sequence is decoding once it is in the batch; no fixed wait after that: on a fast CPU
+        # this model decodes 120 tokens in well under 0.1 s, and a sleep let it finish first.
         while uncached.engine.peak_rows < 1:
             await asyncio.sleep(0.001)
-        await asyncio.sleep(0.05)  # the long sequence is decoding now
         got = await tagged("short", sampler.sample_async(short_prompt, 2, short))
         await long_task
         return got
