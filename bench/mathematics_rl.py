@@ -163,6 +163,7 @@ def phase_rl(args: argparse.Namespace) -> None:
     from retool.components import build_components
     from retool.recipes.mathematics.task import mathematics_source
     from retool.tasks.pipeline import local_backend, phase_config, save_hf, with_available_isolation
+    from retool.tasks.settings import seed_overrides
     from retool.train.loop import Trainer
 
     run, until, seed, lr, selection = (
@@ -172,7 +173,7 @@ def phase_rl(args: argparse.Namespace) -> None:
         args.arg[3],
         args.arg[4],
     )
-    sets = [*RL_SETS, f"train.steps={until}", f"train.seed={seed}", f"optimizer.lr={lr}"]
+    sets = [*RL_SETS, *seed_overrides(int(seed)), f"train.steps={until}", f"optimizer.lr={lr}"]
     sets.append(f"data.selection={selection}")
     s = settings(args, run, sets)
     config = phase_config(with_available_isolation(s.config), args.out / "sft" / "model_sft", run)
@@ -186,6 +187,8 @@ def phase_rl(args: argparse.Namespace) -> None:
         save_hf(local_backend(parts), run / "model_latest")
     seconds = time.perf_counter() - started
     write_json(run / "model_latest" / "step.json", {"step": summary.last_step, "seconds": seconds})
+    if summary.last_step != until:  # stopped by a signal: no curve point may be taken for ``until``
+        raise SystemExit(f"RL {run.name} stopped at step {summary.last_step} of {until}; rerun to resume")
 
 
 def phase_eval(args: argparse.Namespace) -> None:
@@ -244,7 +247,7 @@ def evaluate(
 
 def coldstart(args: argparse.Namespace) -> Path:
     sft = args.out / "sft"
-    if not (sft / "model_sft" / "config.json").is_file():
+    if not (sft / "phase.json").is_file():  # written after model_sft is whole
         log.info("cold start: expert iteration, %d rounds, then SFT", args.coldstart_rounds)
         child(args, "coldstart", str(sft), str(args.coldstart_rounds), "0")
     return sft / "model_sft"
@@ -267,13 +270,31 @@ def sweep(args: argparse.Namespace) -> str:
     for lr in lrs:
         run = args.out / "sweep" / f"lr{lr}"
         train_to(args, run, args.sweep_steps, 0, lr, "pass_rate")
-        rows[lr] = run_summary(metrics(run))
+        label = f"lr{lr}"
+        evaluate(
+            args, label, run / "model_latest", args.out / "sweep" / "curve", args.curve_per_module, "retool"
+        )
+        rows[lr] = {
+            **run_summary(metrics(run)),
+            "held_out": held_out_mean(args.out / "sweep" / "curve", label),
+        }
     middle = lrs[len(lrs) // 2]
     train_to(args, args.out / "sweep" / "epoch", args.sweep_steps, 0, middle, "epoch")
     kept = [lr for lr in lrs if not rows[lr]["collapsed"]] or lrs
-    best = max(kept, key=lambda lr: rows[lr]["late_accuracy"])
+    # Judged on held-out questions, not the train accuracy: the pass-rate selection steers draws toward
+    # problems near a 50% pass rate, so a rate that learns faster can show a lower train accuracy.
+    best = max(kept, key=lambda lr: (rows[lr]["held_out"], rows[lr]["late_accuracy"]))
     write_json(args.out / "sweep" / "choice.json", {"lr": best, "runs": rows})
     return best
+
+
+def held_out_mean(folder: Path, label: str) -> float:
+    """Retool accuracy of a curve evaluation: the mean of the two splits' module means."""
+    from mathematics import SPLITS, module_stats, split_mean
+    from retool.evaluate.store import read_problem_records
+
+    stats = module_stats(read_problem_records(eval_output(folder, label, "retool")))
+    return sum(split_mean(stats, sp, "accuracy") for sp in SPLITS) / len(SPLITS)
 
 
 def run_summary(ms: list[dict[str, Any]]) -> dict[str, Any]:
@@ -308,16 +329,17 @@ def still_rising(ms: list[dict[str, Any]]) -> bool:
 def rl_seed(args: argparse.Namespace, seed: int, lr: str) -> Path:
     """RL in chunks, the held-out curve after each; longer while the train accuracy rises."""
     run = args.out / f"rl-s{seed}"
-    step, target = 0, args.steps
+    done = read_json(run / "model_latest" / "step.json")
+    # An extension an earlier sitting decided (trained past --steps) stands: a rerun goes on to its end.
+    step, target = 0, max(args.steps, done["step"] if done else 0)
     while step < target:
         step = min(step + args.chunk, target)
         done = read_json(run / "model_latest" / "step.json")
-        if done is not None and done["step"] > step:
-            continue  # trained past this point already: its curve point was kept (or its model is gone)
-        train_to(args, run, step, seed, lr, "pass_rate")
-        evaluate(
-            args, f"step{step:04d}", run / "model_latest", run / "curve", args.curve_per_module, "retool"
-        )
+        if done is None or done["step"] <= step:  # else trained past this point: its curve point was kept
+            train_to(args, run, step, seed, lr, "pass_rate")
+            evaluate(
+                args, f"step{step:04d}", run / "model_latest", run / "curve", args.curve_per_module, "retool"
+            )
         if step == target and target < args.max_steps and still_rising(metrics(run)):
             target = min(target + 2 * args.chunk, args.max_steps)
     return run
@@ -326,9 +348,12 @@ def rl_seed(args: argparse.Namespace, seed: int, lr: str) -> Path:
 def expert_iteration(args: argparse.Namespace, trajectories: int) -> Path:
     """The cold start's expert iteration continued to ``trajectories`` sampled in all."""
     ei = args.out / "ei"
-    if not (ei / "model_sft" / "config.json").is_file():
-        if not (ei / "coldstart").is_dir():
-            shutil.copytree(args.out / "sft" / "coldstart", ei / "coldstart")  # its rounds are read back
+    if not (ei / "phase.json").is_file():  # written after model_sft is whole
+        if not (ei / "coldstart").is_dir():  # the cold start's rounds, read back; copied whole or not at all
+            partial = ei / "coldstart.partial"
+            shutil.rmtree(partial, ignore_errors=True)
+            shutil.copytree(args.out / "sft" / "coldstart", partial)
+            partial.replace(ei / "coldstart")
         log.info("expert iteration continued to %d sampled trajectories", trajectories)
         child(args, "coldstart", str(ei), "1000", str(trajectories))
     return ei / "model_sft"
