@@ -54,6 +54,10 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "rollout.max_assistant_turns=2",
         "rollout.max_code_calls=1",
         "filters.dynamic_sampling=false",
+        # The untrained model's 24-token turns are all cut off or void: the recipe's filters would leave every
+        # trajectory out of the one step this test needs to train.
+        "filters.void_turn=false",
+        "filters.overlong=false",
         "checkpoint.every=0",
         "backend.sample_batch_size=8",
         "backend.micro_batch_tokens=1024",
