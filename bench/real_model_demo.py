@@ -47,7 +47,7 @@ def summary(run: Path, wall: float | None) -> str:
     settings = report.get("settings", {})
     config = settings.get("config", {})
     lines = [
-        f"- run: retool demo --model {config.get('model', {}).get('name', '?')}, seed {settings.get('seed')}, "
+        f"- run: model {config.get('model', {}).get('name', '?')}, seed {settings.get('seed')}, "
         f"{config.get('train', {}).get('steps', '?')} RL steps, sampler {config.get('backend', {}).get('sampler')}, "
         f"prefix cache {config.get('backend', {}).get('prefix_cache_mb')} MB",
         f"- machine (report.json): {facts.get('cpu')}, {facts.get('cpus')} CPUs, {facts.get('memory_gib')} GiB, "
@@ -128,7 +128,7 @@ def main(argv: list[str] | None = None) -> int:
             raise SystemExit(f"{run} holds no report.json: not a finished demo run")
         print(summary(run, wall), end="")
     if args.write:
-        title = "A real pretrained model: `retool demo --model smollm2` (`bench/real_model_demo.py`)"
+        title = "A real pretrained model: `retool demo --recipe smollm2` (`bench/real_model_demo.py`)"
         note = (
             "" if wall is not None else "Read from a finished run (`--from`): the load line is the reading's."
         )

@@ -107,7 +107,7 @@ CASES: dict[str, tuple[list[str], tuple[str, ...]]] = {
         ["sft", "--data", "/no/such/traces.jsonl"],
         ("--data /no/such/traces.jsonl: no such file",),
     ),
-    "demo: unknown model": (["demo", "--model", "/no/such/model"], ("'/no/such/model'", "known: tiny")),
+    "demo: unknown recipe": (["demo", "--recipe", "/no/such/recipe"], ("'/no/such/recipe'", "known: tiny")),
     "demo: no such model path": (
         ["demo", "--set", "model.name=/no/such/model", "--out", "d"],
         ("'/no/such/model'", "nor a path"),

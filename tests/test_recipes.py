@@ -1,5 +1,5 @@
-"""The recipe registry: every recipe is a folder with its preset, README and ``RECIPE``; the deprecated
-``--model`` / ``--task`` pairs map onto them; the demo-only fields a recipe sets are ``DemoSettings``'."""
+"""The recipe registry: every recipe is a folder with its preset, README and ``RECIPE``; a model and task
+pair names one; the demo-only fields a recipe sets are ``DemoSettings``'."""
 
 from __future__ import annotations
 
@@ -29,7 +29,7 @@ def test_every_shipped_recipe_is_a_folder_with_its_preset_and_readme() -> None:
         assert f"Recipe `{name}`" in readme and "retool demo" in readme, name
 
 
-def test_the_deprecated_model_and_task_pairs_name_the_recipes() -> None:
+def test_model_and_task_pairs_name_the_recipes() -> None:
     pairs = {
         ("tiny", "synthetic"): "tiny",
         ("smollm2", "synthetic"): "smollm2",
@@ -110,8 +110,7 @@ def test_retool_recipes_lists_them_and_demo_takes_a_recipe(tmp_path: Path) -> No
     assert "retool demo --recipe NAME" in listed.output
     result = CliRunner().invoke(app, ["demo", "--recipe", "nope", "--out", str(tmp_path / "r")])
     assert result.exit_code == 2 and "unknown recipe 'nope'" in result.output
-    both = CliRunner().invoke(
-        app, ["demo", "--recipe", "tiny", "--task", "gsm8k", "--out", str(tmp_path / "r")]
-    )
-    assert both.exit_code == 2 and "drop --model / --task" in both.output
+    for retired in ("--model", "--task"):  # --recipe names the model and the task
+        refused = CliRunner().invoke(app, ["demo", retired, "smollm2", "--out", str(tmp_path / "r")])
+        assert refused.exit_code == 2 and f"No such option: {retired}" in refused.output
     assert not (tmp_path / "r").exists()

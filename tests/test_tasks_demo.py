@@ -10,11 +10,10 @@ import numpy as np
 import pytest
 
 from retool.jsonl import read_jsonl
-from retool.recipes.demo import run_demo, run_settings
-from retool.recipes.gsm8k import Gsm8kOptions
+from retool.recipes.demo import run_demo
 from retool.recipes.tiny import SyntheticOptions
 from retool.tasks.report import gain_line, time_split_markdown
-from retool.tasks.settings import FLAT_OPTION_KEYS, DemoSettings, migrate_flat_options
+from retool.tasks.settings import DemoSettings
 
 
 def small(out: Path) -> DemoSettings:
@@ -91,75 +90,26 @@ def test_reuse_sft_redoes_only_rl_from_the_same_model(
     assert all(r["sampling/rounds"] == 1 for r in rows)
 
 
-def test_reuse_sft_accepts_a_run_written_before_settings_were_added(
-    first_run: tuple[DemoSettings, Path], tmp_path: Path, fixture_data: Path
+def test_a_run_of_another_settings_shape_is_refused_in_one_line(
+    first_run: tuple[DemoSettings, Path], tmp_path: Path
 ) -> None:
-    """A run folder from an older version lacks the settings added since; it ran with their defaults."""
+    """A run folder whose ``settings.json`` has no ``options`` (as versions before the recipes' own options
+    wrote it) is neither resumed nor reused: one line says so, and nothing is written."""
     import shutil
 
     settings, first = first_run
     old = tmp_path / "old"
     shutil.copytree(first, old)
     recorded = json.loads((old / "settings.json").read_text())
-    del recorded["options"]["gsm8k_problems"], recorded["config"]["model"]["system_prompt"]
-    (old / "settings.json").write_text(json.dumps(recorded))
-    result = run_demo(replace(settings, out=str(tmp_path / "e"), reuse_sft=str(old)))
-    assert "reuse_sft" in result.timings
-    # ... but a missing setting whose default differs from this run's is still a difference.
-    with pytest.raises(ValueError, match="differ in gsm8k_problems"):
-        # (the GSM8K slice is read before the check: from the fixtures; data_dir is not an SFT setting)
-        run_demo(
-            replace(
-                settings,
-                out=str(tmp_path / "f"),
-                reuse_sft=str(old),
-                options=SyntheticOptions(gsm8k_problems=3),
-                data_dir=str(fixture_data),
-            )
-        )
-
-
-def _flattened(folder: Path) -> None:
-    """``folder``'s ``settings.json`` as a version before recipes declared their options wrote it: every
-    recipe's option a top-level key (the ones its recipe does not read at their old defaults)."""
-    recorded = json.loads((folder / "settings.json").read_text())
-    old_defaults = {"coldstart_rows": 0, "coldstart_samples": 2, "coldstart_temperature": 0.7}
-    old_defaults |= {"mathematics_problems": 0, "rl_max_solution_steps": 0}
-    flat = {**old_defaults, **recorded.pop("options")}
-    assert set(flat) == set(FLAT_OPTION_KEYS)
-    (folder / "settings.json").write_text(json.dumps({**recorded, **flat}))
-
-
-def test_resume_and_reuse_sft_read_a_run_written_with_flat_option_keys(
-    first_run: tuple[DemoSettings, Path], tmp_path: Path
-) -> None:
-    """A run folder from before the recipes' own options (``gsm8k_problems`` etc. as top-level keys) is
-    read into today's shape: reused and resumed as before, a flat key compared as the option it became."""
-    import shutil
-
-    settings, first = first_run
-    old = tmp_path / "old"
-    shutil.copytree(first, old)
-    _flattened(old)
-    assert run_settings(old)["options"] == {"test_hard_fraction": None, "gsm8k_problems": 0}
-    assert "reuse_sft" in run_demo(replace(settings, out=str(tmp_path / "g"), reuse_sft=str(old))).timings
-    with pytest.raises(ValueError, match=r"other settings \(gsm8k_problems\)"):
-        run_demo(replace(settings, out=str(old), resume=True, options=SyntheticOptions(gsm8k_problems=2)))
-    resumed = run_demo(replace(settings, out=str(old), resume=True))  # every phase done: the same table
-    before = json.loads((first / "report.json").read_text())["table"]
-    assert json.loads(json.dumps(resumed.table, default=str)) == before
-
-
-def test_flat_option_keys_move_under_options_those_of_the_recipe_only() -> None:
-    flat = {"task": "gsm8k", "seed": 1, "gsm8k_problems": 5, "coldstart_rows": 8, "test_hard_fraction": None}
-    flat |= {"coldstart_samples": 2, "rl_max_solution_steps": 3}
-    moved = migrate_flat_options(flat, Gsm8kOptions.names())
-    assert moved == {
-        "task": "gsm8k",
-        "seed": 1,
-        "options": {"gsm8k_problems": 5, "coldstart_rows": 8, "rl_max_solution_steps": 3},
-    }
-    assert migrate_flat_options(moved, Gsm8kOptions.names()) is moved  # today's shape: as it is
+    options = recorded.pop("options")
+    (old / "settings.json").write_text(json.dumps({**recorded, **options}))
+    for attempt in (
+        replace(settings, out=str(old), resume=True),
+        replace(settings, out=str(tmp_path / "g"), reuse_sft=str(old)),
+    ):
+        with pytest.raises(ValueError, match=r"another version of retool \(no .options.\): start a new run"):
+            run_demo(attempt)
+    assert not (tmp_path / "g" / "report.json").exists()
 
 
 def test_reuse_sft_refuses_other_tasks_or_missing_runs(

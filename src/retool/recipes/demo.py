@@ -3,13 +3,12 @@ run through the generic pipeline (``retool.tasks.pipeline``).
 
 The entry points the benches, tests and docs call: ``run_demo``, ``run_sft``, ``real_model_settings`` (a
 recipe's preset, demo-only fields and options, then overrides), ``recipe_fields``, ``run_settings`` (a run
-folder's ``settings.json``, older ones too), ``demo_source`` and ``held_out`` (what a run trains and is
+folder's ``settings.json``), ``demo_source`` and ``held_out`` (what a run trains and is
 evaluated on). The pipeline's own helpers keep their home in ``retool.tasks.pipeline``.
 """
 
 from __future__ import annotations
 
-import json
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Unpack
@@ -21,7 +20,7 @@ from retool.recipes import RECIPES, recipe_for, recipe_of_task
 from retool.tasks.pipeline import run_pipeline, run_recipe_sft
 from retool.tasks.recipe import HeldOut, Recipe
 from retool.tasks.report import DemoResult
-from retool.tasks.settings import DemoFields, DemoSettings, Event, migrate_flat_options
+from retool.tasks.settings import DemoFields, DemoSettings, Event, recorded_settings
 
 # The tasks the registered recipes run (what ``DemoSettings.task`` may hold).
 DEMO_TASKS = tuple(dict.fromkeys(r.task for r in RECIPES.values()))
@@ -60,11 +59,8 @@ def recipe_fields(recipe: Recipe) -> DemoFields:
 
 
 def run_settings(folder: Path) -> JsonObject:
-    """A run folder's ``settings.json`` in today's shape, whichever version wrote it: an older run's flat
-    option keys moved under ``options`` (those its task's recipe declares)."""
-    saved = json.loads((folder / "settings.json").read_text(encoding="utf-8"))
-    names = recipe_of_task(str(saved.get("task", "synthetic"))).options_type.names()
-    return migrate_flat_options(saved, names)
+    """A run folder's ``settings.json`` (``retool.tasks.settings.recorded_settings``)."""
+    return recorded_settings(folder / "settings.json")
 
 
 def demo_source(settings: DemoSettings, config: Config) -> ProblemSource:

@@ -38,7 +38,7 @@ from retool.env import ProblemSource, TaskFamilySource
 from retool.evaluate.runner import run_eval
 from retool.evaluate.settings import setting_value, settings_differences
 from retool.evaluate.store import EvalSummary, summary_path_for
-from retool.jsonl import JsonObject, JsonValue
+from retool.jsonl import JsonObject
 from retool.sandbox import strict_support
 from retool.tasks.model import build_demo_model
 from retool.tasks.phases import PHASES_FILE, Clock, Phases
@@ -55,7 +55,7 @@ from retool.tasks.report import (
     table_rows,
     write_report,
 )
-from retool.tasks.settings import DemoSettings, Event, RecipeOptions, migrate_flat_options, with_data_dir
+from retool.tasks.settings import DemoSettings, Event, RecipeOptions, recorded_settings, with_data_dir
 from retool.train.loop import Trainer
 from retool.train.sft import SFTReport
 from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
@@ -276,12 +276,6 @@ def _shown(names: Sequence[str]) -> str:
     return ", ".join(name.removeprefix("options.") for name in names)
 
 
-def _recorded(path: Path, options: RecipeOptions) -> JsonObject:
-    """A run folder's ``settings.json`` in today's shape (an older run's flat option keys moved under
-    ``options``: ``migrate_flat_options``)."""
-    return migrate_flat_options(json.loads(path.read_text(encoding="utf-8")), options.names())
-
-
 def _start(recipe: Recipe, settings: DemoSettings, out: Path) -> Config:
     """Claim the run folder (or, ``resume``, check it is this run's), record the settings, set torch's
     threads and seed; the config in force."""
@@ -297,7 +291,7 @@ def _start(recipe: Recipe, settings: DemoSettings, out: Path) -> Config:
     if settings.resume:
         if not saved.is_file():
             raise FileNotFoundError(f"--resume {out}: no demo run there (no settings.json)")
-        earlier = _recorded(saved, settings.options)
+        earlier = recorded_settings(saved)
         mine = json.loads(json.dumps(settings.as_dict(), default=str))
         differ = settings_differences(earlier, mine, ignore=_RESUME_FREE)
         if differ:
@@ -515,21 +509,14 @@ def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[P
     """The SFT model and SFT evaluation of an earlier run with the same tasks and SFT settings."""
     source = Path(str(settings.reuse_sft))
     try:
-        earlier = _recorded(source / "settings.json", settings.options)
+        earlier = recorded_settings(source / "settings.json")
     except (OSError, json.JSONDecodeError) as exc:
         raise ValueError(f"--reuse-sft {source}: not a finished demo run ({exc})") from None
     mine = settings.as_dict()
-    # A run written by an older version lacks the settings added since: it ran with their defaults.
-    defaults = DemoSettings(options=type(settings.options)()).as_dict()
-
-    def before(key: str) -> JsonValue:
-        value = setting_value(earlier, key)
-        return setting_value(defaults, key) if value is None else value
-
     # A run that evaluates no held-out slice (eval_modes = ()) copies no evaluation: it may reuse the SFT
     # model of another seed (bench/gsm8k.py: one SFT model, RL of each seed from it).
     keys = [k for k in _sft_keys(settings.options) if settings.eval_modes or k not in _SLICE_KEYS]
-    differ = [k for k in keys if before(k) != setting_value(mine, k)]
+    differ = [k for k in keys if setting_value(earlier, k) != setting_value(mine, k)]
     if differ:
         raise ValueError(f"--reuse-sft {source}: its settings differ in {_shown(differ)}")
     if not (source / "model_sft" / "config.json").is_file():

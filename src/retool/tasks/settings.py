@@ -4,15 +4,15 @@ own options), the typed keyword form of those fields (``DemoFields``), the base 
 
 The generic fields are what the pipeline (``retool.tasks.pipeline``) reads; a recipe's knobs are its
 ``RecipeOptions`` subclass, declared in its own folder, so a new recipe needs no field here.
-``settings.json`` records the options under ``options``; a run folder written before recorded them as
-flat top-level keys, which ``migrate_flat_options`` moves into the new shape, so ``--resume`` and
-``--reuse-sft`` on an older run compare the same values as before.
+``settings.json`` records the options under ``options``; ``recorded_settings`` reads it back and refuses,
+in one line, a file of another shape (no compatibility code before a tagged release).
 """
 
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Collection, Mapping, Sequence
+import json
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypedDict, TypeVar, Unpack
@@ -204,28 +204,13 @@ def _named_value(override: str, options: RecipeOptions) -> tuple[str, Any]:  # i
     return name, tuple(value) if isinstance(value, list) else value
 
 
-# The recipe options that were flat demo fields before each recipe declared its own: a ``settings.json``
-# written then records them as top-level keys, every run all of them.
-FLAT_OPTION_KEYS = (
-    "test_hard_fraction",
-    "gsm8k_problems",
-    "coldstart_rows",
-    "coldstart_samples",
-    "coldstart_temperature",
-    "mathematics_problems",
-    "rl_max_solution_steps",
-)
-
-
-def migrate_flat_options(saved: JsonObject, known: Collection[str]) -> JsonObject:
-    """A recorded ``settings.json`` in today's shape: an older run's flat option keys moved under
-    ``options``, those of them the run's recipe declares (``known``); the others were fields every run
-    carried and its recipe never read. A run already in today's shape comes back as it is."""
-    if "options" in saved:
-        return saved
-    kept = {k: v for k, v in saved.items() if k not in FLAT_OPTION_KEYS}
-    options = {k: saved[k] for k in FLAT_OPTION_KEYS if k in saved and k in known}
-    return {**kept, "options": options}
+def recorded_settings(path: Path) -> JsonObject:
+    """A run folder's ``settings.json``, as ``DemoSettings.as_dict`` wrote it. A file of another shape (an
+    earlier version's, before recipes declared their options) is refused: start a new run."""
+    saved = json.loads(path.read_text(encoding="utf-8"))
+    if not isinstance(saved, dict) or "options" not in saved:
+        raise ValueError(f"{path} was written by another version of retool (no 'options'): start a new run")
+    return saved
 
 
 def with_data_dir(settings: DemoSettings, config: Config) -> Config:

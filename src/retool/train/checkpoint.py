@@ -55,6 +55,9 @@ LATEST = "latest"
 STATE_FILE = "trainer_state.json"
 PIPELINE_FILE = "pipeline.pkl"
 SELECTION_FILE = "selection.json"
+# Raised whenever a checkpoint's files change shape, including a field of the dataclasses pickled into
+# ``pipeline.pkl``: a checkpoint of another format is refused, never read half-right.
+CHECKPOINT_FORMAT = 1
 
 
 class CheckpointError(RuntimeError):
@@ -81,13 +84,23 @@ class TrainerState:
     backend_state: str = ""  # path (relative to the checkpoint folder when local) or remote URI
     backend_state_is_local: bool = True
     extra: JsonObject = field(default_factory=dict)
+    format: int = CHECKPOINT_FORMAT  # the layout of the whole checkpoint, pickled batches included
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
 
     @classmethod
-    def from_json(cls, text: str) -> TrainerState:
-        return cls(**json.loads(text))
+    def from_json(cls, text: str, where: Path | str = STATE_FILE) -> TrainerState:
+        """The state ``text`` records; a ``CheckpointError`` in one line for a checkpoint of another format
+        (no compatibility code before a tagged release: resume it with the version that wrote it)."""
+        data = json.loads(text)
+        written = data.get("format") if isinstance(data, dict) else None
+        if written != CHECKPOINT_FORMAT:
+            raise CheckpointError(
+                f"{where}: a checkpoint of format {written}, written by another version of retool (this one "
+                f"reads format {CHECKPOINT_FORMAT}); resume it with that version, or start a new run"
+            )
+        return cls(**data)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -328,7 +341,7 @@ class CheckpointManager:
         """Trainer state, RNG state and the backend state path (absolute when local)."""
         import torch  # deferred: as in capture_rng
 
-        state = TrainerState.from_json((path / STATE_FILE).read_text(encoding="utf-8"))
+        state = TrainerState.from_json((path / STATE_FILE).read_text(encoding="utf-8"), path / STATE_FILE)
         rng = torch.load(path / "rng.pt", weights_only=False)
         backend = state.backend_state
         if state.backend_state_is_local and backend and not os.path.isabs(backend):

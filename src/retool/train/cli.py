@@ -11,7 +11,7 @@ from retool.data import DataError
 from retool.errors import UserError
 from retool.retry import RetriesExhaustedError, UnsafeRetryError
 from retool.sandbox import SandboxPreimportError
-from retool.train.checkpoint import RunWriteError
+from retool.train.checkpoint import CheckpointError, RunWriteError
 from retool.train.datasource import DataSourceError
 from retool.train.loop import RunDirError, TrainSummary, load_run_config, run_training
 from retool.train.metrics import StepLostError
@@ -60,7 +60,7 @@ def _train(cfg: Config, folder: Path, resume: bool) -> TrainSummary:
     after, 130 for an abort."""
     try:
         return run_training(cfg, folder, resume=resume)
-    except (RunDirError, DataSourceError, DataError, TrackerError, ConfigError) as exc:
+    except (RunDirError, DataSourceError, DataError, TrackerError, ConfigError, CheckpointError) as exc:
         raise UserError(str(exc)) from None
     except (
         RunWriteError,

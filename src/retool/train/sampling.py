@@ -166,8 +166,8 @@ async def run_group_rollouts(
 class Collected:
     """The outcome of one step's sampling.
 
-    Checkpoints pickle it (``retool.train.pipeline.PipelineState``): a field added later needs a plain
-    default (a class attribute), so a batch pickled before it existed still loads and reads the default.
+    Checkpoints pickle it (``retool.train.pipeline.PipelineState``): a change of its fields is a change of
+    ``retool.train.checkpoint.CHECKPOINT_FORMAT``.
     """
 
     groups: list[list[Trajectory]]  # the groups to train on (informative ones when dynamic sampling is on)
@@ -176,8 +176,8 @@ class Collected:
     rounds: int = 1
     informative: int = 0  # sampled groups with differing rewards (before the cut to ``target``)
     roc_dropped: int = 0  # trajectories Resample-on-Correct left out (0 when it is off)
-    # Per group of ``groups``: its rewards differ (``is_informative``), decided when it was sampled. None in
-    # a batch a checkpoint pickled before the verdict was recorded (``build_step_data`` then decides).
+    # Per group of ``groups``: its rewards differ (``is_informative``), decided when it was sampled. None
+    # when the groups did not come through the step sampler (``build_step_data`` then decides).
     group_informative: tuple[bool, ...] | None = None
 
     def with_policy_version(self, version: int) -> Collected:

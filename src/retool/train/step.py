@@ -149,8 +149,8 @@ def build_step_data(
     """Datums of every informative group, weighted for the exact mean over trained datums.
 
     ``informative`` is the step sampler's verdict on each group (``Collected.group_informative``), read,
-    not decided again. Only without one (groups that did not come through the step sampler, or a batch
-    restored from a checkpoint written before the verdict was recorded) is ``is_informative`` applied here.
+    not decided again. Only without one (groups that did not come through the step sampler) is
+    ``is_informative`` applied here.
     ``drop_void`` / ``drop_overlong`` leave such trajectories out of the update. Their rewards still
     count in their group's mean (the baseline is the policy's, filters only withhold gradient), and the
     mean-reduction weights count only the datums actually trained.

@@ -333,7 +333,7 @@ def latest_state(run_dir: Path) -> TrainerState | None:
     latest = CheckpointManager(run_dir).latest()
     if latest is None:
         return None
-    return TrainerState.from_json((latest / STATE_FILE).read_text(encoding="utf-8"))
+    return TrainerState.from_json((latest / STATE_FILE).read_text(encoding="utf-8"), latest / STATE_FILE)
 
 
 def _checkpointed_run_id(state: TrainerState | None, name: str) -> str | None:
