@@ -99,3 +99,20 @@ def test_settings_that_do_not_go_together_are_refused(overrides: list[str], mess
     # Each setting alone is fine.
     for item in overrides:
         load_config("tiny", [item])
+
+
+@pytest.mark.parametrize(
+    ("setting", "named"),
+    [
+        ('backend.sampler="llamacpp"', "backend.sampler = 'llamacpp'"),
+        ('backend.sampler="vllm"', "backend.sampler = 'vllm'"),
+        ('backend.kind="tinker"', "backend.kind = 'tinker'"),
+        ('backend.kind="pytrio"', "backend.kind = 'pytrio'"),
+    ],
+)
+def test_stop_at_boxed_is_refused_where_the_engine_would_ignore_it(setting: str, named: str) -> None:
+    with pytest.raises(ConfigError, match="stop_at_boxed") as err:
+        load_config(None, [setting, "sampling.stop_at_boxed=true"])
+    assert named in str(err.value) and "\n" not in str(err.value)
+    load_config(None, [setting])  # the engine itself is fine
+    assert load_config(None, ["sampling.stop_at_boxed=true"]).sampling.stop_at_boxed  # the local sampler

@@ -420,6 +420,16 @@ class Config(_Section):
                 f"{engine} sampler holds one set of weights (use backend.sampler = 'hf', or "
                 "max_steps_off_policy = 0)"
             )
+        if self.sampling.stop_at_boxed and (self.backend.kind != "local" or engine != "hf"):
+            where = (
+                f"backend.sampler = {engine!r}"
+                if self.backend.kind == "local"
+                else f"backend.kind = {self.backend.kind!r}"
+            )
+            raise ValueError(
+                f"sampling.stop_at_boxed is done by the local engine's own sampler only; with {where} it "
+                "would be ignored (use backend.kind = 'local' with backend.sampler = 'hf', or stop_at_boxed = false)"
+            )
         return self
 
 

@@ -24,8 +24,8 @@ class Tokenizer(Protocol):
 @dataclass(frozen=True)
 class SamplingParams:
     """How to sample one completion. ``stop`` holds strings or token ids (not mixed). ``stop_at_boxed``:
-    end the completion as soon as it holds a closed ``\\boxed{...}`` (the local engine; greedy evaluation,
-    where nothing after the first answer is read; other engines ignore it)."""
+    end the completion as soon as it holds a closed ``\\boxed{...}`` (greedy evaluation, where nothing after
+    the first answer is read). Only the local engine's own sampler does it; the config refuses it elsewhere."""
 
     max_tokens: int
     temperature: float = 1.0
