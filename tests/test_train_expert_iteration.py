@@ -6,6 +6,7 @@ through the real environments, that a kept attempt is the trace ``retool sft --d
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 from collections.abc import Sequence
@@ -319,15 +320,28 @@ def test_a_kept_attempt_is_the_trace_retool_sft_data_trains_on(qwen_tokenizers: 
 
 
 def test_a_long_chunk_says_how_far_it_got(caplog: pytest.LogCaptureFixture) -> None:
-    """While a chunk samples, a line at most every ``every`` seconds, none for its last trajectory (the
-    round's own line follows it)."""
+    """While a chunk samples, a line every ``every`` seconds with the turns and tokens sampled so far, even
+    before any trajectory has finished (a chunk's groups finish together, late)."""
+    from retool.backends.interface.types import Sample, SamplingParams
     from retool.train.expert_iteration import _Ticker
 
-    ticker = _Ticker(3, every=0.0)
+    class Policy:
+        async def sample_async(self, prompt: list[int], n: int, params: SamplingParams) -> list[Sample]:
+            return [Sample(tokens=[1, 2, 3], logprobs=[0.0] * 3, stop_reason="stop") for _ in range(n)]
+
+    async def run() -> None:
+        ticker = _Ticker(Policy(), 3, every=0.01)
+        reporter = asyncio.create_task(ticker.report())
+        await ticker.sample_async([0], 2, SamplingParams(max_tokens=3))
+        await asyncio.sleep(0.03)
+        ticker(None)  # type: ignore[arg-type]  # a trajectory finished
+        await asyncio.sleep(0.03)
+        reporter.cancel()
+
     with caplog.at_level(logging.INFO, logger="retool.train.expert_iteration"):
-        for _ in range(3):
-            ticker(None)  # type: ignore[arg-type]
-    assert [r.getMessage() for r in caplog.records] == [
-        "expert iteration: 1/3 trajectories of this chunk sampled",
-        "expert iteration: 2/3 trajectories of this chunk sampled",
-    ]
+        asyncio.run(run())
+    lines = [r.getMessage() for r in caplog.records]
+    assert lines and lines[0].startswith(
+        "expert iteration: 0/3 trajectories of this chunk finished, 2 turns (6 tokens"
+    )
+    assert any(line.startswith("expert iteration: 1/3 trajectories") for line in lines)

@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import IO
 
 from retool.backends.interface.clients import TrainingClient
+from retool.backends.interface.types import Sample, SamplingParams
 from retool.components import Components
 from retool.config import Config, RolloutConfig
 from retool.data.problem import Problem
@@ -455,19 +456,44 @@ async def _sample_round(
 
 
 class _Ticker:
-    """A progress line at most every ``every`` seconds while a chunk samples: a chunk of a few hundred
-    problems takes minutes on a CPU, and a silent terminal for that long reads as a hang."""
+    """A progress line every ``every`` seconds while a chunk samples. Groups finish together late in a
+    chunk (every group's turns interleave in the sampler), so it counts the turns sampled as they come
+    back, not only the finished trajectories: a chunk of a few hundred problems takes minutes on a CPU,
+    and a silent terminal for that long reads as a hang."""
 
-    def __init__(self, total: int, every: float = 30.0) -> None:
-        self.total, self.every, self.done = total, every, 0
-        self.last = time.perf_counter()
+    def __init__(self, policy: Policy, total: int, every: float = 30.0) -> None:
+        self.policy, self.total, self.every = policy, total, every
+        self.done = self.turns = self.tokens = 0
+        self.started = time.perf_counter()
+
+    async def sample_async(
+        self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams
+    ) -> list[Sample]:
+        """The policy's ``sample_async``, counted."""
+        samples = await self.policy.sample_async(prompt_tokens, num_samples, params)
+        self.turns += len(samples)
+        self.tokens += sum(len(s.tokens) for s in samples)
+        return samples
+
+    def __getattr__(self, name: str) -> object:  # anything else of the policy (its version...) as it is
+        return getattr(self.policy, name)
 
     def __call__(self, traj: Trajectory) -> None:
         self.done += 1
-        now = time.perf_counter()
-        if now - self.last >= self.every and self.done < self.total:
-            self.last = now
-            logger.info("expert iteration: %d/%d trajectories of this chunk sampled", self.done, self.total)
+
+    def line(self) -> str:
+        elapsed = time.perf_counter() - self.started
+        return (
+            f"expert iteration: {self.done}/{self.total} trajectories of this chunk finished, "
+            f"{self.turns} turns ({self.tokens} tokens, {self.tokens / max(elapsed, 1e-9):.0f} tok/s) "
+            f"sampled in {elapsed / 60:.1f} min"
+        )
+
+    async def report(self) -> None:
+        """Log ``line`` every ``every`` seconds until cancelled."""
+        while True:
+            await asyncio.sleep(self.every)
+            logger.info("%s", self.line())
 
 
 async def _sample_chunk(
@@ -480,13 +506,19 @@ async def _sample_chunk(
 ) -> list[list[Trajectory]]:
     """``size`` attempts at each problem, as many as ``room`` trajectories allow (the last group smaller)."""
     whole = len(problems) if room is None else min(len(problems), room // size)
-    ticker = _Ticker(whole * size)
-    groups = await sampler.sample(problems[:whole], policy, group_size=size, seed=seed, on_trajectory=ticker)
-    rest = 0 if room is None else min(room - whole * size, size)
-    if rest > 0 and whole < len(problems):
-        last = problems[whole]
-        # Its own seed: the problem is index 0 of this request, as the first whole group was.
-        groups += await sampler.sample([last], policy, group_size=rest, seed=seed ^ 0x7A11)
+    ticker = _Ticker(policy, whole * size)
+    reporter = asyncio.create_task(ticker.report())
+    try:
+        groups = await sampler.sample(
+            problems[:whole], ticker, group_size=size, seed=seed, on_trajectory=ticker
+        )
+        rest = 0 if room is None else min(room - whole * size, size)
+        if rest > 0 and whole < len(problems):
+            last = problems[whole]
+            # Its own seed: the problem is index 0 of this request, as the first whole group was.
+            groups += await sampler.sample([last], ticker, group_size=rest, seed=seed ^ 0x7A11)
+    finally:
+        reporter.cancel()
     return groups
 
 
