@@ -50,6 +50,7 @@ class Printer:
         self._bar_key: str | None = None
         self._bar_start = 0.0
         self._bar_last = -1.0
+        self._bar_first: tuple[float, int] | None = None  # when the bar's first item finished, and its count
         self._last_event = self.t0  # a new bar's work began at the previous event (phase start, last bar)
         self._evals: dict[str, dict[str, tuple[int, int]]] = {}  # model -> mode -> (done, total) problems
 
@@ -63,16 +64,19 @@ class Printer:
         self._bar_key = None
 
     def bar(self, key: str, done: int, total: int, label: str, extra: str = "") -> None:
-        """One progress bar per ``key``; ETA from the rate since the bar started."""
+        """One progress bar per ``key``; ETA from the rate since its first item finished (see ``_eta``)."""
         now = time.perf_counter()
         if key != self._bar_key:
             self._end_bar()
             self._bar_key, self._bar_start, self._bar_last = key, self._last_event, -1.0
+            self._bar_first = None
+        if self._bar_first is None and done > 0:
+            self._bar_first = (now, done)
         frac = done / total if total else 1.0
         width = 24
         filled = round(width * frac)
         elapsed = now - self._bar_start
-        eta = f"eta {_duration(elapsed / frac - elapsed)}" if 0 < frac < 1 else f"{_duration(elapsed)}"
+        eta = self._eta(now, done, total) if 0 < frac < 1 else f"{_duration(elapsed)}"
         text = (
             f"[{now - self.t0:6.1f}s]    {label} [{'#' * filled}{'.' * (width - filled)}] "
             f"{done}/{total} {eta}{'  ' + extra if extra else ''}"
@@ -84,6 +88,17 @@ class Printer:
         elif done >= total or frac - self._bar_last >= 0.1 or done == 1:
             self._bar_last = frac
             print(text, file=sys.stderr, flush=True)
+
+    def _eta(self, now: float, done: int, total: int) -> str:
+        """Time left at the rate items finished since the first one did. Items run concurrently (an
+        evaluation's problems, many at once): the first finishes after a whole item's latency, which says
+        nothing of the rate at which the rest follow (the rate since the bar started read 82 minutes for
+        an evaluation that took a fraction of that). Until a second item finishes: no estimate."""
+        first = self._bar_first
+        if first is None or done <= first[1]:
+            return "eta ..."
+        per_item = (now - first[0]) / (done - first[1])
+        return f"eta {_duration(per_item * (total - done))}"
 
     def __call__(self, kind: str, data: DemoEvent) -> None:
         self._render(kind, data)
