@@ -7,7 +7,7 @@ The pipeline knows no task by name. Everything that differs between tasks is a m
 - ``held_out``: the train tasks the tiny model's tokenizer and the synthetic cold start read (none for a
   dataset), the held-out test tasks, and the evaluation set;
 - ``cold_start``: the SFT examples of the first stage, trained through ``train_on_examples`` (or the
-  recipe's own call of ``retool.train.sft.train_sft``);
+  recipe's own call of ``retool.train.sft.train_sft_as_configured``);
 - ``eval_source``: the source that scores the held-out set, when its answers need their own checker.
 
 A recipe also carries what it runs with: its name, the model it is sized for, its Config preset, the
@@ -32,7 +32,7 @@ from retool.env import ProblemSource
 from retool.jsonl import JsonObject
 from retool.sandbox import Executor
 from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
-from retool.train.sft import SFTExample, SFTReport, train_sft
+from retool.train.sft import SFTExample, SFTReport, train_sft_as_configured
 
 
 class HeldOut(NamedTuple):
@@ -109,16 +109,12 @@ def train_on_examples(
 ) -> SFTReport:
     """Cold-start SFT (``[sft]``) on trajectories a task built, its build report kept as the report's
     ``conversion``."""
-    s = config.sft
-    report = train_sft(
+    steps = config.sft.steps
+    report = train_sft_as_configured(
         parts.backend,
         examples,
-        steps=s.steps,
-        batch_size=s.batch_size,
-        lr=s.lr,
-        optimizer=s.optimizer,
-        seed=config.train.seed,
-        on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
+        config,
+        on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": steps, "loss": loss}),
     )
     report.conversion = conversion
     return report

@@ -39,7 +39,7 @@ from retool.train.sft import (
     budget_violation,
     protocol_mismatch,
     read_trace_rows,
-    train_sft,
+    train_sft_as_configured,
 )
 
 MODEL_FOLDER = "model_sft"
@@ -102,15 +102,8 @@ def run_trace_sft(config: Config, data: Path, out: Path, on_event: Event | None 
 
         emit("phase", {"phase": "sft", "detail": f"{len(examples)} traces of {data}, {s.steps} steps"})
         start = time.perf_counter()
-        report = train_sft(
-            parts.backend,
-            examples,
-            steps=s.steps,
-            batch_size=s.batch_size,
-            lr=s.lr,
-            optimizer=s.optimizer,
-            seed=config.train.seed,
-            on_step=_progress(s.steps, on_event),
+        report = train_sft_as_configured(
+            parts.backend, examples, config, on_step=_progress(s.steps, on_event)
         )
         emit("phase_done", {"phase": "sft", "seconds": time.perf_counter() - start})
         client.train_autocast = None

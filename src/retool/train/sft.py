@@ -32,7 +32,7 @@ from pathlib import Path
 
 from retool.backends.interface.clients import TrainingClient
 from retool.backends.interface.types import AdamParams, Datum
-from retool.config import RolloutConfig, SFTOptimizerConfig
+from retool.config import Config, RolloutConfig, SFTOptimizerConfig
 from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.errors import UserError
@@ -230,6 +230,30 @@ class SFTProgress:
 def _duration(seconds: float) -> str:
     seconds = max(0, int(seconds))
     return f"{seconds // 60}m{seconds % 60:02d}s" if seconds >= 60 else f"{seconds}s"
+
+
+def train_sft_as_configured(
+    client: TrainingClient,
+    examples: Sequence[SFTExample],
+    config: Config,
+    on_step: Callable[[int, float], None] | None = None,
+    final_examples: Sequence[SFTExample] = (),
+) -> SFTReport:
+    """``train_sft`` with ``[sft]``'s steps, batch size, learning rate and optimizer and ``train.seed``
+    (``final_examples``: ``sft.final_steps`` of them at the end)."""
+    s = config.sft
+    return train_sft(
+        client,
+        examples,
+        steps=s.steps,
+        batch_size=s.batch_size,
+        lr=s.lr,
+        optimizer=s.optimizer,
+        seed=config.train.seed,
+        on_step=on_step,
+        final_examples=final_examples,
+        final_steps=s.final_steps if final_examples else 0,
+    )
 
 
 def train_sft(

@@ -25,7 +25,7 @@ from retool.env import ProblemSource, TaskFamilySource, source_from_config
 from retool.tasks.recipe import HeldOut, Recipe, sandbox_observer
 from retool.tasks.settings import DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
 from retool.tasks.sft import SFTMix, build_sft_examples
-from retool.train.sft import SFTExample, SFTReport, train_sft
+from retool.train.sft import SFTExample, SFTReport, train_sft_as_configured
 
 TASK = "synthetic"
 
@@ -129,17 +129,12 @@ def cold_start_sft(
         final = build_sft_examples(train, parts.protocol, observe, final_mix, seed=seed + 7919)
     if on_examples is not None:
         on_examples(len(examples) + len(final))
-    return train_sft(
+    return train_sft_as_configured(
         parts.backend,
         examples,
-        final_examples=final,
-        final_steps=s.final_steps,
-        steps=s.steps,
-        batch_size=s.batch_size,
-        lr=s.lr,
-        optimizer=s.optimizer,
-        seed=seed,
+        config,
         on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
+        final_examples=final,
     )
 
 
