@@ -186,7 +186,7 @@ def build_parts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     config = load_config(
         "tiny",
         [
-            "data.train_path=tasks",
+            "data.source=tasks",
             "data.task_count=400",
             f"train.steps={args.steps}",
             "checkpoint.every=0",

@@ -34,7 +34,7 @@ def test_chapter_preset_has_the_reference_run() -> None:
 def test_tiny_preset_is_a_small_local_cpu_run() -> None:
     c = load_config("tiny")
     assert c.backend.kind == "local" and c.backend.device == "cpu"
-    assert c.data.train_path == "tasks"
+    assert c.data.source == "tasks"
     assert c.rollout.questions_per_step * c.rollout.group_size <= 16
     assert c.rollout.max_trajectory_tokens <= c.model.max_context
 

@@ -40,15 +40,15 @@ def test_a_file_reads_through_the_data_stage_with_the_configured_fields(tmp_path
         '{"id": "a", "q": "1+1?", "a": "2"}\n{"id": "b", "q": "2+2?", "a": "4"}\n{"id": "c", "q": "", "a": "1"}\n'
     )
     env = source_from_config(
-        DataConfig(train_path=str(path), question_field="q", answer_field="a", shuffle=False)
+        DataConfig(source=str(path), question_field="q", answer_field="a", shuffle=False)
     )
     assert isinstance(env, FileSource) and env.source == str(path)
     assert [(p.id, p.question, p.answer) for p in env.epoch(0, 0)] == [("a", "1+1?", "2"), ("b", "2+2?", "4")]
     assert env.problems("test") == env.problems("train")  # a file is one split
     with pytest.raises(DataError, match=r"missing\.jsonl"):
-        source_from_config(DataConfig(train_path=str(tmp_path / "missing.jsonl"))).problems("train")
-    with pytest.raises(SourceError, match=r"data\.train_path"):
-        source_from_config(DataConfig(train_path=""))
+        source_from_config(DataConfig(source=str(tmp_path / "missing.jsonl"))).problems("train")
+    with pytest.raises(SourceError, match=r"data\.source"):
+        source_from_config(DataConfig(source=""))
 
 
 def test_epochs_are_seeded_permutations() -> None:

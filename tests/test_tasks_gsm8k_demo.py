@@ -24,12 +24,12 @@ def _rows(path: Path) -> int:
 
 def test_the_gsm8k_preset_and_fields() -> None:
     settings = real_model_settings("smollm2", task="gsm8k")
-    assert settings.task == "gsm8k" and settings.config.data.train_path == "gsm8k"
+    assert settings.task == "gsm8k" and settings.config.data.source == "gsm8k"
     assert settings.eval_modes == ("text-only", "retool") == settings.base_eval_modes
     assert settings.eval_temperature == 0.0 and settings.config.eval.val_n == 1
     assert settings.out == "runs/demo-smollm2-gsm8k" and options_as(settings, Gsm8kOptions).coldstart_rows > 0
     # The synthetic task keeps its own preset.
-    assert real_model_settings("smollm2").config.data.train_path == "tasks"
+    assert real_model_settings("smollm2").config.data.source == "tasks"
 
 
 def test_tiny_model_and_unknown_tasks_are_refused(tmp_path: Path) -> None:

@@ -28,7 +28,7 @@ from retool.tasks.sft import build_trajectory
 def test_the_mathematics_preset_and_fields() -> None:
     settings = real_model_settings("smollm2", task="mathematics")
     assert "mathematics" in DEMO_TASKS and settings.task == "mathematics"
-    assert settings.config.data.train_path == "mathematics" and settings.config.eval.dataset == "mathematics"
+    assert settings.config.data.source == "mathematics" and settings.config.eval.dataset == "mathematics"
     assert settings.eval_modes == ("text-only", "retool") == settings.base_eval_modes
     assert (
         settings.eval_temperature == 0.0 and options_as(settings, MathematicsOptions).mathematics_problems > 0

@@ -124,12 +124,12 @@ class PassRateConfig(_Section):
 
 
 class DataConfig(_Section):
-    """Where problems come from: an environment (``retool.env``) named by ``train_path``; in which order
+    """Where problems come from: an environment (``retool.env``) named by ``source``; in which order
     training draws them (``selection``: the source's epochs, or by estimated pass rate)."""
 
     # A registered environment (tasks, dapo, aime2025, aime2024, math500), a JSONL / JSON / parquet file
     # (e.g. the train.jsonl `retool prepare` writes), a folder `retool prepare dapo` wrote, or a Hub id.
-    train_path: str = ""
+    source: str = ""
     question_field: str = "question"
     answer_field: str = "answer"
     shuffle: bool = True
@@ -290,7 +290,7 @@ class CheckpointConfig(_Section):
 class EvalConfig(_Section):
     """``retool eval``'s defaults (its flags override them). Sampling comes from ``[sampling]``."""
 
-    dataset: str = "aime2025"  # an environment name or a path, as data.train_path
+    dataset: str = "aime2025"  # an environment name or a path, as data.source
     val_n: int = Field(default=12, ge=1)  # candidates per problem (the N of Average@N)
     seed: int = 0
     concurrency: int = Field(default=4, ge=1)  # problems rolled out at once

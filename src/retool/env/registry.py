@@ -1,4 +1,4 @@
-"""Problem sources by name: what ``data.train_path`` and ``retool eval --dataset`` resolve through.
+"""Problem sources by name: what ``data.source`` and ``retool eval --dataset`` resolve through.
 
 A name registered here builds its source with ``factory(name, options)``; anything else is a path
 (or a Hub id): a folder ``retool prepare dapo`` wrote is DAPO with its dev split, any other path a file
@@ -38,7 +38,7 @@ _FACTORIES: dict[str, SourceFactory] = {}
 
 
 def register_source(name: str, factory: SourceFactory) -> None:
-    """Make ``name`` (as ``data.train_path`` or ``--dataset``) build its source with ``factory``."""
+    """Make ``name`` (as ``data.source`` or ``--dataset``) build its source with ``factory``."""
     _FACTORIES[name] = factory
 
 
@@ -51,7 +51,7 @@ def make_source(source: str, options: SourceOptions | None = None) -> ProblemSou
     opts = options or SourceOptions()
     if not source:
         raise SourceError(
-            "no problems named: set data.train_path to a file or to one of " + ", ".join(registered_sources())
+            "no problems named: set data.source to a file or to one of " + ", ".join(registered_sources())
         )
     factory = _FACTORIES.get(source)
     if factory is not None:
@@ -62,7 +62,7 @@ def make_source(source: str, options: SourceOptions | None = None) -> ProblemSou
 
 
 def source_from_config(config: Config | DataConfig) -> ProblemSource:
-    """The training problem source of a run: ``data.train_path`` with the ``[data]`` section's options."""
+    """The training problem source of a run: ``data.source`` with the ``[data]`` section's options."""
     data = config.data if isinstance(config, Config) else config
     # Only names changed from the defaults: a default name leaves the reader its own fallbacks.
     default = DataConfig()
@@ -71,7 +71,7 @@ def source_from_config(config: Config | DataConfig) -> ProblemSource:
         for key in ("question_field", "answer_field")
         if getattr(data, key) != getattr(default, key)
     }
-    return make_source(data.train_path, SourceOptions(data=data, fields=fields))
+    return make_source(data.source, SourceOptions(data=data, fields=fields))
 
 
 def _tasks(name: str, options: SourceOptions) -> ProblemSource:
