@@ -24,11 +24,19 @@ keep it outside the work tree):
     python bench/mathematics_rl.py --out /work/runs/mathematics_rl            # the whole bench
     python bench/mathematics_rl.py --out DIR --write                          # + docs/results/mathematics_rl.md
     python bench/mathematics_rl.py --smoke --out /tmp/slice                   # a few-step slice (CI)
+
+A sitting may land on another machine, with an empty run folder. What is costly to sample and cheap to keep
+(the cold start's finished rounds, the start's held-out curve point, the sweep once chosen) is copied as it
+finishes into ``--carry`` (in the work tree: commit it with the results) and copied back into a run folder
+that lacks it: the cold start's rounds are read back and its weights trained again from their pool, the
+sweep is not run again. RL seeds, expert iteration and the final evaluation resume from their checkpoints
+on the machine that ran them only.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
 import json
 import logging
 import shutil
@@ -80,6 +88,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--curve-per-module", type=int, default=2)
     ap.add_argument("--final-per-module", type=int, default=10)
     ap.add_argument("--set", action="append", default=[], help="config override for every phase")
+    ap.add_argument(
+        "--carry",
+        type=Path,
+        default=Path(__file__).resolve().parent / "state" / "mathematics_rl",
+        help="where finished cold-start rounds and the sweep are kept across machines ('' for nowhere)",
+    )
     ap.add_argument("--data-dir", default=None)
     ap.add_argument("--smoke", action="store_true", help="a few-step slice of every phase")
     ap.add_argument("--write", action="store_true", help="write docs/results/mathematics_rl.md")
@@ -127,6 +141,54 @@ def child(args: argparse.Namespace, phase: str, *extra: str) -> None:
     ]
     cmd += ["--data-dir", args.data_dir] if args.data_dir else []
     subprocess.run(cmd, check=True)
+    carry_out(args)
+
+
+# What a run folder on another machine can start from (module docstring): finished rounds (their report is
+# written last), evaluation outputs (each says in its summary whether it completed), the sweep's choice with
+# the runs' metrics it was made from. Never weights, nor a marker that says weights exist.
+CARRIED_ROUNDS = ("sft/coldstart", "ei/coldstart")
+CARRIED_FILES = ("sft/coldstart/report.json", "curve-start/*")
+CARRIED_SWEEP = ("sweep/choice.json", "sweep/curve/*", "sweep/*/metrics.jsonl")  # once choice.json exists
+
+
+def carried(out: Path) -> list[Path]:
+    """The files of ``out`` kept across machines, relative to it."""
+    found: list[Path] = []
+    for rounds in CARRIED_ROUNDS:
+        for report in sorted((out / rounds).glob("round-*/report.json")):
+            found += [f for f in report.parent.iterdir() if f.is_file() and f.suffix in (".json", ".jsonl")]
+    whole_sweep = (out / "sweep" / "choice.json").is_file()  # written last
+    for pattern in CARRIED_FILES + (CARRIED_SWEEP if whole_sweep else ()):
+        found += [Path(f) for f in glob.glob(str(out / pattern))]
+    return sorted({f.relative_to(out) for f in found if f.is_file()})
+
+
+def carry_out(args: argparse.Namespace) -> None:
+    """The run folder's carried files, copied into ``--carry`` where new or changed."""
+    if not str(args.carry) or args.smoke:
+        return
+    for rel in carried(args.out):
+        src, dst = args.out / rel, args.carry / rel
+        if not dst.is_file() or dst.read_bytes() != src.read_bytes():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(src, dst.with_suffix(dst.suffix + ".tmp"))
+            dst.with_suffix(dst.suffix + ".tmp").replace(dst)
+
+
+def carry_in(args: argparse.Namespace) -> None:
+    """What ``--carry`` holds and the run folder lacks, copied into the run folder."""
+    if not str(args.carry) or args.smoke or not args.carry.is_dir():
+        return
+    copied = 0
+    for rel in carried(args.carry):
+        dst = args.out / rel
+        if not dst.exists():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copyfile(args.carry / rel, dst)
+            copied += 1
+    if copied:
+        log.info("%d files carried from %s into %s", copied, args.carry, args.out)
 
 
 def read_json(path: Path) -> Any:
@@ -285,6 +347,7 @@ def sweep(args: argparse.Namespace) -> str:
     # problems near a 50% pass rate, so a rate that learns faster can show a lower train accuracy.
     best = max(kept, key=lambda lr: (rows[lr]["held_out"], rows[lr]["late_accuracy"]))
     write_json(args.out / "sweep" / "choice.json", {"lr": best, "runs": rows})
+    carry_out(args)
     return best
 
 
@@ -366,6 +429,7 @@ def main(argv: list[str] | None = None) -> None:
         PHASES[args.phase](args)
         return
     args.out.mkdir(parents=True, exist_ok=True)
+    carry_in(args)
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.report:  # a look at a run still going (or stopped): nothing is sampled or trained
         choice = read_json(args.out / "sweep" / "choice.json") or {}

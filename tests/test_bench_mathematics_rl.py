@@ -47,6 +47,41 @@ def test_training_goes_on_only_while_the_last_twenty_steps_beat_the_twenty_befor
 
 
 @pytest.mark.slow
+def _write(path: Path, text: str = "{}") -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(text)
+
+
+def test_finished_rounds_and_a_chosen_sweep_are_carried_to_another_machine_weights_never(
+    tmp_path: Path,
+) -> None:
+    run, carry = tmp_path / "run", tmp_path / "carry"
+    _write(run / "sft/coldstart/round-0/report.json")
+    _write(run / "sft/coldstart/round-0/kept.jsonl", "{}\n")
+    _write(run / "sft/coldstart/round-0/state/adapter.safetensors", "weights")
+    _write(run / "sft/coldstart/round-1/samples.jsonl", "{}\n")  # a round still sampling: no report
+    _write(run / "sft/phase.json")  # says model_sft exists: never carried
+    _write(run / "curve-start/step0000_retool.jsonl", "{}\n")
+    _write(run / "sweep/lr1e-4/metrics.jsonl", "{}\n")
+    args = bench.parse_args(["--out", str(run), "--carry", str(carry)])
+    bench.carry_out(args)
+    kept = {str(p.relative_to(carry)) for p in carry.rglob("*") if p.is_file()}
+    assert kept == {
+        "sft/coldstart/round-0/report.json",
+        "sft/coldstart/round-0/kept.jsonl",
+        "curve-start/step0000_retool.jsonl",
+    }
+    _write(run / "sweep/choice.json", '{"lr": "1e-4"}')  # the sweep is whole: its metrics go too
+    bench.carry_out(args)
+    assert (carry / "sweep/choice.json").is_file() and (carry / "sweep/lr1e-4/metrics.jsonl").is_file()
+
+    fresh = tmp_path / "fresh"  # another machine: an empty run folder
+    bench.carry_in(bench.parse_args(["--out", str(fresh), "--carry", str(carry)]))
+    assert (fresh / "sft/coldstart/round-0/kept.jsonl").read_text() == "{}\n"
+    assert (fresh / "sweep/choice.json").is_file() and not (fresh / "sft/phase.json").exists()
+    assert not (fresh / "sft/coldstart/round-0/state").exists()
+
+
 def test_a_few_step_slice_of_the_bench_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
