@@ -244,7 +244,7 @@ def write_training_run(
             for pi, p in enumerate(chosen)
         ]
         data = build_step_data(groups)
-        log.write_step(step, groups, data.datums, decode)
+        log.write_step(step, groups, data, decode=decode)
         record: dict[str, Any] = {"step": step}
         record.update(rollout_metrics(groups))
         ratio = 1.0 + rng.uniform(-0.02, 0.02)

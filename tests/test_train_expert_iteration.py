@@ -35,7 +35,7 @@ from retool.train.expert_iteration import (
     RoundPlan,
     run_expert_iteration,
 )
-from retool.train.sampling import GroupSampler
+from retool.train.sampling import GroupRollouts
 from retool.train.sft import SFTExample, SFTReport, protocol_mismatch, read_examples
 
 BUDGETS = RolloutConfig(
@@ -140,7 +140,9 @@ class Script:
 
 
 def plan_for(script: Script, samples: int) -> RoundPlan:
-    sampler = GroupSampler(ProblemList(PROBLEMS, shuffle=False), Setup(), SamplingConfig(), rollout_fn=script)  # type: ignore[arg-type]
+    sampler = GroupRollouts(
+        ProblemList(PROBLEMS, shuffle=False), Setup(), SamplingConfig(), rollout_fn=script
+    )  # type: ignore[arg-type]
     return RoundPlan(PROBLEMS, sampler, samples)
 
 
@@ -231,7 +233,7 @@ def test_a_round_with_no_problems_left_ends_the_run(tmp_path: Path) -> None:
     def plan(r: int) -> RoundPlan:
         if r == 0:
             return plan_for(script, 6)
-        sampler = GroupSampler(ProblemList([], shuffle=False), Setup(), SamplingConfig(), rollout_fn=script)  # type: ignore[arg-type]
+        sampler = GroupRollouts(ProblemList([], shuffle=False), Setup(), SamplingConfig(), rollout_fn=script)  # type: ignore[arg-type]
         return RoundPlan([], sampler, 6)
 
     result = run_expert_iteration(

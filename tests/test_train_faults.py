@@ -19,6 +19,7 @@ from typing import Any
 
 import pytest
 
+from retool.backends.remote.guarded import guard_training_client
 from retool.env import ProblemList
 from retool.retry import TransientStatusError
 from retool.train import checkpoint as checkpoint_mod
@@ -285,7 +286,9 @@ def test_trainer_guards_remote_calls_and_never_double_counts_a_gradient(tmp_path
     make_trainer(cfg, tmp_path / "reference").run()  # no faults, no guard
     cfg.retry.guard = "always"
     cfg.retry.backoff = 0.001
-    make_trainer(cfg, tmp_path / "run", client=FlakyServiceClient()).run()
+    # The guard is the components' (``build_components`` applies it): the trainer wraps nothing again.
+    guarded = guard_training_client(FlakyServiceClient(), cfg)
+    make_trainer(cfg, tmp_path / "run", client=guarded).run()  # type: ignore[arg-type]
     rows = read_metrics(tmp_path / "run")
     # The same weights after every step, so the same samples, rewards and grad norms.
     assert essentials(rows) == essentials(read_metrics(tmp_path / "reference"))

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from retool.config import ConfigError, FiltersConfig, RolloutConfig, load_config
 from retool.data.problem import Problem
 from retool.env import ReToolOutcome
-from retool.train.sampling import StepSampler, questions_for_round, rollout_seed, round_seed
+from retool.train.sampling import StepBatchBuilder, questions_for_round, rollout_seed, round_seed
 from retool.train.step import build_step_data, is_overlong, is_void
 
 
@@ -131,7 +131,7 @@ class Stream:
 
 
 def rounds_recorder(informative: set[str]) -> tuple[Any, list[tuple[list[str], int]]]:
-    """A group sampler (``retool.train.sampling.GroupSampler``'s shape) whose groups are informative exactly
+    """A group sampler (``retool.train.sampling.GroupRollouts``'s shape) whose groups are informative exactly
     for the problems named in ``informative``; it notes the problem ids and the round (read off the round's
     seed) of every round it samples."""
     calls: list[tuple[list[str], int]] = []
@@ -152,7 +152,7 @@ def rounds_recorder(informative: set[str]) -> tuple[Any, list[tuple[list[str], i
 def sample_batch(groups: Any, stream: Any, target: int, filters: FiltersConfig) -> Any:
     """Step 1's batch: ``target`` questions per step (groups of 2) drawn from ``stream``."""
     rollout = RolloutConfig(questions_per_step=target, group_size=2)
-    return StepSampler(groups, None, rollout, filters, seed=0).sample(1, stream, None)
+    return StepBatchBuilder(groups, None, rollout, filters, seed=0).sample(1, stream, None)
 
 
 def run(coro: Any) -> Any:

@@ -357,7 +357,7 @@ def test_components_passed_in_stay_open(tmp_path: Path) -> None:
 @pytest.mark.parametrize("k", [0, 1])
 def test_the_synchronous_step_samples_in_the_trainers_own_task(tmp_path: Path, k: int) -> None:
     """k = 0: each step awaits its sampling itself (no background task); only k >= 1 samples ahead in
-    the pipeline's task, ``retool-rollouts`` (``retool.train.pipeline``)."""
+    the pipeline's task, ``retool-rollouts`` (``retool.train.ahead``)."""
     tasks: list[set[str]] = []
 
     async def rollout_fn(request: RolloutRequest) -> list[list[Trajectory]]:

@@ -18,7 +18,8 @@ from retool.rollout import Trajectory
 from retool.train.checkpoint import PIPELINE_FILE, CheckpointManager
 from retool.train.loop import Trainer
 from retool.train.metrics import StepLostError
-from retool.train.pipeline import Batch, PipelineState, requeue_stale
+from retool.train.ahead import PipelineState, requeue_stale
+from retool.train.sampling import Batch
 from test_train_loop import (
     PROBLEMS,
     FakeClient,

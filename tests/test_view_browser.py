@@ -55,7 +55,7 @@ class Built:
             self.groups.append(group)
         self.data = build_step_data(self.groups)
         TrajectoryLog(root / "exact" / TRAJECTORIES_FILE, "all").write_step(
-            1, self.groups, self.data.datums, decode
+            1, self.groups, self.data, decode=decode
         )
         result = build_site([self.demo, root / "exact"], root / "site")
         self.index = result.index

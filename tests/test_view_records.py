@@ -22,6 +22,7 @@ from retool.rollout import RolloutRequest
 from retool.rollout.records import datum_tokens, trajectory_record
 from retool.train.loop import Trainer
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog, cut_from_step, read_records, select_groups
+from retool.train.sampling import Collected
 from retool.train.step import build_step_data, trajectory_tokens
 from synthetic_runs import decode, encode, make_problems, make_trajectory
 
@@ -160,25 +161,44 @@ def test_log_appends_steps_and_cuts_redone_steps(tmp_path: Path) -> None:
     log = TrajectoryLog(path, groups_per_step=2, seed=0)
     for step in (1, 2, 3, 4):
         groups = mixed_groups(step * 10)
-        assert log.write_step(step, groups, build_step_data(groups).datums, decode) == 8
+        assert log.write_step(step, groups, build_step_data(groups), decode=decode) == 8
     assert [r["step"] for r in read_records(path)] == [1] * 8 + [2] * 8 + [3] * 8 + [4] * 8
     with path.open("a") as fh:
         fh.write('{"step": 4, "partial')  # a kill mid-write
     # A resumed run (checkpoint at step 2) redoes step 3: steps >= 3 and the partial line go first.
     resumed = TrajectoryLog(path, groups_per_step=1, seed=0)
     groups = mixed_groups(99)
-    resumed.write_step(3, groups, build_step_data(groups).datums, decode)
+    resumed.write_step(3, groups, build_step_data(groups), decode=decode)
     assert [r["step"] for r in read_records(path)] == [1] * 8 + [2] * 8 + [3] * 4
     assert path.read_bytes().endswith(b"\n")
     assert cut_from_step(path, 10) == 0
 
 
+def test_the_log_maps_datums_by_where_the_step_sampled_each_trajectory(tmp_path: Path) -> None:
+    # Dynamic sampling kept groups 2 and 0 of three sampled (in that order) and RoC kept three branches of
+    # each: the step's own map (``Collected.origin``) says which sampled trajectory each datum trained.
+    sampled = mixed_groups(7)
+    kept = [[sampled[2][3], sampled[2][0], sampled[2][1]], [sampled[0][1], sampled[0][2], sampled[0][3]]]
+    kept = [g for g in kept if len({t.reward for t in g}) > 1]
+    collected = Collected(groups=kept, sampled=sampled)
+    collected.tag_origins()
+    data = build_step_data(collected.groups)
+    log = TrajectoryLog(tmp_path / TRAJECTORIES_FILE, "all")
+    assert log.write_step(1, collected.sampled, data, collected.origin, decode) == 12
+    records = list(read_records(tmp_path / TRAJECTORIES_FILE))
+    trained = {(r["group"], i % 4) for i, r in enumerate(records) if r["mask_source"] == "datum"}
+    assert trained == {where for group in collected.origin for where in group}
+    for (g, b), record in zip(((i // 4, i % 4) for i in range(12)), records, strict=True):
+        if (g, b) in trained:  # the record's tokens are its own datum's
+            assert encode("".join(s["text"] for s in record["spans"])) == trajectory_tokens(sampled[g][b])[0]
+
+
 def test_log_failure_never_stops_training(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     groups = mixed_groups()
-    datums = build_step_data(groups).datums
+    data = build_step_data(groups)
     log = TrajectoryLog(tmp_path / "missing" / "x" / TRAJECTORIES_FILE, "all")
     (tmp_path / "missing").write_text("a file where a folder should be")
-    assert log.write_step(1, groups, datums) == 0
+    assert log.write_step(1, groups, data) == 0
     assert "writing the trajectories of step 1" in caplog.text
 
 

@@ -171,13 +171,13 @@ class HarnessTrainer(Trainer):
 
     def _build_components(self) -> Any:
         parts = super()._build_components()
-        self._guarded = _OptimSignal(self._guarded, self)  # type: ignore[assignment]
-        return parts
+        self.components = dataclasses.replace(parts, backend=_OptimSignal(parts.backend, self))
+        return self.components
 
-    async def _one_step(self, step: int, sampler: Any, tracker: Any) -> dict[str, Any]:
+    async def _one_step(self, step: int, tracker: Any) -> dict[str, Any]:
         self.current_step = step
         self.signals.fire("step", step)
-        return await super()._one_step(step, sampler, tracker)
+        return await super()._one_step(step, tracker)
 
 
 def main(argv: list[str]) -> None:

@@ -366,7 +366,7 @@ class TrainConfig(_Section):
     steps: int = 200
     seed: int = 0
     run_dir: str = "runs/retool"
-    # Off-policy pipelining (``retool.train.pipeline``): the batch of step t is sampled by the policy of
+    # Off-policy pipelining (``retool.train.ahead``): the batch of step t is sampled by the policy of
     # version t - 1 - k (k optimizer steps behind the trainer) while steps t-k..t-1 train. 0: synchronous.
     max_steps_off_policy: int = Field(default=0, ge=0)
     # Stale-sampler check: on a step trained on-policy (lag 0), a mean |sampler - trainer logprob| above

@@ -48,7 +48,7 @@ from retool.evaluate.store import (
 )
 from retool.jsonl import JsonObject
 from retool.rollout import RolloutFn, Trajectory, run_rollout
-from retool.train.sampling import GroupSampler
+from retool.train.sampling import GroupRollouts
 
 logger = logging.getLogger(__name__)
 
@@ -165,7 +165,7 @@ class _Plan:
     """How every problem of one eval is rolled out: the same groups sampler (parts, sampling, budgets)
     and policy for all; each problem its own seed."""
 
-    groups: GroupSampler
+    groups: GroupRollouts
     sampler: SamplingClient
     val_n: int
     seed: int
@@ -213,7 +213,7 @@ async def run_eval(
     if components.sampler is None:
         raise EvalError("the components have no sampler yet (await components.refresh_sampler())")
     source = source if source is not None else ProblemList(problems, shuffle=False)
-    groups = GroupSampler.from_parts(
+    groups = GroupRollouts.from_parts(
         source, components, config, tools=mode == "retool", rollout_fn=rollout_fn
     )
     plan = _Plan(groups, components.sampler, val_n, seed)

@@ -5,7 +5,7 @@ environment kind) with its ``RolloutRequest``, shape ``RolloutFn`` and the ``Pol
 ``request_seed``; the immutable records ``Trajectory`` / ``Transition`` (``AssistantTurn``,
 ``STOP_REASONS``, ``ContinuityError`` come from ``retool.env.types``); ``retool.rollout.records``: the
 trajectory record both training and evaluation write. A problem source's groups in one mode
-(``GroupSampler``, ``run_group_rollouts``) are sampled through ``run_rollout`` by
+(``GroupRollouts``, ``run_group_rollouts``) are sampled through ``run_rollout`` by
 ``retool.train.sampling``, the one module for groups and steps.
 """
 

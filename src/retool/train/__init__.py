@@ -3,12 +3,13 @@
 - ``step``: datums with the interpreter feedback mask, group advantages, the one test of a group
   (``is_informative``: rewards differ), mean-reduction weights, micro-batches, one optimizer step.
 - ``loop``: ``Trainer`` / ``run_training``: one RL step in ``Trainer._one_step`` (sample, build datums,
-  train, log), checkpoints, resume.
-- ``sampling``: groups and steps: ``GroupSampler`` (a problem source's groups in one mode, also the
-  evaluator's), ``StepSampler`` (one step's batch: rounds, dynamic sampling, the text-only share, RoC,
-  each trained group's informative verdict); ``roc``: Resample-on-Correct.
-- ``pipeline``: when each step's batch is sampled: ``SyncSampler`` (when the step asks, the default) or
-  ``BatchSampler`` (ahead of training with ``train.max_steps_off_policy`` >= 1).
+  train, log), checkpoints, resume. The synchronous step reads in ``loop``, ``sampling`` and ``step``.
+- ``sampling``: groups and steps: ``GroupRollouts`` (a problem source's groups in one mode, also the
+  evaluator's), ``StepBatchBuilder`` (one step's batch: rounds, dynamic sampling, the text-only share, RoC,
+  each trained group's informative verdict and where each trained trajectory was sampled); ``roc``:
+  Resample-on-Correct.
+- ``ahead``: ``AheadBatches``, sampling the batches of later steps while one trains (only with
+  ``train.max_steps_off_policy`` >= 1).
 - ``datasource``: the problem stream over a problem source's epochs, with a resumable position;
   ``ProblemFeed``.
 - ``checkpoint``: atomic checkpoints, keep-last-K, metrics repair on resume.

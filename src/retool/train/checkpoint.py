@@ -288,7 +288,7 @@ class CheckpointManager:
         return complete[-1] if complete else None
 
     def write_pipeline(self, tmp: Path, step: int, payload: object) -> None:
-        """Store the pipeline's queued batches (``retool.train.pipeline.PipelineState``) in the checkpoint
+        """Store the pipeline's queued batches (``retool.train.ahead.PipelineState``) in the checkpoint
         being built in ``tmp``. Pickled: trajectories are plain dataclasses of this package, and a
         checkpoint is read back by the code that wrote it (as ``rng.pt`` is)."""
         where = tmp / PIPELINE_FILE

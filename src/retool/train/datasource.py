@@ -5,7 +5,7 @@ order to train on them (a problem source's ``ProblemSource.epoch``, see ``retool
 walks epochs one after another and remembers ``(epoch, index)``; resuming rebuilds the epoch's iterable
 from the same seed and skips ``index`` problems, so no problem is repeated or skipped across a restart.
 ``ProblemFeed`` is what a step's sampling draws from: problems sent back for sampling again first (see
-``retool.train.pipeline``), then the run's ``ProblemOrder``: the epoch stream, or the pass-rate selector
+``retool.train.ahead``), then the run's ``ProblemOrder``: the epoch stream, or the pass-rate selector
 (``retool.train.selection``), which also sees every group sampled (``observe``) and hands a checkpoint its
 state (``snapshot``).
 """

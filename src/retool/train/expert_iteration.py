@@ -1,7 +1,7 @@
 """Expert iteration: a model's own verified, tool-using attempts as its SFT data, round after round.
 
 One round (``run_expert_iteration``): sample ``samples`` attempts at each of the round's problems with the
-current model, the tool on (``GroupSampler``: the RL rollout's environments, budgets and scorer); keep the
+current model, the tool on (``GroupRollouts``: the RL rollout's environments, budgets and scorer); keep the
 verified attempts that called the tool, at most ``keep_per_problem`` a problem in the whole pool, within the
 RL budgets (``budget_violation``) and never the same token sequence twice; add them to the pool; fine-tune on
 the pool. Then the next round samples with the fine-tuned model, which solves more, and so on for
@@ -51,7 +51,7 @@ from retool.env.source import ProblemList, ProblemSource
 from retool.jsonl import JsonObject, JsonValue
 from retool.rollout.engine import Policy
 from retool.rollout.types import Trajectory, trajectory_tokens
-from retool.train.sampling import GroupSampler, rollout_seed, round_seed
+from retool.train.sampling import GroupRollouts, rollout_seed, round_seed
 from retool.train.sft import SFTExample, SFTReport, budget_violation, read_examples, write_examples
 
 logger = logging.getLogger(__name__)
@@ -87,7 +87,7 @@ class RoundPlan:
     it cannot be one)."""
 
     problems: Sequence[Problem]
-    sampler: GroupSampler
+    sampler: GroupRollouts
     samples: int
     to_example: ToExample = sampled_example
 
@@ -105,7 +105,7 @@ class RoundPlan:
         ``problems`` scored by ``source``'s rule (default: the verifier's check); traces are the sampled
         tokens, decoded with ``parts.protocol``."""
         source = source if source is not None else ProblemList(problems, shuffle=False)
-        sampler = GroupSampler.from_parts(source, parts, config)
+        sampler = GroupRollouts.from_parts(source, parts, config)
         decode = parts.protocol.decode
         return cls(problems, sampler, samples, lambda traj: sampled_example(traj, decode))
 
@@ -497,7 +497,7 @@ class _Ticker:
 
 
 async def _sample_chunk(
-    sampler: GroupSampler,
+    sampler: GroupRollouts,
     policy: Policy,
     problems: Sequence[Problem],
     size: int,

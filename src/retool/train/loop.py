@@ -12,15 +12,13 @@ It trains on a problem source (``retool.env.ProblemSource``: which problems, how
 components (``retool.components.Components``: backend, protocol, executor, verifier); by default both
 are built from the config, through the same functions every other command uses.
 
-One RL step (``_one_step``): hand the batch sampler the policy over the current weights and take this
-step's batch of groups (``submit`` / ``batch_for``: ``retool.train.pipeline``, whose ``StepSampler`` rolls
-the groups out, filters them and marks the informative ones, ``retool.train.sampling``); build the datums
-of the marked groups, dropping what the filters leave out (``build_step_data``, ``retool.train.step``);
-write the trajectories; train (``train_step``); log the metrics line and checkpoint when due. With
-``train.max_steps_off_policy = 0`` (the default) the batch sampler is ``SyncSampler``: ``batch_for(t)``
-samples batch t right there, from the weights step t starts with, after the previous step finished: the
-synchronous loop, no background task. With k >= 1 it is ``BatchSampler``, whose background task samples
-the batches of steps t+1..t+k while step t trains, k versions behind.
+One RL step (``_one_step``), the synchronous loop of three modules: sample this step's batch of groups
+from the weights the step starts with (``StepBatchBuilder.batch``, ``retool.train.sampling``: rolls the
+groups out, filters them, marks the informative ones); build the datums of the marked groups, dropping
+what the filters leave out (``build_step_data``, ``retool.train.step``); write the trajectories; train
+(``train_step``); log the metrics line and checkpoint when due. Only with ``train.max_steps_off_policy =
+k >= 1`` is the batch taken instead from ``AheadBatches`` (``retool.train.ahead``), whose background task
+samples the batches of steps t+1..t+k while step t trains, k versions behind.
 
 Exactness of resume: a step's problems come from a ``ProblemStream`` whose position is checkpointed;
 sampling seeds derive from ``(train.seed, step)``; weights, optimizer and RNG come back from the
@@ -48,13 +46,13 @@ from typing import TypedDict, Unpack
 
 from retool.backends import adam_params_from_config
 from retool.backends.interface.clients import SamplingClient, TrainingClient
-from retool.backends.remote.guarded import guard_training_client
 from retool.components import Components, build_components
 from retool.config import DEFAULT_TIS_CAP, Config, ConfigError, dump_config, load_config
 from retool.data.problem import Problem
 from retool.env import ProblemSource, retool_outcome, source_from_config
 from retool.jsonl import JsonObject, as_number
 from retool.rollout import RolloutFn, run_rollout
+from retool.train.ahead import AheadBatches, PipelineState, pipeline_metrics, requeue_stale
 from retool.train.checkpoint import (
     CheckpointManager,
     TrainerState,
@@ -71,18 +69,9 @@ from retool.train.metrics import (
     rollout_metrics,
     scalars_of,
 )
-from retool.train.pipeline import (
-    Batch,
-    BatchSampler,
-    PipelineState,
-    StepBatches,
-    SyncSampler,
-    pipeline_metrics,
-    requeue_stale,
-)
 from retool.train.progress import Progress
 from retool.train.records import TRAJECTORIES_FILE, TrajectoryLog
-from retool.train.sampling import GroupSampler, StepSampler
+from retool.train.sampling import Batch, GroupRollouts, StepBatchBuilder
 from retool.train.selection import PassRateSelector
 from retool.train.step import StepData, TrainStepResult, build_step_data, train_step
 from retool.train.trackers import Tracker, checkpoint_entry, open_tracker
@@ -148,7 +137,6 @@ class Trainer:
         self.source = source
         self.components = components
         self._owns_components = False
-        self._guarded: TrainingClient | None = None  # the backend behind retries (``[retry]``)
         self._tis_cap = 0.0  # loss.tis_cap resolved against the backend (``resolve_tis_cap``)
         self._measures_ref_kl = False  # the backend computes the starting policy's logprobs
         self._rollout_fn = rollout_fn
@@ -156,7 +144,12 @@ class Trainer:
         self._open_tracker: Tracker = Tracker()  # the run's tracker once open (its id goes in checkpoints)
         self._on_step = on_step
         self._stop_requested = False
-        self._requeued = 0  # groups of restored batches requeued as too stale (``retool.train.pipeline``)
+        self._requeued = 0  # groups of restored batches requeued as too stale (``retool.train.ahead``)
+        # Set when the run starts (``_sampling``): the step's batch builder, its problem feed and, for
+        # train.max_steps_off_policy >= 1 only, the sampler ahead of training.
+        self._builder: StepBatchBuilder | None = None
+        self._feed: ProblemFeed | None = None
+        self._ahead: AheadBatches | None = None
         self.checkpoints = CheckpointManager(self.run_dir, keep_last=config.checkpoint.keep_last)
         self.metrics = MetricsLog(self.run_dir / METRICS_FILE)
         self.trajectories = TrajectoryLog(
@@ -190,15 +183,14 @@ class Trainer:
         if self.components is None:
             self.components = build_components(self._run_config())
             self._owns_components = True
-        # Timeouts and retries around every backend call of training (``retry.guard``); the caller's
-        # components keep their own, unwrapped backend.
-        self._guarded = guard_training_client(self.components.backend, self.config)
         return self.components
 
     @property
     def _backend(self) -> TrainingClient:
-        assert self._guarded is not None, "components are built when the run starts"
-        return self._guarded
+        """The components' backend: behind the retry guard as ``[retry]`` says when ``build_components``
+        made it (a caller's components bring their own)."""
+        assert self.components is not None, "components are built when the run starts"
+        return self.components.backend
 
     async def _restore(self) -> Restored:
         """Load the latest checkpoint (when resuming); return what the run starts from."""
@@ -279,9 +271,10 @@ class Trainer:
             state=selection,
         )
 
-    def _batch_sampler(self, restored: Restored) -> StepBatches:
-        """The sampler of this run's batches: synchronous for k = 0; for k >= 1 sampling ahead (started),
-        holding the batches a checkpoint restored (stale ones requeued)."""
+    def _sampling(self, restored: Restored) -> None:
+        """This run's step batch builder and problem feed, resumed where ``restored`` left them; for
+        k >= 1 also the ahead-sampler (started), holding the batches the checkpoint kept (stale ones
+        requeued)."""
         cfg, parts, source = self.config, self.components, self.source
         assert parts is not None and source is not None
         start_step, queued = restored.step, restored.queued
@@ -300,26 +293,25 @@ class Trainer:
             last = batches[-1]
             resume_at, selection = last.position, last.order.state if last.order is not None else None
         order = self._problem_order(resume_at, selection)
-        tools = GroupSampler.from_parts(source, parts, cfg, rollout_fn=self._rollout_fn)
+        tools = GroupRollouts.from_parts(source, parts, cfg, rollout_fn=self._rollout_fn)
         text = None  # the text-only share's parts: the tool protocol's text-only twin, no executor
         if cfg.rollout.text_only_share > 0:
             text_parts = parts.for_mode(False)
-            text = GroupSampler.from_parts(source, text_parts, cfg, tools=False, rollout_fn=self._rollout_fn)
-        steps = StepSampler(tools, text, cfg.rollout, cfg.filters, seed=cfg.train.seed)
-        feed = ProblemFeed(order, replay)
-        if k == 0:  # every restored batch is at least one version old, so requeued: none is left to hold
+            text = GroupRollouts.from_parts(source, text_parts, cfg, tools=False, rollout_fn=self._rollout_fn)
+        self._builder = StepBatchBuilder(tools, text, cfg.rollout, cfg.filters, seed=cfg.train.seed)
+        self._feed = ProblemFeed(order, replay)
+        if k >= 1:
+            self._ahead = AheadBatches(
+                self._builder,
+                self._feed,
+                max_steps_off_policy=k,
+                first_step=start_step + 1,
+                last_step=cfg.train.steps,
+                restored=batches,
+            )
+            self._ahead.start()
+        else:  # every restored batch is at least one version old, so requeued: none is left to hold
             assert not batches, "a synchronous run holds no batch sampled ahead"
-            return SyncSampler(steps, feed)
-        ahead = BatchSampler(
-            steps,
-            feed,
-            max_steps_off_policy=k,
-            first_step=start_step + 1,
-            last_step=cfg.train.steps,
-            restored=batches,
-        )
-        ahead.start()
-        return ahead
 
     async def run_async(self) -> TrainSummary:
         cfg = self.config
@@ -329,18 +321,17 @@ class Trainer:
         installed = _install_signals(self._on_signal)
         step = start_step
         last: MetricsRecord = {}
-        sampler: StepBatches | None = None
         try:
-            sampler = self._batch_sampler(restored)
+            self._sampling(restored)
             while step < cfg.train.steps and not self._stop_requested:
                 step += 1
-                last = await self._one_step(step, sampler, tracker)
+                last = await self._one_step(step, tracker)
                 progress.update(step, last)
                 if self._on_step is not None:
                     self._on_step(step, last)
         finally:
-            if sampler is not None:
-                await sampler.aclose()
+            if self._ahead is not None:
+                await self._ahead.aclose()
             progress.close()
             tracker.close()
             _restore_signals(installed)
@@ -355,18 +346,24 @@ class Trainer:
             return await backend.frozen_sampling_client_async()
         return await backend.sampling_client_async()
 
-    async def _one_step(self, step: int, sampler: StepBatches, tracker: Tracker) -> MetricsRecord:
+    async def _one_step(self, step: int, tracker: Tracker) -> MetricsRecord:
         """One RL step, top to bottom: sample this step's groups, build the datums (the filters drop what
         they leave out), train, log; checkpoint when due. Returns the step's metrics line."""
         cfg, parts = self.config, self.components
         assert parts is not None
         t_step = t0 = time.perf_counter()
-        # 1. Sample: the policy over the current weights (version step - 1) goes to the batch sampler, which
-        # returns this step's groups (sampled now, awaited here: k = 0; or while earlier steps trained: k >= 1).
-        sampler.submit(step - 1, await self._current_policy())
+        # 1. Sample this step's groups with the policy over the current weights (version step - 1); with
+        # k >= 1 they were sampled while earlier steps trained, on an older version.
+        policy = await self._current_policy()
         times = {"time/refresh": time.perf_counter() - t0}
-        t0, queued = time.perf_counter(), sampler.ready()
-        batch = await sampler.batch_for(step)
+        t0, queued = time.perf_counter(), 0
+        if self._ahead is None:
+            assert self._builder is not None and self._feed is not None, "set when the run starts"
+            batch = await self._builder.batch(step, self._feed, step - 1, policy)
+        else:
+            self._ahead.submit(step - 1, policy)
+            queued = self._ahead.ready()
+            batch = await self._ahead.batch_for(step)
         times["time/wait"] = time.perf_counter() - t0  # the trainer idle, waiting for its batch
         times["time/rollout"] = batch.seconds
         # 2. Filter and build the datums; every sampled group is recorded, the datums mark the trained ones.
@@ -378,7 +375,7 @@ class Trainer:
             drop_void=filters.void_turn,
             drop_overlong=filters.overlong,
         )
-        self.trajectories.write_step(step, collected.sampled, data.datums, parts.protocol.decode)
+        self.trajectories.write_step(step, collected.sampled, data, collected.origin, parts.protocol.decode)
         # 3. Train: forward-backward over micro-batches, one optimizer step.
         result = await train_step(
             self._backend,
@@ -395,7 +392,7 @@ class Trainer:
         record.update(pipeline_metrics(batch, step - 1, queued, self._requeued))
         self._check_sampler(step, record)
         if self._checkpoint_due(step):
-            await self._checkpoint(step, sampler, record, t_step)
+            await self._checkpoint(step, record, t_step)
         else:
             record["time/step"] = time.perf_counter() - t_step
         self.metrics.append(record)
@@ -433,18 +430,22 @@ class Trainer:
                 tol,
             )
 
-    async def _checkpoint(
-        self, step: int, sampler: StepBatches, record: MetricsRecord, t_step: float
-    ) -> None:
+    async def _checkpoint(self, step: int, record: MetricsRecord, t_step: float) -> None:
         """Save weights, optimizer, RNG, data position and the batches sampled for later steps (after
-        waiting for those the schedule has started: see ``retool.train.pipeline``), atomically."""
+        waiting for those the schedule has started: see ``retool.train.ahead``), atomically."""
         t0 = time.perf_counter()
         tmp = self.checkpoints.begin(step)
         try:
             backend_path, is_local = await self._save_backend(tmp, CheckpointManager.name_for(step))
         except Exception as exc:  # a full disk surfaces as OSError, or as torch's / safetensors' own errors
             raise self.checkpoints.write_error(step, "saving the backend state", tmp, exc) from exc
-        queued, position, order = await sampler.drain(step + sampler.k)
+        if self._ahead is None:
+            feed = self._feed
+            assert feed is not None, "set when the run starts"
+            queued = PipelineState(0, [], list(feed.replay))
+            position, order = feed.position, feed.snapshot()
+        else:
+            queued, position, order = await self._ahead.drain(step + self._ahead.k)
         extra = checkpoint_entry(self._open_tracker)  # a resume reopens the tracker run
         if queued.batches or queued.replay:  # a synchronous run's checkpoint stays as it always was
             self.checkpoints.write_pipeline(tmp, step, queued)

@@ -15,9 +15,9 @@ from typing import Literal, cast
 
 from retool.backends.interface.types import Datum
 from retool.jsonl import JsonObject
-from retool.rollout.records import RECORD_VERSION, Decode, TrajectoryRecord, datum_tokens, trajectory_record
-from retool.rollout.types import Trajectory, trajectory_tokens
-from retool.train.step import group_advantages
+from retool.rollout.records import RECORD_VERSION, Decode, TrajectoryRecord, trajectory_record
+from retool.rollout.types import Trajectory
+from retool.train.step import StepData, group_advantages
 
 logger = logging.getLogger(__name__)
 
@@ -27,7 +27,6 @@ __all__ = [
     "TrajectoryLog",
     "cut_from_step",
     "datum_advantage",
-    "match_datums",
     "read_json_objects",
     "read_records",
     "select_groups",
@@ -38,30 +37,7 @@ TRAJECTORIES_FILE = "trajectories.jsonl"
 GroupsPerStep = int | Literal["all"]
 
 
-# -- training: which datum belongs to which trajectory ----------------------------------------------
-
-
-def match_datums(
-    groups: Sequence[Sequence[Trajectory]], datums: Sequence[Datum]
-) -> dict[tuple[int, int], Datum]:
-    """Map (group, branch) -> the datum trained on that trajectory, matched by token sequence.
-
-    Matching by content (not by replaying the order ``build_step_data`` happens to use) keeps this right
-    when the step's datum selection changes (filters, dynamic sampling). Two branches with identical
-    tokens share a reward, hence an advantage, so which of their datums goes where does not matter.
-    """
-    by_tokens: dict[tuple[int, ...], list[Datum]] = {}
-    for datum in datums:
-        by_tokens.setdefault(tuple(datum_tokens(datum)), []).append(datum)
-    out: dict[tuple[int, int], Datum] = {}
-    for g, group in enumerate(groups):
-        for b, traj in enumerate(group):
-            if not traj.turns:
-                continue
-            found = by_tokens.get(tuple(trajectory_tokens(traj)[0]))
-            if found:
-                out[(g, b)] = found.pop(0)
-    return out
+# -- training: the advantage a datum carries ------------------------------------------------------
 
 
 def datum_advantage(datum: Datum) -> float | None:
@@ -101,15 +77,19 @@ class TrajectoryLog:
         self,
         step: int,
         groups: Sequence[Sequence[Trajectory]],
-        datums: Sequence[Datum],
+        data: StepData,
+        origin: Sequence[Sequence[tuple[int, int]]] = (),
         decode: Decode | None = None,
     ) -> int:
-        """Record the selected groups of ``step``; returns how many trajectories were written.
+        """Record the selected groups of ``step`` (every group it sampled); returns how many trajectories
+        were written. ``data`` is what the step trained, built from its trained groups; ``origin`` says
+        where each trained trajectory sits in ``groups`` (group, branch: ``Collected.origin``), empty when
+        the trained groups are ``groups`` themselves.
 
         Never raises: the log is a by-product of training, so a failure here is logged, not fatal.
         """
         try:
-            return self._write_step(step, groups, datums, decode)
+            return self._write_step(step, groups, data, origin, decode)
         except Exception:
             logger.exception("writing the trajectories of step %d to %s failed", step, self.path)
             return 0
@@ -118,7 +98,8 @@ class TrajectoryLog:
         self,
         step: int,
         groups: Sequence[Sequence[Trajectory]],
-        datums: Sequence[Datum],
+        data: StepData,
+        origin: Sequence[Sequence[tuple[int, int]]],
         decode: Decode | None,
     ) -> int:
         if not self._checked:
@@ -127,13 +108,17 @@ class TrajectoryLog:
         chosen = select_groups(len(groups), self.groups_per_step, self.seed, step)
         if not chosen:
             return 0
-        matched = match_datums(groups, datums)
+        trained: dict[tuple[int, int], Datum] = {}
+        for k, slots in enumerate(data.datum_index):
+            for j, index in enumerate(slots):
+                if index is not None:
+                    trained[origin[k][j] if origin else (k, j)] = data.datums[index]
         lines: list[str] = []
         for g in chosen:
             group = groups[g]
             advantages = group_advantages([float(t.reward) for t in group])
             for b, traj in enumerate(group):
-                datum = matched.get((g, b))
+                datum = trained.get((g, b))
                 advantage = datum_advantage(datum) if datum is not None else advantages[b]
                 record = trajectory_record(
                     traj, source="train", advantage=advantage, datum=datum, step=step, decode=decode

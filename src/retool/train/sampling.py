@@ -1,15 +1,15 @@
 """Sampling, groups and steps: the one module that turns problems into the groups a step trains on.
 
-Groups. A ``GroupSampler`` binds a problem source to the setup of one mode (``retool.env.retool.ToolSetup``:
+Groups. A ``GroupRollouts`` binds a problem source to the setup of one mode (``retool.env.retool.ToolSetup``:
 the tool on, or none for text-only) and to the rollout settings. ``sample(problems, policy, group_size=,
 seed=)`` asks the source for the batch's groups (``ProblemSource.group_builders``: one builder per
 problem, its index its position, each owning its environments and their scoring) and rolls them out in
 one ``RolloutRequest`` with the rollout function (``retool.rollout.engine.run_rollout`` unless a caller
 injects its own). The trainer (one sampler per mode), the evaluator and ``run_group_rollouts`` (the
 default ReTool environments from loose parts, for scripts and benchmarks) all sample through it;
-``GroupSampler.from_parts`` builds the setup from a run's components and config.
+``GroupRollouts.from_parts`` builds the setup from a run's components and config.
 
-Steps. ``StepSampler.sample(step, feed, policy)`` draws a round of questions from the feed, rolls each out
+Steps. ``StepBatchBuilder.sample(step, feed, policy)`` draws a round of questions from the feed, rolls each out
 as a group with the group samplers (the last ``rollout.text_only_share`` of a round's questions
 text-only, the rest with the tool) and keeps what the filters let through:
 
@@ -39,14 +39,18 @@ Seeds: a step samples with ``rollout_seed(train.seed, step)``, round r with ``ro
 (the text-only share with that seed ``^ 0x5EED``), so a redone or resumed step samples alike; rounds
 draw their problems from the run's feed, so a resumed run draws the same ones.
 
-When a step's batch is sampled (now, or ahead of training within a staleness bound) is
-``retool.train.pipeline``'s.
+Batches. ``StepBatchBuilder.batch(step, feed, version, policy)`` is one step's ``Batch``: its groups, every
+trajectory tagged with the policy version that sampled it, and where the feed stood after it. The
+synchronous loop (``retool.train.loop``) asks for it when the step starts; with
+``train.max_steps_off_policy >= 1`` ``retool.train.ahead`` asks for the batches of later steps while
+earlier ones train.
 """
 
 from __future__ import annotations
 
 import asyncio
 import math
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 
@@ -59,7 +63,7 @@ from retool.env.source import EnvSetup, ProblemList, ProblemSource
 from retool.protocol import ChatProtocol
 from retool.rollout.engine import OnTrajectory, Policy, RolloutFn, RolloutRequest, run_rollout
 from retool.rollout.types import Trajectory
-from retool.train.datasource import ProblemFeed
+from retool.train.datasource import DataPosition, OrderSnapshot, ProblemFeed
 from retool.train.metrics import raise_if_step_lost
 from retool.train.roc import resample_on_correct, sampled_group_size, tool_error_metrics
 from retool.train.step import is_informative
@@ -68,7 +72,7 @@ from retool.train.step import is_informative
 
 
 @dataclass(frozen=True)
-class GroupSampler:
+class GroupRollouts:
     """The groups of ``source``'s problems in one mode (``setup``), sampled with ``sampling``'s settings
     through ``rollout_fn``."""
 
@@ -87,7 +91,7 @@ class GroupSampler:
         *,
         tools: bool = True,
         rollout_fn: RolloutFn = run_rollout,
-    ) -> GroupSampler:
+    ) -> GroupRollouts:
         """ReTool environments of ``source`` with ``parts``' protocol and verifier, the executor as the tool
         (``tools``; otherwise none: text-only, and ``parts.protocol`` must register no tool), the budgets,
         sampling settings and in-flight cap of ``config``."""
@@ -140,7 +144,7 @@ async def run_group_rollouts(
     rollout_fn: RolloutFn = run_rollout,
 ) -> list[list[Trajectory]]:
     """The default ReTool environments of ``problems`` rolled out from loose parts (scripts, tests,
-    benchmarks; the trainer and the evaluator hold a ``GroupSampler`` of their own), through
+    benchmarks; the trainer and the evaluator hold a ``GroupRollouts`` of their own), through
     ``rollout_fn`` (a benchmark passes another scheduling).
 
     ``executor`` is the tool (None only with ``use_tools=False``: text-only); attempts are scored by the
@@ -153,7 +157,7 @@ async def run_group_rollouts(
     setup = ToolSetup(protocol, executor if use_tools else None, verifier, Budgets.from_config(rollout))
     setup.check()
     source = ProblemList(problems, shuffle=False)
-    groups = GroupSampler(source, setup, sampling, rollout.max_inflight_samples, rollout_fn)
+    groups = GroupRollouts(source, setup, sampling, rollout.max_inflight_samples, rollout_fn)
     return await groups.sample(
         problems, sampler, group_size=group_size, seed=seed, on_trajectory=on_trajectory
     )
@@ -166,7 +170,7 @@ async def run_group_rollouts(
 class Collected:
     """The outcome of one step's sampling.
 
-    Checkpoints pickle it (``retool.train.pipeline.PipelineState``): a change of its fields is a change of
+    Checkpoints pickle it (``retool.train.ahead.PipelineState``): a change of its fields is a change of
     ``retool.train.checkpoint.CHECKPOINT_FORMAT``.
     """
 
@@ -179,6 +183,9 @@ class Collected:
     # Per group of ``groups``: its rewards differ (``is_informative``), decided when it was sampled. None
     # when the groups did not come through the step sampler (``build_step_data`` then decides).
     group_informative: tuple[bool, ...] | None = None
+    # Per group of ``groups``, per trajectory: where it sits in ``sampled`` (group, branch). Empty when the
+    # groups did not come through the step builder (they are then the sampled groups themselves).
+    origin: list[list[tuple[int, int]]] = field(default_factory=list)
 
     def with_policy_version(self, version: int) -> Collected:
         """The same groups, every trajectory tagged with the policy version that sampled it (a trained
@@ -192,6 +199,12 @@ class Collected:
             return [[stamped[id(traj)] for traj in group] for group in groups]
 
         return replace(self, groups=restamp(self.groups), sampled=restamp(self.sampled))
+
+    def tag_origins(self) -> None:
+        """Record where each trained trajectory sits in ``sampled`` (RoC and dynamic sampling keep some
+        trajectories of some groups), so the trajectory log writes the step's own map."""
+        where = {id(t): (g, b) for g, group in enumerate(self.sampled) for b, t in enumerate(group)}
+        self.origin = [[where[id(t)] for t in group] for group in self.groups]
 
     def metrics(self) -> dict[str, float]:
         return {
@@ -214,6 +227,22 @@ class Collected:
         }
 
 
+@dataclass
+class Batch:
+    """One step's sampling, ready to train: which version sampled it and where the feed stood after it."""
+
+    step: int
+    version: int
+    collected: Collected
+    position: DataPosition  # the stream's position after this batch drew its problems
+    replay: list[Problem] = field(default_factory=list)  # requeued problems still waiting after it
+    seconds: float = 0.0  # wall time of its sampling
+    order: OrderSnapshot | None = None  # an adaptive order's state after it (None: epoch order)
+
+    def lag(self, trainer_version: int) -> int:
+        return trainer_version - self.version
+
+
 def rollout_seed(base_seed: int, step: int) -> int:
     """The sampling seed of a step: fixed by the run seed and the step, so a redone step samples alike."""
     return (base_seed * 1_000_003 + step * 7919) % (2**31 - 1)
@@ -225,7 +254,7 @@ def round_seed(step_seed: int, round_index: int) -> int:
 
 
 async def sample_by_size(
-    groups: GroupSampler, problems: list[Problem], sizes: list[int], policy: Policy, size: int, seed: int
+    groups: GroupRollouts, problems: list[Problem], sizes: list[int], policy: Policy, size: int, seed: int
 ) -> list[list[Trajectory]]:
     """One group per problem, in order, problem i's of ``sizes[i]`` trajectories: one rollout request per
     size. Problems of the usual ``size`` keep ``seed``, so a round where every group has it samples exactly
@@ -264,14 +293,14 @@ def questions_for_round(missing: int, oversample: float) -> int:
     return max(1, math.ceil(oversample * missing - 1e-9))
 
 
-class StepSampler:
+class StepBatchBuilder:
     """Samples one step's batch with a policy (module docstring): ``tools`` rolls out the tool-mode
     questions, ``text`` the text-only share (needed only when ``rollout.text_only_share > 0``)."""
 
     def __init__(
         self,
-        tools: GroupSampler,
-        text: GroupSampler | None,
+        tools: GroupRollouts,
+        text: GroupRollouts | None,
         rollout: RolloutConfig,
         filters: FiltersConfig,
         *,
@@ -279,6 +308,14 @@ class StepSampler:
     ) -> None:
         self.tools, self.text = tools, text
         self.rollout, self.filters, self.seed = rollout, filters, seed
+
+    async def batch(self, step: int, feed: ProblemFeed, version: int, policy: Policy) -> Batch:
+        """The batch of ``step`` sampled now with ``policy`` (the weights of ``version``), every trajectory
+        tagged with that version, and where the feed stands after it."""
+        t0 = time.perf_counter()
+        collected = (await self.sample(step, feed, policy)).with_policy_version(version)
+        seconds = time.perf_counter() - t0
+        return Batch(step, version, collected, feed.position, list(feed.replay), seconds, feed.snapshot())
 
     async def sample(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
         """This step's groups, rewards final, each with its verdict; with ``filters.dynamic_sampling``
@@ -298,6 +335,7 @@ class StepSampler:
         out.sampled, out.problems = list(groups), list(problems)
         out.group_informative = tuple(is_informative(g) for g in out.groups)
         out.informative = sum(out.group_informative)
+        out.tag_origins()
         return out
 
     async def _dynamic_rounds(self, step: int, feed: ProblemFeed, policy: Policy) -> Collected:
@@ -321,6 +359,7 @@ class StepSampler:
             kept.extend(good)
         out.groups = kept[:target]
         out.group_informative = (True,) * len(out.groups)  # only informative groups were kept
+        out.tag_origins()
         return out
 
     async def _sample_round(

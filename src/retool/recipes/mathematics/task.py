@@ -44,7 +44,7 @@ from retool.train.expert_iteration import (
     RoundReport,
     run_expert_iteration,
 )
-from retool.train.sampling import GroupSampler
+from retool.train.sampling import GroupRollouts
 from retool.train.sft import SFTExample, SFTReport, write_examples
 
 logger = logging.getLogger(__name__)
@@ -232,7 +232,7 @@ def _few_shot_round(parts: Components, config: Config, cold: ColdStart, problems
         parts.protocol.build_prompt(parts.protocol.initial_messages(""))
     )
     source = MathematicsList(problems, shuffle=False, name="mathematics-coldstart")
-    sampler = GroupSampler.from_parts(source, prompted, _coldstart_config(config, cold.temperature, extra))
+    sampler = GroupRollouts.from_parts(source, prompted, _coldstart_config(config, cold.temperature, extra))
     skip, observation_tokens = 1 + len(shots), config.rollout.max_observation_tokens
 
     def plain(traj: Trajectory) -> SFTExample | None:

@@ -1,13 +1,11 @@
-"""The trainer's sampler of each step's batch: ``SyncSampler`` (the synchronous loop, the default) or
-``BatchSampler`` (ahead of training within a staleness bound).
+"""Sampling ahead of training (``train.max_steps_off_policy = k >= 1``): ``AheadBatches`` samples the
+batches of steps t+1..t+k in a background task while step t trains. The synchronous loop (k = 0, the
+default) never builds it: ``retool.train.loop`` samples each step's batch itself when the step starts.
 
 The trainer calls it, it never calls the trainer: when step t starts, ``submit(t - 1, policy)`` hands it
-the policy over the current weights, and ``await batch_for(t)`` returns the step's batch (``StepBatches``).
-With ``train.max_steps_off_policy = 0`` that is ``SyncSampler``: ``batch_for`` samples the batch there and
-then (``sample_batch``), awaited by the trainer. With k >= 1 it is ``BatchSampler``: a background task
-samples the batches ahead, and ``batch_for`` takes one (sampled while earlier steps trained). A checkpoint
-asks either for the batches it holds (``drain``); ``aclose`` stops it. The work of one batch is
-``retool.train.sampling.StepSampler``'s.
+the policy over the current weights, and ``await batch_for(t)`` takes the step's batch, sampled while
+earlier steps trained. A checkpoint asks for the batches it holds (``drain``); ``aclose`` stops it. The
+work of one batch is ``retool.train.sampling.StepBatchBuilder.batch``'s.
 
 Policy versions. Version v is the weights after v optimizer steps (a resumed run starts at the version of
 its checkpoint). The trainer submits version t - 1 (a sampler over those weights, frozen: see
@@ -22,8 +20,7 @@ one after another, each one on the policy of version
 
 and puts it in a queue; the trainer takes batch t when it starts step t. Every version is therefore
 trained on with lag ``t - 1 - v(t) = min(k, t - 1 - v0)``: k steps behind once the pipeline is full.
-While step t trains, batches t+1..t+k are sampled (they need versions up to t - 1). ``k = 0`` is the
-synchronous loop: batch t waits for version t - 1, submitted when step t starts.
+While step t trains, batches t+1..t+k are sampled (they need versions up to t - 1).
 
 Staleness policy: pacing, not discarding. The sampler never samples a batch before its version exists
 and never from a newer one, so in a run no batch is older than k versions, none is discarded and the run
@@ -52,33 +49,15 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field
-from typing import Protocol
+from dataclasses import asdict, dataclass
 
 from retool.data.problem import Problem
 from retool.rollout import Policy
 from retool.train.datasource import DataPosition, OrderSnapshot, ProblemFeed
-from retool.train.sampling import Collected, StepSampler
+from retool.train.sampling import Batch, StepBatchBuilder
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class Batch:
-    """One step's sampling, ready to train: which version sampled it and where the feed stood after it."""
-
-    step: int
-    version: int
-    collected: Collected
-    position: DataPosition  # the stream's position after this batch drew its problems
-    replay: list[Problem] = field(default_factory=list)  # requeued problems still waiting after it
-    seconds: float = 0.0  # wall time of its sampling
-    order: OrderSnapshot | None = None  # an adaptive order's state after it (None: epoch order)
-
-    def lag(self, trainer_version: int) -> int:
-        return trainer_version - self.version
 
 
 @dataclass
@@ -122,65 +101,7 @@ def requeue_stale(
     return keep, [*problems, *stale[-1].replay], groups
 
 
-async def sample_batch(
-    steps: StepSampler, step: int, feed: ProblemFeed, version: int, policy: Policy
-) -> Batch:
-    """The batch of ``step`` sampled now with ``policy`` (the weights of ``version``), every trajectory
-    tagged with that version, and where the feed stands after it."""
-    t0 = time.perf_counter()
-    collected = (await steps.sample(step, feed, policy)).with_policy_version(version)
-    seconds = time.perf_counter() - t0
-    return Batch(step, version, collected, feed.position, list(feed.replay), seconds, feed.snapshot())
-
-
-class StepBatches(Protocol):
-    """What the trainer asks of its sampler (``SyncSampler`` for k = 0, ``BatchSampler`` for k >= 1)."""
-
-    k: int
-
-    def submit(self, version: int, policy: Policy) -> None: ...
-
-    def ready(self) -> int: ...
-
-    async def batch_for(self, step: int) -> Batch: ...
-
-    async def drain(self, through: int) -> tuple[PipelineState, DataPosition, OrderSnapshot | None]: ...
-
-    async def aclose(self) -> None: ...
-
-
-class SyncSampler:
-    """The synchronous loop (``train.max_steps_off_policy = 0``): ``batch_for(t)`` samples batch t there
-    and then, awaited by the trainer, on the policy submitted when step t started (version t - 1). No
-    background task, no batch ever waiting, nothing for a checkpoint to store but the feed's replay list."""
-
-    k = 0
-
-    def __init__(self, steps: StepSampler, feed: ProblemFeed) -> None:
-        self.steps = steps
-        self.feed = feed
-        self._policy: tuple[int, Policy] | None = None
-
-    def submit(self, version: int, policy: Policy) -> None:
-        self._policy = (version, policy)
-
-    def ready(self) -> int:
-        return 0
-
-    async def batch_for(self, step: int) -> Batch:
-        if self._policy is None or self._policy[0] != step - 1:
-            raise RuntimeError(f"the batch of step {step} needs policy version {step - 1}, not submitted")
-        version, policy = self._policy
-        return await sample_batch(self.steps, step, self.feed, version, policy)
-
-    async def drain(self, through: int) -> tuple[PipelineState, DataPosition, OrderSnapshot | None]:
-        return PipelineState(0, [], list(self.feed.replay)), self.feed.position, self.feed.snapshot()
-
-    async def aclose(self) -> None:
-        self._policy = None
-
-
-class BatchSampler:
+class AheadBatches:
     """Samples each step's batch on the policy version the schedule names, in a background task, and
     keeps the sampled batches until the trainer takes them (module docstring).
 
@@ -190,7 +111,7 @@ class BatchSampler:
 
     def __init__(
         self,
-        steps: StepSampler,
+        steps: StepBatchBuilder,
         feed: ProblemFeed,
         *,
         max_steps_off_policy: int,
@@ -266,8 +187,8 @@ class BatchSampler:
                 version = self.version_for(step)
                 while version not in self._policies:
                     await self._changes()
-                self._batches[step] = await sample_batch(
-                    self.steps, step, self.feed, version, self._policies[version]
+                self._batches[step] = await self.steps.batch(
+                    step, self.feed, version, self._policies[version]
                 )
                 self._next += 1
                 self._notify()
