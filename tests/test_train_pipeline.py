@@ -15,10 +15,10 @@ import pytest
 from retool.config import Config, override_config
 from retool.env import ProblemList
 from retool.rollout import Trajectory
+from retool.train.ahead import PipelineState, requeue_stale
 from retool.train.checkpoint import PIPELINE_FILE, CheckpointManager
 from retool.train.loop import Trainer
 from retool.train.metrics import StepLostError
-from retool.train.ahead import PipelineState, requeue_stale
 from retool.train.sampling import Batch
 from test_train_loop import (
     PROBLEMS,
