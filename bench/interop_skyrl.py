@@ -285,7 +285,7 @@ def evaluate(model: Path, url: str, run: Path, work: Path) -> tuple[bool, str]:
     out = work / "eval" / "skyrl.jsonl"
     sets = config_for(model, "tinker", url, work / "eval")
     proc = retool("eval", "--config", "tiny", "--mode", "retool", "--checkpoint", str(ckpts[-1]), "--dataset",
-                  "tasks", "--limit", "4", "--val-n", "2", "-o", str(out), *[x for s in sets for x in ("--set", s)],
+                  "synthetic", "--limit", "4", "--val-n", "2", "-o", str(out), *[x for s in sets for x in ("--set", s)],
                   log_to=work / "eval.log", check=False)  # fmt: skip
     summary_file = out.with_suffix(".summary.json")
     if proc.returncode != 0 or not summary_file.is_file():

@@ -186,7 +186,7 @@ def build_parts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
     config = load_config(
         "tiny",
         [
-            "data.source=tasks",
+            "data.source=synthetic",
             "data.task_count=400",
             f"train.steps={args.steps}",
             "checkpoint.every=0",

@@ -12,11 +12,11 @@ meaningful even when the absolute numbers do not:
 - prompts are the demo's real retool-mode prompts (compact system prompt + distinct held-out hard
   problems), one request each, gathered into one batch as in evaluation; every sequence runs to
   ``--tokens`` (end-of-turn ignored) so the comparison is fair;
-- the llama.cpp sampler (``backend.sampler = "llamacpp"``, ``retool.backends.samplers.llamacpp``, needs
+- the llama.cpp sampler (``backend.engine = "llamacpp"``, ``retool.backends.samplers.llamacpp``, needs
   ``pip install xllamacpp``) on the same prompts, fed the same trained adapter (exported to a LoRA GGUF), at
   the batch sizes given, interleaved with the torch rows; then the mean |difference| between llama.cpp's
   logprobs of its sampled tokens and the trainer's fp32 recomputation of them;
-- the vLLM sampler (``backend.sampler = "vllm"``, ``retool.backends.samplers.vllm``; vLLM's CPU build lives in
+- the vLLM sampler (``backend.engine = "vllm"``, ``retool.backends.samplers.vllm``; vLLM's CPU build lives in
   .venv-vllm, so run this bench with ``.venv-vllm/bin/python`` for these rows) on the same prompts and the
   same adapter, its engine in the trainer's fp32, loading an fp32 HF copy of the GGUF's weights (converted
   once into ~/.cache/retool); its start-up time and memory; then its logprobs against the trainer's;

@@ -48,7 +48,7 @@ def summary(run: Path, wall: float | None) -> str:
     config = settings.get("config", {})
     lines = [
         f"- run: model {config.get('model', {}).get('name', '?')}, seed {settings.get('seed')}, "
-        f"{config.get('train', {}).get('steps', '?')} RL steps, sampler {config.get('backend', {}).get('sampler')}, "
+        f"{config.get('train', {}).get('steps', '?')} RL steps, engine {config.get('backend', {}).get('engine')}, "
         f"prefix cache {config.get('backend', {}).get('prefix_cache_mb')} MB",
         f"- machine (report.json): {facts.get('cpu')}, {facts.get('cpus')} CPUs, {facts.get('memory_gib')} GiB, "
         f"torch {facts.get('torch')} with {facts.get('torch_threads')} threads; peak RSS "

@@ -11,7 +11,7 @@ cannot reach Python at all. Anything else is an error the model sees as the obse
 Use it as ``CalculatorSource(inner)`` around any problem source, e.g. in a script::
 
     from retool.env import make_source
-    source = CalculatorSource(make_source("tasks"))
+    source = CalculatorSource(make_source("synthetic"))
     Trainer(config, run_dir, source=source).run()   # or evaluate(config, mode="retool", source=source, ...)
 
 ``tests/test_examples_calculator.py`` trains it for a few steps.

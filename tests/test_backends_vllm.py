@@ -209,7 +209,7 @@ def test_config_settings_reach_the_engine(
         overrides=[
             f"model.name={tiny_model_dir}",
             f"train.run_dir={tmp_path}",
-            "backend.sampler=vllm",
+            "backend.engine=vllm",
             "backend.vllm_dtype=bfloat16",
             "backend.vllm_kv_cache_gib=0.25",
         ],

@@ -67,7 +67,7 @@ TRAIN_LOCAL = [
     "--set",
     "backend.kind=local",
     "--set",
-    "data.source=tasks",
+    "data.source=synthetic",
 ]
 
 CASES: dict[str, tuple[list[str], tuple[str, ...]]] = {
@@ -77,7 +77,7 @@ CASES: dict[str, tuple[list[str], tuple[str, ...]]] = {
         ("'/no/such/model': no such file or folder",),
     ),
     "train: remote backend without a key": (
-        ["train", "--config", "chapter", "--set", "data.source=tasks"],
+        ["train", "--config", "chapter", "--set", "data.source=synthetic"],
         ("pytrio backend: no API key", "PYTRIO_API_KEY"),
     ),
     "train: bad config": (["train", "--config", "chapter", *BAD_SET], (BAD_SET_ERROR,)),
@@ -91,7 +91,7 @@ CASES: dict[str, tuple[list[str], tuple[str, ...]]] = {
             "--model",
             QWEN,
             "--dataset",
-            "tasks",
+            "synthetic",
             "-o",
             "e.jsonl",
         ],
@@ -159,7 +159,7 @@ def test_sft_data_names_the_line_that_is_not_a_trace(
 
 
 def test_the_traceback_is_shown_on_request(tmp_path: Path) -> None:
-    args = ["train", "--config", "chapter", "--set", "data.source=tasks"]
+    args = ["train", "--config", "chapter", "--set", "data.source=synthetic"]
     for proc in (run_retool(tmp_path, *args, debug=True), run_retool(tmp_path, "--debug", *args)):
         assert proc.returncode == 1 and "Traceback" in proc.stderr, proc.stderr
         assert (

@@ -34,7 +34,7 @@ def test_chapter_preset_has_the_reference_run() -> None:
 def test_tiny_preset_is_a_small_local_cpu_run() -> None:
     c = load_config("tiny")
     assert c.backend.kind == "local" and c.backend.device == "cpu"
-    assert c.data.source == "tasks"
+    assert c.data.source == "synthetic"
     assert c.rollout.questions_per_step * c.rollout.group_size <= 16
     assert c.rollout.max_trajectory_tokens <= c.model.max_context
 
@@ -85,9 +85,9 @@ def test_unknown_preset_lists_the_known_ones() -> None:
 @pytest.mark.parametrize(
     ("overrides", "message"),
     [
-        (["train.max_steps_off_policy=1", "backend.sampler='vllm'"], "the vllm sampler holds one set"),
+        (["train.max_steps_off_policy=1", "backend.engine='vllm'"], "the vllm sampler holds one set"),
         (
-            ["train.max_steps_off_policy=1", "backend.sampler='llamacpp'"],
+            ["train.max_steps_off_policy=1", "backend.engine='llamacpp'"],
             "the llamacpp sampler holds one set",
         ),
         (["loss.tis_cap=2.0", "backend.kind='tinker'"], "loss.tis_cap needs the loss computed locally"),
@@ -104,8 +104,8 @@ def test_settings_that_do_not_go_together_are_refused(overrides: list[str], mess
 @pytest.mark.parametrize(
     ("setting", "named"),
     [
-        ('backend.sampler="llamacpp"', "backend.sampler = 'llamacpp'"),
-        ('backend.sampler="vllm"', "backend.sampler = 'vllm'"),
+        ('backend.engine="llamacpp"', "backend.engine = 'llamacpp'"),
+        ('backend.engine="vllm"', "backend.engine = 'vllm'"),
         ('backend.kind="tinker"', "backend.kind = 'tinker'"),
         ('backend.kind="pytrio"', "backend.kind = 'pytrio'"),
     ],

@@ -31,7 +31,7 @@ PROBLEMS = [Problem(f"p{i}", f"What is {i} + {i}?", str(2 * i)) for i in range(1
 
 
 def test_builtin_names_are_registered() -> None:
-    assert {"tasks", "dapo", "aime2025", "aime2024", "math500"} <= set(registered_sources())
+    assert {"synthetic", "dapo", "aime2025", "aime2024", "math500"} <= set(registered_sources())
 
 
 def test_a_file_reads_through_the_data_stage_with_the_configured_fields(tmp_path: Path) -> None:
@@ -72,7 +72,7 @@ def test_the_task_family_has_held_out_splits_from_the_data_section() -> None:
     assert not {p.question for p in train} & {p.question for p in test}
     assert all(t.code.startswith("print(") for t in env.tasks("train"))
     with pytest.raises(SourceError, match="unknown task kinds"):
-        make_source("tasks", SourceOptions(data=DataConfig(task_kinds=["nope"]))).problems("train")
+        make_source("synthetic", SourceOptions(data=DataConfig(task_kinds=["nope"]))).problems("train")
 
 
 def test_named_sets_prefer_the_data_dir(fixture_data: Path) -> None:

@@ -29,7 +29,7 @@ def test_the_gsm8k_preset_and_fields() -> None:
     assert settings.eval_temperature == 0.0 and settings.config.eval.val_n == 1
     assert settings.out == "runs/demo-smollm2-gsm8k" and options_as(settings, Gsm8kOptions).coldstart_rows > 0
     # The synthetic task keeps its own preset.
-    assert real_model_settings("smollm2").config.data.source == "tasks"
+    assert real_model_settings("smollm2").config.data.source == "synthetic"
 
 
 def test_tiny_model_and_unknown_tasks_are_refused(tmp_path: Path) -> None:

@@ -162,7 +162,7 @@ def test_a_tiny_local_run_records_every_instrument(tiny_model_dir: Path, tmp_pat
         "tiny",
         [
             f"model.name='{tiny_model_dir}'",
-            "data.source=tasks",
+            "data.source=synthetic",
             "data.task_count=40",
             "train.steps=2",
             "checkpoint.every=0",

@@ -28,7 +28,7 @@ def local_config(model_dir: Path, k: int) -> Config:
         "tiny",
         [
             f"model.name='{model_dir}'",
-            "data.source=tasks",
+            "data.source=synthetic",
             "data.task_count=40",
             "train.steps=2",
             f"train.max_steps_off_policy={k}",

@@ -56,7 +56,7 @@ SLOW_CODE = (
 def tiny_config(model_dir: Path, **extra: Any) -> Config:
     sets = {
         "model.name": str(model_dir),
-        "data.source": "tasks",
+        "data.source": "synthetic",
         "data.task_count": 40,
         "train.steps": STEPS,
         "checkpoint.every": 1,

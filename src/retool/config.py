@@ -50,11 +50,11 @@ class BackendConfig(_Section):
     # CPU with native bf16 (avx512_bf16 / amx_bf16) for a model wide enough to gain from it; else float32,
     # the reason in the log.
     dtype: Literal["auto", "float32", "bfloat16", "float16"] = "auto"
-    # hf: the built-in torch sampler; vllm: a vLLM engine (GPU, or vLLM's CPU build); llamacpp: llama.cpp on CPU (xllamacpp) from the
+    # The engine the local backend samples with. hf: the built-in torch one; vllm: vLLM (GPU, or its CPU build); llamacpp: llama.cpp (xllamacpp) from the
     # GGUF file plus the trainer's LoRA as an adapter GGUF (GGUF models with LoRA; retool.backends.samplers.llamacpp)
-    sampler: Literal["hf", "vllm", "llamacpp"] = "hf"
-    llamacpp_threads: int = 2  # llama.cpp's CPU threads (sampler = "llamacpp")
-    # The vLLM sampler (sampler = "vllm", retool.backends.samplers.vllm). Its dtype: "trainer" computes in the
+    engine: Literal["hf", "vllm", "llamacpp"] = "hf"
+    llamacpp_threads: int = 2  # llama.cpp's CPU threads (engine = "llamacpp")
+    # The vLLM sampler (engine = "vllm", retool.backends.samplers.vllm). Its dtype: "trainer" computes in the
     # trainer's own dtype, so sampled logprobs are the trainer's (vLLM's own "auto" would downcast an fp32
     # model to bf16); another dtype (bf16 serving beside an fp32 master copy) is allowed, with a warning,
     # and its mismatch shows in every step's offpolicy/kl_k3, offpolicy/ratio_outside and TIS metrics.
@@ -137,7 +137,7 @@ class DataConfig(_Section):
     data_dir: str | None = (
         None  # where named sets are looked for first (<name>.jsonl); else $RETOOL_DATA_DIR, else the user cache
     )
-    # The synthetic task family (env "tasks"): problems per split, share of hard ones, kinds (empty: all).
+    # The synthetic task family (source "synthetic"): problems per split, share of hard ones, kinds (empty: all).
     task_count: int = Field(default=2000, ge=1)
     task_test_count: int = Field(default=200, ge=1)
     task_hard_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
@@ -413,22 +413,22 @@ class Config(_Section):
             )
         _check_roc(self.filters, self.rollout.group_size)
         _check_ref_kl(self)
-        engine = self.backend.sampler if self.backend.kind == "local" else "hf"
+        engine = self.backend.engine if self.backend.kind == "local" else "hf"
         if self.train.max_steps_off_policy > 0 and engine != "hf":
             raise ValueError(
                 "train.max_steps_off_policy > 0 needs a sampler over a frozen copy of the weights; the "
-                f"{engine} sampler holds one set of weights (use backend.sampler = 'hf', or "
+                f"{engine} sampler holds one set of weights (use backend.engine = 'hf', or "
                 "max_steps_off_policy = 0)"
             )
         if self.sampling.stop_at_boxed and (self.backend.kind != "local" or engine != "hf"):
             where = (
-                f"backend.sampler = {engine!r}"
+                f"backend.engine = {engine!r}"
                 if self.backend.kind == "local"
                 else f"backend.kind = {self.backend.kind!r}"
             )
             raise ValueError(
                 f"sampling.stop_at_boxed is done by the local engine's own sampler only; with {where} it "
-                "would be ignored (use backend.kind = 'local' with backend.sampler = 'hf', or stop_at_boxed = false)"
+                "would be ignored (use backend.kind = 'local' with backend.engine = 'hf', or stop_at_boxed = false)"
             )
         return self
 

@@ -329,7 +329,7 @@ def _train(tmp_path: Path, model: Path, sampler: str, *extra: str) -> list[dict[
     cmd = [
         sys.executable, str(REPO / "tests" / "train_harness.py"), "--parity", "--", "train", "-c", "tiny",
         "--set", f"model.name={model}", "--set", f"train.run_dir={run_dir}", "--set", "train.steps=2",
-        "--set", f"backend.sampler={sampler}", "--set", "backend.vllm_kv_cache_gib=0.25",
+        "--set", f"backend.engine={sampler}", "--set", "backend.vllm_kv_cache_gib=0.25",
         "--set", "rollout.questions_per_step=2", "--set", "rollout.group_size=4",
         "--set", "rollout.max_tokens_per_turn=16", "--set", "rollout.max_assistant_turns=2",
         "--set", "rollout.max_trajectory_tokens=4000", "--set", "model.max_context=4096",

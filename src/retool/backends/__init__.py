@@ -193,7 +193,7 @@ def _local_client(config: Config) -> TrainingClient:
             f"model.name = {name!r} is neither a local path nor in the Hugging Face cache, and the Hub could "
             f"not provide it ({str(exc).splitlines()[0] if str(exc) else type(exc).__name__})"
         ) from exc
-    if config.backend.sampler == "vllm":
+    if config.backend.engine == "vllm":
         from retool.backends.samplers.vllm import attach_vllm_sampler  # deferred: vllm is optional
 
         attach_vllm_sampler(
@@ -202,7 +202,7 @@ def _local_client(config: Config) -> TrainingClient:
             kv_cache_gib=config.backend.vllm_kv_cache_gib,
             gpu_memory_utilization=config.backend.vllm_gpu_memory_utilization,
         )
-    elif config.backend.sampler == "llamacpp":
+    elif config.backend.engine == "llamacpp":
         from retool.backends.samplers.llamacpp import (
             attach_llamacpp_sampler,  # deferred: xllamacpp is optional
         )

@@ -74,7 +74,7 @@ def source_from_config(config: Config | DataConfig) -> ProblemSource:
     return make_source(data.source, SourceOptions(data=data, fields=fields))
 
 
-def _tasks(name: str, options: SourceOptions) -> ProblemSource:
+def _synthetic(name: str, options: SourceOptions) -> ProblemSource:
     d = options.data
     return TaskFamilySource(
         count=d.task_count,
@@ -111,7 +111,7 @@ def _mathematics(name: str, options: SourceOptions) -> ProblemSource:
     return MathematicsSource(d.data_dir, shuffle=d.shuffle, test_splits=_MATHEMATICS_TESTS[name], name=name)
 
 
-register_source("tasks", _tasks)
+register_source("synthetic", _synthetic)
 for _name in _MATHEMATICS_TESTS:
     register_source(_name, _mathematics)
 register_source("gsm8k", _gsm8k)

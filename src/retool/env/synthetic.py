@@ -28,7 +28,7 @@ class TaskFamilySource(ProblemSource):
         hard_fraction: float = 0.5,
         kinds: Sequence[str] = (),
         shuffle: bool = True,
-        name: str = "tasks",
+        name: str = "synthetic",
     ) -> None:
         self.name = name
         self.counts: dict[Split, int] = {"train": count, "test": test_count}

@@ -447,7 +447,7 @@ class LocalTrainingClient(TrainingClient):
         if getattr(self._sampler, "refresh", None) is not None:
             raise NotImplementedError(
                 "an external sampling engine (vLLM, llama.cpp) holds one set of weights and cannot sample from a frozen "
-                "version while training goes on; use backend.sampler = 'hf' or train.max_steps_off_policy = 0"
+                "version while training goes on; use backend.engine = 'hf' or train.max_steps_off_policy = 0"
             )
         model = await self._on_worker(frozen_copy, self.model, self.dtype if self.precision.mixed else None)
         if self._frozen_thread is None:

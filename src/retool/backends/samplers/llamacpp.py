@@ -1,4 +1,4 @@
-"""Optional llama.cpp sampler for the local backend on CPU (``backend.sampler = "llamacpp"``), GGUF models only.
+"""Optional llama.cpp sampler for the local backend on CPU (``backend.engine = "llamacpp"``), GGUF models only.
 
 The trainer keeps the weights (transformers + PEFT, the GGUF dequantised to float); llama.cpp (through the
 ``xllamacpp`` wheel, which embeds llama.cpp's server) samples from the *original* GGUF file plus a LoRA
@@ -58,7 +58,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-INSTALL_HINT = "backend.sampler=llamacpp needs the xllamacpp wheel: pip install xllamacpp gguf"
+INSTALL_HINT = "backend.engine=llamacpp needs the xllamacpp wheel: pip install xllamacpp gguf"
 
 # HF module name -> llama.cpp tensor name, as gguf-py maps Llama-family checkpoints.
 _PERMUTED = ("q_proj", "k_proj")  # rows permuted in llama-architecture GGUF files
@@ -262,7 +262,7 @@ class LlamaCppSamplingClient(LocalSamplingClient):
         self._xl = _import_xllamacpp()
         if owner.lora is None:
             raise ValueError(
-                "the llama.cpp sampler hands LoRA adapters over; full fine-tuning needs sampler=hf"
+                "the llama.cpp sampler hands LoRA adapters over; full fine-tuning needs backend.engine=hf"
             )
         if not owner.gguf_file:
             raise ValueError(

@@ -1,4 +1,4 @@
-"""The vLLM sampler of the local backend (``backend.sampler = "vllm"``): the engine, its settings, the
+"""The vLLM sampler of the local backend (``backend.engine = "vllm"``): the engine, its settings, the
 adapter hand-over, and the engine's lifetime.
 
 The trainer keeps the weights (HF + PEFT); vLLM holds a frozen copy of the base model and receives the
@@ -131,11 +131,13 @@ class VllmSamplingClient(LocalSamplingClient):
             import vllm  # deferred: vllm is optional (scripts/setup_vllm.sh, or the vllm extra on a GPU)
         except ImportError as exc:
             raise RuntimeError(
-                "backend.sampler=vllm needs vLLM: on a GPU pip install 'retool-rl[vllm]'; on CPU run "
+                "backend.engine=vllm needs vLLM: on a GPU pip install 'retool-rl[vllm]'; on CPU run "
                 "scripts/setup_vllm.sh (vLLM's CPU build, in an environment of its own)"
             ) from exc
         if owner.lora is None:
-            raise ValueError("the vLLM sampler hands LoRA adapters over; full fine-tuning needs sampler=hf")
+            raise ValueError(
+                "the vLLM sampler hands LoRA adapters over; full fine-tuning needs backend.engine=hf"
+            )
         if owner.gguf_file and model is None:
             raise ValueError(
                 "the vLLM sampler needs an HF model folder or Hub id, not a GGUF file (or, as model=, an HF "
@@ -340,7 +342,7 @@ def _unsupported(vllm: object, kwargs: dict[str, object], names: list[str]) -> S
     settings = ", ".join(f"{k}={kwargs[k]!r}" for k in names)
     return SdkOptionError(
         f"{_label(vllm)}: the engine takes no {settings}; this vLLM cannot apply that setting. Upgrade it "
-        "(pip install 'retool-rl[vllm]') or use backend.sampler = 'hf'"
+        "(pip install 'retool-rl[vllm]') or use backend.engine = 'hf'"
     )
 
 

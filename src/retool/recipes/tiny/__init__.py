@@ -3,7 +3,7 @@ tokenizer is trained on the synthetic task family's text, taught to call the int
 
 Owns the synthetic task (also run by ``retool.recipes.smollm2`` with a real model):
 
-- the problem source: the task family (``data.source = 'tasks'``, ``retool.env.synthetic``);
+- the problem source: the task family (``data.source = 'synthetic'``, ``retool.env.synthetic``);
 - the held-out set: the family's test split (drawn with ``test_hard_fraction`` when set, held out against
   the actual train split), plus a seeded GSM8K test slice when ``gsm8k_problems`` > 0 (its options,
   ``SyntheticOptions``);
@@ -75,7 +75,7 @@ def task_source(config: Config) -> TaskFamilySource:
 def task_source_of(source: ProblemSource) -> TaskFamilySource:
     if not isinstance(source, TaskFamilySource):
         raise ConfigError(
-            f"the demo trains on the synthetic tasks (data.source = 'tasks'), not {source.name!r}"
+            f"the demo trains on the synthetic tasks (data.source = 'synthetic'), not {source.name!r}"
         )
     return source
 
