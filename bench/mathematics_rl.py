@@ -53,6 +53,7 @@ log = logging.getLogger("mathematics_rl")
 CHUNK = 10  # steps between two points of the learning curve
 COLLAPSE_POINTS = 0.10  # the issue's bound: tool-call rate never more than 10 points under the start's
 VOID_BOUND = 0.10  # and void turns under 10% on every logged step
+CARRY_EVERY = 60.0  # seconds between two copies of a running phase's finished parts into --carry
 # RL's settings beside the recipe's preset (each is item 3 of issue 50 or the selector of item 2): void and
 # truncated trajectories left out of the loss, problems drawn where groups are likely mixed.
 RL_SETS = (
@@ -140,8 +141,16 @@ def child(args: argparse.Namespace, phase: str, *extra: str) -> None:
         f"--coldstart-round-rows={args.coldstart_round_rows}",
     ]
     cmd += ["--data-dir", args.data_dir] if args.data_dir else []
-    subprocess.run(cmd, check=True)
+    with subprocess.Popen(cmd) as proc:
+        while True:  # a long phase (the cold start's rounds) carries what it finished as it goes
+            try:
+                proc.wait(timeout=CARRY_EVERY)
+                break
+            except subprocess.TimeoutExpired:
+                carry_out(args)
     carry_out(args)
+    if proc.returncode:
+        raise subprocess.CalledProcessError(proc.returncode, cmd)
 
 
 # What a run folder on another machine can start from (module docstring): finished rounds (their report is
