@@ -1,4 +1,4 @@
-"""bench/demo_speed.py: the digests of a demo's results table ignore the timings a rerun changes; the rows
+"""tools/demo_speed.py: the digests of a demo's results table ignore the timings a rerun changes; the rows
 evaluated before RL have a digest of their own; the table says whether every run printed the same."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import demo_speed as bench

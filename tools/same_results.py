@@ -3,7 +3,7 @@ figure compared, in one run.
 
 ``retool demo``'s table is not reproducible bit for bit even from one source tree: its RL rollouts run
 concurrently with the sandbox, so which sequences share a decode batch (and so the last bits of their
-logits) depends on timing, and the run drifts from there (``bench/demo_speed.py --runs 2`` shows two runs of
+logits) depends on timing, and the run drifts from there (``tools/demo_speed.py --runs 2`` shows two runs of
 one commit printing different RL rows). This bench removes that freedom and keeps everything else of the training path: the tiny
 model, one torch thread, the two-stage cold-start SFT loop on synthetic tasks, then RL steps of the tiny
 config in three schedules (synchronous; dynamic sampling with a text-only share; one step off-policy)
@@ -11,8 +11,8 @@ with a reward that depends on the sampled tokens only (their parity: every optim
 source tree runs in a process of its own (``PYTHONPATH``); the bench compares every SFT loss and every
 metric of every RL step except times, and the trajectories' rewards.
 
-    python bench/same_results.py --src ../before/src            # the other tree against this checkout
-    python bench/same_results.py --src ../before/src --write    # also docs/results/same_results.md
+    python tools/same_results.py --src ../before/src            # the other tree against this checkout
+    python tools/same_results.py --src ../before/src --write    # also docs/results/same_results.md
 """
 
 from __future__ import annotations
@@ -26,7 +26,9 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _harness import REPO, revision  # bench/, on sys.path when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benches' shared helpers
+
+from _harness import REPO, revision
 from _results import render_pages, user_paths, write_result
 
 RL_BASE = [
@@ -203,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     if args.write:
         write_result(
-            "same_results.md", "A refactor's numbers against its parent's: `bench/same_results.py`", text
+            "same_results.md", "A refactor's numbers against its parent's: `tools/same_results.py`", text
         )
         render_pages()
     return 0 if "every figure identical" in text else 1

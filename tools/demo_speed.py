@@ -8,10 +8,10 @@ largest process, the machine's load average before and after (other jobs inflate
 runs taken together), the demo's own phase split (``phases.json``) and gain, and digests of its results
 table (``report.md`` up to the timings) and of the table's rows evaluated before RL (base and SFT): those
 repeat bit for bit from run to run, the RL rows do not (rollouts run concurrently with the sandbox, so which
-sequences share a decode batch depends on timing: ``bench/same_results.py`` is the exact comparison).
+sequences share a decode batch depends on timing: ``tools/same_results.py`` is the exact comparison).
 
-    python bench/demo_speed.py                          # this checkout, one run
-    python bench/demo_speed.py --runs 2 --src /path/to/other/checkout/src --write
+    python tools/demo_speed.py                          # this checkout, one run
+    python tools/demo_speed.py --runs 2 --src /path/to/other/checkout/src --write
                                                         # interleaved with another checkout (before/after)
 
 ``--src PATH`` (repeatable) adds an arm that runs the demo from another source tree (``PYTHONPATH``); the
@@ -30,7 +30,9 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from _harness import ci_cell, demo_command, revision, timed_demo  # bench/, on sys.path when run as a script
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))  # the benches' shared helpers
+
+from _harness import ci_cell, demo_command, revision, timed_demo
 from _results import render_pages, write_result
 
 REPO = Path(__file__).resolve().parents[1]
@@ -160,7 +162,7 @@ def main(argv: list[str] | None = None) -> int:
     print(text)
     (args.out / "demo_speed.json").write_text(json.dumps(rows, indent=2) + "\n")
     if args.write:
-        write_result("demo_speed.md", "`retool demo` end to end: `bench/demo_speed.py`", text)
+        write_result("demo_speed.md", "`retool demo` end to end: `tools/demo_speed.py`", text)
         for page in render_pages():
             print(f"refilled {page}", file=sys.stderr)
     return 0 if all(r["exit"] == 0 for r in rows) else 1

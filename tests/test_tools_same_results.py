@@ -1,4 +1,4 @@
-"""bench/same_results.py: the comparison of two source trees' figures finds the first difference, wherever it
+"""tools/same_results.py: the comparison of two source trees' figures finds the first difference, wherever it
 lies, and says "identical" only when every figure is."""
 
 from __future__ import annotations
@@ -6,6 +6,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import same_results as bench
