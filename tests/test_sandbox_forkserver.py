@@ -18,6 +18,7 @@ from retool.sandbox import (
     SandboxFusionExecutor,
     SandboxPreimportError,
     SubprocessExecutor,
+    bwrap,
     make_executor,
     strict_support,
 )
@@ -278,8 +279,8 @@ def test_make_executor_builds_each_backend():
 
 @needs_strict
 def test_bwrap_command_binds_only_python_and_libs():
-    binds, _ = fs_mod._python_paths(fs_mod._python_binary(None))
-    cmd = fs_mod.bwrap_command("/usr/bin/bwrap", fs_mod._python_binary(None), binds)
+    binds, _ = bwrap.python_paths(bwrap.python_binary(None))
+    cmd = bwrap.bwrap_command("/usr/bin/bwrap", bwrap.python_binary(None), binds)
     for flag in ("--unshare-net", "--unshare-pid", "--clearenv", "--die-with-parent", "--new-session"):
         assert flag in cmd
     sources = {cmd[i + 1] for i, a in enumerate(cmd) if a == "--ro-bind"}
