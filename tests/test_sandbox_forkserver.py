@@ -262,6 +262,14 @@ def test_missing_preimport_fails_the_start_and_leaves_no_process():
     assert leftover == []  # the servers that did start were stopped
 
 
+def test_the_default_preimport_is_the_configured_one():
+    """One default, written once: ``sandbox.preimport``'s."""
+    with ForkServerExecutor(timeout=5.0, workers=1, isolation="none") as ex:
+        assert ex.preimport == SandboxConfig().preimport
+        loaded = ex.run("import sys; print('sympy' in sys.modules, 'numpy' in sys.modules)")
+        assert loaded.stdout.split() == ["True", "True"]  # imported by the server, before the call
+
+
 def test_make_executor_builds_each_backend():
     ex = make_executor(
         SandboxConfig(backend="forkserver", isolation="none", workers=1, preimport=[], timeout=3)

@@ -94,7 +94,6 @@ from retool.sandbox.procfs import descendant_pids
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PREIMPORT: tuple[str, ...] = ("math", "fractions", "itertools", "numpy", "sympy")
 _SERVER_SOURCE = (Path(__file__).with_name("_server.py")).read_text()
 _UID_BASE = 100000
 _REPLY_GRACE_S = 10.0  # beyond the timeout, how long the host waits for a server's reply before killing it
@@ -269,7 +268,7 @@ class ForkServerExecutor(Executor):
         memory_mb: int = 1024,
         output_cap: int = 4096,
         auto_print: bool = False,
-        preimport: Sequence[str] = DEFAULT_PREIMPORT,
+        preimport: Sequence[str] | None = None,
         workers: int = 0,
         isolation: str = "strict",
         python: str | None = None,
@@ -281,7 +280,8 @@ class ForkServerExecutor(Executor):
         start_timeout: float = 120.0,
     ) -> None:
         """Validate and record the limits, choose the isolation (strict, or a loud fallback: it needs the
-        interpreter's paths and the first start attempt), start the pool (see the class docstring)."""
+        interpreter's paths and the first start attempt), start the pool (see the class docstring).
+        ``preimport`` None: the configured default, ``sandbox.preimport`` (``retool.config.SandboxConfig``)."""
         super().__init__()
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -292,6 +292,11 @@ class ForkServerExecutor(Executor):
         self.memory_mb = int(memory_mb)
         self.output_cap = int(output_cap)
         self.auto_print = bool(auto_print)
+        if preimport is None:
+            # deferred: pydantic (retool.sandbox imports with the standard library alone)
+            from retool.config import SandboxConfig
+
+            preimport = SandboxConfig().preimport
         self.preimport = list(preimport)
         self.workers = int(workers) if workers and workers > 0 else (os.cpu_count() or 1)
         self.python = python_binary(python)
