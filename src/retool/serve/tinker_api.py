@@ -48,15 +48,9 @@ from retool.serve.common import (
     sampling_params,
     score_prompt,
 )
+from retool.serve.losses import check_loss, loss_config
 from retool.serve.pytrio_api import as_json
-from retool.serve.state import (
-    ServeError,
-    ServeState,
-    StabilityRecord,
-    TrainingRun,
-    check_loss,
-    loss_config,
-)
+from retool.serve.state import ServeError, ServeState, StabilityRecord, TrainingRun
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
 
 SCHEME = "tinker"
