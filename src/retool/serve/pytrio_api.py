@@ -37,7 +37,14 @@ from pydantic import BaseModel, ValidationError
 
 from retool.backends.interface.types import AdamParams
 from retool.jsonl import JsonObject
-from retool.serve.common import build_datum, prompt_request, read_json_object, sampling_params, score_prompt
+from retool.serve.common import (
+    as_json,
+    build_datum,
+    prompt_request,
+    read_json_object,
+    sampling_params,
+    score_prompt,
+)
 from retool.serve.losses import check_loss, loss_config
 from retool.serve.state import ServeError, ServeState, TrainingRun
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
@@ -66,10 +73,6 @@ def actor_token(api_key: str | None) -> str:
 def error_json(status: int, code: str, message: str) -> Response:
     body = json.dumps({"code": code, "message": message}).encode()
     return Response(body, status_code=status, media_type="application/json")
-
-
-def as_json(data: object) -> Response:
-    return Response(json.dumps(data).encode(), media_type="application/json")
 
 
 def _validated(model: type[ModelT], data: object) -> ModelT:
