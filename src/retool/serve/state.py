@@ -25,6 +25,10 @@ returned ``sequence_id``, its prompt, sampled tokens and the sampler's logprobs 
 session-scoped, kept a day after last use, bounded in tokens). A training datum names them through its
 provenance spans; the server checks each span's tokens against the record and trains the sampled positions
 against the *recorded* logprobs.
+
+Long because ``ServeState`` is the one registry both wire APIs read and change (runs, samplers, shared
+bases, stability records, limits) under one set of locks and one call order; what it does not hold (the
+loss checks, each API's wire format) lives in ``losses``, ``common`` and the API modules.
 """
 
 from __future__ import annotations
