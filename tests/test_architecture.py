@@ -13,7 +13,7 @@
 - the seam rule: the rollout engine and the abstract environment modules (``KIND_FREE``) import no
   environment kind (``retool.env.retool``), directly or through other modules.
 - the file-length rule: a source file is at most ``MAX_FILE_LINES`` lines unless its module docstring says
-  why it is one thing (a sentence with ``ONE_THING``), or it is named, for now, in ``LONG_FOR_NOW``.
+  why at its top (a paragraph beginning ``LONG_BECAUSE``), or it is named, with a reason, in ``LONG_FOR_NOW``.
 
 Imports inside functions (and under ``TYPE_CHECKING``) count too: a lazy import is still a dependency.
 """
@@ -510,16 +510,25 @@ def test_the_any_rule_counts_names_and_attributes(tmp_path: Path) -> None:
 
 # -- file length -----------------------------------------------------------------------------------------
 
-MAX_FILE_LINES = 700
-# What a longer file's module docstring says, in a sentence beginning so, to explain why it is one thing.
-ONE_THING = "one thing:"
-# Files allowed past MAX_FILE_LINES without that sentence, each only until the work named in its reason.
-LONG_FOR_NOW: dict[str, str] = {}  # none today: tasks/demo.py became tasks/pipeline.py and the recipes
+MAX_FILE_LINES = 600
+# How a longer module says why at its top: a paragraph of its docstring beginning so.
+LONG_BECAUSE = "Long because"
+# Files allowed past MAX_FILE_LINES without saying why at their top, each with the reason (the work that
+# will shorten it, or why it may stay).
+LONG_FOR_NOW: dict[str, str] = {
+    "retool/train/loop.py": "issue 51 item 3 reshapes the step (loop.py + sampling.py + step.py)",
+    "retool/view/site.py": "finding the inputs (discover, RunInput, Inputs) can move to its own module",
+}
+
+
+def says_why_long(docstring: str) -> bool:
+    """Whether a paragraph of ``docstring`` begins with ``LONG_BECAUSE``."""
+    return any(part.strip().startswith(LONG_BECAUSE) for part in docstring.split("\n\n"))
 
 
 def long_file_violations(root: Path, excused: dict[str, str]) -> list[str]:
-    """Files under ``root`` over ``MAX_FILE_LINES`` lines whose module docstring lacks ``ONE_THING``
-    (case aside) and that ``excused`` does not name; and names in ``excused`` that need no excuse."""
+    """Files under ``root`` over ``MAX_FILE_LINES`` lines whose module docstring has no paragraph beginning
+    ``LONG_BECAUSE`` and that ``excused`` does not name; and names in ``excused`` that need no excuse."""
     out = []
     long_files = set()
     for path in sorted(root.rglob("*.py")):
@@ -529,10 +538,10 @@ def long_file_violations(root: Path, excused: dict[str, str]) -> list[str]:
         if lines <= MAX_FILE_LINES:
             continue
         long_files.add(name)
-        docstring = ast.get_docstring(ast.parse(text)) or ""
-        if name not in excused and ONE_THING not in docstring.lower():
+        if name not in excused and not says_why_long(ast.get_docstring(ast.parse(text)) or ""):
             out.append(
-                f"{name}: {lines} lines (at most {MAX_FILE_LINES}, or a docstring saying '{ONE_THING} ...' why)"
+                f"{name}: {lines} lines (at most {MAX_FILE_LINES}, or a docstring paragraph "
+                f"'{LONG_BECAUSE} ...', or a reason in LONG_FOR_NOW)"
             )
     out += [
         f"{name}: not in the source, or short now: remove it from the list"
@@ -542,7 +551,7 @@ def long_file_violations(root: Path, excused: dict[str, str]) -> list[str]:
     return out
 
 
-def test_long_files_say_why_they_are_one_thing() -> None:
+def test_long_files_say_why_at_their_top() -> None:
     assert all(reason.strip() for reason in LONG_FOR_NOW.values())
     assert long_file_violations(SRC, LONG_FOR_NOW) == []
 
@@ -553,18 +562,19 @@ def test_the_file_length_rule_reads_the_module_docstring(tmp_path: Path) -> None
     body = "".join(f"x{i} = {i}\n" for i in range(MAX_FILE_LINES))
     (root / "short.py").write_text('"""At the limit, not over it."""\n' + body.split("\n", 1)[1])
     (root / "said.py").write_text(
-        '"""A parser.\n\nOne thing: the grammar, whose rules refer to each other."""\n' + body
+        '"""A parser.\n\nLong because the grammar\'s rules refer to each other."""\n' + body
     )
     (root / "unsaid.py").write_text('"""A parser of many parts."""\n' + body)
-    (root / "comment.py").write_text('"""A parser."""\n# one thing: said in a comment only\n' + body)
+    (root / "midway.py").write_text('"""A parser. Long because it is."""\n' + body)  # not a paragraph's start
+    (root / "comment.py").write_text('"""A parser."""\n# Long because: said in a comment only\n' + body)
     (root / "excused.py").write_text("# long, and named in the list\n" + body)
     excused = {"retool/excused.py": "temporary", "retool/short.py": "why", "retool/gone.py": "why"}
     assert len((root / "short.py").read_text().splitlines()) == MAX_FILE_LINES
+    why = f"(at most {MAX_FILE_LINES}, or a docstring paragraph 'Long because ...', or a reason in LONG_FOR_NOW)"
     assert long_file_violations(root, excused) == [
-        f"retool/comment.py: {MAX_FILE_LINES + 2} lines (at most {MAX_FILE_LINES}, or a docstring saying "
-        "'one thing: ...' why)",
-        f"retool/unsaid.py: {MAX_FILE_LINES + 1} lines (at most {MAX_FILE_LINES}, or a docstring saying "
-        "'one thing: ...' why)",
+        f"retool/comment.py: {MAX_FILE_LINES + 2} lines {why}",
+        f"retool/midway.py: {MAX_FILE_LINES + 1} lines {why}",
+        f"retool/unsaid.py: {MAX_FILE_LINES + 1} lines {why}",
         "retool/gone.py: not in the source, or short now: remove it from the list",
         "retool/short.py: not in the source, or short now: remove it from the list",
     ]

@@ -173,6 +173,21 @@ def test_summarize_all_fields(records: list[dict]) -> None:
     assert lo <= s["average_at_n"] <= hi
 
 
+def test_headline_intervals_are_the_summary_metrics_with_their_bootstrap(records: list[dict]) -> None:
+    iv = M.headline_intervals(records, seed=3)
+    assert set(iv) == {"average_at_n", "pass_at_n", "format_rate", "tool_call_rate"}
+    assert iv["average_at_n"]["value"] == M.average_at_n(records)
+    assert iv["pass_at_n"]["value"] == M.pass_at_n(records)
+    assert iv["format_rate"]["value"] == pytest.approx((1 + 3 / 4 + 1) / 3)  # one of P2's four: invalid
+    assert iv["tool_call_rate"]["value"] == pytest.approx((3 / 4 + 1 / 4 + 0) / 3)
+    lo, hi = M.bootstrap_ci(M.per_problem_accuracy(records), resamples=1000, seed=3)
+    assert (iv["average_at_n"]["lo"], iv["average_at_n"]["hi"]) == (lo, hi)
+    # A candidate missing a key (an older record) counts as not having it; no candidates: zeros.
+    sparse = M.headline_intervals([rec("a", [{"correct": True}, {}]), rec("b", [])])
+    assert sparse["average_at_n"]["value"] == pytest.approx(0.25) and sparse["format_rate"]["value"] == 0.0
+    assert M.headline_intervals([])["pass_at_n"] == {"value": 0.0, "lo": 0.0, "hi": 0.0}
+
+
 def test_self_correction_none_without_errors() -> None:
     assert M.summarize([rec("a", [cand(True)])])["self_correction_given_error"] is None
 

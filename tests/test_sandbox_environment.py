@@ -180,13 +180,13 @@ def test_preimport_hidden_by_the_sandbox_names_the_path(
     (site / "retool_hidden_pkg").mkdir(parents=True)
     (site / "retool_hidden_pkg" / "__init__.py").write_text("")
     monkeypatch.syspath_prepend(str(site))
-    real = fs_mod._python_paths
+    real = fs_mod.python_paths
 
     def without_site(python: str) -> tuple[list[str], list[str]]:
         binds, sys_path = real(python)
         return [b for b in binds if not str(site).startswith(b)], sys_path
 
-    monkeypatch.setattr(fs_mod, "_python_paths", without_site)
+    monkeypatch.setattr(fs_mod, "python_paths", without_site)  # as the executor looks it up
     with pytest.raises(SandboxPreimportError) as info:
         ForkServerExecutor(timeout=5.0, workers=1, isolation="strict", preimport=["retool_hidden_pkg"])
     message = str(info.value)

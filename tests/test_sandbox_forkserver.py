@@ -18,6 +18,7 @@ from retool.sandbox import (
     SandboxFusionExecutor,
     SandboxPreimportError,
     SubprocessExecutor,
+    bwrap,
     make_executor,
     strict_support,
 )
@@ -261,6 +262,14 @@ def test_missing_preimport_fails_the_start_and_leaves_no_process():
     assert leftover == []  # the servers that did start were stopped
 
 
+def test_the_default_preimport_is_the_configured_one():
+    """One default, written once: ``sandbox.preimport``'s."""
+    with ForkServerExecutor(timeout=5.0, workers=1, isolation="none") as ex:
+        assert ex.preimport == SandboxConfig().preimport
+        loaded = ex.run("import sys; print('sympy' in sys.modules, 'numpy' in sys.modules)")
+        assert loaded.stdout.split() == ["True", "True"]  # imported by the server, before the call
+
+
 def test_make_executor_builds_each_backend():
     ex = make_executor(
         SandboxConfig(backend="forkserver", isolation="none", workers=1, preimport=[], timeout=3)
@@ -278,8 +287,8 @@ def test_make_executor_builds_each_backend():
 
 @needs_strict
 def test_bwrap_command_binds_only_python_and_libs():
-    binds, _ = fs_mod._python_paths(fs_mod._python_binary(None))
-    cmd = fs_mod.bwrap_command("/usr/bin/bwrap", fs_mod._python_binary(None), binds)
+    binds, _ = bwrap.python_paths(bwrap.python_binary(None))
+    cmd = bwrap.bwrap_command("/usr/bin/bwrap", bwrap.python_binary(None), binds)
     for flag in ("--unshare-net", "--unshare-pid", "--clearenv", "--die-with-parent", "--new-session"):
         assert flag in cmd
     sources = {cmd[i + 1] for i, a in enumerate(cmd) if a == "--ro-bind"}

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from retool.sandbox.forkserver import _userns_allowed, find_bwrap
+from retool.sandbox.bwrap import find_bwrap, userns_allowed
 
 SYSTEM_PY = "/usr/bin/python3"
 SRC = str(Path(__file__).resolve().parents[1] / "src")
@@ -54,7 +54,7 @@ def _skip_reason() -> str | None:
         return "needs setpriv and /usr/bin/python3"
     if find_bwrap() is None:
         return "bubblewrap not installed"
-    ok, why = _userns_allowed()
+    ok, why = userns_allowed()
     if not ok:
         return why
     if not os.access(SRC, os.R_OK) or (os.stat(SRC).st_mode & 0o005) != 0o005:

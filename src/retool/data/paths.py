@@ -26,8 +26,3 @@ def data_dir(explicit: str | Path | None = None) -> Path:
         return Path(explicit)
     env = os.environ.get(DATA_DIR_ENV)
     return Path(env) if env else cache_data_dir()
-
-
-def where_looked(explicit: str | Path | None = None) -> str:
-    """How an error names the folder it looked in, and how to fill it."""
-    return f"{data_dir(explicit)} (--data-dir, else ${DATA_DIR_ENV}, else the user cache)"

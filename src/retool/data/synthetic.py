@@ -54,11 +54,6 @@ def parse_source(data_source: str) -> tuple[str, bool] | None:
     return parts[1], parts[2] == "hard"
 
 
-def is_hard(problem: Problem) -> bool | None:
-    parsed = parse_source(problem.data_source)
-    return None if parsed is None else parsed[1]
-
-
 # -- generators: (rng) -> (question, answer, code) ------------------------------------------------
 
 

@@ -20,6 +20,8 @@ Definitions (N candidates per problem, c of them correct):
   and ended correct): ``self_correction_rate`` over all candidates (as in the training metrics) and
   ``self_correction_given_error`` over candidates that hit an execution error (``None`` if none did).
 - 95% bootstrap CI for Average@N: resample problems with replacement (seeded), percentile interval.
+  ``headline_intervals`` gives the same kind of interval for Average@N, Pass@N, the format rate and the
+  tool-call rate, each the mean over problems of a per-problem value (the viewer's error bars).
 - Paired gain of B over A on the same problems (``paired_gain``): the mean of the per-problem accuracy
   differences, with a paired bootstrap interval (problems resampled together, so what both models find
   easy or hard cancels out and the interval measures the gain, not the spread of problem difficulty).
@@ -30,7 +32,7 @@ from __future__ import annotations
 import math
 import re
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypedDict
 
 import numpy as np
@@ -46,6 +48,14 @@ class PairedGain(TypedDict):
     problems: int
 
 
+class Interval(TypedDict):
+    """A mean over problems and its bootstrap interval."""
+
+    value: float
+    lo: float
+    hi: float
+
+
 def _candidates(records: Sequence[Record]) -> list[Candidate]:
     return [c for r in records for c in r["candidates"]]
 
@@ -55,16 +65,18 @@ def _mean(values: Sequence[float]) -> float:
 
 
 def n_correct(record: Record) -> int:
-    return sum(1 for c in record["candidates"] if c["correct"])
+    return sum(1 for c in record["candidates"] if c.get("correct"))
+
+
+def _share(record: Record, hit: Callable[[Candidate], bool]) -> float:
+    """The share of one problem's candidates for which ``hit`` holds (a problem with none scores 0)."""
+    cands = record["candidates"]
+    return sum(1 for c in cands if hit(c)) / len(cands) if cands else 0.0
 
 
 def per_problem_accuracy(records: Sequence[Record]) -> list[float]:
     """c / N for each problem (a problem with no candidates scores 0)."""
-    out = []
-    for r in records:
-        n = len(r["candidates"])
-        out.append(n_correct(r) / n if n else 0.0)
-    return out
+    return [_share(r, lambda c: bool(c.get("correct"))) for r in records]
 
 
 def average_at_n(records: Sequence[Record]) -> float:
@@ -178,6 +190,25 @@ def paired_gain(
     diffs = [acc_b[i] - acc_a[i] for i in ids]
     lo, hi = bootstrap_ci(diffs, resamples=resamples, confidence=confidence, seed=seed)
     return {"gain": _mean(diffs), "ci95": [lo, hi], "problems": len(ids)}
+
+
+def headline_intervals(
+    records: Sequence[Record], *, resamples: int = 1000, seed: int = 0
+) -> dict[str, Interval]:
+    """Average@N, Pass@N, the format rate and the tool-call rate as means over problems of a per-problem
+    value, each with its percentile bootstrap interval over problems (``bootstrap_ci``). A candidate
+    missing a key counts as not having it (older records, see ``CandidateRecord``)."""
+    per_problem = {
+        "average_at_n": per_problem_accuracy(records),
+        "pass_at_n": [1.0 if n_correct(r) > 0 else 0.0 for r in records],
+        "format_rate": [_share(r, lambda c: bool(c.get("valid_format"))) for r in records],
+        "tool_call_rate": [_share(r, lambda c: int(c.get("code_calls", 0)) > 0) for r in records],
+    }
+    out: dict[str, Interval] = {}
+    for key, values in per_problem.items():
+        lo, hi = bootstrap_ci(values, resamples=resamples, seed=seed)
+        out[key] = {"value": _mean(values), "lo": lo, "hi": hi}
+    return out
 
 
 def _had_exec_error(c: Candidate) -> bool:

@@ -16,13 +16,8 @@ from retool.sandbox.base import (
     format_tool_content,
     is_memory_failure,
 )
-from retool.sandbox.forkserver import (
-    ForkServerExecutor,
-    SandboxPreimportError,
-    SandboxUnavailableError,
-    strict_mode,
-    strict_support,
-)
+from retool.sandbox.bwrap import strict_mode, strict_support
+from retool.sandbox.forkserver import ForkServerExecutor, SandboxPreimportError, SandboxUnavailableError
 from retool.sandbox.subprocess_executor import SubprocessExecutor
 
 __all__ = [

@@ -11,7 +11,7 @@ every message is a 4-byte big-endian length followed by UTF-8 JSON. The server f
 message lists the pre-imports that failed as ``preimport_failed: [{"module", "error"}]``.
 EOF on the request pipe makes it exit.
 
-Per execution (see ``forkserver.py`` for the bubblewrap layer around this process):
+Per execution (see ``bwrap.py`` for the bubblewrap layer around this process):
 - strict: ``unshare(CLONE_NEWPID)`` then ``fork`` -> the child is pid 1 of a fresh PID namespace, so killing it
   kills every descendant (double-forked, setsid'd ones included) and waiting for it waits for all of them;
   the child then takes a private mount + IPC namespace, mounts fresh size-bounded tmpfs on /tmp and

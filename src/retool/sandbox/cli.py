@@ -10,7 +10,7 @@ from pydantic import ValidationError
 
 from retool.config import SandboxConfig
 from retool.sandbox import Executor, SandboxPreimportError, SandboxWorkerError, make_executor
-from retool.sandbox.forkserver import find_bwrap, strict_support
+from retool.sandbox.bwrap import find_bwrap, strict_support
 from retool.sandbox.probe import PROBE_CODE, import_probe_code, import_rows, probe_rows
 
 sandbox_app = typer.Typer(

@@ -52,9 +52,7 @@ sandbox must do: docs/spec.md §3):
   ``stats.worker_failures`` / ``stats.worker_restarts``. A run ended by its memory cap is reported as
   ``status == "memory_limit"`` (see ``retool.sandbox.base.is_memory_failure``).
 
-One thing: the fork-server executor, from the bubblewrap command that starts a server to the framed
-exchange with it; isolation profile, server pool and fault handling decide together what a call may
-do, so they stay in one file past 700 lines.
+Where strict isolation can run and the bubblewrap command line that wraps a server: ``retool.sandbox.bwrap``.
 """
 
 from __future__ import annotations
@@ -67,12 +65,9 @@ import logging
 import os
 import queue
 import select
-import shutil
 import signal
 import struct
 import subprocess
-import sys
-import sysconfig
 import tempfile
 import threading
 import time
@@ -83,27 +78,25 @@ from typing import TypedDict, cast
 
 from retool.errors import UserError
 from retool.sandbox.base import ExecResult, Executor, SandboxWorkerError, is_memory_failure
+from retool.sandbox.bwrap import (
+    CHILD_PRIVATE_DIRS,
+    CHROOT,
+    SANDBOX_OWNED_DIRS,
+    SERVER_ENV,
+    bwrap_command,
+    find_bwrap,
+    is_under,
+    python_binary,
+    python_paths,
+    strict_mode,
+)
 from retool.sandbox.procfs import descendant_pids
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_PREIMPORT: tuple[str, ...] = ("math", "fractions", "itertools", "numpy", "sympy")
-BWRAP_CANDIDATES: tuple[str, ...] = ("/usr/bin/bwrap", "/usr/local/bin/bwrap")
 _SERVER_SOURCE = (Path(__file__).with_name("_server.py")).read_text()
-_CHROOT = "/r"
 _UID_BASE = 100000
 _REPLY_GRACE_S = 10.0  # beyond the timeout, how long the host waits for a server's reply before killing it
-_SERVER_ENV = {
-    "LANG": "C.UTF-8",
-    "LC_ALL": "C.UTF-8",
-    "PYTHONHASHSEED": "random",
-    "OMP_NUM_THREADS": "1",
-    "OPENBLAS_NUM_THREADS": "1",
-    "MKL_NUM_THREADS": "1",
-    "VECLIB_MAXIMUM_THREADS": "1",
-    "NUMEXPR_NUM_THREADS": "1",
-    "PATH": "/usr/local/bin:/usr/bin:/bin",
-}
 
 
 class SandboxUnavailableError(UserError, RuntimeError):
@@ -132,148 +125,6 @@ print(json.dumps(problems))
 class SandboxPreimportError(RuntimeError):
     """A configured pre-import fails inside the sandbox: the executor refuses to start (a tool that cannot
     import what the prompt promises would silently turn every such call into an error)."""
-
-
-# The per-execution private mounts of a strict child: binds below them are bound back on top (see _server).
-_CHILD_PRIVATE_DIRS: tuple[str, ...] = ("/tmp", "/dev/shm")
-# Directories the sandbox replaces wholesale, under which nothing of the host can be shown.
-_SANDBOX_OWNED_DIRS: tuple[str, ...] = ("/proc", "/dev")
-
-
-def _is_under(path: str, root: str) -> bool:
-    return path == root or path.startswith(root.rstrip("/") + "/")
-
-
-def find_bwrap() -> str | None:
-    for cand in BWRAP_CANDIDATES:
-        if os.access(cand, os.X_OK):
-            return cand
-    return shutil.which("bwrap")
-
-
-def _userns_allowed() -> tuple[bool, str]:
-    try:
-        if Path("/proc/sys/kernel/unprivileged_userns_clone").read_text().strip() == "0":
-            return False, "unprivileged user namespaces are disabled (kernel.unprivileged_userns_clone=0)"
-    except OSError:
-        pass
-    try:
-        if int(Path("/proc/sys/user/max_user_namespaces").read_text()) == 0:
-            return False, "user namespaces are disabled (user.max_user_namespaces=0)"
-    except (OSError, ValueError):
-        pass
-    return True, ""
-
-
-def strict_mode() -> tuple[str | None, str]:
-    """How ``strict`` would run here: ``"privileged"`` (root: bwrap without a user namespace, per-sandbox
-    uids), ``"userns"`` (non-root: bwrap in a user namespace, capabilities dropped instead of the uid), or
-    None; with the reason."""
-    if not sys.platform.startswith("linux"):
-        return None, f"strict isolation needs Linux namespaces; this is {sys.platform}"
-    if find_bwrap() is None:
-        return None, "bubblewrap (bwrap) is not installed (apt-get install bubblewrap)"
-    if not hasattr(os, "pidfd_open"):
-        return None, "os.pidfd_open is missing (Linux >= 5.3 and Python >= 3.9 needed)"
-    if os.geteuid() == 0:
-        return "privileged", "bubblewrap found; running as root (per-sandbox unprivileged uids)"
-    ok, why = _userns_allowed()
-    if not ok:
-        return None, why
-    return "userns", f"bubblewrap found; non-root (uid {os.geteuid()}): user-namespace mode"
-
-
-def strict_support() -> tuple[bool, str]:
-    """Whether the ``strict`` profile can run here, and if not, why."""
-    mode, reason = strict_mode()
-    return mode is not None, reason
-
-
-def _python_binary(python: str | None) -> str:
-    # The real binary, never a pyenv shim (a bash script: +100 ms per start, and invisible in the sandbox).
-    return os.path.realpath(python or sys.executable)
-
-
-def _python_paths(python: str) -> tuple[list[str], list[str]]:
-    """(directories to bind read-only, sys.path entries for the server) for the interpreter in use."""
-    paths = sysconfig.get_paths()
-    sys_path = list(
-        dict.fromkeys(p for p in (paths.get("purelib"), paths.get("platlib")) if p and os.path.isdir(p))
-    )
-    # Other site dirs in use (e.g. Debian's dist-packages); not the working dir or src trees.
-    for p in sys.path:
-        if p and os.path.isdir(p) and ("site-packages" in p or "dist-packages" in p) and p not in sys_path:
-            sys_path.append(p)
-    binds = {os.path.realpath(sys.base_prefix), os.path.realpath(sys.prefix), os.path.dirname(python)}
-    binds.update(os.path.realpath(p) for p in sys_path)
-    # Keep only top-most directories (a bind below another one adds nothing).
-    ordered = sorted(binds, key=len)
-    tops: list[str] = []
-    for p in ordered:
-        if not any(p == t or p.startswith(t.rstrip("/") + "/") for t in tops):
-            tops.append(p)
-    return tops, sys_path
-
-
-def bwrap_command(bwrap: str, python: str, binds: Sequence[str], userns: bool = False) -> list[str]:
-    """The bubblewrap command line that wraps one strict fork-server (documented in the module docstring)."""
-    cmd = [bwrap]
-    if userns:  # non-root: the server is uid 0 of its own user namespace (the caller's uid outside)
-        cmd += ["--unshare-user", "--uid", "0", "--gid", "0"]
-    cmd += [
-        "--die-with-parent",
-        "--new-session",
-        "--unshare-pid",
-        "--as-pid-1",
-        "--unshare-net",
-        "--unshare-ipc",
-        "--unshare-uts",
-        "--unshare-cgroup-try",
-        "--hostname",
-        "sandbox",
-        "--clearenv",
-    ]
-    for key, value in _SERVER_ENV.items():
-        cmd += ["--setenv", key, value]
-    cmd += ["--cap-drop", "ALL"]
-    for cap in ("CAP_SYS_ADMIN", "CAP_SETUID", "CAP_SETGID", "CAP_SYS_CHROOT", "CAP_KILL", "CAP_SETPCAP"):
-        cmd += ["--cap-add", cap]
-    system_dirs = ["/lib", "/lib64", "/lib32", "/libx32", "/usr/lib", "/usr/lib64", "/usr/lib32"]
-
-    def add_tree(root: str) -> list[str]:
-        out: list[str] = []
-        made: set[str] = set()
-
-        def ro_bind(src: str) -> None:
-            # bwrap would create missing parents with restrictive modes (e.g. /root is 0700 on the host,
-            # and /etc came out untraversable): create them explicitly as 0755.
-            for parent in [p for p in Path(src).parents if str(p) != "/"][::-1]:
-                if str(parent) not in made:
-                    made.add(str(parent))
-                    out.extend(["--perms", "0755", "--dir", root + str(parent)])
-            out.extend(["--ro-bind", src, root + src])
-
-        for d in system_dirs:
-            if os.path.islink(d):
-                out.extend(["--symlink", os.readlink(d), root + d])
-            elif os.path.isdir(d):
-                ro_bind(d)
-        if os.path.isfile("/etc/ld.so.cache"):
-            ro_bind("/etc/ld.so.cache")
-        for b in binds:
-            ro_bind(b)
-        return out
-
-    # Outside /r: just enough to exec the interpreter; the server chroots into /r at once.
-    cmd += add_tree("")
-    cmd += ["--tmpfs", _CHROOT]
-    # The private mounts first, the binds after: bwrap mounts in order, so a bind below /tmp (a
-    # virtualenv at /tmp/venv) lands on top of the private /tmp instead of being hidden by it.
-    cmd += ["--dev", _CHROOT + "/dev", "--proc", _CHROOT + "/proc", "--tmpfs", _CHROOT + "/tmp"]
-    cmd += add_tree(_CHROOT)
-    cmd += ["--remount-ro", _CHROOT, "--chdir", "/"]
-    cmd += [python]
-    return cmd
 
 
 def _read_exact(fd: int, n: int, deadline: float) -> bytes:
@@ -417,7 +268,7 @@ class ForkServerExecutor(Executor):
         memory_mb: int = 1024,
         output_cap: int = 4096,
         auto_print: bool = False,
-        preimport: Sequence[str] = DEFAULT_PREIMPORT,
+        preimport: Sequence[str] | None = None,
         workers: int = 0,
         isolation: str = "strict",
         python: str | None = None,
@@ -429,7 +280,8 @@ class ForkServerExecutor(Executor):
         start_timeout: float = 120.0,
     ) -> None:
         """Validate and record the limits, choose the isolation (strict, or a loud fallback: it needs the
-        interpreter's paths and the first start attempt), start the pool (see the class docstring)."""
+        interpreter's paths and the first start attempt), start the pool (see the class docstring).
+        ``preimport`` None: the configured default, ``sandbox.preimport`` (``retool.config.SandboxConfig``)."""
         super().__init__()
         if timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
@@ -440,9 +292,14 @@ class ForkServerExecutor(Executor):
         self.memory_mb = int(memory_mb)
         self.output_cap = int(output_cap)
         self.auto_print = bool(auto_print)
+        if preimport is None:
+            # deferred: pydantic (retool.sandbox imports with the standard library alone)
+            from retool.config import SandboxConfig
+
+            preimport = SandboxConfig().preimport
         self.preimport = list(preimport)
         self.workers = int(workers) if workers and workers > 0 else (os.cpu_count() or 1)
-        self.python = _python_binary(python)
+        self.python = python_binary(python)
         self._choose_isolation(isolation)
         self._limits = {
             "tmp_size_mb": int(tmp_size_mb),
@@ -486,12 +343,12 @@ class ForkServerExecutor(Executor):
             self.strict_mode, reason = strict_mode()
             if self.strict_mode is None:
                 self._fallback(reason, stacklevel=4)
-        self._binds, self._sys_path = _python_paths(self.python)
-        self._rebind = [b for b in self._binds if any(_is_under(b, d) for d in _CHILD_PRIVATE_DIRS)]
+        self._binds, self._sys_path = python_paths(self.python)
+        self._rebind = [b for b in self._binds if any(is_under(b, d) for d in CHILD_PRIVATE_DIRS)]
         unshowable = [
             b
             for b in self._binds
-            if b not in self._rebind and any(_is_under(b, d) for d in _SANDBOX_OWNED_DIRS)
+            if b not in self._rebind and any(is_under(b, d) for d in SANDBOX_OWNED_DIRS)
         ]
         if unshowable and self.isolation == "strict":
             self._fallback(
@@ -515,7 +372,7 @@ class ForkServerExecutor(Executor):
         cfg = {
             "strict": self.isolation == "strict",
             "drop": "setuid" if self.strict_mode == "privileged" else "caps",
-            "chroot": _CHROOT,
+            "chroot": CHROOT,
             "uid": _UID_BASE + slot,
             "timeout": self.timeout,
             "cpu_limit": max(1, int(self.cpu_limit)),
@@ -534,7 +391,7 @@ class ForkServerExecutor(Executor):
             assert bwrap is not None
             cmd = bwrap_command(bwrap, self.python, self._binds, userns=self.strict_mode == "userns")
             return cmd + py[1:], None
-        return py, dict(_SERVER_ENV)
+        return py, dict(SERVER_ENV)
 
     def _spawn(self, slot: int) -> _Server:
         # Always from the one long-lived spawner thread: bwrap's --die-with-parent (and the server's own
@@ -621,8 +478,8 @@ class ForkServerExecutor(Executor):
         if where is None:
             return "on the host it is a built-in module"
         where = os.path.realpath(where)
-        visible = self.isolation == "none" or any(_is_under(where, b) for b in self._binds)
-        on_path = any(_is_under(where, os.path.realpath(p)) for p in self._sys_path)
+        visible = self.isolation == "none" or any(is_under(where, b) for b in self._binds)
+        on_path = any(is_under(where, os.path.realpath(p)) for p in self._sys_path)
         if visible and on_path:
             return f"on the host it is {where}, which the sandbox sees, so it fails to import there"
         if not on_path:

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from fastapi import Request
+from fastapi import Request, Response
 
 from retool.backends.interface.types import Datum, SamplingParams
 from retool.jsonl import JsonObject
@@ -205,3 +205,8 @@ def score_prompt(scores: torch.Tensor, prompt: list[int], req: PromptRequest) ->
             for t, r in zip(req.target_ids, req.target_rows, strict=True)
         ]
     return out
+
+
+def as_json(data: object) -> Response:
+    """A JSON answer (both APIs' control routes)."""
+    return Response(json.dumps(data).encode(), media_type="application/json")

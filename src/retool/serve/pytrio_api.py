@@ -13,7 +13,7 @@ PyTRIO splits its API in two, and this server answers both at one address:
 
 Payloads are validated with the SDK's own protocol models (``pytrio.protocol``), so a body the SDK could not
 have produced is a 4xx naming the field. Reduction: the loss is divided by the batch's
-``total_active_tokens`` (dro: ``total_advantage_tokens``; see ``retool.serve.state``); ``loss_sum`` reports
+``total_active_tokens`` (dro: ``total_advantage_tokens``; see ``retool.serve.losses``); ``loss_sum`` reports
 that normalised objective. Losses: PyTRIO 0.2.9's five (cross_entropy, importance_sampling, ppo, cispo, dro).
 """
 
@@ -37,8 +37,16 @@ from pydantic import BaseModel, ValidationError
 
 from retool.backends.interface.types import AdamParams
 from retool.jsonl import JsonObject
-from retool.serve.common import build_datum, prompt_request, read_json_object, sampling_params, score_prompt
-from retool.serve.state import ServeError, ServeState, TrainingRun, check_loss, loss_config
+from retool.serve.common import (
+    as_json,
+    build_datum,
+    prompt_request,
+    read_json_object,
+    sampling_params,
+    score_prompt,
+)
+from retool.serve.losses import check_loss, loss_config
+from retool.serve.state import ServeError, ServeState, TrainingRun
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
 
 SCHEME = "trio"
@@ -65,10 +73,6 @@ def actor_token(api_key: str | None) -> str:
 def error_json(status: int, code: str, message: str) -> Response:
     body = json.dumps({"code": code, "message": message}).encode()
     return Response(body, status_code=status, media_type="application/json")
-
-
-def as_json(data: object) -> Response:
-    return Response(json.dumps(data).encode(), media_type="application/json")
 
 
 def _validated(model: type[ModelT], data: object) -> ModelT:

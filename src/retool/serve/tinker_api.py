@@ -16,119 +16,49 @@ are deduplicated by ``(model_id, seq_id)``: a re-sent training call gets the fir
 
 Reduction: Tinker's documented sum over tokens and datums (no normalisation).
 
-One thing: the Tinker wire protocol, route by route (each decodes the SDK's request and encodes its
-answer in the SDK's own formats), over the session, future and dedupe tables of one ``TinkerApi``; so
-it stays in one file past 700 lines.
+How each request body is decoded and each answer encoded (protobuf and JSON): ``retool.serve.tinker_codec``.
 """
 
 from __future__ import annotations
 
 import asyncio
 import collections
-import itertools
 import json
-import math
 import time
-from collections.abc import Awaitable, Callable, Iterable, Mapping
-from dataclasses import dataclass
-from types import ModuleType
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any
 
 import numpy as np
 from fastapi import APIRouter, Request, Response
 
 from retool.backends.interface.clients import SamplingClient
-from retool.backends.interface.types import AdamParams, Datum, Sample
-from retool.jsonl import JsonObject, JsonValue
+from retool.backends.interface.types import AdamParams, Datum
+from retool.jsonl import JsonObject
 from retool.serve.common import (
-    PromptScores,
-    build_datum,
+    as_json,
     prompt_request,
     read_json_object,
     sampling_params,
     score_prompt,
 )
-from retool.serve.pytrio_api import as_json
-from retool.serve.state import (
-    ServeError,
-    ServeState,
-    StabilityRecord,
-    TrainingRun,
-    check_loss,
-    loss_config,
-)
+from retool.serve.losses import check_loss, loss_config
+from retool.serve.state import ServeError, ServeState, StabilityRecord, TrainingRun
 from retool.serve.storage import LoraRequest, StorageError, check_name, new_id
+from retool.serve.tinker_codec import (
+    PROTO,
+    Sampled,
+    decode_datum,
+    forward_output,
+    json_number,
+    json_tokens,
+    provenance_span,
+    sample_response,
+    target_cells,
+    wire_loss_config,
+)
 
 SCHEME = "tinker"
 _FUTURE_CACHE = 10_000
-PROTO = "application/x-protobuf"
-
-
-class _WireTensor(Protocol):
-    """The fields of a ``TensorData`` protobuf read here."""
-
-    dtype: int
-    dense: bytes
-
-    def WhichOneof(self, group: str) -> str | None: ...
-
-
-class _EncodedText(Protocol):
-    tokens: bytes
-
-
-class _WireChunk(Protocol):
-    """The fields of a ``ModelInputChunk`` protobuf read here."""
-
-    encoded_text: _EncodedText
-
-    def WhichOneof(self, group: str) -> str | None: ...
-
-
-def _tensor(pb: ModuleType, t: _WireTensor) -> list[float]:
-    if t.WhichOneof("encoding") != "dense":
-        raise ServeError(400, "invalid_request", "only dense loss_fn_inputs tensors are supported")
-    kinds = {pb.DTYPE_FLOAT32: np.float32, pb.DTYPE_INT64: np.int64, pb.DTYPE_INT32: np.int32}
-    if t.dtype not in kinds:
-        raise ServeError(400, "invalid_request", f"tensor dtype {t.dtype} is not supported")
-    try:
-        return np.frombuffer(t.dense, dtype=kinds[t.dtype]).tolist()
-    except ValueError as exc:
-        raise ServeError(400, "invalid_request", f"bad tensor bytes: {exc}") from None
-
-
-def _number(value: JsonValue) -> float:
-    """``float(value)`` for a JSON number (or numeric string); anything else: ``TypeError``."""
-    if isinstance(value, int | float | str):
-        return float(value)
-    raise TypeError(f"not a number: {value!r}")
-
-
-def _chunk_tokens(chunks: Iterable[_WireChunk]) -> list[int]:
-    tokens: list[int] = []
-    for c in chunks:
-        if c.WhichOneof("chunk") != "encoded_text":
-            raise ServeError(400, "invalid_request", "only encoded_text chunks are supported (no images)")
-        if len(c.encoded_text.tokens) % 4:
-            raise ServeError(400, "invalid_request", "encoded_text tokens are not int32 bytes")
-        tokens += np.frombuffer(c.encoded_text.tokens, dtype=np.int32).tolist()
-    return tokens
-
-
-def _json_tokens(prompt: object) -> list[int]:
-    if not isinstance(prompt, dict) or not isinstance(prompt.get("chunks"), list):
-        raise ServeError(400, "invalid_request", "prompt must be {'chunks': [...]}")
-    tokens: list[int] = []
-    for c in prompt["chunks"]:
-        if not isinstance(c, dict) or c.get("type", "encoded_text") != "encoded_text":
-            raise ServeError(400, "invalid_request", "only encoded_text prompt chunks are supported")
-        toks = c.get("tokens")
-        if not isinstance(toks, list) or not all(
-            isinstance(t, int) and not isinstance(t, bool) for t in toks
-        ):
-            raise ServeError(400, "invalid_request", "prompt chunk tokens must be a list of integers")
-        tokens += toks
-    return tokens
 
 
 class TinkerApi:
@@ -324,42 +254,19 @@ class TinkerApi:
             ) from None
         run = self.state.run(msg.model_id)
         loss_fn = check_loss(msg.loss_fn)
-        raw_cfg: dict[str, object] = {}
-        for key, value in msg.loss_fn_config_v2.items():
-            if value.WhichOneof("value") != "number":
-                raise ServeError(400, "invalid_loss_config", f"loss config {key} must be a number")
-            raw_cfg[key] = value.number
-        cfg = loss_config(loss_fn, raw_cfg or dict(msg.loss_fn_config.items()))
-        run_session = run.session
+        cfg = loss_config(loss_fn, wire_loss_config(msg))
         datums = []
         for k, d in enumerate(msg.data):
-            inputs: dict[str, list[float]] = {name: _tensor(pb, t) for name, t in d.loss_fn_inputs.items()}
-            unknown = set(inputs) - {
-                "target_tokens",
-                "weights",
-                "logprobs",
-                "advantages",
-                "sequence_ratio_mask",
-            }
-            if unknown or "target_tokens" not in inputs:
-                raise ServeError(
-                    400,
-                    "invalid_request",
-                    f"datum {k}: loss_fn_inputs {sorted(inputs)}; need target_tokens, and only weights, "
-                    "logprobs, advantages and sequence_ratio_mask besides",
-                )
-            targets = [int(t) for t in inputs.pop("target_tokens")]
-            tokens = _chunk_tokens(d.model_input)
-            datum = build_datum(k, tokens, targets, inputs, loss_fn, 1.0)
+            datum = decode_datum(pb, k, d, loss_fn)
             if loss_fn == "stable_reinforce":
-                datum = self._with_stability_info(k, d, datum, run_session)
+                datum = self._with_stability_info(k, d, datum, run.session)
             datums.append(datum)
         self.state.check_datums(run.model, datums)
         backward = not msg.forward_only
 
         async def call() -> bytes:
             result = await self.state.forward(run, datums, loss_fn, cfg, backward)
-            return _forward_output(pb, result.loss, result.token_logprobs or [])
+            return forward_output(pb, result.loss, result.token_logprobs or [])
 
         return self._ordered(run, msg.seq_id, "forward", call)
 
@@ -376,7 +283,7 @@ class TinkerApi:
             )
         n = len(datum)
         for field_name, length in (("model_input_spans", n), ("loss_fn_input_spans", n)):
-            total = sum(_span(s)[3] for s in getattr(wire, field_name))
+            total = sum(provenance_span(s)[3] for s in getattr(wire, field_name))
             if total != length:
                 raise ServeError(
                     400,
@@ -387,7 +294,7 @@ class TinkerApi:
         weights = [0.0] * n
         pos = 0
         for span in wire.loss_fn_input_spans:
-            kind, seq_id, offset, length = _span(span)
+            kind, seq_id, offset, length = provenance_span(span)
             record = self.state.stability.get(seq_id, session)
             source = record.tokens if kind == "sampled_tokens" else record.prompt
             if offset + length > len(source):
@@ -423,12 +330,12 @@ class TinkerApi:
             raise ServeError(400, "invalid_request", "only Adam optimizer params are supported")
         try:
             adam = AdamParams(
-                _number(p.get("learning_rate", 1e-4)),
-                _number(p.get("beta1", 0.9)),
-                _number(p.get("beta2", 0.95)),
-                _number(p.get("eps", 1e-12)),
-                _number(p.get("weight_decay", 0.0)),
-                _number(p.get("grad_clip_norm", 0.0)),
+                json_number(p.get("learning_rate", 1e-4)),
+                json_number(p.get("beta1", 0.9)),
+                json_number(p.get("beta2", 0.95)),
+                json_number(p.get("eps", 1e-12)),
+                json_number(p.get("weight_decay", 0.0)),
+                json_number(p.get("grad_clip_norm", 0.0)),
             )
         except (TypeError, ValueError):
             raise ServeError(400, "invalid_request", "adam_params must be numbers") from None
@@ -543,7 +450,7 @@ class TinkerApi:
                 self._field(data, "base_model", str, None),
                 None,
             )
-        prompt = _json_tokens(data.get("prompt"))
+        prompt = json_tokens(data.get("prompt"))
         raw_params = self._field(data, "sampling_params", dict)
         params = sampling_params(raw_params)
         n = self._field(data, "num_samples", int, 1)
@@ -552,7 +459,7 @@ class TinkerApi:
         else:
             served = self.state.model(base)
         self.state.check_sample(served, prompt, n, params)
-        target = _target_cells(data.get("target_prompt_logprobs"), len(prompt))
+        target = target_cells(data.get("target_prompt_logprobs"), len(prompt))
         asked = prompt_request(
             len(prompt),
             data.get("prompt_logprobs"),
@@ -567,7 +474,7 @@ class TinkerApi:
         record = bool(data.get("record_stability_info"))
         session = self.sampler_sessions.get(sid) if sid is not None else None
 
-        async def call() -> _Sampled:
+        async def call() -> Sampled:
             samples = await self.state.sample(sampler, prompt, n, params)
             if record:
                 shared_prompt = np.asarray(prompt, dtype=np.int32)
@@ -578,7 +485,7 @@ class TinkerApi:
             scored = None
             if asked.wanted:
                 scored = score_prompt(await self.state.prompt_scores(sampler, prompt), prompt, asked)
-            return _Sampled(samples, scored, None if target is None else target[2])
+            return Sampled(samples, scored, None if target is None else target[2])
 
         answer = self._future("sample", call(), None, sample_sequence_ids=ids)
         self.state.timers.add("validate", time.perf_counter() - t0)
@@ -601,153 +508,11 @@ class TinkerApi:
             message = exc.message if isinstance(exc, ServeError) else f"{type(exc).__name__}: {exc}"
             return as_json({"error": message, "category": "user" if user else "server"})
         result = future.result()
-        if kind == "sample" and isinstance(result, _Sampled):
+        if kind == "sample" and isinstance(result, Sampled):
             t0 = time.perf_counter()
-            response = _sample_response(result, PROTO in request.headers.get("accept", ""))
+            response = sample_response(result, PROTO in request.headers.get("accept", ""))
             self.state.timers.add("serialize", time.perf_counter() - t0)
             return response
         if isinstance(result, bytes):
             return Response(result, media_type=PROTO)
         return as_json(result)
-
-
-def _span(span: Any) -> tuple[str, str, int, int]:
-    """``(kind, sequence_id, offset, length)`` of a ``ProvenanceSpan`` protobuf."""
-    kind = span.WhichOneof("span")
-    if kind not in ("prompt_tokens", "sampled_tokens"):
-        raise ServeError(400, "invalid_provenance", "a provenance span is neither prompt nor sampled tokens")
-    body = getattr(span, kind)
-    if body.offset < 0 or body.length < 0 or not body.sequence_id:
-        raise ServeError(
-            400, "invalid_provenance", "provenance spans need a sequence_id, offset >= 0, length >= 0"
-        )
-    return kind, str(body.sequence_id), int(body.offset), int(body.length)
-
-
-def _forward_output(pb: ModuleType, loss: float, logprobs: list[list[float]]) -> bytes:
-    out = pb.ForwardBackwardOutput(loss_fn_output_type="ArrayRecord")
-    out.metrics["loss:sum"] = loss
-    record = out.loss_fn_outputs.add()
-    record.num_datums = len(logprobs)
-    field = record.fields["logprobs"]
-    field.data = np.asarray([x for lps in logprobs for x in lps], dtype=np.float32).tobytes()
-    field.offsets = np.cumsum([0] + [4 * len(lps) for lps in logprobs]).astype(np.int64).tobytes()
-    field.dtype = pb.DTYPE_FLOAT32
-    return bytes(out.SerializeToString())
-
-
-@dataclass
-class _Sampled:
-    """A finished sample request: its samples and what it asked about its prompt."""
-
-    samples: list[Sample]
-    prompt: PromptScores | None
-    target_layout: _TargetLayout | None
-
-
-@dataclass(frozen=True)
-class _TargetLayout:
-    """How ``target_prompt_logprobs`` was laid out, so the answer comes back the same way."""
-
-    shape: list[int]
-    crow: list[int] | None = None
-    col: list[int] | None = None
-
-
-def _target_cells(raw: object, n_prompt: int) -> tuple[list[int], list[int], _TargetLayout] | None:
-    """``target_prompt_logprobs`` (an int64 ``[len(prompt) - 1, K]`` tensor, dense or CSR) as flat ids, the
-    prompt row each one is scored at, and its layout; ``None`` when not asked."""
-    if raw is None:
-        return None
-    if not isinstance(raw, dict) or raw.get("dtype") != "int64":
-        raise ServeError(400, "invalid_request", "target_prompt_logprobs must be an int64 tensor")
-    shape, data = raw.get("shape"), raw.get("data")
-    if (
-        not isinstance(shape, list)
-        or len(shape) != 2
-        or shape[0] != n_prompt - 1
-        or not isinstance(data, list)
-        or not all(isinstance(x, int) and not isinstance(x, bool) for x in [*shape, *data])
-    ):
-        raise ServeError(
-            400,
-            "invalid_request",
-            f"target_prompt_logprobs must have shape [len(prompt) - 1 = {n_prompt - 1}, K]",
-        )
-    rows_n, k = int(shape[0]), int(shape[1])
-    crow, col = raw.get("sparse_crow_indices"), raw.get("sparse_col_indices")
-    if crow is None and col is None:
-        if len(data) != rows_n * k:
-            raise ServeError(
-                400, "invalid_request", f"target_prompt_logprobs has {len(data)} values, not {rows_n * k}"
-            )
-        return list(data), [j // k for j in range(len(data))] if k else [], _TargetLayout([rows_n, k])
-    ok = (
-        isinstance(crow, list)
-        and isinstance(col, list)
-        and len(crow) == rows_n + 1
-        and len(col) == len(data)
-        and crow[0] == 0
-        and crow[-1] == len(data)
-        and all(a <= b for a, b in itertools.pairwise(crow))
-        and all(isinstance(c, int) and 0 <= c < k for c in col)
-    )
-    if not ok or not isinstance(crow, list) or not isinstance(col, list):
-        raise ServeError(400, "invalid_request", "target_prompt_logprobs: malformed sparse CSR indices")
-    rows = [r for r in range(rows_n) for _ in range(crow[r + 1] - crow[r])]
-    return list(data), rows, _TargetLayout([rows_n, k], list(crow), list(col))
-
-
-def _sample_response(result: _Sampled, proto: bool) -> Response:
-    samples, scored, layout = result.samples, result.prompt, result.target_layout
-    if not proto:
-        seqs = [{"tokens": s.tokens, "logprobs": s.logprobs, "stop_reason": s.stop_reason} for s in samples]
-        body: dict[str, object] = {"type": "sample", "sequences": seqs}
-        if scored is not None:
-            if scored.logprobs is not None:
-                body["prompt_logprobs"] = scored.logprobs
-            if scored.topk is not None:
-                body["topk_prompt_logprobs"] = [
-                    None if r is None else [list(c) for c in r] for r in scored.topk
-                ]
-            if scored.target is not None and layout is not None:
-                tensor: dict[str, object] = {"data": scored.target, "dtype": "float32", "shape": layout.shape}
-                if layout.crow is not None:
-                    tensor.update(sparse_crow_indices=layout.crow, sparse_col_indices=layout.col)
-                body["target_prompt_logprobs"] = tensor
-        return as_json(body)
-    from tinker.proto import tinker_public_pb2 as pb  # deferred: the tinker SDK is optional (serve extra)
-
-    out = pb.SampleResponse()
-    for s in samples:
-        seq = out.sequences.add()
-        seq.stop_reason = pb.STOP_REASON_STOP if s.stop_reason == "stop" else pb.STOP_REASON_LENGTH
-        seq.tokens = np.asarray(s.tokens, dtype=np.int32).tobytes()
-        seq.logprobs = np.asarray(s.logprobs, dtype=np.float32).tobytes()
-    if scored is not None:
-        if scored.logprobs is not None:  # NaN where not scored, as the SDK reads it
-            values = [math.nan if v is None else v for v in scored.logprobs]
-            out.prompt_logprobs = np.asarray(values, dtype=np.float32).tobytes()
-        if scored.topk is not None:
-            k = max((len(r) for r in scored.topk if r is not None), default=0)
-            ids = np.zeros((len(scored.topk), k), dtype=np.int32)
-            lps = np.full((len(scored.topk), k), -99999.0, dtype=np.float32)  # the SDK's "empty" sentinel
-            for i, row in enumerate(scored.topk):
-                for j, (tok, lp) in enumerate(row or []):
-                    ids[i, j], lps[i, j] = tok, lp
-            out.topk_prompt_logprobs.token_ids = ids.tobytes()
-            out.topk_prompt_logprobs.logprobs = lps.tobytes()
-            out.topk_prompt_logprobs.k = k
-            out.topk_prompt_logprobs.length = len(scored.topk)
-        if scored.target is not None and layout is not None:
-            t = out.target_prompt_logprobs
-            t.dtype = pb.DTYPE_FLOAT32
-            t.shape.extend(layout.shape)
-            values_bytes = np.asarray(scored.target, dtype=np.float32).tobytes()
-            if layout.crow is None:
-                t.dense = values_bytes
-            else:
-                t.sparse_csr.values = values_bytes
-                t.sparse_csr.crow_indices = np.asarray(layout.crow, dtype=np.int64).tobytes()
-                t.sparse_csr.col_indices = np.asarray(layout.col, dtype=np.int64).tobytes()
-    return Response(out.SerializeToString(), media_type=PROTO)

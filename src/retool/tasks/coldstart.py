@@ -28,7 +28,7 @@ from retool.protocol import ChatProtocol
 from retool.reward.verifier import score_answer
 from retool.sandbox import make_executor
 from retool.sandbox.base import Executor
-from retool.sandbox.forkserver import strict_support
+from retool.sandbox.bwrap import strict_support
 from retool.tasks.sft import answer_text, build_trajectory
 from retool.train.sft import SFTExample, budget_violation
 

@@ -15,7 +15,8 @@ Steps (every artefact under one run folder):
 evaluation checker) and its ``DemoSettings``; it names no task. Each phase builds its parts with
 ``retool.components.build_components``, exactly as ``retool train`` and ``retool eval`` do. The library
 never prints: progress goes through ``on_event`` (the CLI renders it) and ``logging``. ``run_recipe_sft``
-is the cold start on its own (``retool sft``).
+is the cold start on its own (``retool sft``). Whether ``--resume`` / ``--reuse-sft`` may use a run folder:
+``retool.tasks.identity``.
 """
 
 from __future__ import annotations
@@ -36,10 +37,10 @@ from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemSource, TaskFamilySource
 from retool.evaluate.runner import run_eval
-from retool.evaluate.settings import setting_value, settings_differences
 from retool.evaluate.store import EvalSummary, summary_path_for
 from retool.jsonl import JsonObject
 from retool.sandbox import strict_support
+from retool.tasks.identity import check_resumable, check_sft_reusable
 from retool.tasks.model import build_demo_model
 from retool.tasks.phases import PHASES_FILE, Clock, Phases
 from retool.tasks.real_model import resolve_model_path
@@ -55,7 +56,7 @@ from retool.tasks.report import (
     table_rows,
     write_report,
 )
-from retool.tasks.settings import DemoSettings, Event, RecipeOptions, recorded_settings, with_data_dir
+from retool.tasks.settings import DemoSettings, Event, with_data_dir
 from retool.train.loop import Trainer
 from retool.train.sft import SFTReport
 from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
@@ -236,46 +237,6 @@ def write_tasks(path: Path, tasks: Sequence[Task]) -> None:
 # -- the pipeline ----------------------------------------------------------------------------------
 
 
-# Settings that fix the tasks and the SFT model: a run reusing another's SFT must agree on all of them.
-OPTIONS_SLOT = "options"
-_SFT_KEYS = (
-    "seed",
-    "size",
-    "task",
-    OPTIONS_SLOT,  # the recipe's options but its RL_ONLY ones (``_sft_keys``)
-    "eval_temperature",
-    "eval_modes",
-    "config.model.name",
-    "config.model.system_prompt",
-    "config.lora",
-    "config.data.seed",
-    "config.data.task_count",
-    "config.data.task_test_count",
-    "config.data.task_hard_fraction",
-    "config.data.task_kinds",
-    "config.sft",
-    "config.eval.val_n",
-    "config.eval.seed",
-    "config.backend.micro_batch_tokens",
-)
-# Of those, the ones that pick the held-out slice and its evaluation (seeded) rather than the SFT model's
-# inputs: a run without a slice evaluation may differ in them from the run whose SFT model it reuses.
-_SLICE_KEYS = frozenset({"seed", "config.data.seed", "config.eval.seed", "eval_modes"})
-# Settings a resumed run may change: where it runs and how it reports, not what it computes.
-_RESUME_FREE = frozenset({"out", "resume", "plots", "data_dir"})
-
-
-def _sft_keys(options: RecipeOptions) -> list[str]:
-    """``_SFT_KEYS`` with the recipe's options that fix the tasks or the SFT model in their slot."""
-    own = [f"options.{name}" for name in options.names() if name not in options.RL_ONLY]
-    return [k for key in _SFT_KEYS for k in (own if key == OPTIONS_SLOT else [key])]
-
-
-def _shown(names: Sequence[str]) -> str:
-    """Setting names as ``--set`` takes them: a recipe's option by its own name, not ``options.NAME``."""
-    return ", ".join(name.removeprefix("options.") for name in names)
-
-
 def _start(recipe: Recipe, settings: DemoSettings, out: Path) -> Config:
     """Claim the run folder (or, ``resume``, check it is this run's), record the settings, set torch's
     threads and seed; the config in force."""
@@ -287,25 +248,15 @@ def _start(recipe: Recipe, settings: DemoSettings, out: Path) -> Config:
         raise ValueError(
             f"the {settings.task} task needs a real model (its recipe's, e.g. --recipe {recipe.name}), not the tiny one"
         )
-    saved = out / "settings.json"
     if settings.resume:
-        if not saved.is_file():
-            raise FileNotFoundError(f"--resume {out}: no demo run there (no settings.json)")
-        earlier = recorded_settings(saved)
-        mine = json.loads(json.dumps(settings.as_dict(), default=str))
-        differ = settings_differences(earlier, mine, ignore=_RESUME_FREE)
-        if differ:
-            raise ValueError(
-                f"--resume {out}: the run was started with other settings ({_shown(differ)}); "
-                "resume with the same options"
-            )
+        check_resumable(out, settings)  # a run is there, started with these settings
     elif (out / "report.json").exists() or (out / "rl").exists() or (out / PHASES_FILE).exists():
         raise FileExistsError(
             f"{out} already holds a demo run; continue it with --resume, or choose another --out"
         )
     else:
         out.mkdir(parents=True, exist_ok=True)
-        saved.write_text(json.dumps(settings.as_dict(), indent=2, default=str) + "\n")
+        (out / "settings.json").write_text(json.dumps(settings.as_dict(), indent=2, default=str) + "\n")
     set_torch_threads(settings.config)
     torch.manual_seed(settings.seed)
     return with_data_dir(settings, with_available_isolation(settings.config))
@@ -508,17 +459,7 @@ def _trainable(client: LocalTrainingClient) -> str:
 def _reuse_sft(settings: DemoSettings, out: Path, result: DemoResult) -> tuple[Path, Evals]:
     """The SFT model and SFT evaluation of an earlier run with the same tasks and SFT settings."""
     source = Path(str(settings.reuse_sft))
-    try:
-        earlier = recorded_settings(source / "settings.json")
-    except (OSError, json.JSONDecodeError) as exc:
-        raise ValueError(f"--reuse-sft {source}: not a finished demo run ({exc})") from None
-    mine = settings.as_dict()
-    # A run that evaluates no held-out slice (eval_modes = ()) copies no evaluation: it may reuse the SFT
-    # model of another seed (bench/gsm8k.py: one SFT model, RL of each seed from it).
-    keys = [k for k in _sft_keys(settings.options) if settings.eval_modes or k not in _SLICE_KEYS]
-    differ = [k for k in keys if setting_value(earlier, k) != setting_value(mine, k)]
-    if differ:
-        raise ValueError(f"--reuse-sft {source}: its settings differ in {_shown(differ)}")
+    check_sft_reusable(source, settings)  # the same tasks and SFT settings
     if not (source / "model_sft" / "config.json").is_file():
         raise ValueError(f"--reuse-sft {source}: no model_sft/ folder")
     (out / "eval").mkdir(parents=True, exist_ok=True)

@@ -34,7 +34,7 @@ from typing import TypedDict, cast
 
 from retool.analyze.report import AnalyzeError, load_training_log, short_label
 from retool.errors import UserError
-from retool.evaluate.metrics import bootstrap_ci, summarize
+from retool.evaluate.metrics import Interval, headline_intervals, summarize
 from retool.evaluate.store import CandidateRecord, EvalSummary, ProblemRecord, summary_path_for
 from retool.jsonl import JsonObject, JsonValue, first_jsonl_object
 from retool.rollout.records import TrajectoryRecord
@@ -58,12 +58,6 @@ _SKIP_DIRS = frozenset(
 
 class ViewError(UserError, ValueError):
     """An input the viewer cannot use; the message names it and says why."""
-
-
-class Interval(TypedDict):
-    value: float
-    lo: float
-    hi: float
 
 
 class Curves(TypedDict):
@@ -279,29 +273,6 @@ def _eval_label(summary: EvalSummary, path: Path) -> str:
     if model:
         return Path(str(model)).name or str(model)
     return path.stem
-
-
-def eval_intervals(records: Sequence[ProblemRecord], seed: int = 0) -> dict[str, Interval]:
-    """Point estimates and 95% bootstrap intervals over problems of the headline eval metrics."""
-    per_problem: dict[str, list[float]] = {
-        "average_at_n": [],
-        "pass_at_n": [],
-        "format_rate": [],
-        "tool_call_rate": [],
-    }
-    for r in records:
-        cands = r.get("candidates") or []
-        n = len(cands) or 1
-        per_problem["average_at_n"].append(sum(bool(c.get("correct")) for c in cands) / n)
-        per_problem["pass_at_n"].append(1.0 if any(c.get("correct") for c in cands) else 0.0)
-        per_problem["format_rate"].append(sum(bool(c.get("valid_format")) for c in cands) / n)
-        per_problem["tool_call_rate"].append(sum(int(c.get("code_calls", 0)) > 0 for c in cands) / n)
-    out: dict[str, Interval] = {}
-    for key, values in per_problem.items():
-        mean = sum(values) / len(values) if values else 0.0
-        lo, hi = bootstrap_ci(values, resamples=1000, seed=seed)
-        out[key] = {"value": mean, "lo": lo, "hi": hi}
-    return out
 
 
 def candidate_as_record(record: ProblemRecord, cand: CandidateRecord, mode: str) -> TrajectoryRecord:
@@ -581,7 +552,7 @@ def _add_eval(site: _SiteParts, path: Path) -> None:
             "val_n": settings.get("val_n", metrics.get("val_n")),
             "dataset": settings.get("dataset", ""),
             "metrics": _eval_metric_subset(metrics),
-            "intervals": eval_intervals(records, seed=_int(settings.get("seed", 0) or 0)),
+            "intervals": headline_intervals(records, seed=_int(settings.get("seed", 0) or 0)),
         }
     )
 

@@ -33,9 +33,9 @@ composition) only through float rounding, so cache on and off give the same toke
 draw within ~1e-6 of a CDF boundary) and logprobs equal to ~1e-5; not bitwise, because matmuls of
 different shapes sum in different orders.
 
-One thing: the continuous-batching loop, with the per-row state (``_Row``, ``_Batch``, ``_Prefill``) and
-the KV-cache layout (``_GrowingLayer``) it decodes over; each is written for this loop alone and says
-little read apart from it, so they stay in one file past 700 lines.
+Long because the continuous-batching loop, its per-row state (``_Row``, ``_Batch``, ``_Prefill``) and the
+KV-cache layout it decodes over (``_GrowingLayer``) are written for one another: each says little read
+apart from the loop.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ This module owns the training client's API, ``LocalTrainingClient``: the model (
 PEFT LoRA adapter), the AdamW optimizer and a single worker thread that runs every forward, backward and
 generation, so training and sampling never touch the weights at the same time and the event loop stays
 free; how its samplers are wired to the weights; forward/backward and the optimizer step. Its parts
-live beside it, each owning one thing:
+live beside it:
 
 - ``loading``: the LoRA settings (``LocalLoraSpec``), device / dtype / model path, the models it loads;
 - ``precision``: the compute dtype (``backend.dtype``) and training autocast (``autocast_dtype``);
@@ -43,6 +43,10 @@ train mode, so LoRA dropout > 0 makes the ratio differ from 1 even on-policy.
 
 ``save_state`` / ``load_state``: see ``checkpoint_io`` (the next step's loss after a load is bitwise
 identical).
+
+Long because ``LocalTrainingClient`` is one class: each public call (the ``TrainingClient`` interface) and
+the worker-thread method behind it share the model, the optimizer, the prefix cache and the sampling
+views; the parts that stand alone already live in the modules listed above.
 """
 
 from __future__ import annotations
