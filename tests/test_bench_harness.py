@@ -1,0 +1,182 @@
+"""bench/harness.py: the shipped task is lm-eval's own ``gsm8k`` with only the data local, the results it
+reads back, the project's own figure it sets beside them, the table and the page's scope note; and (slow)
+lm-eval run end to end on a tiny local model."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+
+import harness as bench  # noqa: E402  (bench/ is not a package)
+
+
+def _lm_eval_file(*parts: str) -> Path | None:
+    """A file of the installed lm_eval package, found without importing it (None: not installed)."""
+    spec = importlib.util.find_spec("lm_eval")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)), *parts)
+
+
+def test_the_task_is_lm_evals_gsm8k_with_only_the_data_local() -> None:
+    theirs_path = _lm_eval_file("tasks", "gsm8k", "gsm8k.yaml")
+    if theirs_path is None:
+        pytest.skip("lm_eval is not installed (pip install -e '.[harness]')")
+    theirs = yaml.safe_load(theirs_path.read_text())
+    ours = yaml.safe_load(bench.TASK_FILE.read_text())
+    assert ours["task"] == bench.TASK and ours["dataset_path"] == "json"
+    files = ours["dataset_kwargs"]["data_files"]
+    assert files == {split: f"${{RETOOL_DATA_DIR}}/gsm8k_{split}.jsonl" for split in ("test", "train")}
+    assert list(files) == ["test", "train"]  # the file with more columns first (the task file says why)
+    for key in ("task", "dataset_path", "dataset_kwargs"):
+        ours.pop(key)
+    for key in ("tag", "task", "dataset_path", "dataset_name"):
+        theirs.pop(key)
+    assert ours == theirs  # prompt, 5-shot, generation, metric and both filters unchanged
+
+
+def test_the_task_folder_names_the_data_folder_and_a_missing_file_says_how_to_fetch(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    data.mkdir()
+    (data / "gsm8k_test.jsonl").write_text("{}\n")
+    with pytest.raises(SystemExit, match=r"gsm8k_train\.jsonl not in .*retool data fetch gsm8k"):
+        bench.task_folder(data, tmp_path / "tasks")
+    (data / "gsm8k_train.jsonl").write_text("{}\n")
+    folder = bench.task_folder(data, tmp_path / "tasks")
+    task = yaml.safe_load((folder / "gsm8k_local.yaml").read_text())
+    assert task["dataset_kwargs"]["data_files"]["test"] == str(data.resolve() / "gsm8k_test.jsonl")
+    assert "${" not in (folder / "gsm8k_local.yaml").read_text()
+
+
+def _results(strict: float, flexible: float, n: int, stderr: object = 0.05) -> dict:
+    return {
+        "results": {
+            bench.TASK: {
+                "alias": bench.TASK,
+                "exact_match,strict-match": strict,
+                "exact_match_stderr,strict-match": stderr,
+                "exact_match,flexible-extract": flexible,
+                "exact_match_stderr,flexible-extract": stderr,
+            }
+        },
+        "n-samples": {bench.TASK: {"original": 1319, "effective": n}},
+    }
+
+
+def test_results_read_back_with_both_filters_and_the_questions_scored() -> None:
+    score = bench.parse_results(_results(0.05, 0.1, 20))
+    assert (score.strict, score.flexible, score.questions) == (0.05, 0.1, 20)
+    assert score.strict_se == 0.05
+    one = bench.parse_results(_results(0.0, 1.0, 1, stderr="N/A"))  # lm-eval's stderr of one question
+    assert one.strict_se != one.strict_se and bench.pct_se(one.flexible, one.flexible_se) == "100.0%"
+
+
+def test_the_table_sets_the_projects_figure_and_the_card_beside_lm_eval() -> None:
+    scores = {
+        "base": bench.parse_results(_results(0.0, 0.05, 20)),
+        "rl": bench.parse_results(_results(0.1, 0.15, 20)),
+    }
+    scores["base"].answered = 0.9
+    own = {"base": bench.Own(0.0, 1319, "docs/results/gsm8k.md"), "rl": None}
+    lines = bench.table(scores, own).splitlines()
+    assert lines[2] == (
+        "| base | 20 | 90% | 0.0% ± 5.0 | 5.0% ± 5.0 | 0.0% of 1,319 (docs/results/gsm8k.md) | 1.4% |"
+    )
+    assert (
+        lines[3] == "| rl | 20 | - | 10.0% ± 5.0 | 15.0% ± 5.0 | - | - |"
+    )  # the card's figure is the base model's
+
+
+def test_the_samples_give_the_questions_and_the_share_answered_in_gsm8ks_format() -> None:
+    def row(doc_id: int, flt: str, answer: str) -> dict:
+        return {"doc_id": doc_id, "doc": {"idx": 100 + doc_id}, "filter": flt, "filtered_resps": [answer]}
+
+    rows = [row(0, "strict-match", "54"), row(0, "flexible-extract", "54")]
+    rows += [row(1, "strict-match", "[invalid]"), row(1, "flexible-extract", "3")]
+    assert bench.sample_ids(rows) == ["gsm8k-100", "gsm8k-101"]
+    assert bench.answered_share(rows) == 0.5
+    assert bench.answered_share([]) != bench.answered_share([])  # NaN: no samples
+
+
+def test_the_projects_base_figure_is_its_published_whole_split_row() -> None:
+    own = bench.own_text_only("base", None, [])
+    assert own is not None and own.problems == 1319 and own.source == "docs/results/gsm8k.md"
+    row = "| sft | text-only | 1319 | 1.4% | 57.1% | 0.0% | 0.00 | 77 |"
+    sft = bench.own_from_table("sft", row, "x")
+    assert sft is not None and (round(sft.accuracy, 6), sft.problems) == (0.014, 1319)
+    assert bench.own_from_table("rl", row, "x") is None
+
+
+def _record(idx: int, correct: bool) -> dict:
+    candidate = {"correct": correct, "valid_format": True, "code_calls": 0, "completion_tokens": 10}
+    return {"id": f"gsm8k-{idx}", "mode": "text-only", "candidates": [candidate]}
+
+
+def test_the_projects_figure_is_read_on_the_same_questions_where_its_records_hold_them(
+    tmp_path: Path,
+) -> None:
+    # A seed folder of bench/gsm8k.py: its whole-split records beside it, in full/.
+    demo = tmp_path / "seed1"
+    (tmp_path / "full").mkdir(parents=True)
+    rows = [_record(i, i % 2 == 0) for i in range(10)]
+    (tmp_path / "full" / "rl-s1_text-only.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    same = bench.own_text_only("rl", demo, ["gsm8k-0", "gsm8k-2"])
+    assert same == bench.Own(1.0, 2, "bench/gsm8k.py, full/rl-s1_text-only.jsonl")
+    every = bench.own_text_only("rl", demo, ["gsm8k-0", "gsm8k-99"])  # not all there: every record
+    assert every is not None and (every.accuracy, every.problems) == (0.5, 10)
+    # A plain demo: its own evaluation slice in eval/.
+    plain = tmp_path / "demo"
+    (plain / "eval").mkdir(parents=True)
+    (plain / "eval" / "sft_text-only.jsonl").write_text(json.dumps(_record(3, True)) + "\n")
+    assert bench.own_text_only("sft", plain, []) == bench.Own(1.0, 1, "the demo's eval/")
+    assert bench.own_text_only("rl", plain, []) is None
+
+
+def test_the_lm_eval_command_and_the_page_say_what_a_slice_is() -> None:
+    cmd = bench.lm_eval_command(Path("m"), Path("t"), Path("o"), 20, 8, "bfloat16")
+    assert cmd[1:4] == ["-m", "lm_eval", "run"] and cmd[-2:] == ["--limit", "20"]
+    assert "pretrained=m,dtype=bfloat16" in cmd and "--log_samples" in cmd
+    assert "--limit" not in bench.lm_eval_command(Path("m"), Path("t"), Path("o"), 0, 8, "float32")
+    note = bench.scope_note(20, None)
+    assert "first 20 of GSM8K's 1,319" in note and "pending" in note and "--demo DIR" in note
+    assert bench.scope_note(0, Path("d")) == ""
+
+
+def test_models_named_on_the_command_line_replace_the_default_set(tmp_path: Path) -> None:
+    assert bench.model_sources(None, [f"tiny={tmp_path}"]) == {"tiny": tmp_path}
+    with pytest.raises(SystemExit, match="LABEL=PATH"):
+        bench.model_sources(None, [f"tiny={tmp_path / 'absent'}"])
+    with pytest.raises(SystemExit, match="no model_sft or model_rl"):
+        bench.model_sources(tmp_path)
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_the_local_task_on_a_tiny_model(
+    tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install -e '.[harness]')")
+    data = REPO / "tests" / "data"  # a few dozen GSM8K rows of each split
+    out = tmp_path / "bench"
+    argv = ["--model", f"tiny={tiny_model_dir}", "--limit", "2", "--batch-size", "2", "--threads", "1"]
+    bench.main([*argv, "--dtype", "float32", "--data-dir", str(data), "--out", str(out)])
+    printed = capsys.readouterr().out
+    assert "| tiny | 2 | " in printed and "Where the evaluators differ" in printed
+    scores = bench.parse_results(
+        json.loads(bench.results_file(out / "first2" / "float32" / "tiny").read_text())
+    )
+    assert scores.questions == 2 and 0.0 <= scores.flexible <= 1.0
+    rows = bench.samples(out / "first2" / "float32" / "tiny")
+    assert len(bench.sample_ids(rows)) == 2 and 0.0 <= bench.answered_share(rows) <= 1.0
+    # A rerun with the same settings reads the finished model back instead of running lm-eval again.
+    log = out / "first2" / "float32" / "tiny" / "lm_eval.log"
+    before = log.stat().st_mtime
+    bench.main([*argv, "--dtype", "float32", "--data-dir", str(data), "--out", str(out)])
+    assert log.stat().st_mtime == before
