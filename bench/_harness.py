@@ -36,7 +36,7 @@ if TYPE_CHECKING:
     from retool.config import Config
     from retool.data.problem import Problem
     from retool.evaluate.store import ProblemRecord
-    from retool.tasks.settings import DemoSettings
+    from retool.pipeline.settings import DemoSettings
 
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("text-only", "retool")  # the two evaluation modes a two-stage bench compares
@@ -340,7 +340,7 @@ def evaluate_plan(
 def model_path(label: str, demo_dir: Path) -> Path:
     """The weights ``label`` names: ``base`` the packaged SmolLM2, else the demo's ``model_sft`` /
     ``model_rl``."""
-    from retool.tasks.real_model import resolve_model_path  # deferred: the evaluation process only
+    from retool.pipeline.real_model import resolve_model_path  # deferred: the evaluation process only
 
     return resolve_model_path("smollm2") if label == "base" else demo_dir / f"model_{label.split('-')[0]}"
 
@@ -359,7 +359,7 @@ def eval_config(config: Config, path: Path, folder: Path, modes: int) -> Config:
     """A demo's ``config`` for evaluating the weights at ``path`` (no adapter) in ``modes`` modes at once
     (one engine: ``modes`` times the rows per decode step), each turn ending at its first closed
     ``\\boxed{...}`` (nothing after the answer is read); scratch state under ``folder``."""
-    from retool.tasks.pipeline import phase_config, with_available_isolation  # deferred: evaluation only
+    from retool.pipeline.run import phase_config, with_available_isolation  # deferred: evaluation only
 
     config = phase_config(with_available_isolation(config), path, folder / "scratch")
     backend = config.backend.model_copy(update={"sample_batch_size": 64 * modes})

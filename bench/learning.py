@@ -38,9 +38,9 @@ from _machine import machine
 from _results import render_pages, write_result
 from retool.config import ConfigError
 from retool.evaluate.store import read_problem_records
+from retool.pipeline.settings import DemoSettings
 from retool.recipes import recipe_named
 from retool.recipes.demo import recipe_fields, run_demo
-from retool.tasks.settings import DemoSettings
 
 # The targets for the demo, checked per seed.
 TARGET_GAIN = 0.15

@@ -115,9 +115,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def settings(args: argparse.Namespace, out: Path, extra: list[str] | tuple[str, ...] = ()) -> Any:
     """The mathematics recipe's demo settings, with the bench's cold start and ``--set``."""
+    from retool.pipeline.settings import DemoSettings
     from retool.recipes import recipe_named
     from retool.recipes.demo import recipe_fields
-    from retool.tasks.settings import DemoSettings
 
     recipe = recipe_named("mathematics")
     sets = [f"coldstart_rounds={args.coldstart_rounds}", f"coldstart_round_rows={args.coldstart_round_rows}"]
@@ -217,7 +217,7 @@ def write_json(path: Path, value: Any) -> None:
 def phase_coldstart(args: argparse.Namespace) -> None:
     """The cold start (expert iteration from the base model) and SFT -> ``<dir>/model_sft``."""
     from _harness import sft_start
-    from retool.tasks.real_model import resolve_model_path
+    from retool.pipeline.real_model import resolve_model_path
 
     out = Path(args.arg[0])
     rounds, budget = int(args.arg[1]), int(args.arg[2])
@@ -232,9 +232,9 @@ def phase_rl(args: argparse.Namespace) -> None:
     """RL from the SFT model to step ``until`` (resumed from the run's checkpoint), then the merged policy
     -> ``<run>/model_latest``."""
     from retool.components import build_components
+    from retool.pipeline.run import local_backend, phase_config, save_hf, with_available_isolation
+    from retool.pipeline.settings import seed_overrides
     from retool.recipes.mathematics.task import mathematics_source
-    from retool.tasks.pipeline import local_backend, phase_config, save_hf, with_available_isolation
-    from retool.tasks.settings import seed_overrides
     from retool.train.loop import Trainer
 
     run, until, seed, lr, selection = (

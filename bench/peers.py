@@ -126,8 +126,8 @@ def retool_worker(job: dict[str, Any]) -> None:
     from _round_sync import run_round_sync  # deferred: bench/, as the retool imports of the worker only
     from retool.components import build_components
     from retool.config import Config
+    from retool.pipeline.run import local_backend, save_hf, with_available_isolation
     from retool.rollout import run_rollout
-    from retool.tasks.pipeline import local_backend, save_hf, with_available_isolation
     from retool.train.loop import Trainer
 
     torch.set_num_threads(job["threads"])
@@ -183,7 +183,7 @@ def trl_worker(job: dict[str, Any]) -> None:
     import torch  # deferred: the worker process only
 
     from retool.config import Config
-    from retool.tasks.pipeline import with_available_isolation
+    from retool.pipeline.run import with_available_isolation
 
     torch.set_num_threads(job["threads"])
     cfg = with_available_isolation(Config.model_validate(job["config"]))
@@ -407,9 +407,9 @@ class Arm:
 def training_source(cfg: Any, task: str) -> Any:
     """The problems both arms train on: the synthetic task family, or GSM8K's short-solution train
     problems (the ``demo-smollm2-gsm8k`` demo's curriculum)."""
+    from retool.pipeline.settings import DemoSettings
     from retool.recipes import recipe_for
     from retool.recipes.demo import demo_source
-    from retool.tasks.settings import DemoSettings
 
     # the recipe's options: the GSM8K source reads its rl_max_solution_steps, the synthetic one none
     settings = DemoSettings(config=cfg, task=task, options=recipe_for("smollm2", task).options)
@@ -625,11 +625,11 @@ def heldout_accuracy(
     (``gsm8k``: a GSM8K test slice of ``n``, greedy, one answer each), by this project's evaluator (the
     same sampler, sandbox and verifier for all)."""
     from retool.components import build_components
+    from retool.pipeline.run import evaluate_modes, phase_config, with_available_isolation
+    from retool.pipeline.settings import DemoSettings
     from retool.recipes import recipe_for
     from retool.recipes.demo import held_out
     from retool.recipes.tiny import SyntheticOptions, task_source
-    from retool.tasks.pipeline import evaluate_modes, phase_config, with_available_isolation
-    from retool.tasks.settings import DemoSettings
 
     cfg = with_available_isolation(
         cfg.model_copy(update={"lora": cfg.lora.model_copy(update={"enabled": False})})

@@ -104,8 +104,8 @@ def run(args: argparse.Namespace) -> None:
     from retool.backends.interface.types import SamplingParams
     from retool.backends.local.client import LocalTrainingClient
     from retool.data.synthetic import generate_tasks
-    from retool.tasks.model import protocol_for
-    from retool.tasks.real_model import resolve_model_path
+    from retool.pipeline.model import protocol_for
+    from retool.pipeline.real_model import resolve_model_path
 
     torch.set_num_threads(args.threads)
     path = resolve_model_path(args.model)

@@ -1,7 +1,7 @@
 """A recipe of one's own: the synthetic arithmetic of the ``tiny`` recipe, with the sympy calculator of
 ``calculator_env.py`` as the tool instead of the Python sandbox, run by the unchanged demo pipeline.
 
-``docs/recipes.md`` walks through it. A recipe answers four questions (``retool.tasks.recipe.Recipe``):
+``docs/recipes.md`` walks through it. A recipe answers four questions (``retool.pipeline.recipe.Recipe``):
 what RL trains on (``source``), what is held out (``held_out``), how the cold start is built
 (``cold_start``) and what scores the held-out answers (``eval_source``); it names its preset and demo-only
 fields, declares its own options (``CalculatorOptions``: ``--set kinds=[...]``), and is registered by name:
@@ -29,12 +29,12 @@ from retool.config import Config
 from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemList, ProblemSource, TaskFamilySource
+from retool.pipeline.recipe import HeldOut, Recipe
+from retool.pipeline.report import gain_line, markdown_table
+from retool.pipeline.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.recipes import register_recipe
 from retool.recipes.demo import recipe_fields, run_demo
 from retool.recipes.tiny import SyntheticOptions, cold_start_sft, held_out_tasks, task_source_of
-from retool.tasks.recipe import HeldOut, Recipe
-from retool.tasks.report import gain_line, markdown_table
-from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.train.sft import SFTReport
 
 # The synthetic kinds whose canonical code is arithmetic (assignments and one printed expression).

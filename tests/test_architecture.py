@@ -38,7 +38,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("evaluate",),
     ("analyze",),
     ("view",),  # the trajectory viewer over training runs and evals
-    ("tasks",),  # the generic demo pipeline (tiny model, SFT, phases, report) and the recipe interface
+    ("pipeline",),  # the generic demo pipeline (tiny model, SFT, phases, report) and the recipe interface
     ("recipes",),  # each task one folder (preset, source, held-out set, cold start) on the pipeline
     ("cli", "__init__"),  # the command line assembles every stage's commands
     ("__main__",),  # python -m retool
@@ -96,14 +96,14 @@ def test_the_rule_catches_upward_and_lazy_imports(tmp_path: Path) -> None:
     root = tmp_path / "retool"
     (root / "train").mkdir(parents=True)
     (root / "env").mkdir()
-    (root / "train" / "loop.py").write_text("def f():\n    from retool.tasks.demo import run_demo\n")
+    (root / "train" / "loop.py").write_text("def f():\n    from retool.pipeline.demo import run_demo\n")
     (root / "env" / "retool.py").write_text("import retool.components\nfrom retool.data import Problem\n")
     (root / "magic.py").write_text("")
     found = violations(root)
     assert found == [
         "retool/env/retool.py:1: env imports retool.components (beside it)",
         "retool/magic.py: stage 'magic' is not in LAYERS",
-        "retool/train/loop.py:2: train imports retool.tasks.demo (above it)",
+        "retool/train/loop.py:2: train imports retool.pipeline.demo (above it)",
     ]
 
 

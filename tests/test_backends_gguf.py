@@ -126,7 +126,7 @@ def test_lora_on_a_gguf_model_saves_merged_as_a_plain_folder(gguf_path: Path, tm
     the folder reloads to the same outputs as the client's sampler."""
     import torch
 
-    from retool.tasks.pipeline import save_hf
+    from retool.pipeline.run import save_hf
 
     client = _client(str(gguf_path), ["lora.enabled=true", "lora.rank=4"])
     try:

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 
 from retool.backends.interface.types import AdamParams, Datum, Sample, SamplingParams
-from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
+from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
 # Q4_1 matmuls in llama.cpp quantise activations to 8 bits and keep an f16 KV cache; the trainer runs the
 # dequantised weights in fp32. Measured mean |difference| of per-token logprobs: ~0.01-0.02 nats on an

@@ -18,10 +18,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
 
 import _harness
 import gsm8k as bench
+from retool.pipeline.report import DemoResult
+from retool.pipeline.run import _reuse_sft
+from retool.pipeline.settings import DemoSettings
 from retool.recipes.demo import real_model_settings
-from retool.tasks.pipeline import _reuse_sft
-from retool.tasks.report import DemoResult
-from retool.tasks.settings import DemoSettings
 
 
 def _args(**kw: object) -> argparse.Namespace:

@@ -85,7 +85,7 @@ def test_finished_rounds_and_a_chosen_sweep_are_carried_to_another_machine_weigh
 def test_a_few_step_slice_of_the_bench_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
+    from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
     try:
         find_model_file(REAL_MODELS["smollm2"])

@@ -78,11 +78,11 @@ def test_dev_split_is_seeded(tmp_path: Path) -> None:
     a = prepare_dapo(src, tmp_path / "a", dev_size=5, seed=1)
     b = prepare_dapo(src, tmp_path / "b", dev_size=5, seed=1)
     c = prepare_dapo(src, tmp_path / "c", dev_size=5, seed=2)
-    dev_a, dev_b, dev_c = (read_jsonl(r.dev_path) for r in (a, b, c))
+    dev_a, dev_b, dev_c = (read_jsonl(r.dev_file) for r in (a, b, c))
     assert dev_a == dev_b
     assert dev_a != dev_c
     # Train keeps the source order.
-    train_ids = [int(r["id"]) for r in read_jsonl(a.train_path)]
+    train_ids = [int(r["id"]) for r in read_jsonl(a.train_file)]
     assert train_ids == sorted(train_ids)
 
 

@@ -19,8 +19,8 @@ from pathlib import Path
 
 import pytest
 
+from retool.pipeline.settings import DemoSettings
 from retool.recipes.demo import run_demo
-from retool.tasks.settings import DemoSettings
 
 MIN_GAIN = 0.15  # Average@4, retool mode, RL minus SFT (paired, same problems)
 MIN_HARD_GAIN = 0.25  # accuracy on the hard problems

@@ -14,7 +14,7 @@ import pytest
 from retool.analyze.report import load_training_log
 from retool.data.gsm8k import GSM8K_FILE, gsm8k_problems
 from retool.jsonl import JsonlError, first_jsonl_object, iter_jsonl, jsonl_lines, read_jsonl
-from retool.tasks.report import demo_gain, difficulty_breakdown
+from retool.pipeline.report import demo_gain, difficulty_breakdown
 from retool.train.checkpoint import TrainerState, repair_metrics
 from retool.train.metrics import MetricsLog
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 
 from retool.backends.interface.types import Sample, SamplingParams
-from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
+from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
 pytestmark = pytest.mark.slow
 
@@ -67,7 +67,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
 
 @pytest.fixture(scope="module")
 def config(smollm2_file: Path, settings: Any) -> Any:
-    from retool.tasks.pipeline import phase_config, with_available_isolation
+    from retool.pipeline.run import phase_config, with_available_isolation
 
     return phase_config(with_available_isolation(settings.config), smollm2_file, Path(settings.out) / "rl")
 
@@ -99,7 +99,7 @@ def verifier(parts: Any) -> Any:
 
 
 def _protocol(client: Any, use_tools: bool = True) -> Any:
-    from retool.tasks.model import protocol_for
+    from retool.pipeline.model import protocol_for
 
     return protocol_for(client.tokenizer, use_tools, "compact")
 
@@ -134,8 +134,8 @@ def test_gguf_loads_as_llama_with_lora_and_markdown_protocol(client: Any) -> Non
 
 def test_sft_example_is_the_template_render_and_masks_the_observation(client: Any, executor: Any) -> None:
     from retool.data.synthetic import generate_tasks
-    from retool.tasks.recipe import sandbox_observer
-    from retool.tasks.sft import build_example
+    from retool.pipeline.recipe import sandbox_observer
+    from retool.pipeline.sft import build_example
 
     protocol = _protocol(client)
     task = generate_tasks(1, seed=0, hard_fraction=1.0, kinds=["mul_big"])[0]
@@ -177,8 +177,8 @@ def test_one_sft_step_moves_only_the_adapter(client: Any, executor: Any) -> None
     import torch
 
     from retool.data.synthetic import generate_tasks
-    from retool.tasks.recipe import sandbox_observer
-    from retool.tasks.sft import SFTMix, build_sft_examples
+    from retool.pipeline.recipe import sandbox_observer
+    from retool.pipeline.sft import SFTMix, build_sft_examples
     from retool.train.sft import train_sft
 
     tasks = generate_tasks(2, seed=1, hard_fraction=1.0, kinds=["mul_big", "mod_pow"])
@@ -269,7 +269,7 @@ def test_one_rl_step_and_an_eval_of_two_problems(parts: Any, config: Any, settin
         ToolSetup,
         VerifierLike,
     )
-    from retool.tasks.pipeline import evaluate_modes
+    from retool.pipeline.run import evaluate_modes
     from retool.train.loop import Trainer
 
     class FirstWins(EnvGroupBuilder):

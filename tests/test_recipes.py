@@ -10,9 +10,9 @@ from pathlib import Path
 import pytest
 
 from retool.config import ConfigError, load_config, preset_names
+from retool.pipeline.settings import DemoFields, DemoSettings
 from retool.recipes import RECIPES, UnknownRecipeError, recipe_for, recipe_named, recipe_of_task
 from retool.recipes.demo import DEMO_TASKS, real_model_settings
-from retool.tasks.settings import DemoFields, DemoSettings
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "src" / "retool" / "recipes"
 

@@ -24,12 +24,12 @@ from retool.env import ReToolOutcome
 from retool.env.scoring import AnswerScore
 from retool.env.source import ProblemList
 from retool.env.types import AssistantTurn
+from retool.pipeline.sft import build_trajectory
 from retool.protocol import ChatProtocol
 from retool.reward.verifier import score_answer
 from retool.rollout.engine import RolloutRequest
 from retool.rollout.types import Trajectory, Transition
 from retool.sandbox.base import ExecResult
-from retool.tasks.sft import build_trajectory
 from retool.train.expert_iteration import (
     ExpertIterationSettings,
     RoundPlan,

@@ -69,8 +69,8 @@ def sft_losses(model: Path) -> list[float]:
 
     from retool.backends.local.client import LocalTrainingClient
     from retool.data.synthetic import generate_tasks
+    from retool.pipeline.sft import build_sft_examples
     from retool.protocol import ChatProtocol
-    from retool.tasks.sft import build_sft_examples
     from retool.train.sft import train_sft
 
     protocol = ChatProtocol(AutoTokenizer.from_pretrained(model))

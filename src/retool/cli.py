@@ -64,7 +64,7 @@ _STAGE_CLIS = (
     data_cli,
     reward_cli,
     sandbox_cli,
-    recipes_cli,  # demo, sft, recipes (its import brings tasks.cli's `retool data coldstart`)
+    recipes_cli,  # demo, sft, recipes (its import brings pipeline.cli's `retool data coldstart`)
     train_cli,
     evaluate_cli,
     analyze_cli,

@@ -332,7 +332,7 @@ class SFTConfig(_Section):
     final_hard_tool: float = Field(default=0.1, ge=0.0, le=1.0)
     final_hard_error_fix: float = Field(default=0.05, ge=0.0, le=1.0)
     final_easy_tool: float = Field(default=0.1, ge=0.0, le=1.0)
-    # Cold start from annotated solutions (the gsm8k recipe, ``retool.tasks.coldstart``): annotated
+    # Cold start from annotated solutions (the gsm8k recipe, ``retool.pipeline.coldstart``): annotated
     # steps computed per interpreter call (1: a call per step, each seeing the previous step's output; 0:
     # every step in one call, whose later expressions then hold numbers the model has not seen yet).
     steps_per_call: int = Field(default=1, ge=0)

@@ -3,7 +3,7 @@ from its official generator) and ``retool prepare dapo`` (DAPO-Math-17k to
 train.jsonl + dev.jsonl, with counts of everything dropped).
 
 ``data_app`` is the ``retool data`` group; stages above this one add their own commands to it (``retool
-data coldstart``: ``retool.tasks.cli``).
+data coldstart``: ``retool.pipeline.cli``).
 """
 
 from __future__ import annotations
@@ -85,8 +85,8 @@ def prepare_dapo_command(
     typer.echo(
         f"dropped:    {sum(dropped.values())}" + "".join(f"\n  {k}: {v}" for k, v in sorted(dropped.items()))
     )
-    typer.echo(f"train:      {report.train} -> {report.train_path}")
-    typer.echo(f"dev:        {report.dev} -> {report.dev_path}")
+    typer.echo(f"train:      {report.train} -> {report.train_file}")
+    typer.echo(f"dev:        {report.dev} -> {report.dev_file}")
 
 
 @data_app.command("mathematics")

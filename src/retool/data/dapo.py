@@ -241,13 +241,13 @@ def prepare_dapo(
     problems, load_report = load_dapo(input, split=split)
     train, dev = split_dev(problems, dev_size, seed, source=load_report.source)
     out = Path(out_dir)
-    train_path, dev_path = out / "train.jsonl", out / "dev.jsonl"
+    train_file, dev_file = out / "train.jsonl", out / "dev.jsonl"
     report = PrepareReport(
-        load=load_report, train=len(train), dev=len(dev), train_path=train_path, dev_path=dev_path
+        load=load_report, train=len(train), dev=len(dev), train_file=train_file, dev_file=dev_file
     )
     try:
-        write_jsonl(train_path, train)
-        write_jsonl(dev_path, dev)
+        write_jsonl(train_file, train)
+        write_jsonl(dev_file, dev)
         (out / "prepare_report.json").write_text(
             json.dumps(report.as_dict(), indent=2) + "\n", encoding="utf-8"
         )

@@ -76,8 +76,8 @@ class PrepareReport:
     load: LoadReport
     train: int
     dev: int
-    train_path: Path
-    dev_path: Path
+    train_file: Path
+    dev_file: Path
 
     # Shortcuts so callers need not reach into ``load``.
     @property
@@ -101,6 +101,6 @@ class PrepareReport:
             **self.load.as_dict(),
             "train": self.train,
             "dev": self.dev,
-            "train_path": str(self.train_path),
-            "dev_path": str(self.dev_path),
+            "train_file": str(self.train_file),
+            "dev_file": str(self.dev_file),
         }

@@ -50,7 +50,9 @@ def eval_command(
     config: str | None = typer.Option(None, "--config", help="Config TOML file or preset name."),
     overrides: list[str] = typer.Option([], "--set", help="Config override section.key=value (repeatable)."),
     dataset: str | None = typer.Option(
-        None, "--dataset", help="aime2025 | aime2024 | math500 | synthetic | dapo | PATH (default: eval.dataset)."
+        None,
+        "--dataset",
+        help="aime2025 | aime2024 | math500 | synthetic | dapo | PATH (default: eval.dataset).",
     ),
     data_dir: Path | None = typer.Option(
         None,

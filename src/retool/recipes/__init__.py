@@ -1,9 +1,9 @@
 """retool.recipes: every task the demo runs, one folder each, registered by name (``retool recipes``).
 
-A recipe (``retool.tasks.recipe.Recipe``) owns its preset (a TOML file in its folder, found by name as
+A recipe (``retool.pipeline.recipe.Recipe``) owns its preset (a TOML file in its folder, found by name as
 any preset is), its problem source, its held-out set, its cold start and a README (what it teaches, the
 one command, the one number it reaches, its cost here). The pipeline that runs it,
-``retool.tasks.pipeline``, knows no task by name; ``retool.recipes.demo`` joins the two
+``retool.pipeline.run``, knows no task by name; ``retool.recipes.demo`` joins the two
 (``run_demo``, ``run_sft``).
 
 - ``tiny``: the embedded default, a tiny model built here on the synthetic task family;
@@ -18,8 +18,8 @@ Adding a recipe is a folder (its options, a ``RecipeOptions`` subclass, included
 from __future__ import annotations
 
 from retool.errors import UserError
+from retool.pipeline.recipe import Recipe
 from retool.recipes import gsm8k, mathematics, smollm2, tiny
-from retool.tasks.recipe import Recipe
 
 RECIPES: dict[str, Recipe] = {
     r.name: r for r in (tiny.RECIPE, smollm2.RECIPE, gsm8k.RECIPE, mathematics.RECIPE)

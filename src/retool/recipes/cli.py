@@ -14,13 +14,13 @@ import typer
 
 from retool.config import ConfigError, flag_overrides, load_config
 from retool.errors import UserError
+from retool.pipeline.cli import Printer, quiet_library_progress
+from retool.pipeline.recipe import Recipe
+from retool.pipeline.report import DemoResult, gain_line, markdown_table
+from retool.pipeline.settings import DemoFields, DemoSettings, seed_overrides
+from retool.pipeline.traces import MODEL_FOLDER, run_trace_sft
 from retool.recipes import RECIPES, recipe_named, recipe_of_task
 from retool.recipes.demo import recipe_fields, run_demo, run_sft
-from retool.tasks.cli import Printer, quiet_library_progress
-from retool.tasks.recipe import Recipe
-from retool.tasks.report import DemoResult, gain_line, markdown_table
-from retool.tasks.settings import DemoFields, DemoSettings, seed_overrides
-from retool.tasks.traces import MODEL_FOLDER, run_trace_sft
 
 # The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
 _DEMO = load_config("demo")

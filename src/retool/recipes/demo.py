@@ -1,10 +1,10 @@
 """``retool demo`` and ``retool sft`` by recipe: the recipe a run's settings name (``DemoSettings.task``),
-run through the generic pipeline (``retool.tasks.pipeline``).
+run through the generic pipeline (``retool.pipeline.run``).
 
 The entry points the benches, tests and docs call: ``run_demo``, ``run_sft``, ``real_model_settings`` (a
 recipe's preset, demo-only fields and options, then overrides), ``recipe_fields``, ``run_settings`` (a run
 folder's ``settings.json``), ``demo_source`` and ``held_out`` (what a run trains and is
-evaluated on). The pipeline's own helpers keep their home in ``retool.tasks.pipeline``.
+evaluated on). The pipeline's own helpers keep their home in ``retool.pipeline.run``.
 """
 
 from __future__ import annotations
@@ -16,11 +16,11 @@ from typing import Unpack
 from retool.config import Config
 from retool.env import ProblemSource
 from retool.jsonl import JsonObject
+from retool.pipeline.recipe import HeldOut, Recipe
+from retool.pipeline.report import DemoResult
+from retool.pipeline.run import run_pipeline, run_recipe_sft
+from retool.pipeline.settings import DemoFields, DemoSettings, Event, recorded_settings
 from retool.recipes import RECIPES, recipe_for, recipe_of_task
-from retool.tasks.pipeline import run_pipeline, run_recipe_sft
-from retool.tasks.recipe import HeldOut, Recipe
-from retool.tasks.report import DemoResult
-from retool.tasks.settings import DemoFields, DemoSettings, Event, recorded_settings
 
 # The tasks the registered recipes run (what ``DemoSettings.task`` may hold).
 DEMO_TASKS = tuple(dict.fromkeys(r.task for r in RECIPES.values()))
@@ -28,7 +28,7 @@ DEMO_TASKS = tuple(dict.fromkeys(r.task for r in RECIPES.values()))
 
 def run_demo(settings: DemoSettings, on_event: Event | None = None) -> DemoResult:
     """(Zero-shot eval), SFT, evaluate, RL, evaluate the recipe of ``settings.task``; everything under
-    ``settings.out`` (``retool.tasks.pipeline.run_pipeline``)."""
+    ``settings.out`` (``retool.pipeline.run.run_pipeline``)."""
     return run_pipeline(recipe_of_task(settings.task), settings, on_event)
 
 
@@ -59,7 +59,7 @@ def recipe_fields(recipe: Recipe) -> DemoFields:
 
 
 def run_settings(folder: Path) -> JsonObject:
-    """A run folder's ``settings.json`` (``retool.tasks.settings.recorded_settings``)."""
+    """A run folder's ``settings.json`` (``retool.pipeline.settings.recorded_settings``)."""
     return recorded_settings(folder / "settings.json")
 
 

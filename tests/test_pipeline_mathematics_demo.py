@@ -12,6 +12,8 @@ import pytest
 
 from retool.data.mathematics import module_of
 from retool.env.mathematics import MathematicsSource
+from retool.pipeline.settings import options_as
+from retool.pipeline.sft import build_trajectory
 from retool.protocol import ChatProtocol
 from retool.recipes.demo import DEMO_TASKS, real_model_settings, run_demo
 from retool.recipes.mathematics import MathematicsOptions, cold_start_of
@@ -21,8 +23,6 @@ from retool.recipes.mathematics.task import (
     few_shot_messages,
     trajectory_example,
 )
-from retool.tasks.settings import options_as
-from retool.tasks.sft import build_trajectory
 
 
 def test_the_mathematics_preset_and_fields() -> None:
@@ -116,7 +116,7 @@ def test_a_few_step_slice_of_the_recipe_on_smollm2(fixture_data: Path, tmp_path:
     on two modules whose questions the base model answers with a call (sums, remainders)."""
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
+    from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
     try:
         find_model_file(REAL_MODELS["smollm2"])

@@ -10,10 +10,10 @@ import numpy as np
 import pytest
 
 from retool.jsonl import read_jsonl
+from retool.pipeline.report import gain_line, time_split_markdown
+from retool.pipeline.settings import DemoSettings
 from retool.recipes.demo import run_demo
 from retool.recipes.tiny import SyntheticOptions
-from retool.tasks.report import gain_line, time_split_markdown
-from retool.tasks.settings import DemoSettings
 
 
 def small(out: Path) -> DemoSettings:

@@ -12,10 +12,10 @@ from typing import Any
 import pytest
 
 from retool.data.gsm8k import GSM8KLeakError, normalize_question
+from retool.pipeline.settings import DemoSettings, options_as
 from retool.recipes.demo import real_model_settings, run_demo
 from retool.recipes.gsm8k import Gsm8kOptions
 from retool.recipes.gsm8k.task import coldstart_rows, gsm8k_source, held_out_problems
-from retool.tasks.settings import DemoSettings, options_as
 
 
 def _rows(path: Path) -> int:
@@ -76,7 +76,7 @@ def test_a_test_question_in_train_stops_the_source(fixture_data: Path, tmp_path:
 def test_the_gsm8k_demo_end_to_end_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
     pytest.importorskip("gguf")
     pytest.importorskip("accelerate")
-    from retool.tasks.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
+    from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
 
     try:
         find_model_file(REAL_MODELS["smollm2"])

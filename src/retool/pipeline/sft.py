@@ -2,7 +2,7 @@
 
 Owns the synthetic style mix (``SFTMix``: direct answers, calls, a failing call then its fix) and
 ``build_trajectory``, the token bookkeeping every cold start that writes its own traces builds with (the
-annotated solutions of ``retool.tasks.coldstart``, the recipes' own). The trace type, its file and the
+annotated solutions of ``retool.pipeline.coldstart``, the recipes' own). The trace type, its file and the
 trainer are ``retool.train.sft``'s. Each trajectory is built with the same ``ChatProtocol`` calls the RL rollout uses (``build_prompt``,
 ``encode_completion``, ``build_next_prompt``), so the SFT policy sees exactly the token layout it will
 act in. Tool outputs are the code's real output (through the sandbox executor when one is given).

@@ -9,8 +9,8 @@ import pytest
 
 from retool.config import SFTOptimizerConfig, dump_config, load_config
 from retool.data.synthetic import generate_tasks
-from retool.tasks.model import build_demo_model, protocol_for
-from retool.tasks.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style
+from retool.pipeline.model import build_demo_model, protocol_for
+from retool.pipeline.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style
 from retool.train.sft import train_sft
 
 
@@ -235,7 +235,7 @@ def test_retool_sft_data_refuses_traces_of_another_model_or_over_the_budgets(
     from typer.testing import CliRunner
 
     from retool.cli import app
-    from retool.tasks.model import protocol_for
+    from retool.pipeline.model import protocol_for
 
     compact = protocol_for(protocol.tokenizer, system_prompt="compact")  # another system prompt
     data, out = _traces(compact, tmp_path, n=4), tmp_path / "sft"

@@ -22,16 +22,16 @@ from pathlib import Path
 from retool.components import build_components
 from retool.config import Config
 from retool.jsonl import JsonObject
-from retool.protocol import ChatProtocol
-from retool.tasks.pipeline import (
+from retool.pipeline.real_model import REAL_MODELS, resolve_model_path
+from retool.pipeline.run import (
     local_backend,
     phase_config,
     save_hf,
     set_torch_threads,
     with_available_isolation,
 )
-from retool.tasks.real_model import REAL_MODELS, resolve_model_path
-from retool.tasks.settings import Event
+from retool.pipeline.settings import Event
+from retool.protocol import ChatProtocol
 from retool.train.sft import (
     SFTExample,
     SFTProgress,

@@ -2,7 +2,7 @@
 own options), the typed keyword form of those fields (``DemoFields``), the base of a recipe's options
 (``RecipeOptions``), and the progress events a run reports (``DemoEvent``).
 
-The generic fields are what the pipeline (``retool.tasks.pipeline``) reads; a recipe's knobs are its
+The generic fields are what the pipeline (``retool.pipeline.run``) reads; a recipe's knobs are its
 ``RecipeOptions`` subclass, declared in its own folder, so a new recipe needs no field here.
 ``settings.json`` records the options under ``options``; ``recorded_settings`` reads it back and refuses,
 in one line, a file of another shape (no compatibility code before a tagged release).
@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any, ClassVar, Self, TypedDict, TypeVar, Unpac
 
 from retool.config import Config, ConfigError, apply_overrides, load_config, override_config
 from retool.jsonl import JsonObject
-from retool.tasks.report import FlatSummary
+from retool.pipeline.report import FlatSummary
 from retool.train.metrics import MetricsRecord
 
 if TYPE_CHECKING:  # only the name of a type: the tiny model's module imports torch

@@ -11,8 +11,8 @@ from typing import TypedDict
 
 from retool.backends.local.heap import release_free_memory
 from retool.components import Components
-from retool.tasks.report import DemoResult
-from retool.tasks.settings import Event
+from retool.pipeline.report import DemoResult
+from retool.pipeline.settings import Event
 from retool.train.checkpoint import write_text_atomic
 
 PHASES_FILE = "phases.json"

@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 
 from retool.data import DataError
 from retool.data.gsm8k import GSM8K_FILE, gsm8k_problems
+from retool.pipeline import real_model as rm
+from retool.pipeline.settings import DemoSettings, options_as
 from retool.recipes.demo import held_out, real_model_settings, run_demo
 from retool.recipes.tiny import SyntheticOptions, task_source
-from retool.tasks import real_model as rm
-from retool.tasks.settings import DemoSettings, options_as
 
 
 def test_missing_wheel_names_the_install_command() -> None:

@@ -1,6 +1,6 @@
 """What the demo's commands share, and ``retool data coldstart``.
 
-``Printer`` renders a pipeline run's progress events (``retool.tasks.settings.DemoEvent``) on stderr;
+``Printer`` renders a pipeline run's progress events (``retool.pipeline.settings.DemoEvent``) on stderr;
 ``quiet_library_progress`` keeps the library's INFO logs from drowning them. The commands that run a
 recipe, ``retool demo`` / ``retool sft`` / ``retool recipes``, are ``retool.recipes.cli``'s (they name the
 recipes, one layer up); ``retool data coldstart`` joins the data group when this module is imported.
@@ -21,8 +21,8 @@ from retool.data.gsm8k import GSM8K_FILE
 from retool.data.paths import data_dir as resolve_data_dir
 from retool.errors import UserError
 from retool.jsonl import JsonValue, as_number, read_jsonl_objects
-from retool.tasks.coldstart import coldstart_protocol, convert_with_sandbox, write_rejects
-from retool.tasks.settings import DemoEvent
+from retool.pipeline.coldstart import coldstart_protocol, convert_with_sandbox, write_rejects
+from retool.pipeline.settings import DemoEvent
 from retool.train.sft import write_examples
 
 

@@ -11,12 +11,12 @@ Steps (every artefact under one run folder):
 6. evaluation again -> ``eval/rl_*.jsonl``; before/after table -> ``report.md`` / ``report.json``;
    plots through ``retool.analyze`` -> ``analysis/``.
 
-``run_pipeline`` takes the recipe (``retool.tasks.recipe.Recipe``: source, held-out set, cold start,
+``run_pipeline`` takes the recipe (``retool.pipeline.recipe.Recipe``: source, held-out set, cold start,
 evaluation checker) and its ``DemoSettings``; it names no task. Each phase builds its parts with
 ``retool.components.build_components``, exactly as ``retool train`` and ``retool eval`` do. The library
 never prints: progress goes through ``on_event`` (the CLI renders it) and ``logging``. ``run_recipe_sft``
 is the cold start on its own (``retool sft``). Whether ``--resume`` / ``--reuse-sft`` may use a run folder:
-``retool.tasks.identity``.
+``retool.pipeline.identity``.
 """
 
 from __future__ import annotations
@@ -39,13 +39,12 @@ from retool.env import ProblemSource, TaskFamilySource
 from retool.evaluate.runner import run_eval
 from retool.evaluate.store import EvalSummary, summary_path_for
 from retool.jsonl import JsonObject
-from retool.sandbox import strict_support
-from retool.tasks.identity import check_resumable, check_sft_reusable
-from retool.tasks.model import build_demo_model
-from retool.tasks.phases import PHASES_FILE, Clock, Phases
-from retool.tasks.real_model import resolve_model_path
-from retool.tasks.recipe import Recipe
-from retool.tasks.report import (
+from retool.pipeline.identity import check_resumable, check_sft_reusable
+from retool.pipeline.model import build_demo_model
+from retool.pipeline.phases import PHASES_FILE, Clock, Phases
+from retool.pipeline.real_model import resolve_model_path
+from retool.pipeline.recipe import Recipe
+from retool.pipeline.report import (
     DemoResult,
     Evals,
     FlatSummary,
@@ -56,7 +55,8 @@ from retool.tasks.report import (
     table_rows,
     write_report,
 )
-from retool.tasks.settings import DemoSettings, Event, with_data_dir
+from retool.pipeline.settings import DemoSettings, Event, with_data_dir
+from retool.sandbox import strict_support
 from retool.train.loop import Trainer
 from retool.train.sft import SFTReport
 from retool.view.site import write_view  # the trajectory viewer (`retool view`), into <out>/view/
@@ -330,7 +330,7 @@ def _load_evals(out: Path, label: str, modes: Sequence[str]) -> dict[str, FlatSu
 
 def _init_model(settings: DemoSettings, out: Path, train: Sequence[Task], clock: Clock) -> Path:
     """The model SFT starts from: the tiny model built from the task text, or a real model's file (a name
-    from ``retool.tasks.real_model`` or a path); loading it is part of the ``model`` phase."""
+    from ``retool.pipeline.real_model`` or a path); loading it is part of the ``model`` phase."""
     name = settings.config.model.name
     emit = clock.emit
     if name != "tiny":

@@ -1,4 +1,4 @@
-"""What a recipe is: the questions the generic pipeline (``retool.tasks.pipeline``) asks of a task, and
+"""What a recipe is: the questions the generic pipeline (``retool.pipeline.run``) asks of a task, and
 the helpers a recipe's cold start builds with.
 
 The pipeline knows no task by name. Everything that differs between tasks is a method of ``Recipe``:
@@ -30,8 +30,8 @@ from retool.data.problem import Problem
 from retool.data.synthetic import Task
 from retool.env import ProblemSource
 from retool.jsonl import JsonObject
+from retool.pipeline.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.sandbox import Executor
-from retool.tasks.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
 from retool.train.sft import SFTExample, SFTReport, train_sft_as_configured
 
 
@@ -48,7 +48,7 @@ class Recipe(ABC):
     """One task the demo pipeline runs end to end: cold start -> evaluate -> RL -> evaluate -> report.
 
     ``task``: the name ``DemoSettings.task`` holds for it (what a run folder's ``settings.json`` records);
-    ``model``: the model its preset is sized for (``tiny``, built here, or a ``retool.tasks.real_model``
+    ``model``: the model its preset is sized for (``tiny``, built here, or a ``retool.pipeline.real_model``
     name); ``preset``: its Config preset (a TOML file in its folder); ``fields``: the generic demo-only
     fields it sets; ``options``: its own options with this recipe's values (their type, ``options_type``,
     says which names ``--set NAME=VALUE`` takes); ``tiny_model``: whether the tiny model can run it (the
