@@ -638,11 +638,11 @@ def heldout_accuracy(
     settings = DemoSettings(config=cfg, eval_modes=("retool",), plots=False, options=hard)
     rate = "hard_tool_call_rate"
     if task == "synthetic":
-        _, _, problems = held_out(settings, task_source(cfg))
+        problems = held_out(settings, task_source(cfg)).problems
     else:
         options = recipe_for("smollm2", task).options_type().with_values({"gsm8k_problems": n})
         settings = replace(settings, task=task, options=options, eval_temperature=0.0)
-        _, _, problems = held_out(settings, training_source(cfg, task))
+        problems = held_out(settings, training_source(cfg, task)).problems
         rate = "tool_call_rate"
     out: dict[str, dict[str, float]] = {}
     for label, model in [("sft", sft), *[(a, run / a / "model") for a in arms]]:

@@ -19,19 +19,17 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from calculator_env import CalculatorSource, SympyCalculator
 
-from retool.components import Components
 from retool.config import Config
 from retool.data.problem import Problem
-from retool.data.synthetic import Task
 from retool.env import ProblemList, ProblemSource, TaskFamilySource
-from retool.pipeline.recipe import HeldOut, Recipe
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe
 from retool.pipeline.report import gain_line, markdown_table
-from retool.pipeline.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
+from retool.pipeline.settings import DemoFields, DemoSettings, RecipeOptions, options_as
 from retool.recipes import register_recipe
 from retool.recipes.demo import recipe_fields, run_demo
 from retool.recipes.tiny import SyntheticOptions, cold_start_sft, held_out_tasks, task_source_of
@@ -74,21 +72,15 @@ class CalculatorRecipe(Recipe):
         assert isinstance(source, CalculatorSource)
         return held_out_tasks(settings, task_source_of(source.inner))
 
-    def cold_start(
-        self,
-        parts: Components,
-        settings: DemoSettings,
-        train: Sequence[Task],
-        config: Config,
-        emit: Event,
-        on_examples: Callable[[int], None] | None = None,
-    ) -> SFTReport:
+    def cold_start(self, ctx: ColdStartContext) -> SFTReport:
+        assert isinstance(ctx.source, CalculatorSource)
+        train = task_source_of(ctx.source.inner).tasks("train")
         calculator = SympyCalculator()
 
         def observe(code: str) -> str:  # what the calculator shows for the canonical code
             return calculator.format_tool_content(asyncio.run(calculator.arun(code)))
 
-        return cold_start_sft(parts, train, config, emit, on_examples, observe=observe)
+        return cold_start_sft(ctx, train, observe=observe)
 
     def eval_source(self, problems: Sequence[Problem]) -> ProblemSource | None:
         return CalculatorSource(ProblemList(list(problems), shuffle=False))

@@ -21,6 +21,7 @@ from retool.backends.interface.types import Sample, SamplingParams
 from retool.components import Components
 from retool.config import Config, ConfigError, load_config
 from retool.data.problem import Problem
+from retool.data.synthetic import parse_source
 from retool.env import ProblemList
 from retool.protocol import ChatProtocol
 
@@ -210,6 +211,10 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
     assert saved["task"] == "calculator"
     assert saved["options"]["kinds"] == ["add_small", "mul_small", "mul_big"]
     train = [json.loads(line) for line in (out / "tasks" / "train.jsonl").read_text().splitlines()]
-    assert train and {t["kind"] for t in train} <= {"add_small", "mul_small", "mul_big"}
-    # The cold start's observations are the calculator's output for the tasks' canonical code.
-    assert {t["code"] for t in train} & set(calls)
+    kinds = {parse_source(t["data_source"]) for t in train}
+    assert train and {kind for kind, _hard in kinds if kind} <= {"add_small", "mul_small", "mul_big"}
+    # The cold start's observations are the calculator's output for the train tasks' canonical code.
+    settings = calculator_settings(str(out), shrunk)
+    family = RECIPE.source(settings, settings.config).inner
+    assert {t.id for t in family.tasks("train")} == {t["id"] for t in train}
+    assert {t.code for t in family.tasks("train")} & set(calls)

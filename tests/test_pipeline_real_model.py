@@ -79,9 +79,11 @@ def test_held_out_hard_split_never_repeats_a_training_question(fixture_data: Pat
         "smollm2", ["data.task_count=300", "data.task_test_count=60"], data_dir=str(fixture_data)
     )
     assert settings.config.model.system_prompt == "compact" and settings.config.lora.enabled
-    train, test, problems = held_out(settings, task_source(settings.config))
-    assert all(t.hard for t in test) and len(test) == 60
-    assert not {t.question for t in test} & {t.question for t in train}
+    held = held_out(settings, task_source(settings.config))
+    problems, train = held.problems, held.train
+    test = [p for p in problems if p.data_source != "gsm8k"]
+    assert all(p.data_source.endswith("/hard") for p in test) and len(test) == 60
+    assert not {p.question for p in test} & {p.question for p in train}
     gsm8k = options_as(settings, SyntheticOptions).gsm8k_problems
     assert len(problems) == 60 + gsm8k
     assert sum(p.data_source == "gsm8k" for p in problems) == gsm8k

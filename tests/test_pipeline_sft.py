@@ -9,7 +9,7 @@ import pytest
 
 from retool.config import SFTOptimizerConfig, dump_config, load_config
 from retool.data.synthetic import generate_tasks
-from retool.pipeline.model import build_demo_model, protocol_for
+from retool.pipeline.model import build_demo_model, protocol_for, task_texts
 from retool.pipeline.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style
 from retool.train.sft import train_sft
 
@@ -29,7 +29,8 @@ def _observe(code: str) -> str:
 
 @pytest.fixture(scope="module")
 def demo_model(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return build_demo_model(tmp_path_factory.mktemp("demo_model"), generate_tasks(200, seed=0), size="test")
+    texts = task_texts(generate_tasks(200, seed=0))
+    return build_demo_model(tmp_path_factory.mktemp("demo_model"), texts, size="test")
 
 
 @pytest.fixture(scope="module")

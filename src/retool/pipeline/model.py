@@ -66,28 +66,29 @@ def call_phrases(tokenizer: PreTrainedTokenizerBase) -> list[str]:
     return [p for p in (head, tail) if p.strip()]
 
 
-def task_corpus(tasks: Sequence[Task], extra: Sequence[str] = ()) -> list[str]:
-    """Text the tokenizer is trained on: questions, canonical code as the call JSON shows it, answers."""
-    texts = [f"{t.question}\n{json.dumps({'code': t.code})}\n\\boxed{{{t.answer}}}" for t in tasks]
-    texts += list(extra)
-    # ChatML role names and tool tags, so the headers the model reads every turn are short.
-    texts += ["system\nuser\nassistant\ntool\n<tool_response>\n</tool_response>\n"] * 20
-    texts.append(
+def task_texts(tasks: Sequence[Task]) -> list[str]:
+    """What of a generated task the tiny tokenizer learns: its question, canonical code as the call JSON
+    shows it, and answer."""
+    return [f"{t.question}\n{json.dumps({'code': t.code})}\n\\boxed{{{t.answer}}}" for t in tasks]
+
+
+def tokenizer_corpus(texts: Sequence[str]) -> list[str]:
+    """``texts`` and the fixed text every conversation carries: ChatML role names and tool tags, so the
+    headers the model reads every turn are short, and a traceback's frame lines."""
+    corpus = list(texts)
+    corpus += ["system\nuser\nassistant\ntool\n<tool_response>\n</tool_response>\n"] * 20
+    corpus.append(
         "Traceback (most recent call last):\n  File \"<string>\", line 1, in <module>\nNameError: name 'x' is not defined"
     )
-    return texts
+    return corpus
 
 
 def build_demo_model(
-    out_dir: str | Path,
-    tasks: Sequence[Task],
-    *,
-    size: ModelSize = "demo",
-    seed: int = 0,
-    extra_text: Sequence[str] = (),
+    out_dir: str | Path, texts: Sequence[str], *, size: ModelSize = "demo", seed: int = 0
 ) -> Path:
-    """Tokenizer trained on ``tasks`` (+ ``extra_text``), fixed prompt blocks as phrases, random Qwen2 weights."""
-    corpus = task_corpus(tasks, extra_text)
+    """Tokenizer trained on ``texts`` (a recipe's ``HeldOut.texts``: ``task_texts`` of its train tasks),
+    fixed prompt blocks as phrases, random Qwen2 weights."""
+    corpus = tokenizer_corpus(texts)
     probe = build_tokenizer(corpus[:200], vocab_size=512)
     phrases = fixed_prompt_blocks(probe) + call_phrases(probe)
     logger.info(

@@ -4,10 +4,10 @@ the helpers a recipe's cold start builds with.
 The pipeline knows no task by name. Everything that differs between tasks is a method of ``Recipe``:
 
 - ``source``: the problems RL trains on (a ``ProblemSource``; its leak check runs before any model loads);
-- ``held_out``: the train tasks the tiny model's tokenizer and the synthetic cold start read (none for a
-  dataset), the held-out test tasks, and the evaluation set;
+- ``held_out``: the problems the demo evaluates on (and, for a source that generates its own, its train
+  problems and the text the tiny model's tokenizer learns);
 - ``cold_start``: the SFT examples of the first stage, trained through ``train_on_examples`` (or the
-  recipe's own call of ``retool.train.sft.train_sft_as_configured``);
+  recipe's own call of ``retool.train.sft.train_sft_as_configured``), given one ``ColdStartContext``;
 - ``eval_source``: the source that scores the held-out set, when its answers need their own checker.
 
 A recipe also carries what it runs with: its name, the model it is sized for, its Config preset, the
@@ -22,12 +22,10 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import NamedTuple
 
 from retool.components import Components
 from retool.config import Config, ConfigError
 from retool.data.problem import Problem
-from retool.data.synthetic import Task
 from retool.env import ProblemSource
 from retool.jsonl import JsonObject
 from retool.pipeline.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
@@ -35,12 +33,29 @@ from retool.sandbox import Executor
 from retool.train.sft import SFTExample, SFTReport, train_sft_as_configured
 
 
-class HeldOut(NamedTuple):
-    """The train tasks (synthetic recipes only), the held-out test tasks, and the evaluation set."""
+@dataclass(frozen=True)
+class HeldOut:
+    """The problems the demo evaluates on (``problems``). A recipe whose source generates its own problems
+    also gives its train problems (``train``, written beside them to ``tasks/train.jsonl``) and the text the
+    tiny model's tokenizer learns (``texts``); both stay empty for a dataset."""
 
-    train: list[Task]
-    test: list[Task]
     problems: list[Problem]
+    train: list[Problem] = field(default_factory=list)
+    texts: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class ColdStartContext:
+    """What a recipe's cold start works with: the run's parts (the model to fine-tune on ``parts.backend``),
+    its settings and config, the problem source RL will train on, and where progress goes (``emit``;
+    ``on_examples`` hears how many trajectories the cold start built, when it knows)."""
+
+    parts: Components
+    settings: DemoSettings
+    config: Config
+    source: ProblemSource
+    emit: Event
+    on_examples: Callable[[int], None] | None = None
 
 
 @dataclass(frozen=True)
@@ -85,19 +100,11 @@ class Recipe(ABC):
 
     @abstractmethod
     def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
-        """The train tasks, the held-out test tasks and the evaluation set."""
+        """The evaluation set (and a generated source's train problems and tokenizer text)."""
 
     @abstractmethod
-    def cold_start(
-        self,
-        parts: Components,
-        settings: DemoSettings,
-        train: Sequence[Task],
-        config: Config,
-        emit: Event,
-        on_examples: Callable[[int], None] | None = None,
-    ) -> SFTReport:
-        """Build the cold-start trajectories and train on them (``[sft]``); ``on_examples`` hears how many."""
+    def cold_start(self, ctx: ColdStartContext) -> SFTReport:
+        """Build the cold-start trajectories and train ``ctx.parts.backend`` on them (``[sft]``)."""
 
     def eval_source(self, problems: Sequence[Problem]) -> ProblemSource | None:
         """The source whose scorer checks the held-out answers (None: the default verifier)."""
@@ -105,15 +112,15 @@ class Recipe(ABC):
 
 
 def train_on_examples(
-    parts: Components, config: Config, examples: Sequence[SFTExample], conversion: JsonObject, emit: Event
+    ctx: ColdStartContext, examples: Sequence[SFTExample], conversion: JsonObject
 ) -> SFTReport:
     """Cold-start SFT (``[sft]``) on trajectories a task built, its build report kept as the report's
     ``conversion``."""
-    steps = config.sft.steps
+    steps, emit = ctx.config.sft.steps, ctx.emit
     report = train_sft_as_configured(
-        parts.backend,
+        ctx.parts.backend,
         examples,
-        config,
+        ctx.config,
         on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": steps, "loss": loss}),
     )
     report.conversion = conversion

@@ -34,8 +34,7 @@ from typing import TYPE_CHECKING
 from retool.components import Components, build_components
 from retool.config import Config, ConfigError
 from retool.data.problem import Problem
-from retool.data.synthetic import Task
-from retool.env import ProblemSource, TaskFamilySource
+from retool.env import ProblemSource
 from retool.evaluate.runner import run_eval
 from retool.evaluate.store import EvalSummary, summary_path_for
 from retool.jsonl import JsonObject
@@ -43,7 +42,7 @@ from retool.pipeline.identity import check_resumable, check_sft_reusable
 from retool.pipeline.model import build_demo_model
 from retool.pipeline.phases import PHASES_FILE, Clock, Phases
 from retool.pipeline.real_model import resolve_model_path
-from retool.pipeline.recipe import Recipe
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe
 from retool.pipeline.report import (
     DemoResult,
     Evals,
@@ -99,22 +98,14 @@ def local_backend(parts: Components) -> LocalTrainingClient:
     return parts.backend
 
 
-def _cold_start(
-    recipe: Recipe,
-    settings: DemoSettings,
-    parts: Components,
-    train: Sequence[Task],
-    config: Config,
-    emit: Event,
-    on_examples: Callable[[int], None] | None = None,
-) -> SFTReport:
+def _cold_start(recipe: Recipe, ctx: ColdStartContext) -> SFTReport:
     """The recipe's cold-start SFT, its forwards autocast as ``sft.autocast`` says (the SFT phase only)."""
     from retool.backends.local.client import autocast_dtype  # deferred: torch (~2 s)
 
-    client = local_backend(parts)
-    client.train_autocast = autocast_dtype(config.sft.autocast, client.device)
+    client = local_backend(ctx.parts)
+    client.train_autocast = autocast_dtype(ctx.config.sft.autocast, client.device)
     try:
-        return recipe.cold_start(parts, settings, train, config, emit, on_examples)
+        return recipe.cold_start(ctx)
     finally:
         client.train_autocast = None
 
@@ -226,14 +217,6 @@ def write_problems(path: Path, problems: Sequence[Problem]) -> None:
             fh.write(json.dumps(p.to_dict()) + "\n")
 
 
-def write_tasks(path: Path, tasks: Sequence[Task]) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with path.open("w", encoding="utf-8") as fh:
-        for t in tasks:
-            row = {"id": t.id, "question": t.question, "answer": str(t.answer), "data_source": t.data_source}
-            fh.write(json.dumps({**row, "kind": t.kind, "hard": t.hard, "code": t.code}) + "\n")
-
-
 # -- the pipeline ----------------------------------------------------------------------------------
 
 
@@ -292,20 +275,18 @@ def run_pipeline(recipe: Recipe, settings: DemoSettings, on_event: Event | None 
     elapsed_before = sum(float(e["seconds"]) for k, e in phases.data.items() if k != "tasks")
 
     source = recipe.source(settings, config)
-    train, test, problems = recipe.held_out(settings, source)
-    if train:
-        write_tasks(out / "tasks" / "train.jsonl", train)
-        write_tasks(out / "tasks" / "test.jsonl", test)
-    else:
-        write_problems(out / "tasks" / "test.jsonl", problems)
+    held = recipe.held_out(settings, source)
+    if held.train:
+        write_problems(out / "tasks" / "train.jsonl", held.train)
+    write_problems(out / "tasks" / "test.jsonl", held.problems)
     clock.done("tasks")
 
     if settings.reuse_sft:
         model_sft, evals = _reuse_sft(settings, out, result)
         clock.done("reuse_sft")
     else:
-        model_sft, evals = _sft_phase(recipe, settings, config, out, train, problems, clock)
-    evals["rl"] = _rl_phase(recipe, settings, config, source, model_sft, problems, clock)
+        model_sft, evals = _sft_phase(recipe, settings, config, out, source, held, clock)
+    evals["rl"] = _rl_phase(recipe, settings, config, source, model_sft, held.problems, clock)
 
     result.table = table_rows(evals)
     if all("retool" in evals.get(label, {}) for label in ("sft", "rl")):  # eval_modes = (): no slice eval
@@ -328,9 +309,10 @@ def _load_evals(out: Path, label: str, modes: Sequence[str]) -> dict[str, FlatSu
     return evals
 
 
-def _init_model(settings: DemoSettings, out: Path, train: Sequence[Task], clock: Clock) -> Path:
-    """The model SFT starts from: the tiny model built from the task text, or a real model's file (a name
-    from ``retool.pipeline.real_model`` or a path); loading it is part of the ``model`` phase."""
+def _init_model(settings: DemoSettings, out: Path, held: HeldOut, clock: Clock) -> Path:
+    """The model SFT starts from: the tiny model built from the held-out set's tokenizer text, or a real
+    model's file (a name from ``retool.pipeline.real_model`` or a path); loading it is part of the ``model``
+    phase."""
     name = settings.config.model.name
     emit = clock.emit
     if name != "tiny":
@@ -338,7 +320,7 @@ def _init_model(settings: DemoSettings, out: Path, train: Sequence[Task], clock:
         emit("phase", {"phase": "model", "detail": f"loading {name}: {path}"})
         return path
     emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
-    return build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)
+    return build_demo_model(out / "model_init", held.texts, size=settings.size, seed=settings.seed)
 
 
 def _sft_phase(
@@ -346,13 +328,13 @@ def _sft_phase(
     settings: DemoSettings,
     config: Config,
     out: Path,
-    train: Sequence[Task],
-    problems: Sequence[Problem],
+    source: ProblemSource,
+    held: HeldOut,
     clock: Clock,
 ) -> tuple[Path, Evals]:
     """Initial model, zero-shot eval (if asked), cold-start SFT, SFT evaluation; returns the SFT model
     folder and the evaluations. Each part a resumed run finished already is skipped."""
-    emit = clock.emit
+    emit, problems = clock.emit, held.problems
     model_sft = out / "model_sft"
     evals: Evals = {}
     n_base = min(settings.base_eval_problems, len(problems))
@@ -363,7 +345,7 @@ def _sft_phase(
             evals["base"] = _load_evals(out, "base", settings.base_eval_modes)
         clock.result.sft = json.loads((out / "sft_report.json").read_text())
     else:
-        model_init = _init_model(settings, out, train, clock)
+        model_init = _init_model(settings, out, held, clock)
         sft_config = phase_config(config, model_init, out / "rl")
         with build_components(sft_config) as parts:
             client = local_backend(parts)
@@ -388,7 +370,7 @@ def _sft_phase(
                 clock.done("eval_base")
             emit("phase", {"phase": "sft", "detail": _trainable(client)})
             clock.measure(parts)
-            report = _cold_start(recipe, settings, parts, train, sft_config, emit)
+            report = _cold_start(recipe, ColdStartContext(parts, settings, sft_config, source, emit))
             prestart_training(config)  # for RL, behind saving and evaluating the SFT model
             save_hf(client, model_sft)
             clock.result.sft = report.as_dict()
@@ -546,24 +528,25 @@ def run_recipe_sft(
     set_torch_threads(settings.config)
     config = with_data_dir(settings, with_available_isolation(settings.config))
     source = recipe.source(settings, config)
-    train = source.tasks("train") if isinstance(source, TaskFamilySource) else []
+    held = recipe.held_out(settings, source)
     if model is None and not recipe.tiny_model:
         raise ValueError(f"the {settings.task} task fine-tunes a real model: give one")
     if model is None:
         emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
-        model = build_demo_model(out / "model_init", train, size=settings.size, seed=settings.seed)
+        model = build_demo_model(out / "model_init", held.texts, size=settings.size, seed=settings.seed)
     sft_config = phase_config(config, model, out / "rl")
     with build_components(sft_config) as parts:
 
         def announce(n: int) -> None:
             emit("phase", {"phase": "sft", "detail": f"{n} trajectories, {config.sft.steps} steps"})
 
-        report = _cold_start(recipe, settings, parts, train, sft_config, emit, on_examples=announce)
+        ctx = ColdStartContext(parts, settings, sft_config, source, emit, on_examples=announce)
+        report = _cold_start(recipe, ctx)
         save_hf(local_backend(parts), out / "model_sft")
         result: JsonObject = {"sft": report.as_dict(), "model": str(out / "model_sft")}
         if evaluate:
             only = dataclasses.replace(settings, eval_modes=("retool",))
-            test = recipe.held_out(settings, source).problems if not train else source.problems("test")
+            test = held.problems
             checker = recipe.eval_source(test)
             summary = evaluate_modes(parts, test, only, sft_config, out / "eval", "sft", checker=checker)[
                 "retool"

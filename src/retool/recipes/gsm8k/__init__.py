@@ -11,16 +11,13 @@ model included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retool.components import Components
 from retool.config import Config
-from retool.data.synthetic import Task
 from retool.env import ProblemSource
-from retool.pipeline.recipe import HeldOut, Recipe, train_on_examples
-from retool.pipeline.settings import DemoFields, DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, train_on_examples
+from retool.pipeline.settings import DemoFields, DemoSettings, RecipeOptions, demo_data_dir, options_as
 from retool.recipes.gsm8k.task import TASK, coldstart_examples, gsm8k_source, held_out_problems
 from retool.train.sft import SFTReport
 
@@ -71,29 +68,23 @@ class Gsm8kRecipe(Recipe):
 
     def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
         n = options_as(settings, Gsm8kOptions).gsm8k_problems
-        return HeldOut([], [], held_out_problems(n, demo_data_dir(settings), settings.seed))
+        return HeldOut(held_out_problems(n, demo_data_dir(settings), settings.seed))
 
-    def cold_start(
-        self,
-        parts: Components,
-        settings: DemoSettings,
-        train: Sequence[Task],
-        config: Config,
-        emit: Event,
-        on_examples: Callable[[int], None] | None = None,
-    ) -> SFTReport:
+    def cold_start(self, ctx: ColdStartContext) -> SFTReport:
         """Cold-start SFT on GSM8K train solutions turned into tool trajectories."""
-        out = Path(settings.out)
+        settings = ctx.settings
         rows = options_as(settings, Gsm8kOptions).coldstart_rows
-        examples, conversion = coldstart_examples(parts, config, rows, settings.seed, out)
-        emit(
+        examples, conversion = coldstart_examples(
+            ctx.parts, ctx.config, rows, settings.seed, Path(settings.out)
+        )
+        ctx.emit(
             "phase",
             {
                 "phase": "sft",
                 "detail": f"{len(examples)} GSM8K trajectories kept of {conversion['read']} rows",
             },
         )
-        return train_on_examples(parts, config, examples, conversion, emit)
+        return train_on_examples(ctx, examples, conversion)
 
 
 RECIPE = Gsm8kRecipe(

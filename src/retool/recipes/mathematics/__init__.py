@@ -11,19 +11,17 @@ module, the zero-shot base model included.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from retool.components import Components
 from retool.config import Config
 from retool.data.mathematics import module_of
 from retool.data.problem import Problem
-from retool.data.synthetic import Task
 from retool.env import ProblemSource
 from retool.env.mathematics import MathematicsList, MathematicsSource
-from retool.pipeline.recipe import HeldOut, Recipe, train_on_examples
-from retool.pipeline.settings import DemoFields, DemoSettings, Event, RecipeOptions, options_as
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, train_on_examples
+from retool.pipeline.settings import DemoFields, DemoSettings, RecipeOptions, options_as
 from retool.recipes.mathematics.task import (
     TASK,
     ColdStart,
@@ -110,19 +108,12 @@ class MathematicsRecipe(Recipe):
     def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
         assert isinstance(source, MathematicsSource), "the mathematics recipe's source reads its data folder"
         n = options_as(settings, MathematicsOptions).mathematics_problems
-        return HeldOut([], [], held_out_problems(n, source.data_dir))
+        return HeldOut(held_out_problems(n, source.data_dir))
 
-    def cold_start(
-        self,
-        parts: Components,
-        settings: DemoSettings,
-        train: Sequence[Task],
-        config: Config,
-        emit: Event,
-        on_examples: Callable[[int], None] | None = None,
-    ) -> SFTReport:
+    def cold_start(self, ctx: ColdStartContext) -> SFTReport:
         """Cold-start SFT on the model's own verified attempts at train problems (rounds of expert
         iteration after the few-shot one, ``coldstart_rounds``)."""
+        settings, emit = ctx.settings, ctx.emit
         emit("phase", {"phase": "sft", "detail": "sampling the model's own attempts under a few-shot prompt"})
         cold = cold_start_of(options_as(settings, MathematicsOptions))
 
@@ -131,11 +122,11 @@ class MathematicsRecipe(Recipe):
             emit("phase", {"phase": "sft", "detail": f"{detail} (pool {report.pool})"})
 
         result = coldstart_expert_iteration(
-            parts,
-            config,
+            ctx.parts,
+            ctx.config,
             cold,
             out=Path(settings.out),
-            train=lambda pool: train_on_examples(parts, config, pool, {}, emit),
+            train=lambda pool: train_on_examples(ctx, pool, {}),
             data_dir=settings.data_dir,
             on_round=heard,
         )

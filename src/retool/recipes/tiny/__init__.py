@@ -17,13 +17,13 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
-from retool.components import Components
 from retool.config import Config, ConfigError
 from retool.data.gsm8k import gsm8k_problems
 from retool.data.synthetic import Task, generate_tasks
 from retool.env import ProblemSource, TaskFamilySource, source_from_config
-from retool.pipeline.recipe import HeldOut, Recipe, sandbox_observer
-from retool.pipeline.settings import DemoSettings, Event, RecipeOptions, demo_data_dir, options_as
+from retool.pipeline.model import task_texts
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, sandbox_observer
+from retool.pipeline.settings import DemoSettings, RecipeOptions, demo_data_dir, options_as
 from retool.pipeline.sft import SFTMix, build_sft_examples
 from retool.train.sft import SFTExample, SFTReport, train_sft_as_configured
 
@@ -56,16 +56,8 @@ class SyntheticRecipe(Recipe):
     def held_out(self, settings: DemoSettings, source: ProblemSource) -> HeldOut:
         return held_out_tasks(settings, task_source_of(source))
 
-    def cold_start(
-        self,
-        parts: Components,
-        settings: DemoSettings,
-        train: Sequence[Task],
-        config: Config,
-        emit: Event,
-        on_examples: Callable[[int], None] | None = None,
-    ) -> SFTReport:
-        return cold_start_sft(parts, train, config, emit, on_examples)
+    def cold_start(self, ctx: ColdStartContext) -> SFTReport:
+        return cold_start_sft(ctx, task_source_of(ctx.source).tasks("train"))
 
 
 def task_source(config: Config) -> TaskFamilySource:
@@ -103,19 +95,15 @@ def held_out_tasks(settings: DemoSettings, source: TaskFamilySource) -> HeldOut:
     problems = [t.to_problem() for t in test]
     if options.gsm8k_problems > 0:
         problems += gsm8k_problems(options.gsm8k_problems, demo_data_dir(settings), seed=settings.seed)
-    return HeldOut(train, test, problems)
+    return HeldOut(problems, [t.to_problem() for t in train], task_texts(train))
 
 
 def cold_start_sft(
-    parts: Components,
-    train: Sequence[Task],
-    config: Config,
-    emit: Event,
-    on_examples: Callable[[int], None] | None = None,
-    observe: Callable[[str], str] | None = None,
+    ctx: ColdStartContext, train: Sequence[Task], observe: Callable[[str], str] | None = None
 ) -> SFTReport:
-    """Build the code-interleaved SFT trajectories and train on them (``[sft]``); ``observe`` turns a
-    call's code into what the model is shown (default: its REAL output in the sandbox)."""
+    """Build the code-interleaved SFT trajectories of ``train`` and train on them (``[sft]``); ``observe``
+    turns a call's code into what the model is shown (default: its REAL output in the sandbox)."""
+    parts, config, emit, on_examples = ctx.parts, ctx.config, ctx.emit, ctx.on_examples
     s = config.sft
     if observe is None:
         assert parts.executor is not None, "SFT observations come from the sandbox"
