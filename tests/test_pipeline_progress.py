@@ -2,6 +2,10 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 
 from retool.pipeline import cli
@@ -26,3 +30,18 @@ def test_eta_reads_the_rate_after_the_first_item_not_its_latency(
     assert capsys.readouterr().err.strip().endswith("11/100 eta 8m54s")  # (120 - 60) / 10 = 6 s x 89
     printer.bar("eval/rl", 1, 100, "eval rl retool")  # a new bar starts its own estimate
     assert capsys.readouterr().err.strip().endswith("1/100 eta ...")
+
+
+def test_the_demo_turns_transformers_progress_bars_off(tiny_model_dir: Path) -> None:
+    """Every phase loads or saves a model: transformers' own bars would land between the demo's lines. A
+    fresh process, as ``retool demo`` starts: transformers not yet imported when the bars are turned off."""
+    script = (
+        "import sys; from retool.pipeline.cli import quiet_library_progress; quiet_library_progress(); "
+        "assert 'transformers' not in sys.modules; from transformers import AutoModelForCausalLM; "
+        f"AutoModelForCausalLM.from_pretrained({str(tiny_model_dir)!r})"
+    )
+    quiet = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    assert "Loading weights" not in quiet.stderr
+    loud = script.replace("quiet_library_progress(); ", "")
+    shown = subprocess.run([sys.executable, "-c", loud], capture_output=True, text=True, check=True)
+    assert "Loading weights" in shown.stderr  # the check sees the bar where nothing turns it off

@@ -27,7 +27,16 @@ from retool.train.sft import write_examples
 
 
 def quiet_library_progress() -> None:
-    """The demo prints its own progress lines; per-problem and per-step INFO logs would drown them."""
+    """The demo prints its own progress lines; per-problem and per-step INFO logs would drown them, and so
+    would transformers' own bars ("Loading weights", "Writing model shards": every phase loads or saves a
+    model)."""
+    from huggingface_hub.utils import disable_progress_bars  # transformers reads it when first imported
+
+    disable_progress_bars()
+    if "transformers" in sys.modules:  # imported already: its own switch (no import, seconds, otherwise)
+        from transformers.utils import logging as transformers_logging
+
+        transformers_logging.disable_progress_bar()
     for name in (
         "retool.evaluate.runner",
         "retool.train.progress",
