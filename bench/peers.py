@@ -75,7 +75,7 @@ def prepare(work: Path, sft_steps: int | None, task: str = "synthetic", log: Any
 
     from _harness import sft_model, sft_start
     from _models import smollm2_folder
-    from retool.recipes.demo import real_model_settings
+    from retool.recipes.demo import recipe_settings
 
     folder = work / ("sft" if task == "synthetic" else f"sft-{task}")
     made = sft_model(folder)
@@ -90,7 +90,8 @@ def prepare(work: Path, sft_steps: int | None, task: str = "synthetic", log: Any
         tok.save_pretrained(str(tpl))
     log(f"cold-start SFT of {tpl} ({task}, {sft_steps or 'the preset'}'s steps; once)")
     steps = [f"sft.steps={sft_steps}"] if sft_steps else []
-    settings = real_model_settings("smollm2", [f"model.name={tpl}", *steps], task=task, out=str(folder))
+    recipe = "smollm2" if task == "synthetic" else task  # the recipe that runs the task on SmolLM2
+    settings = recipe_settings(recipe, [f"model.name={tpl}", *steps], out=str(folder))
     return sft_start(settings, tpl)
 
 

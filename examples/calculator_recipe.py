@@ -90,7 +90,7 @@ RECIPE = register_recipe(
     CalculatorRecipe(
         name="calculator",
         description="the tiny model learns to call a sympy calculator on synthetic arithmetic",
-        fields={"task": "calculator", "out": "runs/calculator"},
+        fields={"out": "runs/calculator"},
     )
 )
 

@@ -21,7 +21,7 @@ import gsm8k as bench
 from retool.pipeline.report import DemoResult
 from retool.pipeline.run import _reuse_sft
 from retool.pipeline.settings import DemoSettings
-from retool.recipes.demo import real_model_settings
+from retool.recipes.demo import recipe_settings
 
 
 def _args(**kw: object) -> argparse.Namespace:
@@ -47,7 +47,7 @@ def test_demos_skip_their_own_evaluations_and_later_seeds_reuse_the_first_sft(tm
     for cmd in (first, later):
         sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
         assert {"eval_modes=[]", "base_eval_problems=0"} <= set(sets)
-    settings = real_model_settings("smollm2", list(_harness.DEMO_FIELDS), task="gsm8k")
+    settings = recipe_settings("gsm8k", list(_harness.DEMO_FIELDS))
     assert settings.eval_modes == () and settings.base_eval_problems == 0
 
 
@@ -58,14 +58,14 @@ def _finished_sft_run(folder: Path, settings: DemoSettings) -> None:
 
 
 def test_reuse_sft_across_seeds_only_without_a_slice_evaluation(tmp_path: Path) -> None:
-    quiet = real_model_settings("smollm2", list(_harness.DEMO_FIELDS), task="gsm8k")
+    quiet = recipe_settings("gsm8k", list(_harness.DEMO_FIELDS))
     _finished_sft_run(tmp_path / "seed0", quiet.with_seed(0))
     seed1 = quiet.with_seed(1)
     seed1 = DemoSettings(**{**vars(seed1), "reuse_sft": str(tmp_path / "seed0"), "out": str(tmp_path / "s1")})
     model, evals = _reuse_sft(seed1, tmp_path / "s1", DemoResult(out=tmp_path / "s1"))
     assert model == tmp_path / "seed0" / "model_sft" and evals == {"sft": {}}
     # With a slice evaluation to copy, its seed (the slice) must match.
-    loud = real_model_settings("smollm2", ["base_eval_problems=0"], task="gsm8k")
+    loud = recipe_settings("gsm8k", ["base_eval_problems=0"])
     _finished_sft_run(tmp_path / "loud0", loud.with_seed(0))
     loud1 = DemoSettings(**{**vars(loud.with_seed(1)), "reuse_sft": str(tmp_path / "loud0")})
     with pytest.raises(ValueError, match="differ in seed"):

@@ -175,7 +175,7 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
     ``kinds`` names (``--set``), recorded under ``options`` in ``settings.json``."""
     from calculator_recipe import ARITHMETIC_KINDS, RECIPE, CalculatorOptions, calculator_settings
 
-    from retool.recipes import RECIPES, recipe_of_task
+    from retool.recipes import RECIPES, recipe_named
     from retool.recipes.demo import run_demo
 
     calls: list[str] = []
@@ -186,7 +186,7 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
         return await real_arun(self, code)
 
     monkeypatch.setattr(SympyCalculator, "arun", counted)
-    assert RECIPES["calculator"] is RECIPE and recipe_of_task("calculator") is RECIPE
+    assert RECIPES["calculator"] is RECIPE and recipe_named("calculator") is RECIPE
     assert calculator_settings("x").options == CalculatorOptions(kinds=ARITHMETIC_KINDS)
     with pytest.raises(ConfigError, match=r"CalculatorOptions \(test_hard_fraction, gsm8k_problems, kinds\)"):
         calculator_settings("x", ["kind=['add_small']"])
@@ -208,7 +208,7 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
     result = run_demo(calculator_settings(str(out), shrunk))
     assert {row["model"] for row in result.table} == {"sft", "rl"}
     saved = json.loads((out / "settings.json").read_text())
-    assert saved["task"] == "calculator"
+    assert saved["recipe"] == "calculator"
     assert saved["options"]["kinds"] == ["add_small", "mul_small", "mul_big"]
     train = [json.loads(line) for line in (out / "tasks" / "train.jsonl").read_text().splitlines()]
     kinds = {parse_source(t["data_source"]) for t in train}

@@ -13,7 +13,7 @@ import pytest
 
 from retool.data.gsm8k import GSM8KLeakError, normalize_question
 from retool.pipeline.settings import DemoSettings, options_as
-from retool.recipes.demo import real_model_settings, run_demo
+from retool.recipes.demo import recipe_settings, run_demo
 from retool.recipes.gsm8k import Gsm8kOptions
 from retool.recipes.gsm8k.task import coldstart_rows, gsm8k_source, held_out_problems
 
@@ -23,20 +23,20 @@ def _rows(path: Path) -> int:
 
 
 def test_the_gsm8k_preset_and_fields() -> None:
-    settings = real_model_settings("smollm2", task="gsm8k")
-    assert settings.task == "gsm8k" and settings.config.data.source == "gsm8k"
+    settings = recipe_settings("gsm8k")
+    assert settings.recipe == "gsm8k" and settings.config.data.source == "gsm8k"
     assert settings.eval_modes == ("text-only", "retool") == settings.base_eval_modes
     assert settings.eval_temperature == 0.0 and settings.config.eval.val_n == 1
     assert settings.out == "runs/demo-smollm2-gsm8k" and options_as(settings, Gsm8kOptions).coldstart_rows > 0
     # The synthetic task keeps its own preset.
-    assert real_model_settings("smollm2").config.data.source == "synthetic"
+    assert recipe_settings("smollm2").config.data.source == "synthetic"
 
 
-def test_tiny_model_and_unknown_tasks_are_refused(tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match="needs a real model"):
-        run_demo(DemoSettings.load(["task=gsm8k"], out=str(tmp_path / "d")))
-    with pytest.raises(ValueError, match="unknown demo task"):
-        run_demo(DemoSettings.load(["task=mnist"], out=str(tmp_path / "e")))
+def test_tiny_model_and_unknown_recipes_are_refused(tmp_path: Path) -> None:
+    with pytest.raises(ValueError, match="the gsm8k recipe needs a real model"):
+        run_demo(DemoSettings.load(["recipe=gsm8k"], out=str(tmp_path / "d")))
+    with pytest.raises(ValueError, match="unknown recipe 'mnist'"):
+        run_demo(DemoSettings.load(["recipe=mnist"], out=str(tmp_path / "e")))
     assert not (tmp_path / "d").exists() and not (tmp_path / "e").exists()  # refused before claiming
 
 
@@ -64,7 +64,7 @@ def test_a_test_question_in_train_stops_the_source(fixture_data: Path, tmp_path:
     train = (fixture_data / "gsm8k_train.jsonl").read_text().split("\n")[:20]
     train.append(json.dumps({"question": test_q.upper(), "answer": "1+1 = <<1+1=2>>2\n#### 2"}))
     (tmp_path / "gsm8k_train.jsonl").write_text("\n".join(train) + "\n")
-    config = real_model_settings("smollm2", task="gsm8k").config
+    config = recipe_settings("gsm8k").config
     config = config.model_copy(update={"data": config.data.model_copy(update={"data_dir": str(tmp_path)})})
     with pytest.raises(GSM8KLeakError, match="never trained on"):
         gsm8k_source(config).problems("train")
@@ -104,7 +104,7 @@ def test_the_gsm8k_demo_end_to_end_on_smollm2(fixture_data: Path, tmp_path: Path
         "plots=false",
     ]
     out = tmp_path / "run"
-    settings = real_model_settings("smollm2", small, task="gsm8k", out=str(out), data_dir=str(fixture_data))
+    settings = recipe_settings("gsm8k", small, out=str(out), data_dir=str(fixture_data))
     result = run_demo(settings)
 
     # Cold start: every read row is kept or counted under a reason; the kept ones fit the budgets.
@@ -143,7 +143,7 @@ def test_the_gsm8k_demo_end_to_end_on_smollm2(fixture_data: Path, tmp_path: Path
 def test_the_rl_curriculum_keeps_short_train_solutions_only(fixture_data: Path) -> None:
     from retool.data.annotated import ParseFailure, parse_solution
 
-    config = real_model_settings("smollm2", task="gsm8k").config
+    config = recipe_settings("gsm8k").config
     config = config.model_copy(
         update={"data": config.data.model_copy(update={"data_dir": str(fixture_data)})}
     )

@@ -15,7 +15,7 @@ from retool.env.mathematics import MathematicsSource
 from retool.pipeline.settings import options_as
 from retool.pipeline.sft import build_trajectory
 from retool.protocol import ChatProtocol
-from retool.recipes.demo import DEMO_TASKS, real_model_settings, run_demo
+from retool.recipes.demo import recipe_settings, run_demo
 from retool.recipes.mathematics import MathematicsOptions, cold_start_of
 from retool.recipes.mathematics.task import (
     FEW_SHOT,
@@ -26,8 +26,8 @@ from retool.recipes.mathematics.task import (
 
 
 def test_the_mathematics_preset_and_fields() -> None:
-    settings = real_model_settings("smollm2", task="mathematics")
-    assert "mathematics" in DEMO_TASKS and settings.task == "mathematics"
+    settings = recipe_settings("mathematics")
+    assert settings.recipe == "mathematics" and settings.as_dict()["recipe"] == "mathematics"
     assert settings.config.data.source == "mathematics" and settings.config.eval.dataset == "mathematics"
     assert settings.eval_modes == ("text-only", "retool") == settings.base_eval_modes
     assert (
@@ -99,13 +99,11 @@ def test_later_cold_start_rounds_draw_other_problems_of_every_module(fixture_dat
 
 
 def test_the_cold_start_is_one_few_shot_round_unless_asked_for_more() -> None:
-    settings = real_model_settings("smollm2", task="mathematics")
+    settings = recipe_settings("mathematics")
     cold = cold_start_of(options_as(settings, MathematicsOptions))
     assert (cold.rounds, cold.per_module, cold.samples, cold.temperature) == (1, 4, 1, 0.0)
     assert cold.max_trajectories is None and cold.keep == 1
-    more = real_model_settings(
-        "smollm2", ["coldstart_rounds=3", "coldstart_max_trajectories=500"], task="mathematics"
-    )
+    more = recipe_settings("mathematics", ["coldstart_rounds=3", "coldstart_max_trajectories=500"])
     cold = cold_start_of(options_as(more, MathematicsOptions))
     assert (cold.rounds, cold.max_trajectories) == (3, 500)
 
@@ -148,9 +146,7 @@ def test_a_few_step_slice_of_the_recipe_on_smollm2(fixture_data: Path, tmp_path:
         "plots=false",
     ]
     out = tmp_path / "run"
-    result = run_demo(
-        real_model_settings("smollm2", small, task="mathematics", out=str(out), data_dir=str(data))
-    )
+    result = run_demo(recipe_settings("mathematics", small, out=str(out), data_dir=str(data)))
 
     cold = json.loads((out / "coldstart" / "report.json").read_text())
     assert cold["problems"] == 4 and cold["sampled"] == 4 and cold["kept"] >= 1

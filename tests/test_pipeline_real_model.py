@@ -15,7 +15,7 @@ from retool.data import DataError
 from retool.data.gsm8k import GSM8K_FILE, gsm8k_problems
 from retool.pipeline import real_model as rm
 from retool.pipeline.settings import DemoSettings, options_as
-from retool.recipes.demo import held_out, real_model_settings, run_demo
+from retool.recipes.demo import held_out, recipe_settings, run_demo
 from retool.recipes.tiny import SyntheticOptions, task_source
 
 
@@ -75,7 +75,7 @@ def test_real_gsm8k_file_reads(fixture_data: Path) -> None:
 
 
 def test_held_out_hard_split_never_repeats_a_training_question(fixture_data: Path) -> None:
-    settings = real_model_settings(
+    settings = recipe_settings(
         "smollm2", ["data.task_count=300", "data.task_test_count=60"], data_dir=str(fixture_data)
     )
     assert settings.config.model.system_prompt == "compact" and settings.config.lora.enabled

@@ -40,7 +40,7 @@ def smollm2_file() -> Path:
 
 @pytest.fixture(scope="module")
 def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
-    from retool.recipes.demo import real_model_settings
+    from retool.recipes.demo import recipe_settings
 
     small = [
         "lora.rank=8",
@@ -62,7 +62,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
         "backend.sample_batch_size=8",
         "backend.micro_batch_tokens=1024",
     ]
-    return real_model_settings("smollm2", small, out=str(tmp_path_factory.mktemp("smollm2")))
+    return recipe_settings("smollm2", small, out=str(tmp_path_factory.mktemp("smollm2")))
 
 
 @pytest.fixture(scope="module")

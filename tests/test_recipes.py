@@ -11,8 +11,8 @@ import pytest
 
 from retool.config import ConfigError, load_config, preset_names
 from retool.pipeline.settings import DemoFields, DemoSettings
-from retool.recipes import RECIPES, UnknownRecipeError, recipe_for, recipe_named, recipe_of_task
-from retool.recipes.demo import DEMO_TASKS, real_model_settings
+from retool.recipes import RECIPES, UnknownRecipeError, recipe_for, recipe_named
+from retool.recipes.demo import recipe_settings
 
 RECIPES_DIR = Path(__file__).resolve().parents[1] / "src" / "retool" / "recipes"
 
@@ -37,15 +37,12 @@ def test_model_and_task_pairs_name_the_recipes() -> None:
         ("smollm2", "mathematics"): "mathematics",
     }
     assert {pair: recipe_for(*pair).name for pair in pairs} == pairs
-    assert recipe_of_task("synthetic") is recipe_named("tiny") and set(DEMO_TASKS) >= {"gsm8k", "mathematics"}
     with pytest.raises(UnknownRecipeError, match="known: tiny, smollm2"):
         recipe_for("gpt-17")
     with pytest.raises(UnknownRecipeError, match="smollm2 runs synthetic, gsm8k, mathematics"):
         recipe_for("smollm2", "mnist")
     with pytest.raises(UnknownRecipeError, match="known: tiny, smollm2, gsm8k, mathematics"):
         recipe_named("nope")
-    with pytest.raises(ValueError, match="unknown demo task 'mnist'"):
-        recipe_of_task("mnist")
 
 
 def test_a_recipe_sets_only_demo_fields_and_its_settings_carry_them() -> None:
@@ -57,13 +54,13 @@ def test_a_recipe_sets_only_demo_fields_and_its_settings_carry_them() -> None:
         assert not set(recipe.options_type.names()) & demo_only, recipe.name
         if recipe.model == "tiny":
             continue
-        settings = real_model_settings(recipe.model, task=recipe.task)
-        assert settings.task == recipe.task and settings.options == recipe.options, recipe.name
+        settings = recipe_settings(recipe.name)
+        assert settings.recipe == recipe.name and settings.options == recipe.options, recipe.name
         assert all(getattr(settings, k) == v for k, v in recipe.fields.items()), recipe.name
 
 
 def test_a_recipe_declares_its_own_options_and_settings_json_records_them() -> None:
-    gsm8k = real_model_settings("smollm2", ["coldstart_rows=5"], task="gsm8k")
+    gsm8k = recipe_settings("gsm8k", ["coldstart_rows=5"])
     assert gsm8k.options == replace(RECIPES["gsm8k"].options, coldstart_rows=5)
     assert gsm8k.as_dict()["options"] == {
         "gsm8k_problems": 100,
@@ -73,10 +70,10 @@ def test_a_recipe_declares_its_own_options_and_settings_json_records_them() -> N
     with pytest.raises(
         ConfigError, match=r"Gsm8kOptions \(gsm8k_problems, coldstart_rows, rl_max_solution_steps\)"
     ):
-        real_model_settings("smollm2", ["mathematics_problems=1"], task="gsm8k")
+        recipe_settings("gsm8k", ["mathematics_problems=1"])
     # settings built without a recipe read as the recipe's options type's defaults
-    plain = DemoSettings.load(["task=gsm8k"])
-    assert recipe_of_task("gsm8k").own_options(plain).options == type(RECIPES["gsm8k"].options)()
+    plain = DemoSettings.load(["recipe=gsm8k"])
+    assert recipe_named(plain.recipe).own_options(plain).options == type(RECIPES["gsm8k"].options)()
 
 
 def test_demo_set_names_a_recipe_option_or_lists_them(tmp_path: Path) -> None:

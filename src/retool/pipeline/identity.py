@@ -24,7 +24,7 @@ OPTIONS_SLOT = "options"
 _SFT_KEYS = (
     "seed",
     "size",
-    "task",
+    "recipe",
     OPTIONS_SLOT,  # the recipe's options but its RL_ONLY ones (``_sft_keys``)
     "eval_temperature",
     "eval_modes",

@@ -62,7 +62,8 @@ class ColdStartContext:
 class Recipe(ABC):
     """One task the demo pipeline runs end to end: cold start -> evaluate -> RL -> evaluate -> report.
 
-    ``task``: the name ``DemoSettings.task`` holds for it (what a run folder's ``settings.json`` records);
+    ``name``: what ``DemoSettings.recipe`` holds for it (what a run folder's ``settings.json`` records);
+    ``task``: the task it runs (recipes of one task share its code, with other presets and fields);
     ``model``: the model its preset is sized for (``tiny``, built here, or a ``retool.pipeline.real_model``
     name); ``preset``: its Config preset (a TOML file in its folder); ``fields``: the generic demo-only
     fields it sets; ``options``: its own options with this recipe's values (their type, ``options_type``,
@@ -88,10 +89,10 @@ class Recipe(ABC):
         for settings built without the recipe, its type's defaults with the values given set."""
         try:
             return dataclasses.replace(settings, options=options_as(settings, self.options_type))
-        except ConfigError as exc:  # e.g. --set task=NAME on another recipe's settings
+        except ConfigError as exc:  # e.g. --set recipe=NAME on another recipe's settings
             raise ConfigError(
-                f"the {settings.task} task (recipe {self.name}): {exc}; these settings are another "
-                f"recipe's: run this one with --recipe {self.name}"
+                f"the {self.name} recipe: {exc}; these settings are another recipe's: run this one with "
+                f"--recipe {self.name}"
             ) from None
 
     @abstractmethod

@@ -228,9 +228,7 @@ def _start(recipe: Recipe, settings: DemoSettings, out: Path) -> Config:
     if settings.config.model.name != "tiny":  # a missing model fails before the folder is claimed
         resolve_model_path(settings.config.model.name)
     elif not recipe.tiny_model:  # its tokenizer is built from the train tasks' text
-        raise ValueError(
-            f"the {settings.task} task needs a real model (its recipe's, e.g. --recipe {recipe.name}), not the tiny one"
-        )
+        raise ValueError(f"the {recipe.name} recipe needs a real model ({recipe.model}), not the tiny one")
     if settings.resume:
         check_resumable(out, settings)  # a run is there, started with these settings
     elif (out / "report.json").exists() or (out / "rl").exists() or (out / PHASES_FILE).exists():
@@ -530,7 +528,7 @@ def run_recipe_sft(
     source = recipe.source(settings, config)
     held = recipe.held_out(settings, source)
     if model is None and not recipe.tiny_model:
-        raise ValueError(f"the {settings.task} task fine-tunes a real model: give one")
+        raise ValueError(f"the {recipe.name} recipe fine-tunes a real model: give one")
     if model is None:
         emit("phase", {"phase": "model", "detail": f"building the tiny model ({settings.size})"})
         model = build_demo_model(out / "model_init", held.texts, size=settings.size, seed=settings.seed)

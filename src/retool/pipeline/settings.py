@@ -111,7 +111,7 @@ class DemoFields(TypedDict, total=False):
     data_dir: str | None
     base_eval_problems: int
     base_eval_modes: tuple[str, ...]
-    task: str
+    recipe: str
     eval_temperature: float | None
     resume: bool
     options: RecipeOptions
@@ -129,7 +129,8 @@ class DemoSettings:
     ``data_dir``: the folder the task's data files are read from (``--data-dir``); ``base_eval_problems``
     (real models): zero-shot eval of the model before SFT on every k-th held-out problem, in
     ``base_eval_modes``.
-    ``task``: the recipe's task (``retool.recipes``: ``synthetic``, ``gsm8k``, ``mathematics``, ...);
+    ``recipe``: the name of the recipe that runs (``retool.recipes``: ``tiny``, ``smollm2``, ``gsm8k``,
+    ``mathematics``, ...; recorded in ``settings.json``);
     ``options``: the recipe's own options (its ``RecipeOptions`` subclass, e.g. the GSM8K recipe's cold-start
     rows), set by ``--set NAME=VALUE`` as a field is.
     ``eval_temperature``: the evaluations' sampling temperature (None: ``[sampling]``'s, as in RL; 0: greedy).
@@ -146,7 +147,7 @@ class DemoSettings:
     data_dir: str | None = None
     base_eval_problems: int = 0
     base_eval_modes: tuple[str, ...] = ("retool",)
-    task: str = "synthetic"
+    recipe: str = "tiny"
     eval_temperature: float | None = None
     resume: bool = False
     options: RecipeOptions = field(default_factory=RecipeOptions)

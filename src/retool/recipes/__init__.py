@@ -43,17 +43,6 @@ def recipe_named(name: str) -> Recipe:
         raise UnknownRecipeError(f"unknown recipe {name!r}; known: {', '.join(RECIPES)}") from None
 
 
-def recipe_of_task(task: str) -> Recipe:
-    """The recipe whose code runs ``DemoSettings.task`` (the first registered: ``tiny`` for ``synthetic``).
-    Recipes of one task share its code and differ only in preset and fields, which a run's settings
-    already hold."""
-    for recipe in RECIPES.values():
-        if recipe.task == task:
-            return recipe
-    known = ", ".join(dict.fromkeys(r.task for r in RECIPES.values()))
-    raise ValueError(f"unknown demo task {task!r}; known: {known}")
-
-
 def recipe_for(model: str, task: str = tiny.TASK) -> Recipe:
     """The recipe that runs ``task`` on the model named ``model`` (``smollm2`` + ``gsm8k``: ``gsm8k``)."""
     for recipe in RECIPES.values():

@@ -19,7 +19,7 @@ from retool.pipeline.recipe import Recipe
 from retool.pipeline.report import DemoResult, gain_line, markdown_table
 from retool.pipeline.settings import DemoFields, DemoSettings, seed_overrides
 from retool.pipeline.traces import MODEL_FOLDER, run_trace_sft
-from retool.recipes import RECIPES, recipe_named, recipe_of_task
+from retool.recipes import RECIPES, recipe_named
 from retool.recipes.demo import recipe_fields, run_demo, run_sft
 
 # The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
@@ -27,7 +27,7 @@ _DEMO = load_config("demo")
 
 
 def _settings(
-    recipe: Recipe,
+    chosen: Recipe,
     config: str,
     overrides: list[str],
     seed: int | None,
@@ -35,12 +35,12 @@ def _settings(
     **fields: Unpack[DemoFields],
 ) -> DemoSettings:
     """The demo's settings: ``config`` + ``--set`` + the flags that were given (+ demo-only fields and the
-    ``recipe``'s options, whose names ``--set`` may set)."""
+    ``chosen`` recipe's options, whose names ``--set`` may set)."""
     sets = [*overrides, *(seed_overrides(seed) if seed is not None else []), *flag_overrides(flags)]
     try:
         return DemoSettings.load(sets, config=config, **fields)
     except ConfigError as exc:
-        raise UserError(f"recipe {recipe.name}: {exc}") from None
+        raise UserError(f"recipe {chosen.name}: {exc}") from None
 
 
 _CONFIG_HELP = "Preset or TOML file the settings start from."
@@ -256,11 +256,11 @@ def _sft_on_data(
 
 
 def _sft_recipe(overrides: list[str]) -> Recipe:
-    """The recipe of the task ``--set task=NAME`` names (default: the synthetic one): the other ``--set``s
-    may name its options, which start from its options type's defaults, as ``DemoSettings``' do."""
-    task_sets = [o for o in overrides if o.partition("=")[0].strip() == "task"]
+    """The recipe ``--set recipe=NAME`` names (default: ``tiny``): the other ``--set``s may name its
+    options, which start from its options type's defaults, as ``DemoSettings``' do."""
+    recipe_sets = [o for o in overrides if o.partition("=")[0].strip() == "recipe"]
     try:
-        return recipe_of_task(DemoSettings().with_overrides(task_sets).task)
+        return recipe_named(DemoSettings().with_overrides(recipe_sets).recipe)
     except (ConfigError, ValueError) as exc:
         raise UserError(str(exc)) from None
 

@@ -23,7 +23,6 @@ from retool.train.sft import SFTReport
 
 FIELDS: DemoFields = {
     "out": "runs/demo-smollm2-gsm8k",
-    "task": "gsm8k",
     "base_eval_problems": 50,  # the base model rambles to the token budget: the costliest samples
     "base_eval_modes": ("text-only", "retool"),
     "eval_modes": ("text-only", "retool"),

@@ -35,7 +35,6 @@ from retool.train.sft import SFTReport
 
 FIELDS: DemoFields = {
     "out": "runs/demo-smollm2-mathematics",
-    "task": "mathematics",
     "base_eval_problems": 71,  # every k-th held-out problem: one per module
     "base_eval_modes": ("text-only", "retool"),
     "eval_modes": ("text-only", "retool"),
