@@ -41,7 +41,7 @@ if TYPE_CHECKING:
 REPO = Path(__file__).resolve().parents[1]
 MODES = ("text-only", "retool")  # the two evaluation modes a two-stage bench compares
 # Every demo of a two-stage bench: no evaluation of its own (the bench evaluates each model instead).
-DEMO_FIELDS = ("eval_modes=[]", "base_eval_problems=0")
+DEMO_FIELDS = ("pipeline.eval_modes=[]", "pipeline.base_eval_problems=0")
 
 
 def child_env(**extra: str) -> dict[str, str]:

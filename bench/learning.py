@@ -50,8 +50,8 @@ TARGET_RL_SHARE = 0.40
 
 
 def settings_from(args: argparse.Namespace) -> DemoSettings:
-    """The demo preset with ``--set`` overrides: ``section.key=value``, a demo-only ``field=value`` or an
-    option of the tiny recipe (``name=value``)."""
+    """The demo preset with ``--set`` overrides: ``section.key=value``, a demo-only field
+    (``pipeline.NAME=value``) or an option of the tiny recipe (``recipe.NAME=value``)."""
     try:
         return DemoSettings.load(args.set, plots=False, **recipe_fields(recipe_named("tiny")))
     except ConfigError as exc:

@@ -120,10 +120,13 @@ def settings(args: argparse.Namespace, out: Path, extra: list[str] | tuple[str, 
     from retool.recipes.demo import recipe_fields
 
     recipe = recipe_named("mathematics")
-    sets = [f"coldstart_rounds={args.coldstart_rounds}", f"coldstart_round_rows={args.coldstart_round_rows}"]
+    sets = [
+        f"recipe.coldstart_rounds={args.coldstart_rounds}",
+        f"recipe.coldstart_round_rows={args.coldstart_round_rows}",
+    ]
     sets += [*args.set, *extra]
     if args.smoke:
-        sets += ["coldstart_rows=2", "sft.steps=2", "sft.batch_size=2", "lora.rank=4", "lora.alpha=8"]
+        sets += ["recipe.coldstart_rows=2", "sft.steps=2", "sft.batch_size=2", "lora.rank=4", "lora.alpha=8"]
         sets += ["rollout.questions_per_step=2", "rollout.group_size=2", "filters.dynamic_sampling=false"]
         sets += ["backend.sample_batch_size=8"]
     fields = {**recipe_fields(recipe), "out": str(out)}
@@ -221,7 +224,7 @@ def phase_coldstart(args: argparse.Namespace) -> None:
 
     out = Path(args.arg[0])
     rounds, budget = int(args.arg[1]), int(args.arg[2])
-    extra = [f"coldstart_rounds={rounds}", f"coldstart_max_trajectories={budget}"]
+    extra = [f"recipe.coldstart_rounds={rounds}", f"recipe.coldstart_max_trajectories={budget}"]
     started = time.perf_counter()
     s = settings(args, out, extra)
     sft_start(s, resolve_model_path(s.config.model.name))

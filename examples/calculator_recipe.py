@@ -4,11 +4,11 @@
 ``docs/recipes.md`` walks through it. A recipe answers four questions (``retool.pipeline.recipe.Recipe``):
 what RL trains on (``source``), what is held out (``held_out``), how the cold start is built
 (``cold_start``) and what scores the held-out answers (``eval_source``); it names its preset and demo-only
-fields, declares its own options (``CalculatorOptions``: ``--set kinds=[...]``), and is registered by name:
+fields, declares its own options (``CalculatorOptions``: ``--set recipe.kinds=[...]``), and is registered by name:
 no file outside this one changes. Run it::
 
     python examples/calculator_recipe.py --out runs/calculator       # the whole pipeline, tiny model, CPU
-    python examples/calculator_recipe.py --set "kinds=['add_small', 'mul_big']"   # its own option
+    python examples/calculator_recipe.py --set "recipe.kinds=['add_small', 'mul_big']"   # its own option
 
 or, from code, ``run_demo(calculator_settings("runs/calculator"))``. Its task kinds are the arithmetic
 ones: the calculator evaluates arithmetic, and the digit-sum and prime-count kinds' canonical code is a
@@ -41,7 +41,7 @@ ARITHMETIC_KINDS = ("add_small", "mul_small", "mul_big", "mod_pow", "linear_syst
 
 @dataclass(frozen=True)
 class CalculatorOptions(SyntheticOptions):
-    """The recipe's own options (``--set NAME=VALUE``; ``settings.json`` records them under ``options``):
+    """The recipe's own options (``--set recipe.NAME=VALUE``; ``settings.json`` records them under ``options``):
     the tiny recipe's (``test_hard_fraction``, ``gsm8k_problems``: its held-out split is reused) and
     ``kinds``, the synthetic kinds it trains and is evaluated on (a subset of ``ARITHMETIC_KINDS``)."""
 

@@ -46,7 +46,7 @@ def test_demos_skip_their_own_evaluations_and_later_seeds_reuse_the_first_sft(tm
     assert "--reuse-sft" not in first and later[later.index("--reuse-sft") + 1] == str(tmp_path / "seed0")
     for cmd in (first, later):
         sets = [cmd[i + 1] for i, x in enumerate(cmd) if x == "--set"]
-        assert {"eval_modes=[]", "base_eval_problems=0"} <= set(sets)
+        assert {"pipeline.eval_modes=[]", "pipeline.base_eval_problems=0"} <= set(sets)
     settings = recipe_settings("gsm8k", list(_harness.DEMO_FIELDS))
     assert settings.eval_modes == () and settings.base_eval_problems == 0
 
@@ -65,7 +65,7 @@ def test_reuse_sft_across_seeds_only_without_a_slice_evaluation(tmp_path: Path) 
     model, evals = _reuse_sft(seed1, tmp_path / "s1", DemoResult(out=tmp_path / "s1"))
     assert model == tmp_path / "seed0" / "model_sft" and evals == {"sft": {}}
     # With a slice evaluation to copy, its seed (the slice) must match.
-    loud = recipe_settings("gsm8k", ["base_eval_problems=0"])
+    loud = recipe_settings("gsm8k", ["pipeline.base_eval_problems=0"])
     _finished_sft_run(tmp_path / "loud0", loud.with_seed(0))
     loud1 = DemoSettings(**{**vars(loud.with_seed(1)), "reuse_sft": str(tmp_path / "loud0")})
     with pytest.raises(ValueError, match="differ in seed"):
@@ -236,7 +236,7 @@ def test_demos_without_evaluations_run_and_a_second_seed_reuses_the_first_sft(tm
         "rollout.questions_per_step=2",
         "rollout.group_size=2",
         "filters.max_extra_rounds=0",
-        "eval_modes=[]",
+        "pipeline.eval_modes=[]",
     ]
     first = DemoSettings.load(sets, out=str(tmp_path / "seed0"), size="test", plots=False).with_seed(0)
     run_demo(first)

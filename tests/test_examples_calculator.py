@@ -200,9 +200,9 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
         "rollout.questions_per_step=2",
         "rollout.group_size=2",
         "filters.max_extra_rounds=1",
-        "size=test",
-        "plots=false",
-        "kinds=['add_small', 'mul_small', 'mul_big']",  # the recipe's own option
+        "pipeline.size=test",
+        "pipeline.plots=false",
+        "recipe.kinds=['add_small', 'mul_small', 'mul_big']",  # the recipe's own option
     ]
     out = tmp_path / "calculator"
     result = run_demo(calculator_settings(str(out), shrunk))

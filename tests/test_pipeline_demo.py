@@ -125,7 +125,9 @@ def test_reuse_sft_refuses_other_tasks_or_missing_runs(
 def test_settings_are_the_preset_plus_demo_fields() -> None:
     from retool.config import ConfigError, load_config
 
-    settings = DemoSettings.load(["train.steps=7", "size=test", "eval_modes=['retool']"], plots=False)
+    settings = DemoSettings.load(
+        ["train.steps=7", "pipeline.size=test", "pipeline.eval_modes=['retool']"], plots=False
+    )
     assert settings.config == load_config("demo", ["train.steps=7"])
     assert (settings.size, settings.eval_modes, settings.plots) == ("test", ("retool",), False)
     seeded = settings.with_seed(5)
@@ -139,11 +141,13 @@ def test_settings_are_the_preset_plus_demo_fields() -> None:
 def test_a_recipe_option_is_set_by_name_and_recorded_under_options() -> None:
     from retool.config import ConfigError
 
-    settings = DemoSettings.load(["gsm8k_problems=3", "size=test"], options=SyntheticOptions())
+    settings = DemoSettings.load(
+        ["recipe.gsm8k_problems=3", "pipeline.size=test"], options=SyntheticOptions()
+    )
     assert settings.options == SyntheticOptions(gsm8k_problems=3) and settings.size == "test"
     assert settings.as_dict()["options"] == {"test_hard_fraction": None, "gsm8k_problems": 3}
     with pytest.raises(ConfigError, match=r"SyntheticOptions \(test_hard_fraction, gsm8k_problems\)"):
-        DemoSettings.load(["coldstart_rows=3"], options=SyntheticOptions())
+        DemoSettings.load(["recipe.coldstart_rows=3"], options=SyntheticOptions())
     with pytest.raises(ConfigError, match="demo field"):  # "options" is not itself a field to set
         DemoSettings.load(["options=1"], options=SyntheticOptions())
 

@@ -34,9 +34,9 @@ def test_the_gsm8k_preset_and_fields() -> None:
 
 def test_tiny_model_and_unknown_recipes_are_refused(tmp_path: Path) -> None:
     with pytest.raises(ValueError, match="the gsm8k recipe needs a real model"):
-        run_demo(DemoSettings.load(["recipe=gsm8k"], out=str(tmp_path / "d")))
+        run_demo(DemoSettings.load(["pipeline.recipe=gsm8k"], out=str(tmp_path / "d")))
     with pytest.raises(ValueError, match="unknown recipe 'mnist'"):
-        run_demo(DemoSettings.load(["recipe=mnist"], out=str(tmp_path / "e")))
+        run_demo(DemoSettings.load(["pipeline.recipe=mnist"], out=str(tmp_path / "e")))
     assert not (tmp_path / "d").exists() and not (tmp_path / "e").exists()  # refused before claiming
 
 
@@ -98,10 +98,10 @@ def test_the_gsm8k_demo_end_to_end_on_smollm2(fixture_data: Path, tmp_path: Path
         "checkpoint.every=0",
         "backend.cpu_threads=1",
         "backend.sample_batch_size=8",
-        "coldstart_rows=24",
-        "gsm8k_problems=3",
-        "base_eval_problems=2",
-        "plots=false",
+        "recipe.coldstart_rows=24",
+        "recipe.gsm8k_problems=3",
+        "pipeline.base_eval_problems=2",
+        "pipeline.plots=false",
     ]
     out = tmp_path / "run"
     settings = recipe_settings("gsm8k", small, out=str(out), data_dir=str(fixture_data))

@@ -103,7 +103,9 @@ def test_the_cold_start_is_one_few_shot_round_unless_asked_for_more() -> None:
     cold = cold_start_of(options_as(settings, MathematicsOptions))
     assert (cold.rounds, cold.per_module, cold.samples, cold.temperature) == (1, 4, 1, 0.0)
     assert cold.max_trajectories is None and cold.keep == 1
-    more = recipe_settings("mathematics", ["coldstart_rounds=3", "coldstart_max_trajectories=500"])
+    more = recipe_settings(
+        "mathematics", ["recipe.coldstart_rounds=3", "recipe.coldstart_max_trajectories=500"]
+    )
     cold = cold_start_of(options_as(more, MathematicsOptions))
     assert (cold.rounds, cold.max_trajectories) == (3, 500)
 
@@ -140,10 +142,10 @@ def test_a_few_step_slice_of_the_recipe_on_smollm2(fixture_data: Path, tmp_path:
         "filters.dynamic_sampling=false",
         "checkpoint.every=0",
         "backend.sample_batch_size=8",
-        "coldstart_rows=2",
-        "mathematics_problems=1",
-        "base_eval_problems=1",
-        "plots=false",
+        "recipe.coldstart_rows=2",
+        "recipe.mathematics_problems=1",
+        "pipeline.base_eval_problems=1",
+        "pipeline.plots=false",
     ]
     out = tmp_path / "run"
     result = run_demo(recipe_settings("mathematics", small, out=str(out), data_dir=str(data)))

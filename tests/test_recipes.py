@@ -60,7 +60,7 @@ def test_a_recipe_sets_only_demo_fields_and_its_settings_carry_them() -> None:
 
 
 def test_a_recipe_declares_its_own_options_and_settings_json_records_them() -> None:
-    gsm8k = recipe_settings("gsm8k", ["coldstart_rows=5"])
+    gsm8k = recipe_settings("gsm8k", ["recipe.coldstart_rows=5"])
     assert gsm8k.options == replace(RECIPES["gsm8k"].options, coldstart_rows=5)
     assert gsm8k.as_dict()["options"] == {
         "gsm8k_problems": 100,
@@ -70,9 +70,9 @@ def test_a_recipe_declares_its_own_options_and_settings_json_records_them() -> N
     with pytest.raises(
         ConfigError, match=r"Gsm8kOptions \(gsm8k_problems, coldstart_rows, rl_max_solution_steps\)"
     ):
-        recipe_settings("gsm8k", ["mathematics_problems=1"])
+        recipe_settings("gsm8k", ["recipe.mathematics_problems=1"])
     # settings built without a recipe read as the recipe's options type's defaults
-    plain = DemoSettings.load(["recipe=gsm8k"])
+    plain = DemoSettings.load(["pipeline.recipe=gsm8k"])
     assert recipe_named(plain.recipe).own_options(plain).options == type(RECIPES["gsm8k"].options)()
 
 

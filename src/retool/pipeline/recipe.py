@@ -67,7 +67,7 @@ class Recipe(ABC):
     ``model``: the model its preset is sized for (``tiny``, built here, or a ``retool.pipeline.real_model``
     name); ``preset``: its Config preset (a TOML file in its folder); ``fields``: the generic demo-only
     fields it sets; ``options``: its own options with this recipe's values (their type, ``options_type``,
-    says which names ``--set NAME=VALUE`` takes); ``tiny_model``: whether the tiny model can run it (the
+    says which names ``--set recipe.NAME=VALUE`` takes); ``tiny_model``: whether the tiny model can run it (the
     tiny tokenizer is trained on the train tasks' text, so only a recipe with train tasks can).
     """
 
@@ -89,7 +89,7 @@ class Recipe(ABC):
         for settings built without the recipe, its type's defaults with the values given set."""
         try:
             return dataclasses.replace(settings, options=options_as(settings, self.options_type))
-        except ConfigError as exc:  # e.g. --set recipe=NAME on another recipe's settings
+        except ConfigError as exc:  # e.g. --set pipeline.recipe=NAME on another recipe's settings
             raise ConfigError(
                 f"the {self.name} recipe: {exc}; these settings are another recipe's: run this one with "
                 f"--recipe {self.name}"

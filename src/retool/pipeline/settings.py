@@ -47,6 +47,10 @@ class DemoEvent(TypedDict, total=False):
 
 Event = Callable[[str, DemoEvent], None]
 DEMO_PRESET = "demo"
+# The tables of a recipe's settings beside the config's sections: ``--set pipeline.NAME=value`` sets a
+# demo-only field, ``--set recipe.NAME=value`` one of the recipe's options.
+PIPELINE_TABLE = "pipeline"
+RECIPE_TABLE = "recipe"
 
 
 def seed_overrides(seed: int) -> list[str]:
@@ -57,7 +61,7 @@ def seed_overrides(seed: int) -> list[str]:
 @dataclass(frozen=True)
 class RecipeOptions:
     """A recipe's own options: subclassed in the recipe's folder as a frozen dataclass whose every field has
-    a default (JSON values: a bool, number, string, None or tuple of them). ``--set NAME=VALUE`` sets one,
+    a default (JSON values: a bool, number, string, None or tuple of them). ``--set recipe.NAME=VALUE`` sets one,
     ``settings.json`` records them under ``options``. This base has none: the options of settings built
     without a recipe, which the recipe that runs them reads as its own defaults (``options_as``).
 
@@ -132,7 +136,7 @@ class DemoSettings:
     ``recipe``: the name of the recipe that runs (``retool.recipes``: ``tiny``, ``smollm2``, ``gsm8k``,
     ``mathematics``, ...; recorded in ``settings.json``);
     ``options``: the recipe's own options (its ``RecipeOptions`` subclass, e.g. the GSM8K recipe's cold-start
-    rows), set by ``--set NAME=VALUE`` as a field is.
+    rows), set by ``--set recipe.NAME=VALUE`` (a field by ``--set pipeline.NAME=VALUE``).
     ``eval_temperature``: the evaluations' sampling temperature (None: ``[sampling]``'s, as in RL; 0: greedy).
     ``resume``: continue the run in ``out`` (finished phases skipped, RL from its last checkpoint, an
     evaluation from its JSONL); the settings must match its ``settings.json``.
@@ -156,17 +160,33 @@ class DemoSettings:
     def load(
         cls, overrides: Sequence[str] = (), *, config: str | Path = DEMO_PRESET, **fields: Unpack[DemoFields]
     ) -> DemoSettings:
-        """Settings from ``config`` (a preset or TOML file) and ``overrides``: ``section.key=value`` for the
-        config, ``name=value`` (no dot) for a demo-only field or one of the recipe's ``options``; ``fields``
-        set demo-only fields (and ``options``) directly."""
+        """Settings from ``config`` (a preset or TOML file) and ``overrides``, one dotted grammar for all:
+        ``section.key=value`` for the config, ``pipeline.NAME=value`` for a demo-only field,
+        ``recipe.NAME=value`` for one of the recipe's ``options``; ``fields`` set demo-only fields (and
+        ``options``) directly."""
         return cls(config=load_config(config), **fields).with_overrides(overrides)
 
     def with_overrides(self, overrides: Sequence[str]) -> DemoSettings:
-        config_sets = [o for o in overrides if "." in o.partition("=")[0]]
-        named = [_named_value(o, self.options) for o in overrides if o not in config_sets]
-        own = {k: v for k, v in named if k in _OWN_FIELDS}
-        options = self.options.with_values({k: v for k, v in named if k not in _OWN_FIELDS})
-        config = override_config(self.config, config_sets)
+        by_table: dict[str, list[str]] = {PIPELINE_TABLE: [], RECIPE_TABLE: [], "config": []}
+        for override in overrides:
+            head, dot, _ = override.partition("=")[0].strip().partition(".")
+            table = head if dot and head in (PIPELINE_TABLE, RECIPE_TABLE) else "config"
+            if not dot:
+                raise ConfigError(
+                    f"override {override!r}: not section.key=value; a demo field is pipeline.NAME=value "
+                    f"({', '.join(_OWN_FIELDS)}), an option of the recipe recipe.NAME=value "
+                    f"({self.options.described()})"
+                )
+            by_table[table].append(override.partition(".")[2] if table != "config" else override)
+        fields = f"the demo fields ({', '.join(_OWN_FIELDS)})"
+        own = dict(_named_value(o, _OWN_FIELDS, fields) for o in by_table[PIPELINE_TABLE])
+        options = self.options.with_values(
+            dict(
+                _named_value(o, self.options.names(), f"the recipe's {self.options.described()}")
+                for o in by_table[RECIPE_TABLE]
+            )
+        )
+        config = override_config(self.config, by_table["config"])
         return dataclasses.replace(self, config=config, options=options, **own)
 
     def with_seed(self, seed: int) -> DemoSettings:
@@ -194,13 +214,12 @@ class DemoSettings:
 _OWN_FIELDS = tuple(f.name for f in dataclasses.fields(DemoSettings) if f.name not in ("config", "options"))
 
 
-def _named_value(override: str, options: RecipeOptions) -> tuple[str, Any]:  # its type is the value's
+def _named_value(
+    override: str, names: Sequence[str], what: str
+) -> tuple[str, Any]:  # its type is the value's
     name = override.partition("=")[0].strip()
-    if name not in _OWN_FIELDS and name not in options.names():
-        raise ConfigError(
-            f"override {override!r}: not section.key=value, nor a demo field ({', '.join(_OWN_FIELDS)}), "
-            f"nor an option of the recipe's {options.described()}"
-        )
+    if name not in names:
+        raise ConfigError(f"override {override!r}: {name!r} is none of {what}")
     value = apply_overrides({}, [override])[name]
     return name, tuple(value) if isinstance(value, list) else value
 

@@ -45,8 +45,8 @@ def _settings(
 
 _CONFIG_HELP = "Preset or TOML file the settings start from."
 _SET_HELP = (
-    "Override section.key=value (repeatable), a demo field (size, eval_modes, plots, ...) or an option "
-    "of the recipe (its README; a wrong name lists them)."
+    "Override section.key=value (repeatable): the config, pipeline.NAME=value a demo field (size, "
+    "eval_modes, plots, ...), recipe.NAME=value an option of the recipe (its README; a wrong name lists them)."
 )
 
 
@@ -124,7 +124,7 @@ def demo_command(
     own.update(recipe_fields(chosen))
     own.update(_given_demo_fields(out, data_dir, no_plots))
     # --gsm8k N is the synthetic recipes' option gsm8k_problems; a --set of it still wins
-    sets = [*([] if gsm8k is None else [f"gsm8k_problems={gsm8k}"]), *overrides]
+    sets = [*([] if gsm8k is None else [f"recipe.gsm8k_problems={gsm8k}"]), *overrides]
     settings = _settings(chosen, config or chosen.preset, sets, seed, flags, **own)
     try:
         result = run_demo(settings, on_event=Printer())
@@ -256,9 +256,9 @@ def _sft_on_data(
 
 
 def _sft_recipe(overrides: list[str]) -> Recipe:
-    """The recipe ``--set recipe=NAME`` names (default: ``tiny``): the other ``--set``s may name its
+    """The recipe ``--set pipeline.recipe=NAME`` names (default: ``tiny``): the other ``--set``s may name its
     options, which start from its options type's defaults, as ``DemoSettings``' do."""
-    recipe_sets = [o for o in overrides if o.partition("=")[0].strip() == "recipe"]
+    recipe_sets = [o for o in overrides if o.partition("=")[0].strip() == "pipeline.recipe"]
     try:
         return recipe_named(DemoSettings().with_overrides(recipe_sets).recipe)
     except (ConfigError, ValueError) as exc:

@@ -32,7 +32,7 @@ FIELDS: DemoFields = {
 
 @dataclass(frozen=True)
 class Gsm8kOptions(RecipeOptions):
-    """The GSM8K recipe's own options (``--set NAME=VALUE``).
+    """The GSM8K recipe's own options (``--set recipe.NAME=VALUE``).
 
     ``gsm8k_problems``: the held-out set, that many GSM8K test problems; ``coldstart_rows``: the cold start,
     from that many annotated GSM8K train solutions; ``rl_max_solution_steps``: RL on GSM8K's train split,

@@ -44,7 +44,7 @@ FIELDS: DemoFields = {
 
 @dataclass(frozen=True)
 class MathematicsOptions(RecipeOptions):
-    """The DeepMind Mathematics recipe's own options (``--set NAME=VALUE``).
+    """The DeepMind Mathematics recipe's own options (``--set recipe.NAME=VALUE``).
 
     ``mathematics_problems``: held out, the first that many questions of every interpolate and extrapolate
     module; the cold start samples the model's own attempts under a few-shot prompt, ``coldstart_samples``

@@ -32,7 +32,7 @@ TASK = "synthetic"
 
 @dataclass(frozen=True)
 class SyntheticOptions(RecipeOptions):
-    """The synthetic task's own options (``--set NAME=VALUE``).
+    """The synthetic task's own options (``--set recipe.NAME=VALUE``).
 
     ``test_hard_fraction``: the hard share of the held-out split (None: the train split's);
     ``gsm8k_problems``: GSM8K test problems added to the held-out set (from ``data_dir``).
