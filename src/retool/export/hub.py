@@ -3,7 +3,7 @@
 Owns the two calls, through huggingface_hub's own client: ``HfApi.create_repo`` (``exist_ok``: pushing
 again updates the repository) and ``HfApi.upload_folder`` (one commit of every file of the folder). The
 token is huggingface_hub's (``HF_TOKEN``, or ``hf auth login``'s), the endpoint its ``HF_ENDPOINT``. Run
-here only against a local stand-in of the Hub's upload API (``tests/test_export.py``); see
+here only against a local stand-in of the Hub's upload API (``tests/test_export_errors.py``); see
 docs/not-run-here.md.
 """
 
