@@ -164,9 +164,23 @@ def test_a_demo_names_its_sft_model_and_has_no_adapter_to_export(demo: Trained, 
         ExportError, match=r"full fine-tuning, lora.enabled = false\): there is no LoRA adapter"
     ):
         export_model(ExportRequest(demo.folder, tmp_path / "peft", formats=("peft",)))
-    with pytest.raises(ExportError, match="saves its SFT model merged"):
+    with pytest.raises(ExportError, match="SFT model is saved merged"):
         export_model(ExportRequest(demo.folder, tmp_path / "peft", formats=("peft",), model="sft"))
     assert not (tmp_path / "peft").exists()
+
+
+def test_an_sft_folder_exports_its_sft_model(demo: Trained, tmp_path: Path) -> None:
+    """``retool sft``'s folder (``model_sft/`` and a report, no settings) and a demo stopped after its cold
+    start export their SFT model without ``--model``."""
+    import shutil
+
+    sft_run = tmp_path / "sft_run"
+    shutil.copytree(demo.folder / "model_sft", sft_run / "model_sft")
+    result = export_model(ExportRequest(sft_run, tmp_path / "out", formats=("gguf",)))
+    assert result.source.what == f"SFT run {sft_run}, SFT model"
+    assert "`retool sft`: cold-start SFT on traces" in (tmp_path / "out" / "README.md").read_text()
+    with pytest.raises(ExportError, match=r"sft_run has no RL model yet .*--model sft exports its SFT model"):
+        export_model(ExportRequest(sft_run, tmp_path / "step", step=3))
 
 
 def test_the_demo_layout_is_the_pipelines() -> None:

@@ -96,11 +96,13 @@ def _model_facts(source: ExportSource, config: Config, license_id: str | None) -
     facts = [
         f"- **Base model:** {base}" + (" (retool-rl's tiny model, built locally)" if base == "tiny" else "")
     ]
-    if source.kind == "demo" and source.demo is not None:
+    if source.kind == "demo" and source.demo:
         facts.append(
             f"- **Recipe:** `retool demo` on the `{source.demo.get('task', '?')}` task: cold-start SFT "
             "(`model_sft`), then RL (`model_rl`)"
         )
+    elif source.kind == "demo":
+        facts.append("- **Recipe:** `retool sft`: cold-start SFT on traces (`model_sft`)")
     elif source.kind == "run":
         facts.append("- **Recipe:** `retool train` (RL with the ReTool environment)")
     if source.config is not None:

@@ -76,10 +76,8 @@ def resolve_source(path: Path, step: int | None = None, model: ModelChoice | Non
         raise ExportError(f"{path}: no such folder")
     if not path.is_dir():
         raise ExportError(f"{path} is a file: export takes a training run, demo or model folder")
-    if (path / DEMO_SETTINGS).is_file() and any(
-        (path / name).exists() for name in (*DEMO_MODELS.values(), "rl")
-    ):
-        return _demo_source(path, step, model or "rl")
+    if _is_demo(path):
+        return _demo_source(path, step, model or _default_model(path, step))
     if model is not None:
         raise ExportError(
             f"--model {model} names a demo's model; {path} is not a demo folder (no {DEMO_SETTINGS})"
@@ -99,6 +97,21 @@ def resolve_source(path: Path, step: int | None = None, model: ModelChoice | Non
 
 
 _NOT_TRAINED = "a model folder holds merged weights, no LoRA adapter"
+
+
+def _is_demo(path: Path) -> bool:
+    """A demo folder, or ``retool sft``'s (``model_sft/`` and its report, no settings)."""
+    if (path / DEMO_SETTINGS).is_file():
+        return any((path / name).exists() for name in (*DEMO_MODELS.values(), DEMO_RL_RUN))
+    return (path / DEMO_MODELS["sft"] / "config.json").is_file()
+
+
+def _default_model(demo: Path, step: int | None) -> ModelChoice:
+    """``rl`` where the demo got to RL (or ``--step`` asks for an RL checkpoint), else ``sft``: a demo that
+    stopped after its cold start, or ``retool sft``'s folder."""
+    if step is not None or (demo / DEMO_MODELS["rl"] / "config.json").is_file():
+        return "rl"
+    return "rl" if CheckpointManager(demo / DEMO_RL_RUN).complete_checkpoints() else "sft"
 
 
 def _run_root(path: Path) -> Path | None:
@@ -203,10 +216,11 @@ def _run_config(run: Path) -> Config | None:
 def _demo_source(demo: Path, step: int | None, model: ModelChoice) -> ExportSource:
     """A demo's SFT or RL model: the merged folder it evaluated, or with ``--step`` an RL checkpoint."""
     settings = _demo_settings(demo)
+    name = "demo" if settings else "SFT run"  # retool sft's folder has no settings.json
     facts = ExportSource(
         demo,
         "demo",
-        f"demo {demo}",
+        f"{name} {demo}",
         Weights(""),
         None,
         config=_settings_config(settings),
@@ -219,8 +233,8 @@ def _demo_source(demo: Path, step: int | None, model: ModelChoice) -> ExportSour
             raise ExportError(f"--step {step} picks an RL checkpoint; the demo's SFT model has one version")
         if not (folder / "config.json").is_file():
             raise ExportError(f"{demo} has no SFT model yet ({folder.name}/): the demo stopped before it")
-        why = "the demo saves its SFT model merged (no LoRA adapter); export hf or gguf"
-        return replace(facts, what=f"demo {demo}, SFT model", weights=Weights(str(folder)), no_adapter=why)
+        why = "the SFT model is saved merged (model_sft/, no LoRA adapter); export hf or gguf"
+        return replace(facts, what=f"{name} {demo}, SFT model", weights=Weights(str(folder)), no_adapter=why)
     rl_run = demo / DEMO_RL_RUN
     has_checkpoints = bool(CheckpointManager(rl_run).complete_checkpoints())
     if step is None and (folder / "config.json").is_file():  # the merged model the demo evaluated
@@ -266,6 +280,9 @@ def _rebased(weights: Weights, demo: Path) -> Weights:
 
 
 def _demo_settings(demo: Path) -> JsonObject:
+    """The demo's ``settings.json``; empty for ``retool sft``'s folder, which has none."""
+    if not (demo / DEMO_SETTINGS).exists():
+        return {}
     try:
         saved = json.loads((demo / DEMO_SETTINGS).read_text(encoding="utf-8"))
     except (OSError, ValueError) as exc:
