@@ -169,6 +169,15 @@ def test_a_demo_names_its_sft_model_and_has_no_adapter_to_export(demo: Trained, 
     assert not (tmp_path / "peft").exists()
 
 
+def test_a_full_fine_tuning_checkpoint_loads_over_its_base(demo: Trained, tmp_path: Path) -> None:
+    """``--step``: the RL run's checkpoint (model.safetensors of a full fine-tuning) over ``model_sft``."""
+    out = tmp_path / "step40"
+    result = export_model(ExportRequest(demo.folder, out, step=40, dtype="fp32"))
+    assert result.source.what == f"demo {demo.folder}, RL checkpoint step 40"
+    assert result.source.weights.full is not None and result.source.adapter is None
+    assert hf_greedy(out, demo.prompts, demo.eos) == demo.reference
+
+
 def test_an_sft_folder_exports_its_sft_model(demo: Trained, tmp_path: Path) -> None:
     """``retool sft``'s folder (``model_sft/`` and a report, no settings) and a demo stopped after its cold
     start export their SFT model without ``--model``."""

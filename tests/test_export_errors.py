@@ -76,7 +76,9 @@ def test_an_existing_out_needs_force_and_is_replaced_only_when_complete(
     # folder is untouched and no temp folder is left.
     args = ["export", str(lora_run.folder), "--out", "out", "--dtype", "fp32", "--force"]
     proc = retool_cli(tmp_path, *args, limit_bytes=200_000)
-    assert_one_line_error(proc, "writing the export failed", "nothing was left behind", "out is unchanged")
+    assert_one_line_error(
+        proc, "the export failed", "File too large", "nothing was left behind", "out is unchanged"
+    )
     assert (out / "keep.txt").read_text() == "an earlier export"
     no_leftovers(tmp_path)
     result = export_model(ExportRequest(lora_run.folder, out, formats=("peft",), force=True))

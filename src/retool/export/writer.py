@@ -75,18 +75,18 @@ def export_model(request: ExportRequest) -> ExportResult:
     if "peft" in request.formats and source.adapter is None:
         raise ExportError(f"--format peft: {source.no_adapter}")
     out = request.out
-    out.parent.mkdir(parents=True, exist_ok=True)
     tmp = out.parent / f".{out.name}.export-tmp-{os.getpid()}"
-    shutil.rmtree(tmp, ignore_errors=True)
     try:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         files = _write_formats(source, request, tmp)
         _publish(tmp, out, request.force)
-    except Exception as exc:
+    except BaseException as exc:  # an interrupt too: the temp folder never outlives the export
         shutil.rmtree(tmp, ignore_errors=True)
         if isinstance(exc, OSError) or type(exc).__name__ == "SafetensorError":  # safetensors' ENOSPC
             raise ExportError(
-                f"writing the export failed ({type(exc).__name__}: {exc}); nothing was left behind"
+                f"the export failed ({type(exc).__name__}: {exc}); nothing was left behind"
                 + (f" and {out} is unchanged" if out.exists() else "")
             ) from None
         raise
@@ -156,12 +156,14 @@ def _write_formats(source: ExportSource, request: ExportRequest, folder: Path) -
         where = folder / "adapter" if "hf" in request.formats else folder
         write_peft(source.adapter, where)
         rel = "adapter/" if "hf" in request.formats else "adapter_model.safetensors, adapter_config.json"
-        base = base_model_name(source.adapter)
+        base = repr(base_model_name(source.adapter))
+        if source.adapter.gguf_file:  # a base read from a GGUF file
+            base += f", gguf_file={source.adapter.gguf_file!r}"
         files.append(
             CardFile(
                 rel,
                 "peft (LoRA adapter, float32)",
-                f"`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base!r}), DIR{'/adapter' if 'hf' in request.formats else ''})`",
+                f"`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained({base}), DIR{'/adapter' if 'hf' in request.formats else ''})`",
             )
         )
     if tokenizer is None:
