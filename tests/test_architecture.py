@@ -36,6 +36,7 @@ LAYERS: list[tuple[str, ...]] = [
     ("serve",),  # the PyTRIO / Tinker wire APIs over the local backend (retool serve)
     ("train",),
     ("evaluate",),
+    ("export",),  # a trained model out to the formats serving engines load (HF, PEFT, GGUF), and the Hub
     ("analyze",),
     ("view",),  # the trajectory viewer over training runs and evals
     ("pipeline",),  # the generic demo pipeline (tiny model, SFT, phases, report) and the recipe interface

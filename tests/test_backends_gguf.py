@@ -18,10 +18,8 @@ pytest.importorskip("accelerate")  # transformers refuses GGUF files without it
 from retool.backends.interface.clients import TrainingClient
 from retool.backends.interface.types import SamplingParams
 from retool.errors import ModelLoadError
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
-
-from gguf_export import export_qwen2_gguf  # scripts/ is not a package
+from retool.export.errors import ExportError
+from retool.export.gguf import write_gguf_from_folder
 
 # Small budgets shared by the CLI runs: one short turn pair, one thread (the CPU is shared).
 SMALL = [
@@ -36,7 +34,7 @@ SMALL = [
 
 @pytest.fixture(scope="module")
 def gguf_path(tiny_model_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return export_qwen2_gguf(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf")
+    return write_gguf_from_folder(tiny_model_dir, tmp_path_factory.mktemp("gguf") / "tiny-f32.gguf")
 
 
 def _client(model: str, extra: list[str] = ()) -> TrainingClient:
@@ -212,11 +210,11 @@ def test_phrase_tokens_that_transformers_would_split_are_warned_about(
     from retool.backends.local.tinymodel import build_tiny_model
 
     folder = build_tiny_model(tmp_path / "m", size="test", phrase_tokens=["Solve it step by step."])
-    with caplog.at_level(logging.WARNING, logger="gguf_export"):
-        export_qwen2_gguf(folder, tmp_path / "m.gguf")
+    with caplog.at_level(logging.WARNING, logger="retool.export.gguf"):
+        write_gguf_from_folder(folder, tmp_path / "m.gguf")
     assert "Solve it step by step." in caplog.text
 
 
 def test_export_refuses_bad_output_name(tiny_model_dir: Path, tmp_path: Path) -> None:
-    with pytest.raises(ValueError, match=r"\.gguf"):
-        export_qwen2_gguf(tiny_model_dir, tmp_path / "model.bin")
+    with pytest.raises(ExportError, match=r"\.gguf"):
+        write_gguf_from_folder(tiny_model_dir, tmp_path / "model.bin")

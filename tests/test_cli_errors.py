@@ -118,6 +118,8 @@ CASES: dict[str, tuple[list[str], tuple[str, ...]]] = {
         ("/no/such/dapo.jsonl",),
     ),
     "view: no such run": (["view", "/no/such/run"], ("/no/such/run",)),
+    "export: no such source": (["export", "/no/such/run", "--out", "x"], ("/no/such/run: no such folder",)),
+    "export: unknown format": (["export", ".", "--out", "x", "-f", "onnx"], ("unknown format 'onnx'",)),
     "analyze: no such file": (
         ["analyze", "/no/such/eval.jsonl", "--out", "analysis"],
         ("/no/such/eval.jsonl",),

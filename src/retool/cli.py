@@ -21,6 +21,7 @@ from retool.analyze import cli as analyze_cli
 from retool.data import cli as data_cli
 from retool.errors import UserError
 from retool.evaluate import cli as evaluate_cli
+from retool.export import cli as export_cli
 from retool.recipes import cli as recipes_cli
 from retool.reward import cli as reward_cli
 from retool.sandbox import cli as sandbox_cli
@@ -67,6 +68,7 @@ _STAGE_CLIS = (
     recipes_cli,  # demo, sft, recipes (its import brings pipeline.cli's `retool data coldstart`)
     train_cli,
     evaluate_cli,
+    export_cli,
     analyze_cli,
     view_cli,
     serve_cli,

@@ -30,11 +30,12 @@ def quiet_library_progress() -> None:
     """The demo prints its own progress lines; per-problem and per-step INFO logs would drown them, and so
     would transformers' own bars ("Loading weights", "Writing model shards": every phase loads or saves a
     model)."""
-    from huggingface_hub.utils import disable_progress_bars  # transformers reads it when first imported
+    # deferred: the CLI imports this module for every command; transformers reads this switch when imported
+    from huggingface_hub.utils import disable_progress_bars
 
     disable_progress_bars()
-    if "transformers" in sys.modules:  # imported already: its own switch (no import, seconds, otherwise)
-        from transformers.utils import logging as transformers_logging
+    if "transformers" in sys.modules:  # imported already: its own switch too (never imported just for it)
+        from transformers.utils import logging as transformers_logging  # deferred: seconds to import
 
         transformers_logging.disable_progress_bar()
     for name in (
