@@ -55,9 +55,9 @@ def test_one_real_step_gives_viewable_records(tiny_model_dir: Path, tmp_path: Pa
     written: dict = {}
     real_write = trainer.trajectories.write_step
 
-    def spy_write(step, groups, datums, decode=None):
+    def spy_write(step, groups, data, origin=(), decode=None):
         written.update(groups=groups, decode=decode)
-        return real_write(step, groups, datums, decode)
+        return real_write(step, groups, data, origin, decode)
 
     trainer.trajectories.write_step = spy_write
     try:
