@@ -116,3 +116,21 @@ def test_stop_at_boxed_is_refused_where_the_engine_would_ignore_it(setting: str,
     assert named in str(err.value) and "\n" not in str(err.value)
     load_config(None, [setting])  # the engine itself is fine
     assert load_config(None, ["sampling.stop_at_boxed=true"]).sampling.stop_at_boxed  # the local sampler
+
+
+def test_two_presets_of_one_name_are_refused_not_shadowed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Presets are one flat namespace over retool/presets/ and every recipe folder: a recipe's preset named
+    like another file would otherwise win or lose by folder order, silently."""
+    import retool.config as config_module
+
+    for folder in ("presets", "recipes/a", "recipes/b"):
+        (tmp_path / folder).mkdir(parents=True)
+    (tmp_path / "presets" / "tiny.toml").write_text("")
+    (tmp_path / "recipes" / "a" / "demo-a.toml").write_text("")
+    monkeypatch.setattr(config_module.resources, "files", lambda package: tmp_path)
+    assert config_module.preset_names() == ["demo-a", "tiny"]
+    (tmp_path / "recipes" / "b" / "tiny.toml").write_text("")
+    with pytest.raises(ConfigError, match="two presets named 'tiny'"):
+        config_module.preset_names()

@@ -478,12 +478,16 @@ def _preset_files() -> dict[str, Traversable]:
     this module, and its preset is data the config reads."""
     root = resources.files("retool")
     folders = [root / "presets", *(f for f in (root / "recipes").iterdir() if f.is_dir())]
-    return {
-        p.name.removesuffix(".toml"): p
-        for folder in folders
-        for p in folder.iterdir()
-        if p.name.endswith(".toml")
-    }
+    found: dict[str, Traversable] = {}
+    for folder in folders:
+        for p in folder.iterdir():
+            if not p.name.endswith(".toml"):
+                continue
+            name = p.name.removesuffix(".toml")
+            if name in found:  # one flat namespace: a second file of one name must not win silently
+                raise ConfigError(f"two presets named {name!r}: {found[name]} and {p}; rename one")
+            found[name] = p
+    return found
 
 
 def preset_names() -> list[str]:
