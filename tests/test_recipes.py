@@ -111,3 +111,25 @@ def test_retool_recipes_lists_them_and_demo_takes_a_recipe(tmp_path: Path) -> No
         refused = CliRunner().invoke(app, ["demo", retired, "smollm2", "--out", str(tmp_path / "r")])
         assert refused.exit_code == 2 and f"No such option: {retired}" in refused.output
     assert not (tmp_path / "r").exists()
+
+
+def test_a_recipe_is_one_toml_its_tables_validated_by_the_settings_and_options_classes(
+    tmp_path: Path,
+) -> None:
+    """Each shipped recipe reads its demo-only fields and options from its preset's [pipeline] and [recipe]
+    tables; a name neither class declares is refused in one line, and the config never sees the tables."""
+    from retool.pipeline.recipe import from_preset
+    from retool.recipes.gsm8k import Gsm8kOptions
+
+    gsm8k = RECIPES["gsm8k"]
+    assert from_preset(gsm8k.preset, Gsm8kOptions) == {"fields": gsm8k.fields, "options": gsm8k.options}
+    assert gsm8k.options == Gsm8kOptions(gsm8k_problems=100, coldstart_rows=800, rl_max_solution_steps=3)
+    assert gsm8k.fields["eval_modes"] == ("text-only", "retool")  # TOML arrays read as the settings' tuples
+    load_config(gsm8k.preset)  # [pipeline] and [recipe] are not config sections
+    bad = tmp_path / "bad.toml"
+    bad.write_text('[pipeline]\nsize = "test"\n[recipe]\ncoldstart_rows = 3\nnope = 1\n')
+    with pytest.raises(ConfigError, match=r"\[recipe\]: no option nope in Gsm8kOptions"):
+        from_preset(str(bad), Gsm8kOptions)
+    bad.write_text("[pipeline]\nwhatever = 1\n")
+    with pytest.raises(ConfigError, match=r"\[pipeline\] whatever: not demo fields"):
+        from_preset(str(bad), Gsm8kOptions)

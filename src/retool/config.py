@@ -533,10 +533,29 @@ def apply_overrides(data: dict[str, object], overrides: list[str]) -> dict[str, 
     return data
 
 
+# A recipe's preset holds two tables beside the config's sections: ``[pipeline]``, the demo's own fields,
+# and ``[recipe]``, the recipe's options (``retool.pipeline.recipe.from_preset`` reads and validates them).
+RECIPE_TABLES = ("pipeline", "recipe")
+
+
 def load_config(source: str | Path | None = None, overrides: Sequence[str] | None = None) -> Config:
     data: dict[str, object] = _read_toml(source) if source is not None else {}
+    for table in RECIPE_TABLES:
+        data.pop(table, None)
     apply_overrides(data, list(overrides or []))
     return _validate(data)
+
+
+def recipe_tables(source: str | Path) -> dict[str, dict[str, object]]:
+    """A preset's (or TOML file's) ``[pipeline]`` and ``[recipe]`` tables (empty where it has none)."""
+    data = _read_toml(source)
+    out: dict[str, dict[str, object]] = {}
+    for table in RECIPE_TABLES:
+        value = data.get(table, {})
+        if not isinstance(value, dict):
+            raise ConfigError(f"{source}: [{table}] must be a table")
+        out[table] = value
+    return out
 
 
 def override_config(config: Config, overrides: Sequence[str]) -> Config:

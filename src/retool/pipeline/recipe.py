@@ -22,9 +22,10 @@ import dataclasses
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import TypedDict, cast
 
 from retool.components import Components
-from retool.config import Config, ConfigError
+from retool.config import Config, ConfigError, recipe_tables
 from retool.data.problem import Problem
 from retool.env import ProblemSource
 from retool.jsonl import JsonObject
@@ -110,6 +111,35 @@ class Recipe(ABC):
     def eval_source(self, problems: Sequence[Problem]) -> ProblemSource | None:
         """The source whose scorer checks the held-out answers (None: the default verifier)."""
         return None
+
+
+class PresetSettings(TypedDict):
+    """What a recipe's preset sets beside the config: its demo-only fields and its options."""
+
+    fields: DemoFields
+    options: RecipeOptions
+
+
+def from_preset(preset: str, options_type: type[RecipeOptions]) -> PresetSettings:
+    """A recipe's demo-only fields and options from its preset's ``[pipeline]`` and ``[recipe]`` tables,
+    validated by the settings' and the options' own classes (one TOML file per recipe)."""
+    tables = recipe_tables(preset)
+    known = DemoSettings.field_names()
+    unknown = [name for name in tables["pipeline"] if name not in known]
+    if unknown:
+        raise ConfigError(
+            f"preset {preset!r}: [pipeline] {', '.join(unknown)}: not demo fields ({', '.join(known)})"
+        )
+
+    def plain(value: object) -> object:  # TOML arrays are the settings' tuples
+        return tuple(value) if isinstance(value, list) else value
+
+    fields = cast(DemoFields, {k: plain(v) for k, v in tables["pipeline"].items()})
+    try:
+        options = options_type().with_values({k: plain(v) for k, v in tables["recipe"].items()})
+    except ConfigError as exc:
+        raise ConfigError(f"preset {preset!r}: [recipe]: {exc}") from None
+    return {"fields": fields, "options": options}
 
 
 def train_on_examples(

@@ -189,6 +189,11 @@ class DemoSettings:
         config = override_config(self.config, by_table["config"])
         return dataclasses.replace(self, config=config, options=options, **own)
 
+    @staticmethod
+    def field_names() -> tuple[str, ...]:
+        """The demo-only fields (what ``pipeline.NAME=value`` and a preset's ``[pipeline]`` table set)."""
+        return _OWN_FIELDS
+
     def with_seed(self, seed: int) -> DemoSettings:
         return self.with_overrides(seed_overrides(seed))
 

@@ -16,18 +16,10 @@ from pathlib import Path
 
 from retool.config import Config
 from retool.env import ProblemSource
-from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, train_on_examples
-from retool.pipeline.settings import DemoFields, DemoSettings, RecipeOptions, demo_data_dir, options_as
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, from_preset, train_on_examples
+from retool.pipeline.settings import DemoSettings, RecipeOptions, demo_data_dir, options_as
 from retool.recipes.gsm8k.task import TASK, coldstart_examples, gsm8k_source, held_out_problems
 from retool.train.sft import SFTReport
-
-FIELDS: DemoFields = {
-    "out": "runs/demo-smollm2-gsm8k",
-    "base_eval_problems": 50,  # the base model rambles to the token budget: the costliest samples
-    "base_eval_modes": ("text-only", "retool"),
-    "eval_modes": ("text-only", "retool"),
-    "eval_temperature": 0.0,
-}
 
 
 @dataclass(frozen=True)
@@ -44,13 +36,6 @@ class Gsm8kOptions(RecipeOptions):
     gsm8k_problems: int = 0
     coldstart_rows: int = 0
     rl_max_solution_steps: int = 0
-
-
-OPTIONS = Gsm8kOptions(
-    gsm8k_problems=100,
-    coldstart_rows=800,
-    rl_max_solution_steps=3,  # 63% of train: where the cold-started model solves any
-)
 
 
 @dataclass(frozen=True)
@@ -86,11 +71,11 @@ class Gsm8kRecipe(Recipe):
         return train_on_examples(ctx, examples, conversion)
 
 
+PRESET = "demo-smollm2-gsm8k"  # the config, and its [pipeline] fields and [recipe] options
 RECIPE = Gsm8kRecipe(
     name="gsm8k",
     description="SmolLM2-135M-Instruct: cold start from annotated GSM8K solutions, RL on GSM8K train",
     model="smollm2",
-    preset="demo-smollm2-gsm8k",
-    fields=FIELDS,
-    options=OPTIONS,
+    preset=PRESET,
+    **from_preset(PRESET, Gsm8kOptions),
 )

@@ -20,8 +20,8 @@ from retool.data.mathematics import module_of
 from retool.data.problem import Problem
 from retool.env import ProblemSource
 from retool.env.mathematics import MathematicsList, MathematicsSource
-from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, train_on_examples
-from retool.pipeline.settings import DemoFields, DemoSettings, RecipeOptions, options_as
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, from_preset, train_on_examples
+from retool.pipeline.settings import DemoSettings, RecipeOptions, options_as
 from retool.recipes.mathematics.task import (
     TASK,
     ColdStart,
@@ -32,14 +32,6 @@ from retool.recipes.mathematics.task import (
 )
 from retool.train.expert_iteration import RoundReport
 from retool.train.sft import SFTReport
-
-FIELDS: DemoFields = {
-    "out": "runs/demo-smollm2-mathematics",
-    "base_eval_problems": 71,  # every k-th held-out problem: one per module
-    "base_eval_modes": ("text-only", "retool"),
-    "eval_modes": ("text-only", "retool"),
-    "eval_temperature": 0.0,
-}
 
 
 @dataclass(frozen=True)
@@ -67,14 +59,6 @@ class MathematicsOptions(RecipeOptions):
     coldstart_round_temperature: float = 0.7
     coldstart_keep: int = 1
     coldstart_max_trajectories: int = 0
-
-
-OPTIONS = MathematicsOptions(
-    mathematics_problems=2,  # x (56 interpolate + 15 extrapolate modules)
-    coldstart_rows=4,  # train problems per module, one greedy attempt each
-    coldstart_samples=1,
-    coldstart_temperature=0.0,
-)
 
 
 def cold_start_of(options: MathematicsOptions) -> ColdStart:
@@ -140,11 +124,11 @@ class MathematicsRecipe(Recipe):
         return None
 
 
+PRESET = "demo-smollm2-mathematics"  # the config, and its [pipeline] fields and [recipe] options
 RECIPE = MathematicsRecipe(
     name="mathematics",
     description="SmolLM2-135M-Instruct on DeepMind Mathematics: cold start from its own verified attempts",
     model="smollm2",
-    preset="demo-smollm2-mathematics",
-    fields=FIELDS,
-    options=OPTIONS,
+    preset=PRESET,
+    **from_preset(PRESET, MathematicsOptions),
 )

@@ -10,20 +10,14 @@ Its task's code is the tiny recipe's.
 
 from __future__ import annotations
 
-from retool.pipeline.settings import DemoFields
+from retool.pipeline.recipe import from_preset
 from retool.recipes.tiny import SyntheticOptions, SyntheticRecipe
 
-FIELDS: DemoFields = {
-    "out": "runs/demo-smollm2",
-    "base_eval_problems": 16,
-    "eval_modes": ("retool",),  # text-only mode would add ~2x the sampling (GSM8K reasoning runs long)
-}
-
+PRESET = "demo-smollm2"  # the config, and its [pipeline] fields and [recipe] options
 RECIPE = SyntheticRecipe(
     name="smollm2",
     description="SmolLM2-135M-Instruct learns the interpreter on the synthetic tasks (+ a GSM8K slice)",
     model="smollm2",
-    preset="demo-smollm2",
-    fields=FIELDS,
-    options=SyntheticOptions(test_hard_fraction=1.0, gsm8k_problems=30),
+    preset=PRESET,
+    **from_preset(PRESET, SyntheticOptions),
 )

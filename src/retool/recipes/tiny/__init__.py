@@ -22,7 +22,7 @@ from retool.data.gsm8k import gsm8k_problems
 from retool.data.synthetic import Task, generate_tasks
 from retool.env import ProblemSource, TaskFamilySource, source_from_config
 from retool.pipeline.model import task_texts
-from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, sandbox_observer
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, from_preset, sandbox_observer
 from retool.pipeline.settings import DemoSettings, RecipeOptions, demo_data_dir, options_as
 from retool.pipeline.sft import SFTMix, build_sft_examples
 from retool.train.sft import SFTExample, SFTReport, train_sft_as_configured
@@ -129,4 +129,5 @@ def cold_start_sft(
 RECIPE = SyntheticRecipe(
     name="tiny",
     description="a tiny Qwen2 built here learns to call the interpreter on synthetic arithmetic (CPU, minutes)",
+    **from_preset("demo", SyntheticOptions),  # the config, and its [pipeline] fields and [recipe] options
 )
