@@ -7,6 +7,10 @@ overrides (values parsed as TOML literals, falling back to strings);
 
 This is the one source of defaults: every command's defaults are these (or a preset's), and its flags
 become overrides only when given (``flag_overrides``), so a flag never silently replaces a config value.
+
+Long because it is every section a user sets, each field with the comment that says why its default,
+and the checks that span sections (``Config._check_combinations``); split by section, a reader would
+look for a knob in a dozen files instead of one.
 """
 
 from __future__ import annotations
