@@ -177,7 +177,7 @@ class DemoSettings:
                     f"({', '.join(_OWN_FIELDS)}), an option of the recipe recipe.NAME=value "
                     f"({self.options.described()})"
                 )
-            by_table[table].append(override.partition(".")[2] if table != "config" else override)
+            by_table[table].append(override)
         fields = f"the demo fields ({', '.join(_OWN_FIELDS)})"
         own = dict(_named_value(o, _OWN_FIELDS, fields) for o in by_table[PIPELINE_TABLE])
         options = self.options.with_values(
@@ -219,13 +219,13 @@ class DemoSettings:
 _OWN_FIELDS = tuple(f.name for f in dataclasses.fields(DemoSettings) if f.name not in ("config", "options"))
 
 
-def _named_value(
-    override: str, names: Sequence[str], what: str
-) -> tuple[str, Any]:  # its type is the value's
-    name = override.partition("=")[0].strip()
+def _named_value(override: str, names: Sequence[str], what: str) -> tuple[str, Any]:
+    """``table.NAME=value`` -> (NAME, value: its type is the value's), NAME one of ``names``."""
+    named = override.partition(".")[2]
+    name = named.partition("=")[0].strip()
     if name not in names:
         raise ConfigError(f"override {override!r}: {name!r} is none of {what}")
-    value = apply_overrides({}, [override])[name]
+    value = apply_overrides({}, [named])[name]
     return name, tuple(value) if isinstance(value, list) else value
 
 
