@@ -26,11 +26,12 @@ keep it outside the work tree):
     python bench/mathematics_rl.py --smoke --out /tmp/slice                   # a few-step slice (CI)
 
 A sitting may land on another machine, with an empty run folder. What is costly to sample and cheap to keep
-(the cold start's finished rounds, the start's held-out curve point, the sweep once chosen) is copied as it
-finishes into ``--carry`` (in the work tree: commit it with the results) and copied back into a run folder
-that lacks it: the cold start's rounds are read back and its weights trained again from their pool, the
-sweep is not run again. RL seeds, expert iteration and the final evaluation resume from their checkpoints
-on the machine that ran them only.
+(the cold start's finished rounds, the start's held-out curve point, each sweep run trained to its end with
+its evaluation, the sweep once chosen) is copied as it finishes into ``--carry`` (in the work tree: commit
+it with the results) and copied back into a run folder that lacks it: the cold start's rounds are read back
+and its weights trained again from their pool; a finished sweep run, and a chosen sweep, are not run again.
+RL seeds, expert iteration and the final evaluation resume from their checkpoints on the machine that ran
+them only.
 """
 
 from __future__ import annotations
@@ -173,6 +174,9 @@ def carried(out: Path) -> list[Path]:
     whole_sweep = (out / "sweep" / "choice.json").is_file()  # written last
     for pattern in CARRIED_FILES + (CARRIED_SWEEP if whole_sweep else ()):
         found += [Path(f) for f in glob.glob(str(out / pattern))]
+    # A sweep run trained to its end (its model written last) and its evaluations, before the sweep is whole.
+    found += [m.parents[1] / "metrics.jsonl" for m in (out / "sweep").glob("*/model_latest/step.json")]
+    found += [Path(f) for f in glob.glob(str(out / "sweep" / "curve" / "*"))]
     return sorted({f.relative_to(out) for f in found if f.is_file()})
 
 
@@ -343,8 +347,9 @@ def sweep(args: argparse.Namespace) -> str:
     rows = {}
     for lr in lrs:
         run = args.out / "sweep" / f"lr{lr}"
-        train_to(args, run, args.sweep_steps, 0, lr, "pass_rate")
         label = f"lr{lr}"
+        if not carried_run(args, run, label):
+            train_to(args, run, args.sweep_steps, 0, lr, "pass_rate")
         evaluate(
             args, label, run / "model_latest", args.out / "sweep" / "curve", args.curve_per_module, "retool"
         )
@@ -353,7 +358,8 @@ def sweep(args: argparse.Namespace) -> str:
             "held_out": held_out_mean(args.out / "sweep" / "curve", label),
         }
     middle = lrs[len(lrs) // 2]
-    train_to(args, args.out / "sweep" / "epoch", args.sweep_steps, 0, middle, "epoch")
+    if not carried_run(args, args.out / "sweep" / "epoch", None):
+        train_to(args, args.out / "sweep" / "epoch", args.sweep_steps, 0, middle, "epoch")
     kept = [lr for lr in lrs if not rows[lr]["collapsed"]] or lrs
     # Judged on held-out questions, not the train accuracy: the pass-rate selection steers draws toward
     # problems near a 50% pass rate, so a rate that learns faster can show a lower train accuracy.
@@ -361,6 +367,19 @@ def sweep(args: argparse.Namespace) -> str:
     write_json(args.out / "sweep" / "choice.json", {"lr": best, "runs": rows})
     carry_out(args)
     return best
+
+
+def carried_run(args: argparse.Namespace, run: Path, label: str | None) -> bool:
+    """Whether a sweep run finished on another machine: its metrics (every step) and its evaluation (when
+    it has one) were carried, its model was not; nothing needs the model after them."""
+    from retool.evaluate.store import summary_path_for
+
+    if (run / "model_latest" / "step.json").is_file() or len(metrics(run)) < args.sweep_steps:
+        return False
+    if label is None:
+        return True
+    summary = read_json(summary_path_for(eval_output(args.out / "sweep" / "curve", label, "retool")))
+    return bool(summary and summary.get("status") == "complete")
 
 
 def held_out_mean(folder: Path, label: str) -> float:

@@ -71,6 +71,14 @@ def test_finished_rounds_and_a_chosen_sweep_are_carried_to_another_machine_weigh
         "sft/coldstart/round-0/kept.jsonl",
         "curve-start/step0000_retool.jsonl",
     }
+    _write(run / "sweep/lr5e-5/metrics.jsonl", "{}\n" * 3)  # trained to its end: its model written last
+    _write(run / "sweep/lr5e-5/model_latest/step.json", '{"step": 3}')
+    _write(run / "sweep/curve/lr5e-5_retool.jsonl", "{}\n")
+    _write(run / "sweep/curve/lr5e-5_retool.summary.json", '{"status": "complete"}')
+    bench.carry_out(args)
+    assert (carry / "sweep/lr5e-5/metrics.jsonl").is_file() and (carry / "sweep/curve").is_dir()
+    assert not (carry / "sweep/lr5e-5/model_latest").exists()  # weights and the marker of them stay
+    assert not (carry / "sweep/lr1e-4/metrics.jsonl").exists()  # still training: its metrics stay
     _write(run / "sweep/choice.json", '{"lr": "1e-4"}')  # the sweep is whole: its metrics go too
     bench.carry_out(args)
     assert (carry / "sweep/choice.json").is_file() and (carry / "sweep/lr1e-4/metrics.jsonl").is_file()
@@ -80,6 +88,10 @@ def test_finished_rounds_and_a_chosen_sweep_are_carried_to_another_machine_weigh
     assert (fresh / "sft/coldstart/round-0/kept.jsonl").read_text() == "{}\n"
     assert (fresh / "sweep/choice.json").is_file() and not (fresh / "sft/phase.json").exists()
     assert not (fresh / "sft/coldstart/round-0/state").exists()
+    # on the other machine the finished sweep run is not trained again: its metrics and evaluation came
+    fresh_args = bench.parse_args(["--out", str(fresh), "--carry", str(carry), "--sweep-steps", "3"])
+    assert bench.carried_run(fresh_args, fresh / "sweep/lr5e-5", "lr5e-5")
+    assert not bench.carried_run(fresh_args, fresh / "sweep/lr1e-4", "lr1e-4")  # its metrics: not 3 steps
 
 
 def test_a_few_step_slice_of_the_bench_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
