@@ -97,7 +97,7 @@ def eval_one(label: str, modes: list[str], folder: Path, demo_dir: Path, args: a
     from retool.recipes.gsm8k.task import held_out_problems
 
     saved, config = saved_run(demo_dir)
-    settings = DemoSettings.load([], config="demo-smollm2-gsm8k", eval_temperature=saved["eval_temperature"])
+    settings = DemoSettings.load([], config="demo-gsm8k", eval_temperature=saved["eval_temperature"])
     config = eval_sampling(eval_config(config, model_path(label, demo_dir), folder, len(modes)), settings)
     problems = held_out_problems(10**9, args.data_dir or saved.get("data_dir"), 0)
     if args.limit:

@@ -14,7 +14,7 @@ threads; TRL's defaults that differ are set to match (``bench/_peers.py``, ``trl
 ``--task gsm8k``: the same on GSM8K instead of the synthetic tasks: the start is cold-started on GSM8K's
 annotated train solutions turned into tool trajectories in the Hermes format of the Qwen2.5 template (one
 call per annotated step, so the start calls the tool several times per problem), both arms train on the
-short-solution train problems of the ``demo-smollm2-gsm8k`` preset (4 questions x 8 samples, LoRA r16 on
+short-solution train problems of the ``demo-gsm8k`` preset (4 questions x 8 samples, LoRA r16 on
 every linear, its budgets) and the held-out evaluation is a GSM8K test slice, greedy.
 
 Arms (``--arms``): ``trl``; ``retool`` (the preset); and retool-rl with one feature off each, for the
@@ -407,7 +407,7 @@ class Arm:
 
 def training_source(cfg: Any, task: str) -> Any:
     """The problems both arms train on: the synthetic task family, or GSM8K's short-solution train
-    problems (the ``demo-smollm2-gsm8k`` demo's curriculum)."""
+    problems (the ``demo-gsm8k`` demo's curriculum)."""
     from retool.pipeline.settings import DemoSettings
     from retool.recipes import recipe_for
     from retool.recipes.demo import demo_source

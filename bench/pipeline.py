@@ -187,7 +187,7 @@ def build_parts(args: argparse.Namespace, work: Path) -> dict[str, Any]:
         "tiny",
         [
             "data.source=synthetic",
-            "data.task_count=400",
+            "data.options.count=400",
             f"train.steps={args.steps}",
             "checkpoint.every=0",
             f"rollout.questions_per_step={args.questions}",

@@ -26,8 +26,8 @@ from calculator_env import CalculatorSource, SympyCalculator
 
 from retool.config import Config
 from retool.data.problem import Problem
-from retool.env import ProblemList, ProblemSource, TaskFamilySource
-from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe
+from retool.env import ProblemList, ProblemSource, SyntheticSourceOptions, TaskFamilySource
+from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, from_preset
 from retool.pipeline.report import gain_line, markdown_table
 from retool.pipeline.settings import DemoFields, DemoSettings, RecipeOptions, options_as
 from retool.recipes import register_recipe
@@ -58,11 +58,12 @@ class CalculatorRecipe(Recipe):
 
     def source(self, settings: DemoSettings, config: Config) -> ProblemSource:
         d = config.data
+        sizes = SyntheticSourceOptions.model_validate(d.options)  # the preset's [data.options]
         family = TaskFamilySource(
-            count=d.task_count,
-            test_count=d.task_test_count,
+            count=sizes.count,
+            test_count=sizes.test_count,
             seed=d.seed,
-            hard_fraction=d.task_hard_fraction,
+            hard_fraction=sizes.hard_fraction,
             kinds=options_as(settings, CalculatorOptions).kinds,
             shuffle=d.shuffle,
         )
@@ -80,23 +81,27 @@ class CalculatorRecipe(Recipe):
         def observe(code: str) -> str:  # what the calculator shows for the canonical code
             return calculator.format_tool_content(asyncio.run(calculator.arun(code)))
 
-        return cold_start_sft(ctx, train, observe=observe)
+        return cold_start_sft(ctx, train, options_as(ctx.settings, CalculatorOptions), observe=observe)
 
     def eval_source(self, problems: Sequence[Problem]) -> ProblemSource | None:
         return CalculatorSource(ProblemList(list(problems), shuffle=False))
 
 
+# The tiny recipe's TOML: its config, and its [recipe] table (the cold start's styles) as our options.
+PRESET = "demo-tiny"
 RECIPE = register_recipe(
     CalculatorRecipe(
         name="calculator",
         description="the tiny model learns to call a sympy calculator on synthetic arithmetic",
+        preset=PRESET,
         fields={"out": "runs/calculator"},
+        options=from_preset(PRESET, CalculatorOptions)["options"],
     )
 )
 
 
 def calculator_settings(out: str, overrides: Sequence[str] = ()) -> DemoSettings:
-    """The recipe's settings: its preset (the ``demo`` one), fields and options, then ``overrides``."""
+    """The recipe's settings: its preset (the tiny recipe's), fields and options, then ``overrides``."""
     fields: DemoFields = {**recipe_fields(RECIPE), "out": out}
     return DemoSettings.load(overrides, config=RECIPE.preset, **fields)
 

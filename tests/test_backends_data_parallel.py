@@ -219,7 +219,7 @@ def test_a_spare_started_ahead_is_adopted(tiny_model_dir: Path) -> None:
 
 
 def test_backend_processes_picks_the_client(tiny_model_dir: Path, tmp_path: Path) -> None:
-    base = load_config("demo")
+    base = load_config("demo-tiny")
     sets = [f"model.name={tiny_model_dir}", f"train.run_dir={tmp_path}"]
     one = make_training_client(override_config(base, [*sets, "backend.processes=1"]))
     assert type(one) is LocalTrainingClient

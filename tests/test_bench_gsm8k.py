@@ -228,8 +228,8 @@ def test_demos_without_evaluations_run_and_a_second_seed_reuses_the_first_sft(tm
     from retool.recipes.demo import run_demo
 
     sets = [
-        "data.task_count=40",
-        "data.task_test_count=8",
+        "data.options.count=40",
+        "data.options.test_count=8",
         "sft.steps=3",
         "sft.batch_size=4",
         "train.steps=1",

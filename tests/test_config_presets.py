@@ -48,15 +48,17 @@ def test_overrides_parse_toml_values_and_reach_nested_fields() -> None:
             "lora.enabled=false",
             "sandbox.preimport=['math']",
             "model.name=/some/path",
-            "data.task_count=10",
+            "data.options.count=10",
         ],
     )
     assert c.rollout.group_size == 4 and c.optimizer.lr == 1e-4 and not c.lora.enabled
-    assert c.sandbox.preimport == ["math"] and c.model.name == "/some/path" and c.data.task_count == 10
+    assert c.sandbox.preimport == ["math"] and c.model.name == "/some/path" and c.data.options["count"] == 10
 
 
 def test_dump_round_trips(tmp_path: Path) -> None:
-    c = load_config("chapter", ["rollout.group_size=3", "train.run_dir=runs/x y"])
+    c = load_config(
+        "chapter", ["rollout.group_size=3", "train.run_dir=runs/x y", "data.options.kinds=['mul_big']"]
+    )
     path = tmp_path / "run.toml"
     path.write_text(dump_config(c))
     again = load_config(path)
@@ -69,7 +71,7 @@ def test_dump_round_trips(tmp_path: Path) -> None:
         (["rollout.group_size=many"], "rollout.group_size"),
         (["rollout.no_such_knob=1"], "no_such_knob"),
         (["novalue"], "section.key=value"),
-        (["data.task_count=0"], "data.task_count"),
+        (["sft.steps=0"], "sft.steps"),
     ],
 )
 def test_bad_overrides_are_named(overrides: list[str], message: str) -> None:

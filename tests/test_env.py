@@ -62,8 +62,10 @@ def test_epochs_are_seeded_permutations() -> None:
         ProblemList([]).problems("train")
 
 
-def test_the_task_family_has_held_out_splits_from_the_data_section() -> None:
-    cfg = load_config("tiny", ["data.task_count=30", "data.task_test_count=7", "data.task_kinds=['mul_big']"])
+def test_the_task_family_has_held_out_splits_from_its_options() -> None:
+    cfg = load_config(
+        "tiny", ["data.options.count=30", "data.options.test_count=7", "data.options.kinds=['mul_big']"]
+    )
     env = source_from_config(cfg)
     assert isinstance(env, TaskFamilySource)
     train, test = env.problems("train"), env.problems("test")
@@ -72,7 +74,36 @@ def test_the_task_family_has_held_out_splits_from_the_data_section() -> None:
     assert not {p.question for p in train} & {p.question for p in test}
     assert all(t.code.startswith("print(") for t in env.tasks("train"))
     with pytest.raises(SourceError, match="unknown task kinds"):
-        make_source("synthetic", SourceOptions(data=DataConfig(task_kinds=["nope"]))).problems("train")
+        make_source("synthetic", _synthetic_data({"kinds": ["nope"]})).problems("train")
+
+
+def _synthetic_data(options: dict[str, object], source: str = "synthetic") -> SourceOptions:
+    return SourceOptions(data=DataConfig(source=source, options=options))
+
+
+@pytest.mark.parametrize(
+    ("source", "options", "message"),
+    [
+        ("synthetic", {"count": 0}, r"data\.options\.count: .*greater than or equal to 1"),
+        ("synthetic", {"cont": 5}, r"data\.options\.cont: Extra inputs"),
+        ("gsm8k", {"count": 5}, "the 'gsm8k' source takes no options"),
+        ("problems.jsonl", {"count": 5}, "a file or folder of problems, which takes no options"),
+    ],
+)
+def test_a_source_refuses_options_it_does_not_take_in_one_line(
+    source: str, options: dict[str, object], message: str
+) -> None:
+    with pytest.raises(SourceError, match=message) as caught:
+        make_source(source, _synthetic_data(options, source))
+    assert "\n" not in str(caught.value)
+
+
+def test_data_options_belong_to_the_training_source_not_a_set_named_beside_it() -> None:
+    """An evaluation set named beside a synthetic run (``retool eval --dataset``) keeps its defaults."""
+    beside = _synthetic_data({"count": 5, "test_count": 3})  # data.source = synthetic
+    assert len(make_source("synthetic", beside).problems("train")) == 5
+    other = SourceOptions(data=DataConfig(source="gsm8k", options={"count": 5}))
+    assert len(make_source("synthetic", other).problems("test")) == 200  # SyntheticSourceOptions' default
 
 
 def test_named_sets_prefer_the_data_dir(fixture_data: Path) -> None:

@@ -177,6 +177,7 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
 
     from retool.recipes import RECIPES, recipe_named
     from retool.recipes.demo import run_demo
+    from retool.recipes.tiny import RECIPE as TINY
 
     calls: list[str] = []
     real_arun = SympyCalculator.arun
@@ -187,12 +188,17 @@ def test_the_calculator_recipe_runs_through_the_unchanged_demo_pipeline(
 
     monkeypatch.setattr(SympyCalculator, "arun", counted)
     assert RECIPES["calculator"] is RECIPE and recipe_named("calculator") is RECIPE
-    assert calculator_settings("x").options == CalculatorOptions(kinds=ARITHMETIC_KINDS)
-    with pytest.raises(ConfigError, match=r"CalculatorOptions \(test_hard_fraction, gsm8k_problems, kinds\)"):
+    options = calculator_settings("x").options
+    assert isinstance(options, CalculatorOptions) and options.kinds == ARITHMETIC_KINDS
+    assert options == CalculatorOptions(**{**TINY.options.as_dict(), "kinds": ARITHMETIC_KINDS})
+    assert options.hard_tool == 0.8  # the tiny recipe's TOML's [recipe] table
+    with pytest.raises(
+        ConfigError, match=r"CalculatorOptions \(test_hard_fraction, gsm8k_problems, hard_tool, .*, kinds\)"
+    ):
         calculator_settings("x", ["kind=['add_small']"])
     shrunk = [
-        "data.task_count=24",
-        "data.task_test_count=6",
+        "data.options.count=24",
+        "data.options.test_count=6",
         "sft.steps=2",
         "sft.batch_size=4",
         "eval.val_n=1",

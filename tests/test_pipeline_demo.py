@@ -19,8 +19,8 @@ from retool.recipes.tiny import SyntheticOptions
 def small(out: Path) -> DemoSettings:
     """The demo preset, shrunk to a minute: the same path through every phase."""
     sets = [
-        "data.task_count=40",
-        "data.task_test_count=8",
+        "data.options.count=40",
+        "data.options.test_count=8",
         "sft.steps=3",
         "sft.batch_size=4",
         "eval.val_n=2",
@@ -128,7 +128,7 @@ def test_settings_are_the_preset_plus_demo_fields() -> None:
     settings = DemoSettings.load(
         ["train.steps=7", "pipeline.size=test", "pipeline.eval_modes=['retool']"], plots=False
     )
-    assert settings.config == load_config("demo", ["train.steps=7"])
+    assert settings.config == load_config("demo-tiny", ["train.steps=7"])
     assert (settings.size, settings.eval_modes, settings.plots) == ("test", ("retool",), False)
     seeded = settings.with_seed(5)
     assert (seeded.seed, seeded.config.data.seed, seeded.config.eval.seed) == (5, 5, 5)
@@ -145,8 +145,12 @@ def test_a_recipe_option_is_set_by_name_and_recorded_under_options() -> None:
         ["recipe.gsm8k_problems=3", "pipeline.size=test"], options=SyntheticOptions()
     )
     assert settings.options == SyntheticOptions(gsm8k_problems=3) and settings.size == "test"
-    assert settings.as_dict()["options"] == {"test_hard_fraction": None, "gsm8k_problems": 3}
-    with pytest.raises(ConfigError, match=r"SyntheticOptions \(test_hard_fraction, gsm8k_problems\)"):
+    recorded = settings.as_dict()["options"]
+    assert recorded == {**SyntheticOptions().as_dict(), "gsm8k_problems": 3}
+    assert {"test_hard_fraction": None, "hard_tool": 0.8}.items() <= recorded.items()
+    with pytest.raises(
+        ConfigError, match=r"SyntheticOptions \(test_hard_fraction, gsm8k_problems, hard_tool, "
+    ):
         DemoSettings.load(["recipe.coldstart_rows=3"], options=SyntheticOptions())
     with pytest.raises(ConfigError, match="demo field"):  # "options" is not itself a field to set
         DemoSettings.load(["options=1"], options=SyntheticOptions())

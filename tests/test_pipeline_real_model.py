@@ -76,7 +76,7 @@ def test_real_gsm8k_file_reads(fixture_data: Path) -> None:
 
 def test_held_out_hard_split_never_repeats_a_training_question(fixture_data: Path) -> None:
     settings = recipe_settings(
-        "smollm2", ["data.task_count=300", "data.task_test_count=60"], data_dir=str(fixture_data)
+        "smollm2", ["data.options.count=300", "data.options.test_count=60"], data_dir=str(fixture_data)
     )
     assert settings.config.model.system_prompt == "compact" and settings.config.lora.enabled
     held = held_out(settings, task_source(settings.config))
@@ -113,8 +113,8 @@ def test_compact_system_prompt_keeps_the_rules_in_fewer_words(tiny_model_dir: Pa
 
 def _tiny(out: Path) -> DemoSettings:
     sets = [
-        "data.task_count=30",
-        "data.task_test_count=6",
+        "data.options.count=30",
+        "data.options.test_count=6",
         "sft.steps=2",
         "sft.batch_size=4",
         "eval.val_n=1",

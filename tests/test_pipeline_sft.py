@@ -225,7 +225,7 @@ def test_retool_sft_data_trains_the_configs_model_on_a_trace_file(
     assert sum(report["losses"][-5:]) / 5 < 0.7 * sum(report["losses"][:3]) / 3
     assert "sft step" in result.output  # the progress display's lines
     # The folder is an ordinary model: what `retool eval --model OUT/model_sft` loads.
-    config = load_config("demo", [f"model.name={out / 'model_sft'}", "backend.processes=1"])
+    config = load_config("demo-tiny", [f"model.name={out / 'model_sft'}", "backend.processes=1"])
     with build_components(config, tools=False) as parts:
         assert parts.protocol.fmt.name == "hermes"
 

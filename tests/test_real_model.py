@@ -45,7 +45,7 @@ def settings(tmp_path_factory: pytest.TempPathFactory) -> Any:
     small = [
         "lora.rank=8",
         "lora.alpha=16",
-        "data.task_count=8",
+        "data.options.count=8",
         "train.steps=1",
         "rollout.questions_per_step=2",
         "rollout.group_size=2",

@@ -66,9 +66,11 @@ def test_a_recipe_declares_its_own_options_and_settings_json_records_them() -> N
         "gsm8k_problems": 100,
         "coldstart_rows": 5,
         "rl_max_solution_steps": 3,
+        "coldstart_steps_per_call": 1,
+        "coldstart_text_only_share": 0.2,
     }
     with pytest.raises(
-        ConfigError, match=r"Gsm8kOptions \(gsm8k_problems, coldstart_rows, rl_max_solution_steps\)"
+        ConfigError, match=r"Gsm8kOptions \(gsm8k_problems, coldstart_rows, rl_max_solution_steps, "
     ):
         recipe_settings("gsm8k", ["recipe.mathematics_problems=1"])
     # settings built without a recipe read as the recipe's options type's defaults
@@ -123,7 +125,9 @@ def test_a_recipe_is_one_toml_its_tables_validated_by_the_settings_and_options_c
 
     gsm8k = RECIPES["gsm8k"]
     assert from_preset(gsm8k.preset, Gsm8kOptions) == {"fields": gsm8k.fields, "options": gsm8k.options}
-    assert gsm8k.options == Gsm8kOptions(gsm8k_problems=100, coldstart_rows=800, rl_max_solution_steps=3)
+    assert gsm8k.options == Gsm8kOptions(
+        gsm8k_problems=100, coldstart_rows=800, rl_max_solution_steps=3, coldstart_text_only_share=0.2
+    )
     assert gsm8k.fields["eval_modes"] == ("text-only", "retool")  # TOML arrays read as the settings' tuples
     load_config(gsm8k.preset)  # [pipeline] and [recipe] are not config sections
     bad = tmp_path / "bad.toml"
@@ -133,3 +137,25 @@ def test_a_recipe_is_one_toml_its_tables_validated_by_the_settings_and_options_c
     bad.write_text("[pipeline]\nwhatever = 1\n")
     with pytest.raises(ConfigError, match=r"\[pipeline\] whatever: not demo fields"):
         from_preset(str(bad), Gsm8kOptions)
+
+
+def test_settings_built_without_the_tiny_recipe_run_as_it_does() -> None:
+    """The synthetic options' defaults are the tiny recipe's TOML values: ``DemoSettings()`` (no recipe named)
+    then cold-starts with the same styles as ``retool demo``."""
+    from retool.recipes.tiny import SyntheticOptions
+
+    assert RECIPES["tiny"].options == SyntheticOptions()
+
+
+def test_a_config_files_recipe_table_tunes_the_recipe_and_set_wins(tmp_path: Path) -> None:
+    from retool.recipes.tiny import SyntheticOptions
+
+    mine = tmp_path / "mine.toml"
+    mine.write_text("[train]\nsteps = 3\n[recipe]\nhard_tool = 0.5\n")
+    settings = DemoSettings.load([], config=mine, options=SyntheticOptions())
+    assert settings.options.hard_tool == 0.5 and settings.config.train.steps == 3  # type: ignore[attr-defined]
+    again = DemoSettings.load(["recipe.hard_tool=0.6"], config=mine, options=SyntheticOptions())
+    assert again.options.hard_tool == 0.6  # type: ignore[attr-defined]
+    mine.write_text("[recipe]\nnope = 1\n")
+    with pytest.raises(ConfigError, match=r"mine\.toml: \[recipe\]: no option nope in SyntheticOptions"):
+        DemoSettings.load([], config=mine, options=SyntheticOptions())

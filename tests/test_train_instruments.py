@@ -163,7 +163,7 @@ def test_a_tiny_local_run_records_every_instrument(tiny_model_dir: Path, tmp_pat
         [
             f"model.name='{tiny_model_dir}'",
             "data.source=synthetic",
-            "data.task_count=40",
+            "data.options.count=40",
             "train.steps=2",
             "checkpoint.every=0",
             "rollout.questions_per_step=2",

@@ -29,7 +29,7 @@ def local_config(model_dir: Path, k: int) -> Config:
         [
             f"model.name='{model_dir}'",
             "data.source=synthetic",
-            "data.task_count=40",
+            "data.options.count=40",
             "train.steps=2",
             f"train.max_steps_off_policy={k}",
             # fp32 sampler and trainer agree to ~1e-7 on the same weights; one optimizer step moves the

@@ -238,6 +238,6 @@ def test_roc_is_off_in_every_preset() -> None:
     from retool.config import preset_names
 
     names = preset_names()  # the general presets and every recipe's
-    assert {"chapter", "demo", "demo-smollm2-gsm8k"} <= set(names)
+    assert {"chapter", "demo-tiny", "demo-gsm8k"} <= set(names)
     for name in names:
         assert load_config(name).filters.roc is False, name

@@ -57,7 +57,7 @@ def tiny_config(model_dir: Path, **extra: Any) -> Config:
     sets = {
         "model.name": str(model_dir),
         "data.source": "synthetic",
-        "data.task_count": 40,
+        "data.options.count": 40,
         "train.steps": STEPS,
         "checkpoint.every": 1,
         "checkpoint.keep_last": 3,

@@ -22,7 +22,7 @@ def test_one_real_step_gives_viewable_records(tiny_model_dir: Path, tmp_path: Pa
         "tiny",
         [
             f"model.name={json.dumps(str(tiny_model_dir))}",
-            "data.task_count=20",
+            "data.options.count=20",
             "train.steps=1",
             "checkpoint.every=0",
             "rollout.questions_per_step=2",

@@ -45,7 +45,6 @@ RL_BASE = [
     "sandbox.preimport=[]",
     "logging.tracker=none",
     "logging.progress=false",
-    "data.task_count=40",
     "lora.enabled=false",
 ]
 SCHEDULES = {
@@ -110,7 +109,11 @@ def rl_metrics(model: Path, extra: list[str], run: Path) -> dict[str, Any]:
             reward = 1.0 if total % 2 == 0 else -1.0
             return dataclasses.replace(await self.inner.score(attempt, verifier), reward=reward)
 
-    config = load_config("tiny", [*RL_BASE, f"model.name={model}", *extra])
+    from retool.config import DataConfig
+
+    # The synthetic source's size: [data.options] since 2026-12-06, data.task_count before.
+    sized = "data.options.count=40" if "options" in DataConfig.model_fields else "data.task_count=40"
+    config = load_config("tiny", [*RL_BASE, sized, f"model.name={model}", *extra])
     Trainer(config, run, source=ParityScored(source_from_config(config))).run()
     rows = [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
     rewards = [json.loads(x).get("reward") for x in (run / "trajectories.jsonl").read_text().splitlines()]

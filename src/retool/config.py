@@ -21,7 +21,7 @@ from collections.abc import Mapping, Sequence
 from importlib import resources
 from importlib.resources.abc import Traversable
 from pathlib import Path
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -141,11 +141,9 @@ class DataConfig(_Section):
     data_dir: str | None = (
         None  # where named sets are looked for first (<name>.jsonl); else $RETOOL_DATA_DIR, else the user cache
     )
-    # The synthetic task family (source "synthetic"): problems per split, share of hard ones, kinds (empty: all).
-    task_count: int = Field(default=2000, ge=1)
-    task_test_count: int = Field(default=200, ge=1)
-    task_hard_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
-    task_kinds: list[str] = Field(default_factory=list)
+    # The own options of the source ``source`` names (``[data.options]``), validated by that source when
+    # it is built (``retool.env.register_source``): e.g. the synthetic family's ``count``, ``kinds``.
+    options: dict[str, Any] = Field(default_factory=dict)
     # "epoch": every problem once per epoch, in the source's order; "pass_rate": where groups are likely
     # to be mixed (``[data.pass_rate]``, ``retool.train.selection``).
     selection: Literal["epoch", "pass_rate"] = "epoch"
@@ -317,33 +315,17 @@ class SFTOptimizerConfig(_Section):
 
 
 class SFTConfig(_Section):
-    """Cold-start SFT on code-interleaved trajectories of the synthetic task family (``retool sft``)."""
+    """Cold-start SFT on code-interleaved trajectories (``retool sft``; a recipe's cold start)."""
 
     steps: int = Field(default=1500, ge=1)
     batch_size: int = Field(default=16, ge=1)
     lr: float = 3e-3  # peak learning rate (linear warm-up, cosine decay to 10%: ``[sft.optimizer]``)
     optimizer: SFTOptimizerConfig = Field(default_factory=SFTOptimizerConfig)
-    # Shares of trajectory styles: hard problems solved with a call / with a failing call then a fix
-    # (the rest answer directly); easy problems solved with a call.
-    hard_tool: float = Field(default=0.35, ge=0.0, le=1.0)
-    hard_error_fix: float = Field(default=0.1, ge=0.0, le=1.0)
-    easy_tool: float = Field(default=0.3, ge=0.0, le=1.0)
-    # The last ``final_share`` of the steps draw from a second set of trajectories with their own shares.
-    # Cold start in two stages: first the skill (most hard problems solved with the tool: calling and
-    # copying are learned), then the habit (a small share of calls), so that *when* to call is left
-    # to RL. 0: one stage.
+    # The last ``final_share`` of the steps draw from a second set of trajectories (a recipe's: e.g. the
+    # synthetic one's ``final_*`` styles). Cold start in two stages: first the skill (most hard problems
+    # solved with the tool: calling and copying are learned), then the habit (a small share of calls), so
+    # that *when* to call is left to RL. 0: one stage.
     final_share: float = Field(default=0.0, ge=0.0, le=1.0)
-    final_hard_tool: float = Field(default=0.1, ge=0.0, le=1.0)
-    final_hard_error_fix: float = Field(default=0.05, ge=0.0, le=1.0)
-    final_easy_tool: float = Field(default=0.1, ge=0.0, le=1.0)
-    # Cold start from annotated solutions (the gsm8k recipe, ``retool.pipeline.coldstart``): annotated
-    # steps computed per interpreter call (1: a call per step, each seeing the previous step's output; 0:
-    # every step in one call, whose later expressions then hold numbers the model has not seen yet).
-    steps_per_call: int = Field(default=1, ge=0)
-    # Share of those solutions written as plain reasoning in one turn with no tool registered (the
-    # text-only system prompt): the model keeps answering without the tool, so text-only against retool
-    # compares two working modes rather than a broken one.
-    text_only_share: float = Field(default=0.0, ge=0.0, le=1.0)
     # The local backend's SFT forwards under torch.autocast: off, bfloat16, or auto (bfloat16 where the
     # hardware computes it natively; ``retool.backends.local.precision.autocast_dtype``). The weights, the
     # optimizer and RL stay in backend.dtype.

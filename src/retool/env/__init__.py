@@ -17,7 +17,7 @@
   ``Tool`` shape.
 - ``files``: ``FileSource`` (a JSONL / JSON / parquet file or Hub id), the named evaluation sets, ``DapoSource``.
 - ``gsm8k``: ``Gsm8kSource`` (GSM8K train for training, test for evaluation, the leak check).
-- ``synthetic``: ``TaskFamilySource`` (the synthetic task family, ``tasks``).
+- ``synthetic``: ``TaskFamilySource`` (the synthetic task family, source ``synthetic``) and its options.
 - ``registry``: ``make_source(name_or_path, options)``, ``source_from_config(config)``, ``register_source``.
 
 The trainer and the evaluator take a ``ProblemSource``; names are resolved here, never inside them.
@@ -42,7 +42,7 @@ from retool.env.retool import (
 )
 from retool.env.scoring import Attempt, Score, Scorer, ScoreRule, VerifierLike, score_final_answer
 from retool.env.source import SPLITS, EnvSetup, ProblemList, ProblemSource, SourceError, Split
-from retool.env.synthetic import TaskFamilySource
+from retool.env.synthetic import SyntheticSourceOptions, TaskFamilySource
 from retool.env.types import (
     STOP_REASONS,
     AssistantTurn,
@@ -78,6 +78,7 @@ __all__ = [
     "SourceOptions",
     "Split",
     "StepResult",
+    "SyntheticSourceOptions",
     "TaskFamilySource",
     "Tool",
     "ToolSetup",

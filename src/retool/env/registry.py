@@ -2,16 +2,22 @@
 
 A name registered here builds its source with ``factory(name, options)``; anything else is a path
 (or a Hub id): a folder ``retool prepare dapo`` wrote is DAPO with its dev split, any other path a file
-of problems. Built in: ``tasks`` (the synthetic family), ``gsm8k`` (train / test), ``dapo``, ``aime2025``, ``aime2024``,
+of problems. Built in: ``synthetic`` (the task family), ``gsm8k`` (train / test), ``dapo``, ``aime2025``, ``aime2024``,
 ``math500``, ``mathematics`` (DeepMind Mathematics: train / interpolate + extrapolate; ``mathematics_interpolate``
 and ``mathematics_extrapolate`` evaluate on one test split). ``register_source`` adds more (e.g. from a user's own module) before a run is built.
+
+A source may take options of its own: ``[data.options]`` of a config whose ``data.source`` names it,
+validated by the pydantic model it was registered with (a source registered without one takes none).
 """
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+
+from pydantic import BaseModel, ValidationError
 
 from retool.config import Config, DataConfig
 from retool.data.evalsets import NAMED_SETS
@@ -20,30 +26,40 @@ from retool.env.files import DapoSource, FileSource, dapo_source, named_set_sour
 from retool.env.gsm8k import Gsm8kSource
 from retool.env.mathematics import MathematicsSource
 from retool.env.source import ProblemSource, SourceError
-from retool.env.synthetic import TaskFamilySource
+from retool.env.synthetic import SyntheticSourceOptions, TaskFamilySource
 
 
 @dataclass(frozen=True)
 class SourceOptions:
-    """What a factory may read besides the name: the ``[data]`` section, and field names given
-    explicitly (e.g. ``retool eval --question-field``), which win over a set's own."""
+    """What a factory may read besides the name: the ``[data]`` section, field names given explicitly
+    (e.g. ``retool eval --question-field``), which win over a set's own, and the source's own options
+    (``own``: ``[data.options]`` validated, for the source ``data.source`` names; else the defaults)."""
 
     data: DataConfig = field(default_factory=DataConfig)
     fields: Mapping[str, str] = field(default_factory=dict)
+    own: BaseModel | None = None
 
 
 SourceFactory = Callable[[str, SourceOptions], ProblemSource]
 
-_FACTORIES: dict[str, SourceFactory] = {}
+
+@dataclass(frozen=True)
+class _Registered:
+    factory: SourceFactory
+    options: type[BaseModel] | None
 
 
-def register_source(name: str, factory: SourceFactory) -> None:
-    """Make ``name`` (as ``data.source`` or ``--dataset``) build its source with ``factory``."""
-    _FACTORIES[name] = factory
+_SOURCES: dict[str, _Registered] = {}
+
+
+def register_source(name: str, factory: SourceFactory, options: type[BaseModel] | None = None) -> None:
+    """Make ``name`` (as ``data.source`` or ``--dataset``) build its source with ``factory``; ``options``:
+    the model its ``[data.options]`` are validated by (None: it takes none)."""
+    _SOURCES[name] = _Registered(factory, options)
 
 
 def registered_sources() -> list[str]:
-    return sorted(_FACTORIES)
+    return sorted(_SOURCES)
 
 
 def make_source(source: str, options: SourceOptions | None = None) -> ProblemSource:
@@ -53,12 +69,31 @@ def make_source(source: str, options: SourceOptions | None = None) -> ProblemSou
         raise SourceError(
             "no problems named: set data.source to a file or to one of " + ", ".join(registered_sources())
         )
-    factory = _FACTORIES.get(source)
-    if factory is not None:
-        return factory(source, opts)
+    # [data.options] belong to the training source: a held-out set named beside it keeps its defaults.
+    given = opts.data.options if source == opts.data.source else {}
+    registered = _SOURCES.get(source)
+    if registered is not None:
+        own = _own_options(source, registered.options, given)
+        return registered.factory(source, dataclasses.replace(opts, own=own))
+    if given:
+        raise SourceError(f"data.options: {source!r} is a file or folder of problems, which takes no options")
     if Path(source).is_dir() and DapoSource.is_prepared(source):
         return DapoSource(source, shuffle=opts.data.shuffle, name=source)
     return FileSource(source, opts.fields, shuffle=opts.data.shuffle)
+
+
+def _own_options(source: str, model: type[BaseModel] | None, given: Mapping[str, object]) -> BaseModel | None:
+    if model is None:
+        if given:
+            raise SourceError(
+                f"data.options: the {source!r} source takes no options (given: {', '.join(given)})"
+            )
+        return None
+    try:
+        return model.model_validate(dict(given))
+    except ValidationError as exc:
+        problems = [f"data.options.{'.'.join(str(p) for p in e['loc'])}: {e['msg']}" for e in exc.errors()]
+        raise SourceError(f"the {source!r} source: " + "; ".join(problems)) from None
 
 
 def source_from_config(config: Config | DataConfig) -> ProblemSource:
@@ -75,14 +110,15 @@ def source_from_config(config: Config | DataConfig) -> ProblemSource:
 
 
 def _synthetic(name: str, options: SourceOptions) -> ProblemSource:
-    d = options.data
+    own = options.own
+    assert isinstance(own, SyntheticSourceOptions)
     return TaskFamilySource(
-        count=d.task_count,
-        test_count=d.task_test_count,
-        seed=d.seed,
-        hard_fraction=d.task_hard_fraction,
-        kinds=d.task_kinds,
-        shuffle=d.shuffle,
+        count=own.count,
+        test_count=own.test_count,
+        seed=options.data.seed,
+        hard_fraction=own.hard_fraction,
+        kinds=own.kinds,
+        shuffle=options.data.shuffle,
         name=name,
     )
 
@@ -111,7 +147,7 @@ def _mathematics(name: str, options: SourceOptions) -> ProblemSource:
     return MathematicsSource(d.data_dir, shuffle=d.shuffle, test_splits=_MATHEMATICS_TESTS[name], name=name)
 
 
-register_source("synthetic", _synthetic)
+register_source("synthetic", _synthetic, SyntheticSourceOptions)
 for _name in _MATHEMATICS_TESTS:
     register_source(_name, _mathematics)
 register_source("gsm8k", _gsm8k)

@@ -1,4 +1,5 @@
-"""The synthetic task family as a problem source (``tasks``): seeded train and held-out test splits.
+"""The synthetic task family as a problem source (``synthetic``): seeded train and held-out test splits,
+sized by its options (``[data.options]``: ``SyntheticSourceOptions``).
 
 Problems come from ``retool.data.synthetic``; the demo's cold-start SFT also needs each problem's kind
 and canonical code, which ``tasks(split)`` keeps.
@@ -9,11 +10,25 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
+from pydantic import BaseModel, ConfigDict, Field
+
 from retool.data.problem import Problem
 from retool.data.synthetic import Task, generate_tasks
 from retool.env.source import ProblemSource, SourceError, Split
 
 logger = logging.getLogger(__name__)
+
+
+class SyntheticSourceOptions(BaseModel):
+    """The synthetic source's options (``[data.options]``): problems per split, the share of hard ones,
+    the kinds drawn (empty: all)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    count: int = Field(default=2000, ge=1)
+    test_count: int = Field(default=200, ge=1)
+    hard_fraction: float = Field(default=0.5, ge=0.0, le=1.0)
+    kinds: list[str] = Field(default_factory=list)
 
 
 class TaskFamilySource(ProblemSource):

@@ -76,7 +76,7 @@ class Recipe(ABC):
     description: str
     task: str
     model: str = "tiny"
-    preset: str = "demo"
+    preset: str = "demo-tiny"
     fields: DemoFields = field(default_factory=lambda: DemoFields())
     options: RecipeOptions = field(default_factory=RecipeOptions)
     tiny_model: bool = False

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar, Self, TypedDict, TypeVar, Unpack
 
-from retool.config import Config, ConfigError, apply_overrides, load_config, override_config
+from retool.config import Config, ConfigError, apply_overrides, load_config, override_config, recipe_tables
 from retool.jsonl import JsonObject
 from retool.pipeline.report import FlatSummary
 from retool.train.metrics import MetricsRecord
@@ -46,7 +46,7 @@ class DemoEvent(TypedDict, total=False):
 
 
 Event = Callable[[str, DemoEvent], None]
-DEMO_PRESET = "demo"
+DEMO_PRESET = "demo-tiny"
 # The tables of a recipe's settings beside the config's sections: ``--set pipeline.NAME=value`` sets a
 # demo-only field, ``--set recipe.NAME=value`` one of the recipe's options.
 PIPELINE_TABLE = "pipeline"
@@ -163,8 +163,18 @@ class DemoSettings:
         """Settings from ``config`` (a preset or TOML file) and ``overrides``, one dotted grammar for all:
         ``section.key=value`` for the config, ``pipeline.NAME=value`` for a demo-only field,
         ``recipe.NAME=value`` for one of the recipe's ``options``; ``fields`` set demo-only fields (and
-        ``options``) directly."""
-        return cls(config=load_config(config), **fields).with_overrides(overrides)
+        ``options``) directly. A ``[recipe]`` table in ``config`` sets the recipe's options (when ``options``
+        is a recipe's type: one's own TOML given with ``--config`` tunes the recipe it names)."""
+        settings = cls(config=load_config(config), **fields)
+        in_file = recipe_tables(config)[RECIPE_TABLE]
+        if in_file and type(settings.options) is not RecipeOptions:
+            plain = {k: tuple(v) if isinstance(v, list) else v for k, v in in_file.items()}
+            try:
+                options = settings.options.with_values(plain)
+            except ConfigError as exc:
+                raise ConfigError(f"{config}: [recipe]: {exc}") from None
+            settings = dataclasses.replace(settings, options=options)
+        return settings.with_overrides(overrides)
 
     def with_overrides(self, overrides: Sequence[str]) -> DemoSettings:
         by_table: dict[str, list[str]] = {PIPELINE_TABLE: [], RECIPE_TABLE: [], "config": []}

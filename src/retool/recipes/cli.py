@@ -21,9 +21,13 @@ from retool.pipeline.settings import DemoFields, DemoSettings, seed_overrides
 from retool.pipeline.traces import MODEL_FOLDER, run_trace_sft
 from retool.recipes import RECIPES, recipe_named
 from retool.recipes.demo import recipe_fields, run_demo, run_sft
+from retool.recipes.tiny import RECIPE as TINY_RECIPE
+from retool.recipes.tiny import SyntheticOptions
 
-# The flags' defaults, shown in --help, are the demo preset's: a flag only overrides the config when given.
-_DEMO = load_config("demo")
+# The flags' defaults, shown in --help, are the tiny recipe's: a flag only overrides the config when given.
+_DEMO = load_config("demo-tiny")
+_TINY = TINY_RECIPE.options
+assert isinstance(_TINY, SyntheticOptions)
 
 
 def _settings(
@@ -72,35 +76,41 @@ def demo_command(
     config: str | None = typer.Option(None, "--config", help=_CONFIG_HELP + " (default: the recipe's)"),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
     seed: int | None = typer.Option(
-        None, help=f"Seed of tasks, model, SFT order, sampling (demo preset: {_DEMO.train.seed})."
+        None, help=f"Seed of tasks, model, SFT order, sampling (demo-tiny preset: {_DEMO.train.seed})."
     ),
     rl_steps: int | None = typer.Option(
-        None, "--rl-steps", help=f"RL steps (demo preset: {_DEMO.train.steps})."
+        None, "--rl-steps", help=f"RL steps (demo-tiny preset: {_DEMO.train.steps})."
     ),
     sft_steps: int | None = typer.Option(
-        None, "--sft-steps", help=f"Cold-start SFT steps (demo preset: {_DEMO.sft.steps})."
+        None, "--sft-steps", help=f"Cold-start SFT steps (demo-tiny preset: {_DEMO.sft.steps})."
     ),
     group_size: int | None = typer.Option(
-        None, "--group-size", help=f"(demo preset: {_DEMO.rollout.group_size})"
+        None, "--group-size", help=f"(demo-tiny preset: {_DEMO.rollout.group_size})"
     ),
     questions: int | None = typer.Option(
-        None, "--questions", help=f"Questions per RL step (demo preset: {_DEMO.rollout.questions_per_step})."
+        None,
+        "--questions",
+        help=f"Questions per RL step (demo-tiny preset: {_DEMO.rollout.questions_per_step}).",
     ),
     val_n: int | None = typer.Option(
-        None, "--val-n", help=f"Samples per held-out problem in evaluation (demo preset: {_DEMO.eval.val_n})."
+        None,
+        "--val-n",
+        help=f"Samples per held-out problem in evaluation (demo-tiny preset: {_DEMO.eval.val_n}).",
     ),
     test_tasks: int | None = typer.Option(
-        None, "--test-tasks", help=f"Held-out problems (demo preset: {_DEMO.data.task_test_count})."
+        None,
+        "--test-tasks",
+        help=f"Held-out problems (demo-tiny preset: {_DEMO.data.options['test_count']}).",
     ),
     threads: int | None = typer.Option(
         None,
-        help=f"torch threads (1 leaves a core to the sandbox) (demo preset: {_DEMO.backend.cpu_threads}).",
+        help=f"torch threads (1 leaves a core to the sandbox) (demo-tiny preset: {_DEMO.backend.cpu_threads}).",
     ),
     dynamic_sampling: bool | None = typer.Option(
         None,
         "--dynamic-sampling/--no-dynamic-sampling",
         help="DAPO: train only on groups whose rewards differ, sampling more questions to refill "
-        f"(demo preset: {'on' if _DEMO.filters.dynamic_sampling else 'off'}).",
+        f"(demo-tiny preset: {'on' if _DEMO.filters.dynamic_sampling else 'off'}).",
     ),
     reuse_sft: Path | None = typer.Option(
         None, "--reuse-sft", help="An earlier demo run: start from its SFT model and SFT evaluation."
@@ -115,7 +125,7 @@ def demo_command(
         "rollout.group_size": group_size,
         "rollout.questions_per_step": questions,
         "eval.val_n": val_n,
-        "data.task_test_count": test_tasks,
+        "data.options.test_count": test_tasks,
         "backend.cpu_threads": threads,
         "filters.dynamic_sampling": dynamic_sampling,
     }
@@ -169,36 +179,36 @@ def sft_command(
         "--model",
         help="HF folder to fine-tune, or 'tiny' to build one (default: tiny; with --data, model.name).",
     ),
-    config: str = typer.Option("demo", "--config", help=_CONFIG_HELP),
+    config: str = typer.Option("demo-tiny", "--config", help=_CONFIG_HELP),
     overrides: list[str] = typer.Option([], "--set", help=_SET_HELP),
-    steps: int | None = typer.Option(None, help=f"SFT steps (demo preset: {_DEMO.sft.steps})."),
+    steps: int | None = typer.Option(None, help=f"SFT steps (demo-tiny preset: {_DEMO.sft.steps})."),
     batch_size: int | None = typer.Option(
-        None, "--batch-size", help=f"(demo preset: {_DEMO.sft.batch_size})"
+        None, "--batch-size", help=f"(demo-tiny preset: {_DEMO.sft.batch_size})"
     ),
     lr: float | None = typer.Option(
-        None, help=f"Peak learning rate (cosine decay) (demo preset: {_DEMO.sft.lr})."
+        None, help=f"Peak learning rate (cosine decay) (demo-tiny preset: {_DEMO.sft.lr})."
     ),
     tasks: int | None = typer.Option(
-        None, help=f"Synthetic training problems (demo preset: {_DEMO.data.task_count})."
+        None, help=f"Synthetic training problems (demo-tiny preset: {_DEMO.data.options['count']})."
     ),
     hard_tool: float | None = typer.Option(
         None,
         "--hard-tool",
-        help=f"Share of hard problems solved with a call (demo preset: {_DEMO.sft.hard_tool}).",
+        help=f"Share of hard problems solved with a call (demo-tiny preset: {_TINY.hard_tool}).",
     ),
     hard_error_fix: float | None = typer.Option(
         None,
         "--hard-error-fix",
-        help=f"Share with a failing call then a fix (demo preset: {_DEMO.sft.hard_error_fix}).",
+        help=f"Share with a failing call then a fix (demo-tiny preset: {_TINY.hard_error_fix}).",
     ),
-    seed: int | None = typer.Option(None, help=f"(demo preset: {_DEMO.train.seed})"),
+    seed: int | None = typer.Option(None, help=f"(demo-tiny preset: {_DEMO.train.seed})"),
     evaluate: bool | None = typer.Option(
         None,
         "--eval/--no-eval",
         help="Report format rate and accuracy after SFT (synthetic mix only; default on).",
     ),
     threads: int | None = typer.Option(
-        None, help=f"torch threads (demo preset: {_DEMO.backend.cpu_threads})."
+        None, help=f"torch threads (demo-tiny preset: {_DEMO.backend.cpu_threads})."
     ),
 ) -> None:
     """Cold-start SFT on code-interleaved trajectories: the synthetic task family's, or a trace file's (--data)."""
@@ -218,9 +228,11 @@ def sft_command(
         return
     if model is not None and model != "tiny" and not Path(model).exists():
         raise UserError(f"--model {model}: no such folder")
-    flags.update({"data.task_count": tasks, "sft.hard_tool": hard_tool, "sft.hard_error_fix": hard_error_fix})
+    flags.update(
+        {"data.options.count": tasks, "recipe.hard_tool": hard_tool, "recipe.hard_error_fix": hard_error_fix}
+    )
     chosen = _sft_recipe(overrides)
-    settings = _settings(chosen, config, overrides, seed, flags, out=str(out), options=chosen.options_type())
+    settings = _settings(chosen, config, overrides, seed, flags, out=str(out), options=chosen.options)
     try:
         # "tiny" here is the demo's own tiny model, built for these tasks into OUT/model_init.
         base = None if model in (None, "tiny") else model
@@ -257,7 +269,7 @@ def _sft_on_data(
 
 def _sft_recipe(overrides: list[str]) -> Recipe:
     """The recipe ``--set pipeline.recipe=NAME`` names (default: ``tiny``): the other ``--set``s may name its
-    options, which start from its options type's defaults, as ``DemoSettings``' do."""
+    options, which start from the recipe's (then the ``--config`` file's ``[recipe]`` table's)."""
     recipe_sets = [o for o in overrides if o.partition("=")[0].strip() == "pipeline.recipe"]
     try:
         return recipe_named(DemoSettings().with_overrides(recipe_sets).recipe)

@@ -2,7 +2,7 @@
 SmolLM2-135M-Instruct, offline on CPU.
 
 Owns its task (``task.py``: the leak-checked train source, the held-out test slice, the cold start from
-annotated train solutions), its preset (``demo-smollm2-gsm8k.toml``, which says why each value), its
+annotated train solutions), its preset (``demo-gsm8k.toml``, which says why each value), its
 demo-only fields and its options (``Gsm8kOptions``): cold start from annotated GSM8K train solutions, RL
 on GSM8K train (short solutions only: where the cold-started model solves any), evaluation on a seeded
 slice of GSM8K test in both modes (greedy: one deterministic answer per problem), the zero-shot base
@@ -28,7 +28,12 @@ class Gsm8kOptions(RecipeOptions):
 
     ``gsm8k_problems``: the held-out set, that many GSM8K test problems; ``coldstart_rows``: the cold start,
     from that many annotated GSM8K train solutions; ``rl_max_solution_steps``: RL on GSM8K's train split,
-    only problems solved in at most that many annotated steps (when > 0): it changes RL only.
+    only problems solved in at most that many annotated steps (when > 0): it changes RL only;
+    ``coldstart_steps_per_call``: annotated steps computed per interpreter call (1: a call per step, each
+    seeing the previous step's output; 0: every step in one call, whose later expressions then hold numbers
+    the model has not seen yet); ``coldstart_text_only_share``: the share of those solutions written as
+    plain reasoning in one turn with no tool registered (the text-only system prompt), so that the model
+    keeps answering without the tool and text-only against retool compares two working modes.
     """
 
     RL_ONLY = frozenset({"rl_max_solution_steps"})
@@ -36,6 +41,8 @@ class Gsm8kOptions(RecipeOptions):
     gsm8k_problems: int = 0
     coldstart_rows: int = 0
     rl_max_solution_steps: int = 0
+    coldstart_steps_per_call: int = 1
+    coldstart_text_only_share: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -57,9 +64,15 @@ class Gsm8kRecipe(Recipe):
     def cold_start(self, ctx: ColdStartContext) -> SFTReport:
         """Cold-start SFT on GSM8K train solutions turned into tool trajectories."""
         settings = ctx.settings
-        rows = options_as(settings, Gsm8kOptions).coldstart_rows
+        options = options_as(settings, Gsm8kOptions)
         examples, conversion = coldstart_examples(
-            ctx.parts, ctx.config, rows, settings.seed, Path(settings.out)
+            ctx.parts,
+            ctx.config,
+            options.coldstart_rows,
+            settings.seed,
+            Path(settings.out),
+            steps_per_call=options.coldstart_steps_per_call,
+            text_only_share=options.coldstart_text_only_share,
         )
         ctx.emit(
             "phase",
@@ -71,7 +84,7 @@ class Gsm8kRecipe(Recipe):
         return train_on_examples(ctx, examples, conversion)
 
 
-PRESET = "demo-smollm2-gsm8k"  # the config, and its [pipeline] fields and [recipe] options
+PRESET = "demo-gsm8k"  # the config, and its [pipeline] fields and [recipe] options
 RECIPE = Gsm8kRecipe(
     name="gsm8k",
     description="SmolLM2-135M-Instruct: cold start from annotated GSM8K solutions, RL on GSM8K train",

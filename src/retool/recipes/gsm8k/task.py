@@ -104,11 +104,19 @@ def coldstart_rows(path: Path, n: int, seed: int) -> set[int]:
 
 
 def coldstart_examples(
-    parts: Components, config: Config, n_rows: int, seed: int, out: Path
+    parts: Components,
+    config: Config,
+    n_rows: int,
+    seed: int,
+    out: Path,
+    *,
+    steps_per_call: int = 1,
+    text_only_share: float = 0.0,
 ) -> tuple[list[SFTExample], JsonObject]:
     """The cold-start trajectories of ``n_rows`` sampled GSM8K train rows, in ``parts``' protocol, executed
-    in ``parts``' sandbox; cached in ``out/coldstart/`` (a resumed run reads them back). Returns them and the
-    conversion report (rows read, kept, calls, dropped by reason)."""
+    in ``parts``' sandbox, ``steps_per_call`` annotated steps a call and ``text_only_share`` of the rows as
+    plain reasoning with no tool; cached in ``out/coldstart/`` (a resumed run reads them back). Returns them
+    and the conversion report (rows read, kept, calls, dropped by reason)."""
     folder = out / COLDSTART_DIR
     kept_file, report_file = folder / "train.jsonl", folder / "report.json"
     if kept_file.is_file() and report_file.is_file():
@@ -118,9 +126,7 @@ def coldstart_examples(
     test_questions = [p.question for p in gsm8k_split("test", config.data.data_dir)]
     rows = sorted(coldstart_rows(source, n_rows, seed))
     text_rows = set(
-        random.Random(f"retool-coldstart-text/{seed}").sample(
-            rows, round(config.sft.text_only_share * len(rows))
-        )
+        random.Random(f"retool-coldstart-text/{seed}").sample(rows, round(text_only_share * len(rows)))
     )
     examples, report = [], ConvertReport()
     for text_only, protocol, selected in (
@@ -134,7 +140,7 @@ def coldstart_examples(
             protocol,
             parts.executor,
             rows=selected,
-            per_call=config.sft.steps_per_call,
+            per_call=steps_per_call,
             held_out=test_questions,
             budgets=config.rollout,
             text_only=text_only,

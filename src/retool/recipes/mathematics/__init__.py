@@ -3,7 +3,7 @@ Mathematics (``retool data mathematics``) with SmolLM2-135M-Instruct, offline on
 
 Owns its task (``task.py``: the leak-checked train split, the held-out interpolate + extrapolate slice,
 the cold start from the model's own verified attempts), the benchmark's answer checker for the held-out
-set, its preset (``demo-smollm2-mathematics.toml``, which says why each value), its demo-only fields and its
+set, its preset (``demo-mathematics.toml``, which says why each value), its demo-only fields and its
 options (``MathematicsOptions``):
 greedy evaluation text-only and with the tool on the first questions of every interpolate and extrapolate
 module, the zero-shot base model included.
@@ -124,7 +124,7 @@ class MathematicsRecipe(Recipe):
         return None
 
 
-PRESET = "demo-smollm2-mathematics"  # the config, and its [pipeline] fields and [recipe] options
+PRESET = "demo-mathematics"  # the config, and its [pipeline] fields and [recipe] options
 RECIPE = MathematicsRecipe(
     name="mathematics",
     description="SmolLM2-135M-Instruct on DeepMind Mathematics: cold start from its own verified attempts",

@@ -8,8 +8,9 @@ Owns the synthetic task (also run by ``retool.recipes.smollm2`` with a real mode
   the actual train split), plus a seeded GSM8K test slice when ``gsm8k_problems`` > 0 (its options,
   ``SyntheticOptions``);
 - the cold start: code-interleaved trajectories of the train tasks with the sandbox's REAL output
-  (``retool.pipeline.sft``), in one stage or two (``sft.final_*``: the same problems in other styles);
-- its preset, ``demo.toml`` (the ``demo`` preset).
+  (``retool.pipeline.sft``) in a mix of styles (its options), in one stage or two (``sft.final_share``
+  of the steps on the same problems in the ``final_*`` styles);
+- its preset, ``demo-tiny.toml`` (the ``demo-tiny`` preset).
 """
 
 from __future__ import annotations
@@ -35,11 +36,22 @@ class SyntheticOptions(RecipeOptions):
     """The synthetic task's own options (``--set recipe.NAME=VALUE``).
 
     ``test_hard_fraction``: the hard share of the held-out split (None: the train split's);
-    ``gsm8k_problems``: GSM8K test problems added to the held-out set (from ``data_dir``).
+    ``gsm8k_problems``: GSM8K test problems added to the held-out set (from ``data_dir``);
+    the cold start's styles (``SFTMix``): the shares of hard problems solved with a call
+    (``hard_tool``) or with a failing call then a fix (``hard_error_fix``), the rest answered directly, and
+    of easy problems solved with a call (``easy_tool``); ``final_*``: the same for the last
+    ``sft.final_share`` of the SFT steps. The defaults are the tiny recipe's (``demo-tiny.toml``), so
+    settings built without the recipe run as it does.
     """
 
     test_hard_fraction: float | None = None
     gsm8k_problems: int = 0
+    hard_tool: float = 0.8
+    hard_error_fix: float = 0.1
+    easy_tool: float = 0.3
+    final_hard_tool: float = 0.1
+    final_hard_error_fix: float = 0.05
+    final_easy_tool: float = 0.1
 
 
 @dataclass(frozen=True)
@@ -57,7 +69,8 @@ class SyntheticRecipe(Recipe):
         return held_out_tasks(settings, task_source_of(source))
 
     def cold_start(self, ctx: ColdStartContext) -> SFTReport:
-        return cold_start_sft(ctx, task_source_of(ctx.source).tasks("train"))
+        options = options_as(ctx.settings, SyntheticOptions)
+        return cold_start_sft(ctx, task_source_of(ctx.source).tasks("train"), options)
 
 
 def task_source(config: Config) -> TaskFamilySource:
@@ -82,16 +95,16 @@ def held_out_tasks(settings: DemoSettings, source: TaskFamilySource) -> HeldOut:
     if options.test_hard_fraction is None:
         test = source.tasks("test")
     else:
-        d = settings.config.data
         seen = {t.question for t in train if t.hard}
+        count = source.counts["test"]
         pool = generate_tasks(
-            2 * d.task_test_count + 16,
-            seed=d.seed,
+            2 * count + 16,
+            seed=source.seed,
             hard_fraction=options.test_hard_fraction,
-            kinds=list(d.task_kinds) or None,
+            kinds=list(source.kinds) or None,
             split="test",
         )
-        test = [t for t in pool if t.question not in seen][: d.task_test_count]
+        test = [t for t in pool if t.question not in seen][:count]
     problems = [t.to_problem() for t in test]
     if options.gsm8k_problems > 0:
         problems += gsm8k_problems(options.gsm8k_problems, demo_data_dir(settings), seed=settings.seed)
@@ -99,21 +112,25 @@ def held_out_tasks(settings: DemoSettings, source: TaskFamilySource) -> HeldOut:
 
 
 def cold_start_sft(
-    ctx: ColdStartContext, train: Sequence[Task], observe: Callable[[str], str] | None = None
+    ctx: ColdStartContext,
+    train: Sequence[Task],
+    options: SyntheticOptions,
+    observe: Callable[[str], str] | None = None,
 ) -> SFTReport:
-    """Build the code-interleaved SFT trajectories of ``train`` and train on them (``[sft]``); ``observe``
-    turns a call's code into what the model is shown (default: its REAL output in the sandbox)."""
+    """Build the code-interleaved SFT trajectories of ``train`` in ``options``' styles and train on them
+    (``[sft]``); ``observe`` turns a call's code into what the model is shown (default: its REAL output in
+    the sandbox)."""
     parts, config, emit, on_examples = ctx.parts, ctx.config, ctx.emit, ctx.on_examples
     s = config.sft
     if observe is None:
         assert parts.executor is not None, "SFT observations come from the sandbox"
         observe = sandbox_observer(parts.executor)
-    mix = SFTMix(s.hard_tool, s.hard_error_fix, s.easy_tool)
+    mix = SFTMix(options.hard_tool, options.hard_error_fix, options.easy_tool)
     seed = config.train.seed
     examples = build_sft_examples(train, parts.protocol, observe, mix, seed=seed)
     final: list[SFTExample] = []
     if s.final_steps:  # the second stage: the same problems, other styles (other seed)
-        final_mix = SFTMix(s.final_hard_tool, s.final_hard_error_fix, s.final_easy_tool)
+        final_mix = SFTMix(options.final_hard_tool, options.final_hard_error_fix, options.final_easy_tool)
         final = build_sft_examples(train, parts.protocol, observe, final_mix, seed=seed + 7919)
     if on_examples is not None:
         on_examples(len(examples) + len(final))
@@ -129,5 +146,7 @@ def cold_start_sft(
 RECIPE = SyntheticRecipe(
     name="tiny",
     description="a tiny Qwen2 built here learns to call the interpreter on synthetic arithmetic (CPU, minutes)",
-    **from_preset("demo", SyntheticOptions),  # the config, and its [pipeline] fields and [recipe] options
+    **from_preset(
+        "demo-tiny", SyntheticOptions
+    ),  # the config, and its [pipeline] fields and [recipe] options
 )
