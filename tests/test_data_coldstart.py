@@ -13,10 +13,10 @@ from typer.testing import CliRunner
 from retool.config import RolloutConfig, SandboxConfig
 from retool.data.annotated import ParseFailure, matches_result, parse_solution, python_expression
 from retool.data.problem import Problem
-from retool.pipeline.coldstart import Dropped, caching_observer, convert_file, convert_solution
 from retool.protocol import ChatProtocol
 from retool.sandbox import make_executor
 from retool.sandbox.base import Executor
+from retool.train.annotated import Dropped, caching_observer, convert_file, convert_solution
 from retool.train.sft import assistant_spans, budget_violation, read_examples, write_examples
 
 

@@ -13,7 +13,6 @@ import pytest
 from retool.data.mathematics import module_of
 from retool.env.mathematics import MathematicsSource
 from retool.pipeline.settings import options_as
-from retool.pipeline.sft import build_trajectory
 from retool.protocol import ChatProtocol
 from retool.recipes.demo import recipe_settings, run_demo
 from retool.recipes.mathematics import MathematicsOptions, cold_start_of
@@ -23,6 +22,7 @@ from retool.recipes.mathematics.task import (
     few_shot_messages,
     trajectory_example,
 )
+from retool.train.trace import build_trajectory
 
 
 def test_the_mathematics_preset_and_fields() -> None:

@@ -10,8 +10,9 @@ import pytest
 from retool.config import SFTOptimizerConfig, dump_config, load_config
 from retool.data.synthetic import generate_tasks
 from retool.pipeline.model import build_demo_model, protocol_for, task_texts
-from retool.pipeline.sft import SFTMix, answer_text, build_example, build_sft_examples, choose_style
+from retool.recipes.tiny.styles import SFTMix, build_example, build_sft_examples, choose_style
 from retool.train.sft import train_sft
+from retool.train.trace import answer_text
 
 
 def _observe(code: str) -> str:

@@ -135,7 +135,7 @@ def test_gguf_loads_as_llama_with_lora_and_markdown_protocol(client: Any) -> Non
 def test_sft_example_is_the_template_render_and_masks_the_observation(client: Any, executor: Any) -> None:
     from retool.data.synthetic import generate_tasks
     from retool.pipeline.recipe import sandbox_observer
-    from retool.pipeline.sft import build_example
+    from retool.recipes.tiny.styles import build_example
 
     protocol = _protocol(client)
     task = generate_tasks(1, seed=0, hard_fraction=1.0, kinds=["mul_big"])[0]
@@ -178,7 +178,7 @@ def test_one_sft_step_moves_only_the_adapter(client: Any, executor: Any) -> None
 
     from retool.data.synthetic import generate_tasks
     from retool.pipeline.recipe import sandbox_observer
-    from retool.pipeline.sft import SFTMix, build_sft_examples
+    from retool.recipes.tiny.styles import SFTMix, build_sft_examples
     from retool.train.sft import train_sft
 
     tasks = generate_tasks(2, seed=1, hard_fraction=1.0, kinds=["mul_big", "mod_pow"])

@@ -24,7 +24,6 @@ from retool.env import ReToolOutcome
 from retool.env.scoring import AnswerScore
 from retool.env.source import ProblemList
 from retool.env.types import AssistantTurn
-from retool.pipeline.sft import build_trajectory
 from retool.protocol import ChatProtocol
 from retool.reward.verifier import score_answer
 from retool.rollout.engine import RolloutRequest
@@ -37,6 +36,7 @@ from retool.train.expert_iteration import (
 )
 from retool.train.sampling import GroupRollouts
 from retool.train.sft import SFTExample, SFTReport, protocol_mismatch, read_examples
+from retool.train.trace import build_trajectory
 
 BUDGETS = RolloutConfig(
     max_code_calls=2, max_assistant_turns=3, max_tokens_per_turn=8, max_trajectory_tokens=64

@@ -5,7 +5,6 @@ dynamic sampling / the text-only share with k >= 1."""
 from __future__ import annotations
 
 import json
-import pickle
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -129,8 +128,9 @@ def test_resume_with_a_non_empty_queue_matches_an_uninterrupted_run(
     latest = CheckpointManager(crashed).latest()
     assert latest is not None
     done = int(latest.name.removeprefix("step_"))
-    with open(latest / PIPELINE_FILE, "rb") as fh:
-        queued: PipelineState = pickle.load(fh)
+    json.loads((latest / PIPELINE_FILE).read_text())  # plain JSON records, no pickle
+    queued = CheckpointManager.load_pipeline(latest, PipelineState)
+    assert queued is not None
     # The checkpoint holds the batches of the next k steps, sampled by versions done-k..done-1.
     assert [b.step for b in queued.batches] == list(range(done + 1, done + 1 + k))
     assert [b.version for b in queued.batches] == [max(s - 1 - k, 0) for s in range(done + 1, done + 1 + k)]
@@ -174,12 +174,33 @@ def _batch(step: int, version: int, problems: list[str]) -> Batch:
     return Batch(step, version, Collected([], [[]] * len(picked), picked), DataPosition(index=step), [])
 
 
-def test_a_batch_pickled_before_the_informative_verdict_existed_still_loads() -> None:
-    batch = _batch(3, 2, ["p00"])
-    del batch.collected.__dict__["group_informative"]  # what a checkpoint written before it pickled
-    restored = pickle.loads(pickle.dumps(batch))
-    assert "group_informative" not in restored.collected.__dict__
-    assert restored.collected.group_informative is None  # build_step_data then decides itself
+def test_queued_batches_are_json_records_refused_in_one_line_when_they_no_longer_fit(tmp_path: Path) -> None:
+    """A checkpoint's queued batches round-trip through JSON records (tuples stay tuples); a record naming a
+    class outside the package, or one whose fields its class no longer takes, is refused in one line."""
+    from retool.train.checkpoint import CheckpointError
+    from retool.train.state_json import RecordError, from_record, to_record
+
+    batch = _batch(3, 2, ["p00", "p01"])
+    batch.collected.group_informative = (True, False)
+    state = PipelineState(1, [batch], [PROBLEMS[5]])
+    assert from_record(json.loads(json.dumps(to_record(state)))) == state
+    manager = CheckpointManager(tmp_path / "run")
+    manager.write_pipeline(tmp_path, 3, state)
+    assert CheckpointManager.load_pipeline(tmp_path, PipelineState) == state
+    with pytest.raises(CheckpointError, match="holds a Batch, not a PipelineState"):
+        (tmp_path / PIPELINE_FILE).write_text(json.dumps(to_record(batch)))
+        CheckpointManager.load_pipeline(tmp_path, PipelineState)
+    for record, message in [
+        ({"__type__": "os:system"}, "only dataclasses of retool are read back"),
+        ({**to_record(PROBLEMS[0]), "renamed": 1}, "record does not fit its class"),  # type: ignore[dict-item]
+        ({"__type__": "retool.nowhere:Thing"}, "which this version of retool does not have"),
+    ]:
+        (tmp_path / PIPELINE_FILE).write_text(json.dumps(record))
+        with pytest.raises(CheckpointError, match=message) as caught:
+            CheckpointManager.load_pipeline(tmp_path, PipelineState)
+        assert "\n" not in str(caught.value)
+    with pytest.raises(RecordError, match="cannot record a PosixPath"):
+        to_record(PipelineState(0, [], [tmp_path]))  # type: ignore[list-item]
 
 
 def test_requeue_stale_keeps_the_fresh_prefix_and_requeues_in_draw_order() -> None:

@@ -109,7 +109,9 @@ def test_a_checkpoint_of_another_format_is_refused_in_one_line(reference_run: Pa
     shutil.copytree(reference_run, run_dir)
     latest = run_dir / "checkpoints" / (run_dir / "checkpoints" / "latest").read_text().strip()
     state = json.loads((latest / "trainer_state.json").read_text())
-    assert state.pop("format") == 1
+    from retool.train.checkpoint import CHECKPOINT_FORMAT
+
+    assert state.pop("format") == CHECKPOINT_FORMAT
     (latest / "trainer_state.json").write_text(json.dumps(state))
     proc = run_train(["--resume", str(run_dir), "--set", "logging.progress=false"])
     assert proc.returncode == 2, proc.stderr[-3000:]

@@ -72,9 +72,14 @@ def sft_losses(model: Path) -> list[float]:
     from retool.train.sft import train_sft
 
     try:
-        from retool.pipeline.sft import build_sft_examples
-    except ImportError:  # the other arm may predate the package's name (retool.tasks until 2026-12-06)
-        from retool.tasks.sft import build_sft_examples  # type: ignore[no-redef]
+        from retool.recipes.tiny.styles import build_sft_examples
+    except (
+        ImportError
+    ):  # the other arm may predate the module's place (retool.pipeline.sft / retool.tasks.sft)
+        try:
+            from retool.pipeline.sft import build_sft_examples  # type: ignore[no-redef]
+        except ImportError:
+            from retool.tasks.sft import build_sft_examples  # type: ignore[no-redef]
 
     protocol = ChatProtocol(AutoTokenizer.from_pretrained(model))
     examples = build_sft_examples(generate_tasks(16, seed=0), protocol, lambda code: "42\n", seed=0)

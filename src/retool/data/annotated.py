@@ -3,7 +3,7 @@
 Owns reading one annotated solution into the reasoning text around each annotation, the annotation's
 expression as Python code, and its stated result; and why a solution cannot be read (every failure is a
 ``ParseFailure`` with a reason name, never an exception). The trajectory built from the steps lives in
-``retool.pipeline.coldstart``.
+``retool.train.annotated``.
 """
 
 from __future__ import annotations

@@ -9,11 +9,9 @@ phases of ``retool demo`` -- and the interface a recipe implements.
   ``retool.pipeline.report``: the table, gain and report files.
 - ``retool.pipeline.model``: the demo's tiny Qwen2 model, its tokenizer trained on the task text;
   ``retool.pipeline.real_model``: where a named pretrained model's file is.
-- ``retool.pipeline.sft``: the synthetic task family's code-interleaved SFT trajectories, built with
-  ``retool.protocol`` (the trace type, its file and the trainer are ``retool.train.sft``'s);
-  ``retool.pipeline.coldstart``: annotated solutions turned into such trajectories (``retool data coldstart``,
-  the GSM8K recipe's cold start); ``retool.pipeline.traces``: ``retool sft --data``, SFT of any model on a
-  trace file.
+- ``retool.pipeline.traces``: ``retool sft --data``, SFT of any model on a trace file (the traces are built
+  below: ``retool.train.trace``, ``retool.train.annotated`` for ``retool data coldstart``; the synthetic
+  styles are the tiny recipe's, ``retool.recipes.tiny.styles``).
 - ``retool.pipeline.cli``: the progress printer the demo's commands share, and ``retool data coldstart``.
 
 The synthetic task family itself is data (``retool.data.synthetic``, the environment ``tasks``) and the

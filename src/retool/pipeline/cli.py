@@ -21,8 +21,8 @@ from retool.data.gsm8k import GSM8K_FILE
 from retool.data.paths import data_dir as resolve_data_dir
 from retool.errors import UserError
 from retool.jsonl import JsonValue, as_number, read_jsonl_objects
-from retool.pipeline.coldstart import coldstart_protocol, convert_with_sandbox, write_rejects
 from retool.pipeline.settings import DemoEvent
+from retool.train.annotated import coldstart_protocol, convert_with_sandbox, write_rejects
 from retool.train.sft import write_examples
 
 

@@ -6,7 +6,8 @@ Layout under ``RUN_DIR/checkpoints/``::
         trainer_state.json  step, data position, metrics bookkeeping, backend state path (written last)
         rng.pt              Python / NumPy / torch RNG states
         backend/            whatever the training backend saved (local backends)
-        pipeline.pkl        off-policy pipelining only: batches sampled for later steps, not yet trained
+        pipeline.json       off-policy pipelining only: batches sampled for later steps, not yet trained
+                            (JSON records of their dataclasses, ``retool.train.state_json``)
         selection.json      data.selection = "pass_rate" only: the selector's state (plain JSON: its
                             pass-rate counts, cursors and draw count; ``retool.train.selection``)
     latest                  the name of the newest complete checkpoint (written after the rename)
@@ -31,7 +32,6 @@ import contextlib
 import json
 import logging
 import os
-import pickle
 import random
 import shutil
 from dataclasses import dataclass, field
@@ -42,6 +42,7 @@ import numpy as np
 import numpy.typing as npt
 
 from retool.jsonl import JsonObject, jsonl_lines
+from retool.train.state_json import RecordError, from_record, to_record
 
 if TYPE_CHECKING:  # the name only: torch is imported where a state is taken or restored (see capture_rng)
     import torch
@@ -53,11 +54,11 @@ T = TypeVar("T")
 CHECKPOINTS = "checkpoints"
 LATEST = "latest"
 STATE_FILE = "trainer_state.json"
-PIPELINE_FILE = "pipeline.pkl"
+PIPELINE_FILE = "pipeline.json"
 SELECTION_FILE = "selection.json"
-# Raised whenever a checkpoint's files change shape, including a field of the dataclasses pickled into
-# ``pipeline.pkl``: a checkpoint of another format is refused, never read half-right.
-CHECKPOINT_FORMAT = 1
+# Raised whenever a checkpoint's files change shape, including a field of the dataclasses recorded in
+# ``pipeline.json``: a checkpoint of another format is refused, never read half-right.
+CHECKPOINT_FORMAT = 2
 
 
 class CheckpointError(RuntimeError):
@@ -84,7 +85,9 @@ class TrainerState:
     backend_state: str = ""  # path (relative to the checkpoint folder when local) or remote URI
     backend_state_is_local: bool = True
     extra: JsonObject = field(default_factory=dict)
-    format: int = CHECKPOINT_FORMAT  # the layout of the whole checkpoint, pickled batches included
+    format: int = (
+        CHECKPOINT_FORMAT  # the layout of the whole checkpoint, the queued batches' records included
+    )
 
     def to_json(self) -> str:
         return json.dumps(self.__dict__, indent=1, sort_keys=True)
@@ -289,12 +292,12 @@ class CheckpointManager:
 
     def write_pipeline(self, tmp: Path, step: int, payload: object) -> None:
         """Store the pipeline's queued batches (``retool.train.ahead.PipelineState``) in the checkpoint
-        being built in ``tmp``. Pickled: trajectories are plain dataclasses of this package, and a
-        checkpoint is read back by the code that wrote it (as ``rng.pt`` is)."""
+        being built in ``tmp``, as JSON records of their dataclasses (``retool.train.state_json``)."""
         where = tmp / PIPELINE_FILE
         try:
-            with open(where, "wb") as fh:
-                pickle.dump(payload, fh, protocol=pickle.HIGHEST_PROTOCOL)
+            text = json.dumps(to_record(payload), separators=(",", ":"))
+            with open(where, "w", encoding="utf-8") as fh:
+                fh.write(text)
                 fh.flush()
                 os.fsync(fh.fileno())
         except Exception as exc:  # a full disk, as for every other file of the checkpoint
@@ -303,12 +306,14 @@ class CheckpointManager:
     @staticmethod
     def load_pipeline(path: Path, kind: type[T]) -> T | None:
         """The pipeline state stored in checkpoint ``path``, a ``kind``; None when it stores none
-        (synchronous runs). A ``CheckpointError`` when the file holds something else."""
+        (synchronous runs). A ``CheckpointError`` in one line when the file holds something else."""
         where = path / PIPELINE_FILE
         if not where.is_file():
             return None
-        with open(where, "rb") as fh:
-            payload = pickle.load(fh)
+        try:
+            payload = from_record(json.loads(where.read_text(encoding="utf-8")))
+        except (ValueError, RecordError) as exc:  # not JSON, or records this version cannot read
+            raise CheckpointError(f"{where}: {exc}") from None
         if not isinstance(payload, kind):
             raise CheckpointError(f"{where}: holds a {type(payload).__name__}, not a {kind.__name__}")
         return payload

@@ -170,8 +170,8 @@ async def run_group_rollouts(
 class Collected:
     """The outcome of one step's sampling.
 
-    Checkpoints pickle it (``retool.train.ahead.PipelineState``): a change of its fields is a change of
-    ``retool.train.checkpoint.CHECKPOINT_FORMAT``.
+    Checkpoints record it (``retool.train.ahead.PipelineState``, ``retool.train.state_json``): a change of
+    its fields is a change of ``retool.train.checkpoint.CHECKPOINT_FORMAT``.
     """
 
     groups: list[list[Trajectory]]  # the groups to train on (informative ones when dynamic sampling is on)

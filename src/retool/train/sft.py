@@ -1,7 +1,7 @@
 """Supervised fine-tuning on code-integrated traces: the trace, its file, and the trainer (ReTool's first stage).
 
 Owns what every cold start shares, whatever built its traces (the synthetic style mix of
-``retool.pipeline.sft``, annotated solutions converted by ``retool data coldstart``, a model's own verified
+``retool.recipes.tiny.styles``, annotated solutions converted by ``retool data coldstart``, a model's own verified
 attempts kept by ``retool.train.expert_iteration``):
 
 - ``SFTExample``: one trace as the tokens the model sees and a weight per token (1 on the assistant's

@@ -6,7 +6,7 @@ Owns what differs from the synthetic task family, and nothing of the pipeline it
   test question is ever trained on (``strict``: a leak stops the run instead of being filtered);
 - the held-out problems: a seeded slice of GSM8K's test split (the whole split with ``n >= 1319``);
 - the cold-start trajectories: a seeded sample of train rows whose annotated solutions become tool
-  trajectories in the model's own protocol (``retool.pipeline.coldstart``: one call per annotated step by
+  trajectories in the model's own protocol (``retool.train.annotated``: one call per annotated step by
   default, REAL sandbox output, kept only if every observation matches its annotation, the answer verifies
   and the trajectory fits the RL budgets). They are written to ``<out>/coldstart/`` with the counts of
   dropped rows by reason, and read back from there when a run is resumed.
@@ -29,7 +29,7 @@ from retool.data.readers import DataError
 from retool.env.gsm8k import Gsm8kSource
 from retool.env.source import Split
 from retool.jsonl import JsonObject
-from retool.pipeline.coldstart import ConvertReport, convert_file, write_rejects
+from retool.train.annotated import ConvertReport, convert_file, write_rejects
 from retool.train.sft import SFTExample, read_examples, write_examples
 
 logger = logging.getLogger(__name__)

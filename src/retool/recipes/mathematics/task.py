@@ -33,7 +33,6 @@ from retool.data.mathematics import TEST_SPLITS, module_of, read_split
 from retool.data.problem import Problem
 from retool.env.mathematics import MathematicsList, MathematicsSource
 from retool.jsonl import JsonObject
-from retool.pipeline.sft import answer_text, build_trajectory
 from retool.protocol import ChatProtocol
 from retool.protocol.chat import Message
 from retool.rollout.types import Trajectory
@@ -46,6 +45,7 @@ from retool.train.expert_iteration import (
 )
 from retool.train.sampling import GroupRollouts
 from retool.train.sft import SFTExample, SFTReport, write_examples
+from retool.train.trace import answer_text, build_trajectory
 
 logger = logging.getLogger(__name__)
 

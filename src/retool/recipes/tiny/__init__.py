@@ -8,7 +8,7 @@ Owns the synthetic task (also run by ``retool.recipes.smollm2`` with a real mode
   the actual train split), plus a seeded GSM8K test slice when ``gsm8k_problems`` > 0 (its options,
   ``SyntheticOptions``);
 - the cold start: code-interleaved trajectories of the train tasks with the sandbox's REAL output
-  (``retool.pipeline.sft``) in a mix of styles (its options), in one stage or two (``sft.final_share``
+  (``styles.py``) in a mix of styles (its options), in one stage or two (``sft.final_share``
   of the steps on the same problems in the ``final_*`` styles);
 - its preset, ``demo-tiny.toml`` (the ``demo-tiny`` preset).
 """
@@ -25,7 +25,7 @@ from retool.env import ProblemSource, TaskFamilySource, source_from_config
 from retool.pipeline.model import task_texts
 from retool.pipeline.recipe import ColdStartContext, HeldOut, Recipe, from_preset, sandbox_observer
 from retool.pipeline.settings import DemoSettings, RecipeOptions, demo_data_dir, options_as
-from retool.pipeline.sft import SFTMix, build_sft_examples
+from retool.recipes.tiny.styles import SFTMix, build_sft_examples
 from retool.train.sft import SFTExample, SFTReport, train_sft_as_configured
 
 TASK = "synthetic"

@@ -1,13 +1,7 @@
-"""Cold-start SFT data (the paper's first stage): code-interleaved trajectories built from the task family.
-
-Owns the synthetic style mix (``SFTMix``: direct answers, calls, a failing call then its fix) and
-``build_trajectory``, the token bookkeeping every cold start that writes its own traces builds with (the
-annotated solutions of ``retool.pipeline.coldstart``, the recipes' own). The trace type, its file and the
-trainer are ``retool.train.sft``'s. Each trajectory is built with the same ``ChatProtocol`` calls the RL rollout uses (``build_prompt``,
-``encode_completion``, ``build_next_prompt``), so the SFT policy sees exactly the token layout it will
-act in. Tool outputs are the code's real output (through the sandbox executor when one is given).
-Trained with ``retool.train.sft.train_sft``: ``cross_entropy`` on assistant tokens only (weight 0 on
-prompt and observation tokens).
+"""The tiny recipe's cold start: code-interleaved SFT trajectories of the synthetic task family in a mix of
+styles (``SFTMix``: a direct answer, a call, a failing call then its fix), each built with
+``retool.train.trace.build_trajectory``. Tool outputs are the code's real output (through the sandbox
+executor when one is given).
 
 The data mix is deliberately imperfect: on hard problems only a fraction of trajectories call the
 tool, the rest answer directly with the true number (which a tiny model cannot reproduce). The SFT
@@ -16,20 +10,14 @@ policy therefore sometimes skips the tool on hard problems and fails; RL has som
 
 from __future__ import annotations
 
-import logging
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from retool.data.synthetic import Task
 from retool.protocol import ChatProtocol
-from retool.protocol.chat import Message
 from retool.train.sft import SFTExample
-
-logger = logging.getLogger(__name__)
-
-# Runs trusted canonical code; returns the observation text the model sees.
-Observer = Callable[[str], str]
+from retool.train.trace import Observer, answer_text, build_trajectory
 
 
 @dataclass(frozen=True)
@@ -52,48 +40,11 @@ class SFTMix:
             raise ValueError("SFTMix.hard_tool + hard_error_fix must be <= 1")
 
 
-def answer_text(value: int | str) -> str:
-    return f"\\boxed{{{value}}}"
-
-
 def _broken_variant(code: str, rng: random.Random) -> str:
     """A first attempt that fails the way small models' code does (a typo'd name)."""
     if rng.random() < 0.5 and code.startswith("print("):
         return "pritn(" + code[len("print(") :]
     return code.replace("print(", "print(x + ", 1) if "print(" in code else "x" + code
-
-
-def build_trajectory(
-    protocol: ChatProtocol,
-    question: str,
-    turns: Sequence[tuple[str, str]],
-    final_text: str,
-    observe: Observer,
-    max_observation_tokens: int = 64,
-) -> tuple[list[int], list[float], list[Message]]:
-    """Tokens, per-token weights and messages of one tool trajectory, built turn by turn as a rollout is.
-
-    ``turns``: (assistant text ending in a call, the call's code), in order; each call's observation is
-    ``observe(code)`` trimmed as the rollout trims it; ``final_text`` is the last (answer) turn. Weight 1
-    on assistant tokens, 0 on the prompt, the observations and the template's closing tokens.
-    """
-    messages = protocol.initial_messages(question)
-    tokens = protocol.build_prompt(messages)
-    weights = [0.0] * len(tokens)
-    for text, code in turns:
-        completion = protocol.encode_completion(text)
-        # Trimmed exactly as the rollout trims it (the traceback's tail survives).
-        observation = protocol.fit_observation(observe(code), max_observation_tokens)
-        tool_msg = protocol.tool_message(observation)
-        next_prompt = protocol.build_next_prompt(messages, tokens, completion, tool_msg)
-        weights += [1.0] * len(completion)
-        # Observation tokens (and the template's closing tokens the sampler did not emit) carry weight 0.
-        weights += [0.0] * (len(next_prompt) - len(tokens) - len(completion))
-        tokens = next_prompt
-        messages = [*messages, protocol.assistant_message(text), tool_msg]
-    final = protocol.encode_completion(final_text)
-    messages.append(protocol.assistant_message(final_text))
-    return [*tokens, *final], [*weights, *([1.0] * len(final))], messages
 
 
 def build_example(

@@ -3,7 +3,7 @@
 Each solution (GSM8K's ``48/2 = <<48/2=24>>24``, parsed by ``retool.data.annotated``) becomes one tool
 trajectory in the model's own call format: the reasoning text up to an annotation and a call whose code
 is the annotation's expression, the REAL sandbox output as the observation, the text after it, and so on;
-the last turn is the rest of the reasoning and ``\\boxed{answer}``. Built with ``retool.pipeline.sft``'s
+the last turn is the rest of the reasoning and ``\\boxed{answer}``. Built with ``retool.train.trace``'s
 ``build_trajectory`` (the rollout's own token bookkeeping), so the sequences are what the SFT stage trains
 on (``retool.train.sft.SFTExample``, written with its ``write_examples``) and token-exact. A row is kept only if every observation matches its annotation's result
 and the final answer verifies against the reference; every other row is counted under its reason.
@@ -24,13 +24,13 @@ from retool.data.annotated import AnnotatedSolution, ParseFailure, Step, matches
 from retool.data.gsm8k import gsm8k_answer, normalize_question
 from retool.data.problem import Problem
 from retool.jsonl import JsonObject
-from retool.pipeline.sft import answer_text, build_trajectory
 from retool.protocol import ChatProtocol
 from retool.reward.verifier import score_answer
 from retool.sandbox import make_executor
 from retool.sandbox.base import Executor
 from retool.sandbox.bwrap import strict_support
 from retool.train.sft import SFTExample, budget_violation
+from retool.train.trace import answer_text, build_trajectory
 
 logger = logging.getLogger(__name__)
 
