@@ -30,8 +30,11 @@ A sitting may land on another machine, with an empty run folder. What is costly 
 its evaluation, the sweep once chosen) is copied as it finishes into ``--carry`` (in the work tree: commit
 it with the results) and copied back into a run folder that lacks it: the cold start's rounds are read back
 and its weights trained again from their pool; a finished sweep run, and a chosen sweep, are not run again.
-RL seeds, expert iteration and the final evaluation resume from their checkpoints on the machine that ran
-them only.
+An RL seed carries its run at every point of its curve: its config, metrics, the held-out evaluations and the
+checkpoint of that step (the adapter, the optimizer's moments, the RNG and the selector's state), so a seed
+resumes on another machine from its last curve point (on an SFT start trained again from the same pool).
+Expert iteration carries its rounds as the cold start does; the final evaluation carries what it finished.
+Only the newest checkpoint of a seed is kept in ``--carry``: commit it once a sitting, not every chunk.
 """
 
 from __future__ import annotations
@@ -159,9 +162,10 @@ def child(args: argparse.Namespace, phase: str, *extra: str) -> None:
 
 # What a run folder on another machine can start from (module docstring): finished rounds (their report is
 # written last), evaluation outputs (each says in its summary whether it completed), the sweep's choice with
-# the runs' metrics it was made from. Never weights, nor a marker that says weights exist.
+# the runs' metrics it was made from, an RL seed's checkpoint at its last curve point. Never merged weights,
+# nor a marker that says they exist.
 CARRIED_ROUNDS = ("sft/coldstart", "ei/coldstart")
-CARRIED_FILES = ("sft/coldstart/report.json", "curve-start/*")
+CARRIED_FILES = ("sft/coldstart/report.json", "curve-start/*", "final/*", "rl-s*/curve/*")
 CARRIED_SWEEP = ("sweep/choice.json", "sweep/curve/*", "sweep/*/metrics.jsonl")  # once choice.json exists
 
 
@@ -177,7 +181,32 @@ def carried(out: Path) -> list[Path]:
     # A sweep run trained to its end (its model written last) and its evaluations, before the sweep is whole.
     found += [m.parents[1] / "metrics.jsonl" for m in (out / "sweep").glob("*/model_latest/step.json")]
     found += [Path(f) for f in glob.glob(str(out / "sweep" / "curve" / "*"))]
+    for run in sorted(out.glob("rl-s*")):
+        found += rl_carried(run)
     return sorted({f.relative_to(out) for f in found if f.is_file()})
+
+
+def rl_carried(run: Path) -> list[Path]:
+    """An RL seed's files a resume on another machine needs: its config and metrics, and the checkpoint its
+    merged model was last written at (a curve point, or where a sitting stopped the seed; in a carried
+    folder, the newest checkpoint it holds). The trajectory log stays behind (a record, not state)."""
+    done = read_json(run / "model_latest" / "step.json")
+    # Complete checkpoints only: a checkpoint's trainer state is written last.
+    ckpts = sorted(run.glob("checkpoints/step_*/trainer_state.json"))
+    if done is not None:
+        ckpts = [c for c in ckpts if c.parent.name == f"step_{done['step']:06d}"]
+    elif not (run / "curve").is_dir() or not ckpts:
+        return []
+    found = [run / "config.toml", run / "metrics.jsonl"]
+    if ckpts:
+        found += [f for f in ckpts[-1].parent.rglob("*") if f.is_file()]
+    return found
+
+
+def checkpoint_step(run: Path) -> int:
+    """The step of the newest complete checkpoint in ``run`` (0 when it has none)."""
+    ckpts = sorted(run.glob("checkpoints/step_*/trainer_state.json"))
+    return int(ckpts[-1].parent.name.removeprefix("step_")) if ckpts else 0
 
 
 def carry_out(args: argparse.Namespace) -> None:
@@ -190,6 +219,10 @@ def carry_out(args: argparse.Namespace) -> None:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst.with_suffix(dst.suffix + ".tmp"))
             dst.with_suffix(dst.suffix + ".tmp").replace(dst)
+    for run in args.carry.glob("rl-s*"):  # a seed's older checkpoints: the newest complete one is enough
+        ckpts = sorted(run.glob("checkpoints/step_*/trainer_state.json"))
+        for old in ckpts[:-1]:
+            shutil.rmtree(old.parent)
 
 
 def carry_in(args: argparse.Namespace) -> None:
@@ -423,20 +456,34 @@ def still_rising(ms: list[dict[str, Any]]) -> bool:
 def rl_seed(args: argparse.Namespace, seed: int, lr: str) -> Path:
     """RL in chunks, the held-out curve after each; longer while the train accuracy rises."""
     run = args.out / f"rl-s{seed}"
-    done = read_json(run / "model_latest" / "step.json")
     # An extension an earlier sitting decided (trained past --steps) stands: a rerun goes on to its end.
-    step, target = 0, max(args.steps, done["step"] if done else 0)
+    step, target = 0, max(args.steps, trained_step(run))
     while step < target:
         step = min(step + args.chunk, target)
-        done = read_json(run / "model_latest" / "step.json")
-        if done is None or done["step"] <= step:  # else trained past this point: its curve point was kept
+        # A curve point taken, and the run trained past it (here, or on the machine the run was carried
+        # from), is kept; otherwise train to it (resuming from the newest checkpoint) and take it.
+        if not (curve_point_done(run, step) and trained_step(run) >= step):
             train_to(args, run, step, seed, lr, "pass_rate")
             evaluate(
                 args, f"step{step:04d}", run / "model_latest", run / "curve", args.curve_per_module, "retool"
             )
         if step == target and target < args.max_steps and still_rising(metrics(run)):
             target = min(target + 2 * args.chunk, args.max_steps)
+    train_to(args, run, target, seed, lr, "pass_rate")  # the final model, where a carried run lacks it
     return run
+
+
+def trained_step(run: Path) -> int:
+    """How far ``run`` has trained: its merged model's step or its newest checkpoint's, whichever is later."""
+    done = read_json(run / "model_latest" / "step.json")
+    return max(done["step"] if done else 0, checkpoint_step(run))
+
+
+def curve_point_done(run: Path, step: int) -> bool:
+    from retool.evaluate.store import summary_path_for
+
+    summary = read_json(summary_path_for(eval_output(run / "curve", f"step{step:04d}", "retool")))
+    return bool(summary and summary.get("status") == "complete")
 
 
 def expert_iteration(args: argparse.Namespace, trajectories: int) -> Path:

@@ -6,6 +6,7 @@ report."""
 from __future__ import annotations
 
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -46,7 +47,6 @@ def test_training_goes_on_only_while_the_last_twenty_steps_beat_the_twenty_befor
     assert not bench.still_rising(rising[:39])  # too few steps to judge
 
 
-@pytest.mark.slow
 def _write(path: Path, text: str = "{}") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -92,6 +92,59 @@ def test_finished_rounds_and_a_chosen_sweep_are_carried_to_another_machine_weigh
     fresh_args = bench.parse_args(["--out", str(fresh), "--carry", str(carry), "--sweep-steps", "3"])
     assert bench.carried_run(fresh_args, fresh / "sweep/lr5e-5", "lr5e-5")
     assert not bench.carried_run(fresh_args, fresh / "sweep/lr1e-4", "lr1e-4")  # its metrics: not 3 steps
+
+
+def _checkpoint(run: Path, step: int) -> None:
+    folder = run / f"checkpoints/step_{step:06d}"
+    _write(folder / "backend/adapter_model.safetensors", f"weights {step}")
+    _write(folder / "rng.pt", "rng")
+    _write(folder / "trainer_state.json", json.dumps({"step": step}))  # written last: says it is complete
+
+
+def test_an_rl_seed_carries_its_checkpoint_at_each_curve_point_and_resumes_there_elsewhere(
+    tmp_path: Path,
+) -> None:
+    run, carry = tmp_path / "run", tmp_path / "carry"
+    args = bench.parse_args(["--out", str(run), "--carry", str(carry)])
+    seed = run / "rl-s0"
+    _write(seed / "config.toml", "[train]\n")
+    _write(seed / "metrics.jsonl", "{}\n" * 5)
+    _checkpoint(seed, 5)  # mid-chunk, before the first curve point: nothing of the seed goes yet
+    bench.carry_out(args)
+    assert not (carry / "rl-s0").exists()
+    _checkpoint(seed, 10)
+    _write(seed / "model_latest/step.json", '{"step": 10}')
+    _write(seed / "model_latest/model.safetensors", "merged")
+    _write(seed / "curve/step0010_retool.summary.json", '{"status": "complete"}')
+    bench.carry_out(args)
+    kept = {str(p.relative_to(carry / "rl-s0")) for p in (carry / "rl-s0").rglob("*") if p.is_file()}
+    assert kept == {
+        "config.toml",
+        "metrics.jsonl",
+        "curve/step0010_retool.summary.json",
+        "checkpoints/step_000010/backend/adapter_model.safetensors",
+        "checkpoints/step_000010/rng.pt",
+        "checkpoints/step_000010/trainer_state.json",
+    }
+    # the next chunk: its checkpoints replace step 10 in the run, the carry keeps step 10 until step 20
+    for step in (5, 10):
+        shutil.rmtree(seed / f"checkpoints/step_{step:06d}")
+    _checkpoint(seed, 15)
+    bench.carry_out(args)
+    assert (carry / "rl-s0/checkpoints/step_000010/trainer_state.json").is_file()
+    assert not (carry / "rl-s0/checkpoints/step_000015").exists()
+    _checkpoint(seed, 20)
+    _write(seed / "model_latest/step.json", '{"step": 20}')
+    _write(seed / "curve/step0020_retool.summary.json", '{"status": "complete"}')
+    bench.carry_out(args)
+    assert sorted(p.name for p in (carry / "rl-s0/checkpoints").iterdir()) == ["step_000020"]
+
+    fresh = tmp_path / "fresh"  # another machine: the seed resumes from step 20, both curve points kept
+    bench.carry_in(bench.parse_args(["--out", str(fresh), "--carry", str(carry)]))
+    moved = fresh / "rl-s0"
+    assert bench.trained_step(moved) == 20 and not (moved / "model_latest").exists()
+    assert bench.curve_point_done(moved, 10) and bench.curve_point_done(moved, 20)
+    assert not bench.curve_point_done(moved, 30)
 
 
 def test_a_few_step_slice_of_the_bench_on_smollm2(
