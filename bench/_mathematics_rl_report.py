@@ -14,7 +14,7 @@ from typing import Any
 
 from _harness import eval_output, gain_cell, pct, pts
 from mathematics import SPLITS, means_table, module_stats, of_split, split_mean
-from retool.evaluate.store import ProblemRecord, read_problem_records
+from retool.evaluate.store import ProblemRecord, read_problem_records, summary_path_for
 from retool.jsonl import read_jsonl_objects
 
 INSTRUMENTS = (  # (metrics key, title) drawn per seed
@@ -52,16 +52,16 @@ def _mean(xs: list[float]) -> float:
 
 def coldstart_lines(out: Path) -> list[str]:
     cold = _json(out / "sft" / "coldstart" / "report.json") or {}
-    phase = _json(out / "sft" / "phase.json") or {}
     if not cold:
         return ["Cold start: not run yet."]
-    rounds = ", ".join(
-        f"round {r['round']}: {r['kept']} kept of {r['sampled']}" for r in cold.get("rounds", [])
-    )
+    rounds = cold.get("rounds", [])
+    listed = ", ".join(f"round {r['round']}: {r['kept']} kept of {r['sampled']}" for r in rounds)
+    # The rounds' own clocks: a sitting on another machine reads the rounds back and only trains again.
+    seconds = sum(float(r.get("sample_seconds", 0.0)) + float(r.get("sft_seconds", 0.0)) for r in rounds)
     return [
         f"Cold start (expert iteration from the base model, then SFT): {cold['kept']} verified tool-using traces"
-        f" over {cold.get('modules_kept', '?')} modules, from {cold['sampled']} sampled trajectories ({rounds});"
-        f" {phase.get('seconds', 0.0) / 60:.1f} min with its SFT."
+        f" over {cold.get('modules_kept', '?')} modules, from {cold['sampled']} sampled trajectories ({listed});"
+        f" {seconds / 3600:.1f} h of sampling and SFT over its rounds."
     ]
 
 
@@ -89,6 +89,28 @@ def sweep_lines(out: Path) -> list[str]:
     return lines
 
 
+def stability_lines(out: Path, seeds: list[int]) -> list[str]:
+    """What each RL seed ran with of issue 50's item 3, read from its config, and what the bench varied."""
+    import tomllib
+
+    config = next(
+        (out / f"rl-s{s}" / "config.toml" for s in seeds if (out / f"rl-s{s}" / "config.toml").is_file()),
+        None,
+    )
+    if config is None:
+        return ["Stability settings: no RL seed started yet."]
+    cfg = tomllib.loads(config.read_text())
+    filters, loss = cfg.get("filters", {}), cfg.get("loss", {})
+    on = lambda flag: "on" if flag else "off"  # noqa: E731
+    return [
+        f"Stability settings of the RL seeds: void-turn trajectories out of the loss {on(filters.get('void_turn'))},"
+        f" truncated ones {on(filters.get('overlong'))}, KL-to-start penalty coefficient"
+        f" {loss.get('ref_kl_coef', 0.0)}, learning rate from the sweep above. Which of them mattered: the bench"
+        " varies the learning rate only (the sweep); the two filters and the penalty were not ablated here, so"
+        " their effect is not measured by it."
+    ]
+
+
 def curve_rows(out: Path, seeds: list[int]) -> dict[int, dict[int, dict[str, float]]]:
     """Held-out retool accuracy (module means per split) at every curve point, by seed and step."""
     start = _records(out / "curve-start", "step0000", "retool")
@@ -98,6 +120,9 @@ def curve_rows(out: Path, seeds: list[int]) -> dict[int, dict[int, dict[str, flo
         points = {0: _split_means(start)} if start else {}
         for path in sorted(folder.glob("step*_retool.jsonl")):
             step = int(path.name[4:8])
+            summary = _json(summary_path_for(path)) or {}
+            if summary.get("status") != "complete":  # a point still being taken
+                continue
             points[step] = _split_means(_records(folder, f"step{step:04d}", "retool"))
         rows[seed] = points
     return rows
@@ -147,8 +172,11 @@ def draw(out: Path, seeds: list[int], rows: dict[int, dict[int, dict[str, float]
 
 
 def cost_lines(out: Path, seeds: list[int]) -> list[str]:
-    lines = ["| seed | steps | RL steps an hour | sampling | training | checkpoint | sampled trajectories |"]
-    lines.append("|---|---|---|---|---|---|---|")
+    lines = [
+        "| seed | steps | RL steps an hour | sampling | training | checkpoint | sampled trajectories"
+        " | informative groups (issue: 600 or more) |"
+    ]
+    lines.append("|---|---|---|---|---|---|---|---|")
     for seed in seeds:
         ms = _metrics(out / f"rl-s{seed}")
         if not ms:
@@ -159,10 +187,16 @@ def cost_lines(out: Path, seeds: list[int]) -> list[str]:
             for k in ("rollout", "train", "checkpoint")
         }
         trajs = int(sum(float(m.get("task/trajectories") or 0.0) for m in ms))
+        groups = int(sum(float(m.get("sampling/groups_informative") or 0.0) for m in ms))
         lines.append(
             f"| {seed} | {len(ms)} | {3600 * len(ms) / total:.1f} | {pct(share['rollout'])} | {pct(share['train'])}"
-            f" | {pct(share['checkpoint'])} | {trajs} |"
+            f" | {pct(share['checkpoint'])} | {trajs} | {groups} |"
         )
+    lines += [
+        "",
+        "Measuring the KL to the start (one more forward without the adapter, every step) is part of the"
+        " training share above; what it adds to a training call: [ref_kl.md](ref_kl.md) (`bench/ref_kl.py`).",
+    ]
     return lines
 
 
@@ -218,9 +252,11 @@ def target_lines(out: Path, evals: dict[str, dict[str, list[ProblemRecord]]], se
         worst_calls = min((float(m.get("tool/code_share") or 0.0) for m in ms), default=0.0)
         worst_void = max((float(m.get("task/void_turn_rate") or 0.0) for m in ms), default=0.0)
         ok = worst_calls >= start_calls - 0.10 and worst_void < 0.10
+        start_void = float(ms[0].get("task/void_turn_rate") or 0.0) if ms else 0.0
         lines.append(
             f"- seed {s}, no collapse: lowest tool-call rate {pct(worst_calls)} against {pct(start_calls)} at step 1,"
-            f" highest void-turn rate {pct(worst_void)}: **{'met' if ok else 'missed'}**"
+            f" highest void-turn rate {pct(worst_void)} (step 1, the SFT start's own: {pct(start_void)}):"
+            f" **{'met' if ok else 'missed'}**"
         )
         if "ei" in evals:
             cell = gain_cell(
@@ -245,6 +281,7 @@ def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> 
     evals = final_evals(out, labels)
     lines = [*coldstart_lines(out), "", "Learning-rate sweep (seed 0, short runs from the SFT model):", ""]
     lines += sweep_lines(out)
+    lines += ["", *stability_lines(out, seeds)]
     lines += [
         "",
         f"Learning curve: held-out retool accuracy (module means, greedy, {args.curve_per_module} a module) every {args.chunk} steps at lr {lr}:",
