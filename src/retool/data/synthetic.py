@@ -169,6 +169,8 @@ def generate_tasks(
         raise ValueError(f"unknown task kinds {unknown}; known: {sorted(ALL_KINDS)}")
     easy = [k for k in selected if k in EASY_KINDS]
     hard = [k for k in selected if k in HARD_KINDS]
+    # The seed string names the old package on purpose: changing it would draw other problems and change every
+    # figure measured on the synthetic set (the demo's table, learning.md, same_results).
     rng = random.Random(f"retool-tasks/{seed}/{split}")
     # The held-out test split excludes train questions; small easy kinds (81 combinations) still repeat
     # by design: a direct answer to "3 + 5" is the skill, not a memorised item.
