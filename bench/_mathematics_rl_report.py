@@ -288,7 +288,7 @@ def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> 
         "",
     ]
     lines += curve_lines(rows)
-    lines += ["", f"Curves: {', '.join(pngs)} (beside this file in the run folder).", "", "Cost of RL:", ""]
+    lines += ["", *[f"![{png.removesuffix('.png')}]({png})" for png in pngs], "", "Cost of RL:", ""]
     lines += cost_lines(out, seeds)
     lines += [
         "",

@@ -14,11 +14,13 @@ keep it outside the work tree):
    tool-call rate within ``COLLAPSE_POINTS`` of the first step's, is used below.
 3. ``rl-s<seed>``: RL for ``--steps`` steps in chunks of ``CHUNK``; after each chunk the merged policy is
    evaluated greedy, tool on, on a fixed held-out slice (``--curve-per-module`` questions of every
-   interpolate and extrapolate module): the learning curve. Longer while the train accuracy still rises
-   (``--max-steps``).
+   interpolate and extrapolate module): the learning curve. Longer until the seed has had
+   ``--min-informative`` informative groups, then while the train accuracy still rises (``--max-steps``
+   at most: ``next_target``). A finished seed's final model is evaluated (step 5) at once, so a later
+   sitting needs neither its weights nor its checkpoint.
 4. ``ei``: the cold start's expert iteration continued until it has sampled as many trajectories as
    RL seed 0 (cold start included): the baseline RL must beat.
-5. ``final``: SFT, each RL seed and EI on ``--final-per-module`` questions of every module, text-only and
+5. ``final``: SFT, each RL seed (as it finishes) and EI on ``--final-per-module`` questions of every module, text-only and
    with the tool, greedy; paired bootstrap intervals over questions.
 
     python bench/mathematics_rl.py --out /work/runs/mathematics_rl            # the whole bench
@@ -32,9 +34,11 @@ it with the results) and copied back into a run folder that lacks it: the cold s
 and its weights trained again from their pool; a finished sweep run, and a chosen sweep, are not run again.
 An RL seed carries its run at every point of its curve: its config, metrics, the held-out evaluations and the
 checkpoint of that step (the adapter, the optimizer's moments, the RNG and the selector's state), so a seed
-resumes on another machine from its last curve point (on an SFT start trained again from the same pool).
+resumes on another machine from its last curve point (on an SFT start trained again from the same pool); a
+finished seed carries ``done.json`` (its last step) instead, once its final evaluation is complete.
 Expert iteration carries its rounds as the cold start does; the final evaluation carries what it finished.
-Only the newest checkpoint of a seed is kept in ``--carry``: commit it once a sitting, not every chunk.
+Only the newest checkpoint of a seed is kept in ``--carry`` (git ignores them: ~60 MB each; a sitting that
+ends mid-seed adds its seed's newest with ``git add -f`` once, never every chunk).
 """
 
 from __future__ import annotations
@@ -60,6 +64,7 @@ VOID_BOUND = 0.10  # and void turns under 10% on every logged step
 CARRY_EVERY = 60.0  # seconds between two copies of a running phase's finished parts into --carry
 # RL's settings beside the recipe's preset (each is item 3 of issue 50 or the selector of item 2): void and
 # truncated trajectories left out of the loss, problems drawn where groups are likely mixed.
+FINAL_MODES = "text-only,retool"
 RL_SETS = (
     "filters.void_turn=true",
     "filters.overlong=true",
@@ -82,10 +87,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, default=Path("runs/bench-mathematics-rl"))
     ap.add_argument("--seeds", default="0,1")
-    # 80 steps of 8 groups reach the issue's 600 informative groups a seed once most groups are mixed (the
-    # pass-rate selection's aim); the whole bench is sized for at most 8 hours of a 2-core machine.
-    ap.add_argument("--steps", type=int, default=80, help="RL steps a seed (default 80)")
-    ap.add_argument("--max-steps", type=int, default=120, help="longer while train accuracy rises")
+    # 80 steps of 8 groups reach the issue's 600 informative groups a seed only if most groups are mixed;
+    # a seed goes on in chunks until it has had them (--min-informative), then while its accuracy rises.
+    ap.add_argument("--steps", type=int, default=80, help="RL steps a seed at least (default 80)")
+    ap.add_argument("--min-informative", type=int, default=600, help="informative groups a seed at least")
+    ap.add_argument("--max-steps", type=int, default=160, help="RL steps a seed at most")
     ap.add_argument("--lrs", default="5e-5,1e-4,2e-4", help="the sweep's learning rates")
     ap.add_argument("--sweep-steps", type=int, default=10)
     ap.add_argument("--coldstart-rounds", type=int, default=3)
@@ -111,6 +117,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         for k, v in SMOKE.items():
             setattr(args, k, v)
         args.max_steps = args.steps
+        args.min_informative = 0
     return args
 
 
@@ -165,7 +172,7 @@ def child(args: argparse.Namespace, phase: str, *extra: str) -> None:
 # the runs' metrics it was made from, an RL seed's checkpoint at its last curve point. Never merged weights,
 # nor a marker that says they exist.
 CARRIED_ROUNDS = ("sft/coldstart", "ei/coldstart")
-CARRIED_FILES = ("sft/coldstart/report.json", "curve-start/*", "final/*", "rl-s*/curve/*")
+CARRIED_FILES = ("sft/coldstart/report.json", "curve-start/*", "final/*", "rl-s*/curve/*", "rl-s*/done.json")
 CARRIED_SWEEP = ("sweep/choice.json", "sweep/curve/*", "sweep/*/metrics.jsonl")  # once choice.json exists
 
 
@@ -189,7 +196,10 @@ def carried(out: Path) -> list[Path]:
 def rl_carried(run: Path) -> list[Path]:
     """An RL seed's files a resume on another machine needs: its config and metrics, and the checkpoint its
     merged model was last written at (a curve point, or where a sitting stopped the seed; in a carried
-    folder, the newest checkpoint it holds). The trajectory log stays behind (a record, not state)."""
+    folder, the newest checkpoint it holds); a finished seed (``done.json``) only its config and metrics.
+    The trajectory log stays behind (a record, not state)."""
+    if (run / "done.json").is_file():
+        return [run / "config.toml", run / "metrics.jsonl"]
     done = read_json(run / "model_latest" / "step.json")
     # Complete checkpoints only: a checkpoint's trainer state is written last.
     ckpts = sorted(run.glob("checkpoints/step_*/trainer_state.json"))
@@ -221,6 +231,8 @@ def carry_out(args: argparse.Namespace) -> None:
             dst.with_suffix(dst.suffix + ".tmp").replace(dst)
     for run in args.carry.glob("rl-s*"):  # a seed's older checkpoints: the newest complete one is enough
         ckpts = sorted(run.glob("checkpoints/step_*/trainer_state.json"))
+        if (run / "done.json").is_file():  # finished and evaluated: none is needed
+            ckpts.append(run)
         for old in ckpts[:-1]:
             shutil.rmtree(old.parent)
 
@@ -453,9 +465,31 @@ def still_rising(ms: list[dict[str, Any]]) -> bool:
     return len(acc) >= 40 and mean(acc[-20:]) > mean(acc[-40:-20]) + 0.02
 
 
+def informative_groups(ms: list[dict[str, Any]]) -> int:
+    """Groups whose rewards differed (the only ones with a gradient), over a run's steps."""
+    return int(sum(float(m.get("sampling/groups_informative") or 0.0) for m in ms))
+
+
+def next_target(args: argparse.Namespace, target: int, ms: list[dict[str, Any]]) -> int:
+    """Where a seed that reached ``target`` trains to next (``target`` itself: it is finished). One chunk
+    more until it has had ``--min-informative`` informative groups (the issue's measure of "long enough to
+    judge"), then two more while the train accuracy still rises; never past ``--max-steps``."""
+    if target >= args.max_steps:
+        return target
+    if informative_groups(ms) < args.min_informative:
+        return min(target + args.chunk, args.max_steps)
+    if still_rising(ms):
+        return min(target + 2 * args.chunk, args.max_steps)
+    return target
+
+
 def rl_seed(args: argparse.Namespace, seed: int, lr: str) -> Path:
-    """RL in chunks, the held-out curve after each; longer while the train accuracy rises."""
+    """RL in chunks, the held-out curve after each, to ``next_target``'s end; then the final model's
+    evaluation, and ``done.json``."""
     run = args.out / f"rl-s{seed}"
+    done = read_json(run / "done.json")
+    if done is not None:  # finished and evaluated, here or on the machine it was carried from
+        return run
     # An extension an earlier sitting decided (trained past --steps) stands: a rerun goes on to its end.
     step, target = 0, max(args.steps, trained_step(run))
     while step < target:
@@ -467,9 +501,12 @@ def rl_seed(args: argparse.Namespace, seed: int, lr: str) -> Path:
             evaluate(
                 args, f"step{step:04d}", run / "model_latest", run / "curve", args.curve_per_module, "retool"
             )
-        if step == target and target < args.max_steps and still_rising(metrics(run)):
-            target = min(target + 2 * args.chunk, args.max_steps)
+        if step == target:
+            target = next_target(args, target, metrics(run))
     train_to(args, run, target, seed, lr, "pass_rate")  # the final model, where a carried run lacks it
+    evaluate(args, run.name, run / "model_latest", args.out / "final", args.final_per_module, FINAL_MODES)
+    write_json(run / "done.json", {"step": target, "informative_groups": informative_groups(metrics(run))})
+    carry_out(args)
     return run
 
 
@@ -515,14 +552,13 @@ def main(argv: list[str] | None = None) -> None:
         return
     sft = coldstart(args)
     evaluate(args, "step0000", sft, args.out / "curve-start", args.curve_per_module, "retool")
+    evaluate(args, "sft", sft, args.out / "final", args.final_per_module, FINAL_MODES)
     lr = sweep(args)
     runs = {seed: rl_seed(args, seed, lr) for seed in seeds}
     cold = read_json(args.out / "sft" / "coldstart" / "report.json") or {}
     budget = int(cold.get("sampled", 0)) + sampled_trajectories(runs[seeds[0]])
     ei = expert_iteration(args, budget)
-    models = {"sft": sft, **{f"rl-s{s}": r / "model_latest" for s, r in runs.items()}, "ei": ei}
-    for label, path in models.items():
-        evaluate(args, label, path, args.out / "final", args.final_per_module, "text-only,retool")
+    evaluate(args, "ei", ei, args.out / "final", args.final_per_module, FINAL_MODES)
     publish(args, seeds, lr, budget)
 
 
@@ -534,9 +570,14 @@ def publish(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) ->
     (args.out / "mathematics_rl.md").write_text(text + "\n")
     print(text)
     if args.write:
-        from _results import render_pages, write_result
+        from _results import RESULTS, render_pages, write_result
 
-        write_result("mathematics_rl", "RL on DeepMind Mathematics with SmolLM2-135M: learning curves", text)
+        page = write_result(
+            "mathematics_rl.md", "RL on DeepMind Mathematics with SmolLM2-135M: learning curves", text
+        )
+        for png in ("mathematics_rl_curve.png", "mathematics_rl_instruments.png"):
+            shutil.copyfile(args.out / png, RESULTS / png)
+        log.info("wrote %s and its curves", page)
         render_pages()
 
 

@@ -47,6 +47,18 @@ def test_training_goes_on_only_while_the_last_twenty_steps_beat_the_twenty_befor
     assert not bench.still_rising(rising[:39])  # too few steps to judge
 
 
+def test_a_seed_goes_on_until_its_informative_groups_then_while_accuracy_rises() -> None:
+    args = bench.parse_args(["--steps", "80", "--min-informative", "600", "--max-steps", "160"])
+    few = [{**_step(0.3), "sampling/groups_informative": 4.0}] * 80  # 320 informative groups
+    assert bench.informative_groups(few) == 320
+    assert bench.next_target(args, 80, few) == 90  # one chunk more: not yet long enough to judge
+    enough = [{**_step(0.3), "sampling/groups_informative": 5.0}] * 120  # 600, flat
+    assert bench.next_target(args, 120, enough) == 120  # finished
+    rising = [{**m, "task/correct_rate": 0.4} if i >= 100 else m for i, m in enumerate(enough)]
+    assert bench.next_target(args, 120, rising) == 140  # two chunks more while it rises
+    assert bench.next_target(args, 160, few) == 160 and bench.next_target(args, 155, few) == 160
+
+
 def _write(path: Path, text: str = "{}") -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(text)
@@ -147,6 +159,28 @@ def test_an_rl_seed_carries_its_checkpoint_at_each_curve_point_and_resumes_there
     assert not bench.curve_point_done(moved, 30)
 
 
+def test_a_finished_seed_carries_its_marker_and_metrics_and_no_checkpoint(tmp_path: Path) -> None:
+    run, carry = tmp_path / "run", tmp_path / "carry"
+    args = bench.parse_args(["--out", str(run), "--carry", str(carry)])
+    seed = run / "rl-s0"
+    _write(seed / "config.toml", "[train]\n")
+    _write(seed / "metrics.jsonl", "{}\n" * 20)
+    _checkpoint(seed, 20)
+    _write(seed / "model_latest/step.json", '{"step": 20}')
+    _write(seed / "curve/step0020_retool.summary.json", '{"status": "complete"}')
+    bench.carry_out(args)
+    assert (carry / "rl-s0/checkpoints/step_000020").is_dir()
+    _write(seed / "done.json", '{"step": 20}')  # its final evaluation complete
+    bench.carry_out(args)
+    kept = {str(p.relative_to(carry / "rl-s0")) for p in (carry / "rl-s0").rglob("*") if p.is_file()}
+    assert kept == {"config.toml", "metrics.jsonl", "done.json", "curve/step0020_retool.summary.json"}
+    fresh = tmp_path / "fresh"  # another machine: the seed is not trained again
+    fresh_args = bench.parse_args(["--out", str(fresh), "--carry", str(carry)])
+    bench.carry_in(fresh_args)
+    assert bench.rl_seed(fresh_args, 0, "2e-4") == fresh / "rl-s0"
+    assert not (fresh / "rl-s0/model_latest").exists()
+
+
 def test_a_few_step_slice_of_the_bench_on_smollm2(
     tmp_path: Path, smollm2_file: Path, mathematics_slice: Path
 ) -> None:
@@ -176,6 +210,8 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(
     text = (out / "mathematics_rl.md").read_text()
     assert "Learning curve" in text and "Targets (issue 50)" in text and "rl-s1 - ei (retool)" in text
     assert (out / "mathematics_rl_curve.png").is_file() and (out / "mathematics_rl_instruments.png").is_file()
+    assert "![mathematics_rl_curve](mathematics_rl_curve.png)" in text
+    assert all((out / f"rl-s{seed}" / "done.json").is_file() for seed in (0, 1))
     # A rerun finds every phase done: it samples and trains nothing more.
     before = (out / "rl-s0" / "metrics.jsonl").read_text()
     bench.main(["--smoke", "--out", str(out), "--data-dir", str(mathematics_slice)])

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
@@ -16,8 +17,11 @@ from retool.pipeline.settings import options_as
 from retool.protocol import ChatProtocol
 from retool.recipes.demo import recipe_settings, run_demo
 from retool.recipes.mathematics import MathematicsOptions, cold_start_of
+from retool.recipes.mathematics import task as mathematics_task
 from retool.recipes.mathematics.task import (
     FEW_SHOT,
+    coldstart_chunk,
+    coldstart_expert_iteration,
     coldstart_problems,
     few_shot_messages,
     trajectory_example,
@@ -108,6 +112,35 @@ def test_the_cold_start_is_one_few_shot_round_unless_asked_for_more() -> None:
     )
     cold = cold_start_of(options_as(more, MathematicsOptions))
     assert (cold.rounds, cold.max_trajectories) == (3, 500)
+
+
+def test_a_cold_start_round_keeps_about_two_sampler_batches_in_flight() -> None:
+    assert coldstart_chunk(32, 4) == 16  # 64 trajectories in flight, not 256 problems x 4
+    assert coldstart_chunk(8, 1) == 16 and coldstart_chunk(2, 8) == 1  # never below one problem
+
+
+def test_the_cold_start_rolls_out_its_rounds_in_those_chunks(
+    fixture_data: Path, monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    seen = []
+
+    def stop(backend, plan, train, settings, **kwargs):  # type: ignore[no-untyped-def]
+        seen.append(settings)
+        raise RuntimeError("stop")
+
+    monkeypatch.setattr(mathematics_task, "run_expert_iteration", stop)
+    settings = recipe_settings("mathematics", ["backend.sample_batch_size=32", "recipe.coldstart_rounds=3"])
+    cold = cold_start_of(options_as(settings, MathematicsOptions))
+    with pytest.raises(RuntimeError, match="stop"):
+        coldstart_expert_iteration(
+            SimpleNamespace(backend=None),  # type: ignore[arg-type]
+            settings.config,
+            cold,
+            out=tmp_path,
+            train=lambda pool: None,  # type: ignore[arg-type,return-value]
+            data_dir=fixture_data,
+        )
+    assert seen[0].chunk_problems == coldstart_chunk(32, cold.round_samples) == 64 // cold.round_samples
 
 
 @pytest.mark.slow

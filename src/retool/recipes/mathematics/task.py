@@ -203,6 +203,15 @@ class ColdStart:
     max_trajectories: int | None = None
 
 
+def coldstart_chunk(sample_batch_size: int, samples: int) -> int:
+    """Problems a cold-start round rolls out together: about two sampler batches of trajectories in flight.
+    The local sampler queues every turn it is given; with far more trajectories in flight than it batches,
+    a trajectory's next turn waits behind all the others and its context drops out of the prefix cache,
+    so each turn prefills its whole context again (RL's steps, a few batches each, sample several times
+    faster on the same model)."""
+    return max(1, (2 * sample_batch_size) // max(1, samples))
+
+
 class _RoundProblems:
     """Each round's problems, drawn once: round 0 under ``cold.per_module``, later rounds under
     ``cold.round_per_module`` among the problems no earlier round drew."""
@@ -274,6 +283,9 @@ def coldstart_expert_iteration(
         keep_per_problem=cold.keep,
         max_trajectories=cold.max_trajectories,
         seed=config.train.seed,
+        chunk_problems=coldstart_chunk(
+            config.backend.sample_batch_size, max(cold.samples, cold.round_samples)
+        ),
     )
     result = run_expert_iteration(
         parts.backend,
