@@ -244,11 +244,12 @@ def sft_model(out: Path) -> Path | None:
 def sft_start(settings: DemoSettings, model: Path | None = None) -> Path:
     """``<settings.out>/model_sft``: the cold-start SFT of ``model`` (None: the demo's tiny model, built for
     the tasks into ``<out>/model_init``) with ``settings``, no evaluation; made once, then reused."""
-    from retool.recipes.demo import run_sft  # deferred: torch and the pipeline, for the benches that make one
+    from retool.pipeline.cli import Printer  # deferred: torch and the pipeline, for the benches that make one
+    from retool.recipes.demo import run_sft
 
     out = Path(settings.out)
-    if sft_model(out) is None:
-        run_sft(settings, model, evaluate=False)
+    if sft_model(out) is None:  # its phases and SFT steps shown as the demo shows them: minutes, not silence
+        run_sft(settings, model, on_event=Printer(), evaluate=False)
     return out / "model_sft"
 
 

@@ -200,6 +200,68 @@ def cost_lines(out: Path, seeds: list[int]) -> list[str]:
     return lines
 
 
+def ei_lines(out: Path, rl_seed: int) -> list[str]:
+    """Expert iteration past the cold start: its rounds, pool, hours, and its sampling rate beside RL's."""
+    cold = _json(out / "sft" / "coldstart" / "report.json") or {}
+    ei = _json(out / "ei" / "coldstart" / "report.json") or {}
+    first = len(cold.get("rounds", []))
+    rounds = ei.get("rounds", [])[first:]
+    if not rounds:
+        return ["Expert iteration past the cold start: no round finished yet."]
+    sampled = sum(int(r["sampled"]) for r in rounds)
+    sample_s = sum(float(r.get("sample_seconds", 0.0)) for r in rounds)
+    sft_s = sum(float(r.get("sft_seconds", 0.0)) for r in rounds)
+    ms = _metrics(out / f"rl-s{rl_seed}")
+    rl_trajs = sum(float(m.get("task/trajectories") or 0.0) for m in ms)
+    rl_s = sum(float(m.get("time/rollout") or 0.0) for m in ms)
+    listed = ", ".join(f"round {r['round']}: {r['kept']} kept of {r['sampled']}" for r in rounds)
+    rl_rate = f"{rl_trajs / rl_s:.2f}" if rl_s else "-"
+    return [
+        f"Expert iteration past the cold start: {len(rounds)} rounds ({listed}), a pool of {ei.get('kept', '?')}"
+        f" traces over {ei.get('modules_kept', '?')} modules; {sample_s / 3600:.1f} h of sampling"
+        f" ({sampled / max(sample_s, 1e-9):.2f} trajectories/s; RL seed {rl_seed}'s rollouts: {rl_rate}/s)"
+        f" and {sft_s / 3600:.1f} h of SFT."
+    ]
+
+
+def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
+    """The README's block (the README shows the learning curve's PNG beside it): the final models in retool
+    mode against the SFT start, and how many of the issue's targets were met."""
+    out = args.out
+    evals = final_evals(out, ["sft", *[f"rl-s{s}" for s in seeds], "ei"])
+    lines = [
+        f"Held-out retool accuracy (greedy, module means, {args.curve_per_module} questions a module) every"
+        f" {args.chunk} RL steps at lr {lr}, then the final models on {args.final_per_module} questions of every"
+        " module; RL and expert iteration (EI) from the same SFT start, EI at RL seed"
+        f" {seeds[0]}'s number of sampled trajectories.",
+        "",
+        "| model (retool mode) | interpolate | extrapolate | minus SFT, interpolate [95% CI] | minus SFT, extrapolate [95% CI] |",
+        "|---|---|---|---|---|",
+    ]
+    for label, by_mode in evals.items():
+        recs = by_mode["retool"]
+        means = _split_means(recs)
+        if label == "sft":
+            gains = ["-", "-"]
+        else:
+            base = evals["sft"]["retool"] if "sft" in evals else []
+            gains = [gain_cell(of_split(base, sp), of_split(recs, sp)) if base else "-" for sp in SPLITS]
+        lines.append(
+            f"| {label} | {pct(means['interpolate'])} | {pct(means['extrapolate'])} | "
+            + " | ".join(gains)
+            + " |"
+        )
+    lines = [status_line(out, seeds, evals), "", *lines]
+    targets = target_lines(out, evals, seeds)
+    met = sum("**met**" in t for t in targets)
+    judged = sum("**met**" in t or "**missed**" in t for t in targets)
+    lines += [
+        "",
+        f"Targets of issue 50 met: {met} of {judged} judged so far ([the whole report](mathematics_rl.md)).",
+    ]
+    return "\n".join(lines)
+
+
 def final_evals(out: Path, labels: list[str]) -> dict[str, dict[str, list[ProblemRecord]]]:
     evals = {}
     for label in labels:
@@ -273,13 +335,25 @@ def target_lines(out: Path, evals: dict[str, dict[str, list[ProblemRecord]]], se
     return lines
 
 
+def status_line(out: Path, seeds: list[int], evals: dict[str, Any]) -> str:
+    """Which phases this report holds whole: a page written while the bench still runs says so first."""
+    pending = [f"RL seed {s}" for s in seeds if not (out / f"rl-s{s}" / "done.json").is_file()]
+    if not (out / "ei" / "phase.json").is_file():
+        pending.append("expert iteration")
+    pending += [f"the final evaluation of {label}" for label in ["sft", "ei"] if label not in evals]
+    if not pending:
+        return "Status: every phase finished."
+    return "Status: **a run in progress**; not finished yet: " + ", ".join(pending) + "."
+
+
 def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> str:
     out = args.out
     rows = curve_rows(out, seeds)
     pngs = draw(out, seeds, rows)
     labels = ["sft", *[f"rl-s{s}" for s in seeds], "ei"]
     evals = final_evals(out, labels)
-    lines = [*coldstart_lines(out), "", "Learning-rate sweep (seed 0, short runs from the SFT model):", ""]
+    lines = [status_line(out, seeds, evals), ""]
+    lines += [*coldstart_lines(out), "", "Learning-rate sweep (seed 0, short runs from the SFT model):", ""]
     lines += sweep_lines(out)
     lines += ["", *stability_lines(out, seeds)]
     lines += [
@@ -295,6 +369,8 @@ def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> 
         f"Expert iteration continued to {budget} sampled trajectories (the cold start's plus RL seed {seeds[0]}'s)."
         if budget
         else "Expert iteration continued: not run yet (report of a run in progress).",
+        "",
+        *ei_lines(out, seeds[0]),
         "",
     ]
     lines += [f"Final models, {args.final_per_module} questions of every module, greedy, module means:", ""]

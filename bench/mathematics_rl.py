@@ -20,8 +20,8 @@ keep it outside the work tree):
    sitting needs neither its weights nor its checkpoint.
 4. ``ei``: the cold start's expert iteration continued until it has sampled as many trajectories as
    RL seed 0 (cold start included): the baseline RL must beat.
-5. ``final``: SFT, each RL seed (as it finishes) and EI on ``--final-per-module`` questions of every module, text-only and
-   with the tool, greedy; paired bootstrap intervals over questions.
+5. ``final``: SFT, each RL seed (as it finishes) and EI on ``--final-per-module`` questions of every module,
+   text-only and with the tool, greedy; paired bootstrap intervals over questions.
 
     python bench/mathematics_rl.py --out /work/runs/mathematics_rl            # the whole bench
     python bench/mathematics_rl.py --out DIR --write                          # + docs/results/mathematics_rl.md
@@ -62,9 +62,9 @@ CHUNK = 10  # steps between two points of the learning curve
 COLLAPSE_POINTS = 0.10  # the issue's bound: tool-call rate never more than 10 points under the start's
 VOID_BOUND = 0.10  # and void turns under 10% on every logged step
 CARRY_EVERY = 60.0  # seconds between two copies of a running phase's finished parts into --carry
+FINAL_MODES = "text-only,retool"
 # RL's settings beside the recipe's preset (each is item 3 of issue 50 or the selector of item 2): void and
 # truncated trajectories left out of the loss, problems drawn where groups are likely mixed.
-FINAL_MODES = "text-only,retool"
 RL_SETS = (
     "filters.void_turn=true",
     "filters.overlong=true",
@@ -564,10 +564,12 @@ def main(argv: list[str] | None = None) -> None:
 
 def publish(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> None:
     """The report into the run folder, printed, and with ``--write`` into docs/results."""
-    from _mathematics_rl_report import report
+    from _mathematics_rl_report import report, summary
 
     text = report(args, seeds, lr, budget)
     (args.out / "mathematics_rl.md").write_text(text + "\n")
+    short = summary(args, seeds, lr)
+    (args.out / "mathematics_rl_summary.md").write_text(short + "\n")
     print(text)
     if args.write:
         from _results import RESULTS, render_pages, write_result
@@ -577,7 +579,8 @@ def publish(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) ->
         )
         for png in ("mathematics_rl_curve.png", "mathematics_rl_instruments.png"):
             shutil.copyfile(args.out / png, RESULTS / png)
-        log.info("wrote %s and its curves", page)
+        write_result("mathematics_rl_summary.md", "RL on DeepMind Mathematics: the summary", short)
+        log.info("wrote %s, its summary and its curves", page)
         render_pages()
 
 

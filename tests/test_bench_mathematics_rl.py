@@ -182,7 +182,7 @@ def test_a_finished_seed_carries_its_marker_and_metrics_and_no_checkpoint(tmp_pa
 
 
 def test_a_few_step_slice_of_the_bench_on_smollm2(
-    tmp_path: Path, smollm2_file: Path, mathematics_slice: Path
+    tmp_path: Path, smollm2_file: Path, mathematics_slice: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     out = tmp_path / "bench"
     bench.main(["--smoke", "--out", str(out), "--data-dir", str(mathematics_slice)])
@@ -209,13 +209,28 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(
             assert (out / "final" / f"{label}_{mode}.jsonl").is_file()
     text = (out / "mathematics_rl.md").read_text()
     assert "Learning curve" in text and "Targets (issue 50)" in text and "rl-s1 - ei (retool)" in text
+    assert text.startswith("Status: every phase finished.")
     assert (out / "mathematics_rl_curve.png").is_file() and (out / "mathematics_rl_instruments.png").is_file()
     assert "![mathematics_rl_curve](mathematics_rl_curve.png)" in text
+    short = (out / "mathematics_rl_summary.md").read_text()
+    assert "| rl-s1 |" in short and "| ei |" in short and "Targets of issue 50 met:" in short
     assert all((out / f"rl-s{seed}" / "done.json").is_file() for seed in (0, 1))
-    # A rerun finds every phase done: it samples and trains nothing more.
+    # A rerun finds every phase done: it samples and trains nothing more; --write leaves the report, its
+    # summary and both curves in the results folder (here a temporary one; no page is refilled).
+    import _results
+
+    results = tmp_path / "results"
+    monkeypatch.setattr(_results, "RESULTS", results)
+    monkeypatch.setattr(_results, "render_pages", lambda: [])
     before = (out / "rl-s0" / "metrics.jsonl").read_text()
-    bench.main(["--smoke", "--out", str(out), "--data-dir", str(mathematics_slice)])
+    bench.main(["--smoke", "--out", str(out), "--data-dir", str(mathematics_slice), "--write"])
     assert (out / "rl-s0" / "metrics.jsonl").read_text() == before
+    assert sorted(p.name for p in results.iterdir()) == [
+        "mathematics_rl.md",
+        "mathematics_rl_curve.png",
+        "mathematics_rl_instruments.png",
+        "mathematics_rl_summary.md",
+    ]
 
 
 def metrics_of(run: Path) -> list[dict[str, float]]:
