@@ -387,17 +387,24 @@ def evaluate_model(
 
     from retool.components import build_components
     from retool.evaluate.runner import EvalIdentity, run_eval
+    from retool.pipeline.cli import Printer
 
     if threads:
         torch.set_num_threads(threads)
     folder.mkdir(parents=True, exist_ok=True)
     identity = EvalIdentity(model=label, checkpoint=config.model.name, dataset=dataset)
 
-    # Each mode keeps one engine batch of problems in flight, not the whole set: with every problem in
-    # flight a multi-turn trajectory's next turn queues behind every other problem's first, so no retool
-    # answer finished (or was saved for a resume) until nearly all first turns had been sampled (seen on
-    # GSM8K: 0 of 1,319 retool answers written after 24 min). One batch a mode still fills the engine.
-    in_flight = min(len(problems), config.backend.sample_batch_size)
+    # The modes together keep one engine batch of problems in flight, not the whole set: with more in
+    # flight than the engine batches, a multi-turn trajectory's next turn queues behind the others' and its
+    # context falls out of the prefix cache, so each turn prefills it again and batches are rebuilt around
+    # it (no retool answer was written until nearly all first turns had been sampled).
+    in_flight = max(1, min(len(problems), config.backend.sample_batch_size // len(modes)))
+    printer = Printer()  # one bar for the modes side by side, as the demo shows an evaluation
+
+    def progress(mode: str) -> Any:
+        return lambda done, total: printer(
+            "eval_progress", {"model": label, "mode": mode, "done": done, "total": total}
+        )
 
     async def run(parts: Any) -> None:
         await parts.refresh_sampler()
@@ -413,6 +420,7 @@ def evaluate_model(
                     concurrency=in_flight,
                     save_transcripts=False,
                     source=source,
+                    on_progress=progress(mode),
                 )
                 for mode in modes
             ]
