@@ -552,9 +552,11 @@ def main(argv: list[str] | None = None) -> None:
         return
     sft = coldstart(args)
     evaluate(args, "step0000", sft, args.out / "curve-start", args.curve_per_module, "retool")
-    evaluate(args, "sft", sft, args.out / "final", args.final_per_module, FINAL_MODES)
     lr = sweep(args)
     runs = {seed: rl_seed(args, seed, lr) for seed in seeds}
+    # The SFT start's final evaluation needs no state a sitting could lose (its weights are trained again
+    # from the carried pool), so it waits behind the seeds, whose checkpoints weigh ~60 MB each to carry.
+    evaluate(args, "sft", sft, args.out / "final", args.final_per_module, FINAL_MODES)
     cold = read_json(args.out / "sft" / "coldstart" / "report.json") or {}
     budget = int(cold.get("sampled", 0)) + sampled_trajectories(runs[seeds[0]])
     ei = expert_iteration(args, budget)
