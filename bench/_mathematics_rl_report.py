@@ -255,19 +255,31 @@ def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
     targets = target_lines(out, evals, seeds)
     met = sum("**met**" in t for t in targets)
     judged = sum("**met**" in t or "**missed**" in t for t in targets)
-    lines += [
-        "",
-        f"Targets of issue 50 met: {met} of {judged} judged so far ([the whole report](mathematics_rl.md)).",
-    ]
+    if not evals:
+        lines.append("| no final model evaluated yet | | | | |")
+    curve = []
+    for seed, points in curve_rows(out, seeds).items():
+        last = max(points, default=0)
+        if last:
+            first = points.get(0)
+            was = f"{pct(first['interpolate'])} / {pct(first['extrapolate'])} at step 0, " if first else ""
+            now = f"{pct(points[last]['interpolate'])} / {pct(points[last]['extrapolate'])}"
+            curve.append(f"seed {seed}: {was}{now} at step {last}")
+    if curve:
+        lines += ["", "Learning curve (interpolate / extrapolate), " + "; ".join(curve) + "."]
+    lines += ["", f"Targets of issue 50 met: {met} of {judged} judged so far."]
     return "\n".join(lines)
 
 
 def final_evals(out: Path, labels: list[str]) -> dict[str, dict[str, list[ProblemRecord]]]:
+    """The final evaluations complete in both modes (one a sitting stopped holds part of its answers: those
+    are kept for its resume, never reported)."""
     evals = {}
     for label in labels:
-        by_mode = {m: _records(out / "final", label, m) for m in ("text-only", "retool")}
-        if all(by_mode.values()):
-            evals[label] = by_mode
+        modes = ("text-only", "retool")
+        summaries = [_json(summary_path_for(eval_output(out / "final", label, m))) or {} for m in modes]
+        if all(s.get("status") == "complete" for s in summaries):
+            evals[label] = {m: _records(out / "final", label, m) for m in modes}
     return evals
 
 

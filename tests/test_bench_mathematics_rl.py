@@ -235,3 +235,13 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(
 
 def metrics_of(run: Path) -> list[dict[str, float]]:
     return [json.loads(x) for x in (run / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_a_final_evaluation_a_sitting_stopped_is_kept_but_not_reported(tmp_path: Path) -> None:
+    from _mathematics_rl_report import final_evals
+
+    for label, status in (("sft", "incomplete"), ("rl-s0", "complete")):
+        for mode in ("text-only", "retool"):
+            _write(tmp_path / f"final/{label}_{mode}.jsonl", "")
+            _write(tmp_path / f"final/{label}_{mode}.summary.json", json.dumps({"status": status}))
+    assert list(final_evals(tmp_path, ["sft", "rl-s0", "ei"])) == ["rl-s0"]
