@@ -81,11 +81,16 @@ def user_paths(text: str) -> str:
     return _ABSOLUTE.sub(lambda m: user_path(m.group(0)), text)
 
 
+def text_files() -> list[Path]:
+    """The results files benches write as text (the PNGs a report links sit beside them)."""
+    return sorted(p for p in RESULTS.iterdir() if p.suffix in (".md", ".txt"))
+
+
 def normalise_results() -> list[Path]:
     """Rewrite every results file's paths as ``write_result`` now writes them (``user_paths``), then refill
     the pages: for files written before the benches named paths that way. Returns the files changed."""
     changed = []
-    for path in sorted(RESULTS.iterdir()):
+    for path in text_files():
         text = path.read_text()
         if user_paths(text) != text:
             path.write_text(user_paths(text))

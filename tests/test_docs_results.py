@@ -51,7 +51,7 @@ def test_every_generated_block_is_its_results_file() -> None:
 
 def test_results_files_hold_only_what_a_bench_printed() -> None:
     # A reading belongs on the page that quotes the file, in words; the file stays the bench's output.
-    for path in sorted((REPO / "docs" / "results").iterdir()):
+    for path in _results.text_files():
         assert "by hand" not in path.read_text(), (
             f"{path.name} was edited by hand; rerun its bench with --write"
         )
@@ -59,7 +59,7 @@ def test_results_files_hold_only_what_a_bench_printed() -> None:
 
 def test_results_name_no_path_of_the_machine_that_ran_them() -> None:
     # The command and the report as a user would type them: relative paths, runs/..., <site-packages>/...
-    for path in sorted((REPO / "docs" / "results").iterdir()):
+    for path in _results.text_files():
         text = path.read_text()
         assert _results.user_paths(text) == text, (
             f"{path.name} names a path of the machine it ran on; the benches now write user_paths "
