@@ -37,8 +37,9 @@ checkpoint of that step (the adapter, the optimizer's moments, the RNG and the s
 resumes on another machine from its last curve point (on an SFT start trained again from the same pool); a
 finished seed carries ``done.json`` (its last step) instead, once its final evaluation is complete.
 Expert iteration carries its rounds as the cold start does; the final evaluation carries what it finished.
-Only the newest checkpoint of a seed is kept in ``--carry`` (git ignores them: ~60 MB each; a sitting that
-ends mid-seed adds its seed's newest with ``git add -f`` once, never every chunk).
+Only the newest checkpoint of a seed is kept in ``--carry``, and git ignores it (weights, ~60 MB, never enter
+the repository): a seed resumes from it where the run folder or the work tree survives the sitting; on a fresh
+clone an unfinished seed trains again from step 0, its carried curve points taken again on the way.
 """
 
 from __future__ import annotations
