@@ -39,7 +39,7 @@ finished seed carries ``done.json`` (its last step) instead, once its final eval
 Expert iteration carries its rounds as the cold start does; the final evaluation carries what it finished.
 Only the newest checkpoint of a seed is kept in ``--carry``, and git ignores it (weights, ~60 MB, never enter
 the repository): a seed resumes from it where the run folder or the work tree survives the sitting; on a fresh
-clone an unfinished seed trains again from step 0, its carried curve points taken again on the way.
+clone an unfinished seed trains again from step 0 (its carried curve points are kept, not taken again).
 """
 
 from __future__ import annotations
