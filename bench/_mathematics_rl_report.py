@@ -14,6 +14,7 @@ from typing import Any
 
 from _harness import eval_output, gain_cell, pct, pts
 from mathematics import SPLITS, means_table, module_stats, of_split, split_mean
+from mathematics_rl import ABLATIONS, ablation_runs
 from retool.evaluate.store import ProblemRecord, read_problem_records, summary_path_for
 from retool.jsonl import read_jsonl_objects
 
@@ -105,10 +106,59 @@ def stability_lines(out: Path, seeds: list[int]) -> list[str]:
     return [
         f"Stability settings of the RL seeds: void-turn trajectories out of the loss {on(filters.get('void_turn'))},"
         f" truncated ones {on(filters.get('overlong'))}, KL-to-start penalty coefficient"
-        f" {loss.get('ref_kl_coef', 0.0)}, learning rate from the sweep above. Which of them mattered: the bench"
-        " varies the learning rate only (the sweep); the two filters and the penalty were not ablated here, so"
-        " their effect is not measured by it."
+        f" {loss.get('ref_kl_coef', 0.0)}, learning rate from the sweep above. Which of them mattered: the"
+        " learning rate by the sweep; the filters and the penalty by the ablation at the end of this page."
     ]
+
+
+def ablation_done(out: Path, name: str) -> bool:
+    summary = _json(summary_path_for(eval_output(out / "ablation" / "curve", name, "retool"))) or {}
+    return summary.get("status") == "complete"
+
+
+def ablation_lines(out: Path, steps: int, names: list[str]) -> list[str]:
+    """Each ablation run's instruments and held-out accuracy, and its difference from ``as-seeds`` (same
+    start, seed, rate and held-out questions: a paired interval)."""
+    if not names:
+        return ["Ablation: not asked for (--ablation-steps 0)."]
+    done = [name for name in names if ablation_done(out, name)]
+    if not done:
+        return ["Ablation: not run yet (it runs last)."]
+    base = _records(out / "ablation" / "curve", "as-seeds", "retool") if "as-seeds" in done else []
+    lines = [
+        f"Ablation of the stability settings: {steps} RL step{'s' if steps != 1 else ''} a run from the SFT"
+        " start, seed 0, the chosen rate,"
+        " one setting changed a run; held-out retool accuracy on the curve's slice (greedy), the run's"
+        " instruments over its steps, and its held-out difference from `as-seeds` [95% paired bootstrap CI].",
+        "",
+        "| run | changed | held-out interpolate | held-out extrapolate | minus as-seeds, interpolate | minus as-seeds,"
+        " extrapolate | train accuracy, last half | lowest tool-call rate | highest void-turn rate | entropy, last"
+        " 5 steps | KL to the start, last 5 steps |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name in done:
+        run = out / "ablation" / name
+        ms = _metrics(run)
+        recs = _records(out / "ablation" / "curve", name, "retool")
+        means = _split_means(recs)
+        if name == "as-seeds" or not base:
+            gains = ["-", "-"]
+        else:
+            gains = [gain_cell(of_split(base, sp), of_split(recs, sp)) for sp in SPLITS]
+        late = _column(ms, "task/correct_rate")[len(ms) // 2 :]
+        changed = ", ".join(f"`{c}`" for c in ABLATIONS[name]) or "nothing"
+        lines.append(
+            f"| {name} | {changed} | {pct(means['interpolate'])} | {pct(means['extrapolate'])} | "
+            + " | ".join(gains)
+            + f" | {pct(_mean(late))} | {pct(min(_column(ms, 'tool/code_share'), default=0.0))}"
+            f" | {pct(max(_column(ms, 'task/void_turn_rate'), default=0.0))}"
+            f" | {_mean(_column(ms, 'policy/entropy')[-5:]):.3f} | {_mean(_column(ms, 'policy/ref_kl')[-5:]):.3f} |"
+        )
+    return lines
+
+
+def _column(ms: list[dict[str, Any]], key: str) -> list[float]:
+    return [float(m.get(key) or 0.0) for m in ms]
 
 
 def curve_rows(out: Path, seeds: list[int]) -> dict[int, dict[int, dict[str, float]]]:
@@ -251,7 +301,8 @@ def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
             + " | ".join(gains)
             + " |"
         )
-    lines = [status_line(out, seeds, evals), "", *lines]
+    ablations = ablation_runs(args)
+    lines = [status_line(out, seeds, evals, ablations) + " " + lines[0], *lines[1:]]
     targets = target_lines(out, evals, seeds)
     met = sum("**met**" in t for t in targets)
     judged = sum("**met**" in t or "**missed**" in t for t in targets)
@@ -265,9 +316,10 @@ def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
             was = f"{pct(first['interpolate'])} / {pct(first['extrapolate'])} at step 0, " if first else ""
             now = f"{pct(points[last]['interpolate'])} / {pct(points[last]['extrapolate'])}"
             curve.append(f"seed {seed}: {was}{now} at step {last}")
+    tail = f"Targets of issue 50 met: {met} of {judged} judged so far."
     if curve:
-        lines += ["", "Learning curve (interpolate / extrapolate), " + "; ".join(curve) + "."]
-    lines += ["", f"Targets of issue 50 met: {met} of {judged} judged so far."]
+        tail = "Learning curve (interpolate / extrapolate), " + "; ".join(curve) + ". " + tail
+    lines += ["", tail]
     return "\n".join(lines)
 
 
@@ -347,12 +399,14 @@ def target_lines(out: Path, evals: dict[str, dict[str, list[ProblemRecord]]], se
     return lines
 
 
-def status_line(out: Path, seeds: list[int], evals: dict[str, Any]) -> str:
+def status_line(out: Path, seeds: list[int], evals: dict[str, Any], ablations: list[str]) -> str:
     """Which phases this report holds whole: a page written while the bench still runs says so first."""
     pending = [f"RL seed {s}" for s in seeds if not (out / f"rl-s{s}" / "done.json").is_file()]
     if not (out / "ei" / "phase.json").is_file():
         pending.append("expert iteration")
     pending += [f"the final evaluation of {label}" for label in ["sft", "ei"] if label not in evals]
+    if not all(ablation_done(out, name) for name in ablations):
+        pending.append("the ablation")
     if not pending:
         return "Status: every phase finished."
     return "Status: **a run in progress**; not finished yet: " + ", ".join(pending) + "."
@@ -364,7 +418,7 @@ def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> 
     pngs = draw(out, seeds, rows)
     labels = ["sft", *[f"rl-s{s}" for s in seeds], "ei"]
     evals = final_evals(out, labels)
-    lines = [status_line(out, seeds, evals), ""]
+    lines = [status_line(out, seeds, evals, ablation_runs(args)), ""]
     lines += [*coldstart_lines(out), "", "Learning-rate sweep (seed 0, short runs from the SFT model):", ""]
     lines += sweep_lines(out)
     lines += ["", *stability_lines(out, seeds)]
@@ -390,4 +444,5 @@ def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> 
     lines += ["", "Paired differences over questions, percentage points [95% paired bootstrap CI]:", ""]
     lines += gains_lines(evals, seeds)
     lines += ["", "Targets (issue 50):", "", *target_lines(out, evals, seeds)]
+    lines += ["", *ablation_lines(out, args.ablation_steps, ablation_runs(args))]
     return "\n".join(lines)

@@ -22,6 +22,10 @@ keep it outside the work tree):
    RL seed 0 (cold start included): the baseline RL must beat.
 5. ``final``: SFT, each RL seed (as it finishes) and EI on ``--final-per-module`` questions of every module,
    text-only and with the tool, greedy; paired bootstrap intervals over questions.
+6. ``ablation``: which of issue 50's stability settings mattered. ``--ablation-steps`` of RL from the SFT
+   model at the chosen rate, seed 0, once as the seeds ran, once with void-turn and truncated trajectories
+   scored -1 in the loss (the filters off), once with a KL-to-start penalty (``ABLATIONS``); each run's
+   instruments and its model on the held-out slice, side by side. Last, so it delays none of the above.
 
     python bench/mathematics_rl.py --out /work/runs/mathematics_rl            # the whole bench
     python bench/mathematics_rl.py --out DIR --write                          # + docs/results/mathematics_rl.md
@@ -73,7 +77,16 @@ RL_SETS = (
     "checkpoint.every=5",
     "checkpoint.keep_last=1",
 )
-SMOKE = {  # a few-step slice: every phase, sizes cut to minutes
+# Issue 50's item 3, one setting changed at a time against the seeds' own (``as-seeds``). The penalty's
+# coefficient: PRIME's level (the research notes' choice for this collapse), 10x SimpleRL's.
+ABLATIONS = {
+    "as-seeds": (),
+    "void-scored": ("filters.void_turn=false", "filters.overlong=false"),
+    "kl-1e-3": ("loss.ref_kl_coef=1e-3",),
+}
+SMOKE = {  # a few-step slice: every phase, sizes cut to minutes (one seed, one changed setting)
+    "seeds": "0",
+    "ablations": "as-seeds,void-scored",
     "steps": 2,
     "sweep_steps": 1,
     "lrs": "1e-4",
@@ -81,6 +94,7 @@ SMOKE = {  # a few-step slice: every phase, sizes cut to minutes
     "final_per_module": 1,
     "coldstart_rounds": 1,
     "chunk": 1,
+    "ablation_steps": 1,
 }
 
 
@@ -95,6 +109,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     ap.add_argument("--max-steps", type=int, default=160, help="RL steps a seed at most")
     ap.add_argument("--lrs", default="5e-5,1e-4,2e-4", help="the sweep's learning rates")
     ap.add_argument("--sweep-steps", type=int, default=10)
+    ap.add_argument(
+        "--ablation-steps", type=int, default=20, help="RL steps of each ablation run (0: no ablation)"
+    )
+    ap.add_argument(
+        "--ablations", default=",".join(ABLATIONS), help=f"the ablation's runs, of {', '.join(ABLATIONS)}"
+    )
     ap.add_argument("--coldstart-rounds", type=int, default=3)
     ap.add_argument("--coldstart-round-rows", type=int, default=8, help="train problems a module a round")
     ap.add_argument("--curve-per-module", type=int, default=2)
@@ -119,7 +139,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
             setattr(args, k, v)
         args.max_steps = args.steps
         args.min_informative = 0
+    unknown = sorted(set(args.ablations.split(",")) - set(ABLATIONS))
+    if unknown:
+        ap.error(f"--ablations: unknown {', '.join(unknown)} (known: {', '.join(ABLATIONS)})")
     return args
+
+
+def ablation_runs(args: argparse.Namespace) -> list[str]:
+    """The ablation's runs this bench takes (none with ``--ablation-steps 0``)."""
+    return (
+        [name for name in ABLATIONS if name in args.ablations.split(",")] if args.ablation_steps > 0 else []
+    )
 
 
 # -- the settings every phase shares ------------------------------------------------------------------------
@@ -173,7 +203,14 @@ def child(args: argparse.Namespace, phase: str, *extra: str) -> None:
 # the runs' metrics it was made from, an RL seed's checkpoint at its last curve point. Never merged weights,
 # nor a marker that says they exist.
 CARRIED_ROUNDS = ("sft/coldstart", "ei/coldstart")
-CARRIED_FILES = ("sft/coldstart/report.json", "curve-start/*", "final/*", "rl-s*/curve/*", "rl-s*/done.json")
+CARRIED_FILES = (
+    "sft/coldstart/report.json",
+    "curve-start/*",
+    "final/*",
+    "rl-s*/curve/*",
+    "rl-s*/done.json",
+    "ablation/curve/*",
+)
 CARRIED_SWEEP = ("sweep/choice.json", "sweep/curve/*", "sweep/*/metrics.jsonl")  # once choice.json exists
 
 
@@ -186,12 +223,26 @@ def carried(out: Path) -> list[Path]:
     whole_sweep = (out / "sweep" / "choice.json").is_file()  # written last
     for pattern in CARRIED_FILES + (CARRIED_SWEEP if whole_sweep else ()):
         found += [Path(f) for f in glob.glob(str(out / pattern))]
-    # A sweep run trained to its end (its model written last) and its evaluations, before the sweep is whole.
-    found += [m.parents[1] / "metrics.jsonl" for m in (out / "sweep").glob("*/model_latest/step.json")]
+    # A sweep or ablation run trained to its end (its model written last; in a carried folder, its evaluation
+    # complete: it is taken after the last step) and its evaluations, before the sweep is whole.
+    for short_runs in ("sweep", "ablation"):
+        for run in sorted(p for p in (out / short_runs).glob("*") if p.is_dir() and p.name != "curve"):
+            if (run / "model_latest" / "step.json").is_file() or evaluated(
+                out / short_runs / "curve", run.name
+            ):
+                found.append(run / "metrics.jsonl")
     found += [Path(f) for f in glob.glob(str(out / "sweep" / "curve" / "*"))]
     for run in sorted(out.glob("rl-s*")):
         found += rl_carried(run)
     return sorted({f.relative_to(out) for f in found if f.is_file()})
+
+
+def evaluated(folder: Path, label: str) -> bool:
+    """Whether ``label``'s retool evaluation in ``folder`` is complete."""
+    from retool.evaluate.store import summary_path_for
+
+    summary = read_json(summary_path_for(eval_output(folder, label, "retool")))
+    return bool(summary and summary.get("status") == "complete")
 
 
 def rl_carried(run: Path) -> list[Path]:
@@ -298,7 +349,7 @@ def phase_rl(args: argparse.Namespace) -> None:
         args.arg[4],
     )
     sets = [*RL_SETS, *seed_overrides(int(seed)), f"train.steps={until}", f"optimizer.lr={lr}"]
-    sets.append(f"data.selection={selection}")
+    sets += [f"data.selection={selection}", *args.arg[5:]]  # an ablation's changed settings last
     s = settings(args, run, sets)
     config = phase_config(with_available_isolation(s.config), args.out / "sft" / "model_sft", run)
     source = mathematics_source(config, s.data_dir)
@@ -377,11 +428,26 @@ def coldstart(args: argparse.Namespace) -> Path:
     return sft / "model_sft"
 
 
-def train_to(args: argparse.Namespace, run: Path, until: int, seed: int, lr: str, selection: str) -> None:
+def train_to(
+    args: argparse.Namespace,
+    run: Path,
+    until: int,
+    seed: int,
+    lr: str,
+    selection: str,
+    changed: tuple[str, ...] = (),
+) -> None:
     done = read_json(run / "model_latest" / "step.json")
     if done is None or done["step"] != until:
-        log.info("RL %s: to step %d (lr %s, %s)", run.name, until, lr, selection)
-        child(args, "rl", str(run), str(until), str(seed), lr, selection)
+        log.info(
+            "RL %s: to step %d (lr %s, %s%s)",
+            run.name,
+            until,
+            lr,
+            selection,
+            "".join(f", {c}" for c in changed),
+        )
+        child(args, "rl", str(run), str(until), str(seed), lr, selection, *changed)
 
 
 def sweep(args: argparse.Namespace) -> str:
@@ -394,7 +460,7 @@ def sweep(args: argparse.Namespace) -> str:
     for lr in lrs:
         run = args.out / "sweep" / f"lr{lr}"
         label = f"lr{lr}"
-        if not carried_run(args, run, label):
+        if not carried_run(run, args.sweep_steps, args.out / "sweep" / "curve", label):
             train_to(args, run, args.sweep_steps, 0, lr, "pass_rate")
         evaluate(
             args, label, run / "model_latest", args.out / "sweep" / "curve", args.curve_per_module, "retool"
@@ -404,7 +470,7 @@ def sweep(args: argparse.Namespace) -> str:
             "held_out": held_out_mean(args.out / "sweep" / "curve", label),
         }
     middle = lrs[len(lrs) // 2]
-    if not carried_run(args, args.out / "sweep" / "epoch", None):
+    if not carried_run(args.out / "sweep" / "epoch", args.sweep_steps, args.out / "sweep" / "curve", None):
         train_to(args, args.out / "sweep" / "epoch", args.sweep_steps, 0, middle, "epoch")
     kept = [lr for lr in lrs if not rows[lr]["collapsed"]] or lrs
     # Judged on held-out questions, not the train accuracy: the pass-rate selection steers draws toward
@@ -415,17 +481,25 @@ def sweep(args: argparse.Namespace) -> str:
     return best
 
 
-def carried_run(args: argparse.Namespace, run: Path, label: str | None) -> bool:
-    """Whether a sweep run finished on another machine: its metrics (every step) and its evaluation (when
-    it has one) were carried, its model was not; nothing needs the model after them."""
-    from retool.evaluate.store import summary_path_for
-
-    if (run / "model_latest" / "step.json").is_file() or len(metrics(run)) < args.sweep_steps:
+def carried_run(run: Path, steps: int, curve: Path, label: str | None) -> bool:
+    """Whether a sweep or ablation run finished on another machine: its metrics (every step) and its
+    evaluation in ``curve`` (when it has one) were carried, its model was not; nothing needs the model after
+    them."""
+    if (run / "model_latest" / "step.json").is_file() or len(metrics(run)) < steps:
         return False
-    if label is None:
-        return True
-    summary = read_json(summary_path_for(eval_output(args.out / "sweep" / "curve", label, "retool")))
-    return bool(summary and summary.get("status") == "complete")
+    return label is None or evaluated(curve, label)
+
+
+def ablation(args: argparse.Namespace, lr: str) -> None:
+    """``ABLATIONS``: the same start, seed and rate, one stability setting changed a run; each run's model
+    on the held-out slice."""
+    curve = args.out / "ablation" / "curve"
+    for name in ablation_runs(args):
+        run = args.out / "ablation" / name
+        if not carried_run(run, args.ablation_steps, curve, name):
+            train_to(args, run, args.ablation_steps, 0, lr, "pass_rate", ABLATIONS[name])
+            evaluate(args, name, run / "model_latest", curve, args.curve_per_module, "retool")
+    carry_out(args)
 
 
 def held_out_mean(folder: Path, label: str) -> float:
@@ -518,10 +592,7 @@ def trained_step(run: Path) -> int:
 
 
 def curve_point_done(run: Path, step: int) -> bool:
-    from retool.evaluate.store import summary_path_for
-
-    summary = read_json(summary_path_for(eval_output(run / "curve", f"step{step:04d}", "retool")))
-    return bool(summary and summary.get("status") == "complete")
+    return evaluated(run / "curve", f"step{step:04d}")
 
 
 def expert_iteration(args: argparse.Namespace, trajectories: int) -> Path:
@@ -562,6 +633,8 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(cold.get("sampled", 0)) + sampled_trajectories(runs[seeds[0]])
     ei = expert_iteration(args, budget)
     evaluate(args, "ei", ei, args.out / "final", args.final_per_module, FINAL_MODES)
+    publish(args, seeds, lr, budget)  # the main results do not wait for the ablation
+    ablation(args, lr)
     publish(args, seeds, lr, budget)
 
 

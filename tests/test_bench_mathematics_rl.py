@@ -101,9 +101,56 @@ def test_finished_rounds_and_a_chosen_sweep_are_carried_to_another_machine_weigh
     assert (fresh / "sweep/choice.json").is_file() and not (fresh / "sft/phase.json").exists()
     assert not (fresh / "sft/coldstart/round-0/state").exists()
     # on the other machine the finished sweep run is not trained again: its metrics and evaluation came
-    fresh_args = bench.parse_args(["--out", str(fresh), "--carry", str(carry), "--sweep-steps", "3"])
-    assert bench.carried_run(fresh_args, fresh / "sweep/lr5e-5", "lr5e-5")
-    assert not bench.carried_run(fresh_args, fresh / "sweep/lr1e-4", "lr1e-4")  # its metrics: not 3 steps
+    curve = fresh / "sweep/curve"
+    assert bench.carried_run(fresh / "sweep/lr5e-5", 3, curve, "lr5e-5")
+    assert not bench.carried_run(fresh / "sweep/lr1e-4", 3, curve, "lr1e-4")  # its metrics: not 3 steps
+
+
+def test_each_ablation_changes_one_stability_setting_of_the_seeds(tmp_path: Path) -> None:
+    args = bench.parse_args(["--out", str(tmp_path)])
+    loaded = {}
+    for name, changed in bench.ABLATIONS.items():
+        config = bench.settings(args, tmp_path, [*bench.RL_SETS, *changed]).config
+        loaded[name] = (config.filters.void_turn, config.filters.overlong, config.loss.ref_kl_coef)
+    assert loaded == {
+        "as-seeds": (True, True, 0.0),
+        "void-scored": (False, False, 0.0),
+        "kl-1e-3": (True, True, 1e-3),
+    }
+    assert bench.ablation_runs(args) == list(bench.ABLATIONS)
+    assert bench.ablation_runs(bench.parse_args(["--ablation-steps", "0"])) == []
+    with pytest.raises(SystemExit):
+        bench.parse_args(["--ablations", "as-seeds,no-such-run"])
+
+
+def test_a_finished_ablation_run_is_carried_and_not_trained_again_elsewhere(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    run, carry = tmp_path / "run", tmp_path / "carry"
+    args = bench.parse_args(["--out", str(run), "--carry", str(carry), "--ablation-steps", "2"])
+    _write(run / "ablation/as-seeds/metrics.jsonl", "{}\n" * 2)  # trained to its end and evaluated
+    _write(run / "ablation/as-seeds/model_latest/step.json", '{"step": 2}')
+    _write(run / "ablation/as-seeds/model_latest/model.safetensors", "weights")
+    _write(run / "ablation/curve/as-seeds_retool.jsonl", "{}\n")
+    _write(run / "ablation/curve/as-seeds_retool.summary.json", '{"status": "complete"}')
+    _write(run / "ablation/void-scored/metrics.jsonl", "{}\n" * 2)  # trained; its evaluation stopped
+    _write(run / "ablation/curve/void-scored_retool.summary.json", '{"status": "incomplete"}')
+    _write(run / "ablation/kl-1e-3/metrics.jsonl", "{}\n")  # still training
+    bench.carry_out(args)
+    kept = {str(p.relative_to(carry)) for p in carry.glob("ablation/*/metrics.jsonl")}
+    assert kept == {"ablation/as-seeds/metrics.jsonl"}  # the others are not finished: their metrics stay
+    assert not (carry / "ablation/as-seeds/model_latest").exists()
+
+    fresh = tmp_path / "fresh"
+    fresh_args = bench.parse_args(["--out", str(fresh), "--carry", str(carry), "--ablation-steps", "2"])
+    bench.carry_in(fresh_args)
+    trained: list[tuple[str, tuple[str, ...]]] = []
+    monkeypatch.setattr(
+        bench, "train_to", lambda a, r, until, s, lr, sel, changed=(): trained.append((r.name, changed))
+    )
+    monkeypatch.setattr(bench, "evaluate", lambda *a: None)
+    bench.ablation(fresh_args, "2e-4")
+    assert trained == [(name, bench.ABLATIONS[name]) for name in bench.ABLATIONS if name != "as-seeds"]
 
 
 def _checkpoint(run: Path, step: int) -> None:
@@ -190,7 +237,7 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(
     assert (out / "sft" / "model_sft" / "config.json").is_file()
     choice = json.loads((out / "sweep" / "choice.json").read_text())
     assert choice["lr"] == "1e-4" and (out / "sweep" / "epoch" / "metrics.jsonl").is_file()
-    for seed in (0, 1):
+    for seed in (0,):  # the slice runs one seed
         metrics = [json.loads(x) for x in (out / f"rl-s{seed}" / "metrics.jsonl").read_text().splitlines()]
         assert [m["step"] for m in metrics] == [1, 2]
         assert all(
@@ -204,17 +251,28 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(
     rl_sampled = sum(m["task/trajectories"] for m in metrics_of(out / "rl-s0"))
     cold = json.loads((out / "sft" / "coldstart" / "report.json").read_text())
     assert ei["sampled"] <= cold["sampled"] + rl_sampled  # never more than RL's trajectories
-    for label in ("sft", "rl-s0", "rl-s1", "ei"):
+    assert not (out / "rl-s1").exists()
+    for label in ("sft", "rl-s0", "ei"):
         for mode in ("text-only", "retool"):
             assert (out / "final" / f"{label}_{mode}.jsonl").is_file()
+    import tomllib
+
+    saved = {}  # each ablation run the slice takes trained one step with its one setting changed
+    for name in ("as-seeds", "void-scored"):
+        assert [m["step"] for m in metrics_of(out / "ablation" / name)] == [1]
+        cfg = tomllib.loads((out / "ablation" / name / "config.toml").read_text())
+        saved[name] = (cfg["filters"]["void_turn"], cfg["filters"]["overlong"], cfg["loss"]["ref_kl_coef"])
+    assert saved == {"as-seeds": (True, True, 0.0), "void-scored": (False, False, 0.0)}
+    assert not (out / "ablation" / "kl-1e-3").exists()
     text = (out / "mathematics_rl.md").read_text()
-    assert "Learning curve" in text and "Targets (issue 50)" in text and "rl-s1 - ei (retool)" in text
+    assert "Learning curve" in text and "Targets (issue 50)" in text and "rl-s0 - ei (retool)" in text
+    assert "| void-scored | `filters.void_turn=false`, `filters.overlong=false` |" in text
     assert text.startswith("Status: every phase finished.")
     assert (out / "mathematics_rl_curve.png").is_file() and (out / "mathematics_rl_instruments.png").is_file()
     assert "![mathematics_rl_curve](mathematics_rl_curve.png)" in text
     short = (out / "mathematics_rl_summary.md").read_text()
-    assert "| rl-s1 |" in short and "| ei |" in short and "Targets of issue 50 met:" in short
-    assert all((out / f"rl-s{seed}" / "done.json").is_file() for seed in (0, 1))
+    assert "| rl-s0 |" in short and "| ei |" in short and "Targets of issue 50 met:" in short
+    assert (out / "rl-s0" / "done.json").is_file()
     # A rerun finds every phase done: it samples and trains nothing more; --write leaves the report, its
     # summary and both curves in the results folder (here a temporary one; no page is refilled).
     import _results
