@@ -25,7 +25,10 @@ keep it outside the work tree):
 6. ``ablation``: which of issue 50's stability settings mattered. ``--ablation-steps`` of RL from the SFT
    model at the chosen rate, seed 0, once as the seeds ran, once with void-turn and truncated trajectories
    scored -1 in the loss (the filters off), once with a KL-to-start penalty (``ABLATIONS``); each run's
-   instruments and its model on the held-out slice, side by side. Last, so it delays none of the above.
+   instruments and its model on the held-out slice, side by side.
+
+The order: cold start, sweep, the first seed (EI's budget is its trajectory count), the SFT start's and EI's
+final evaluations, the ablation, then the other seeds, which a lost machine would set back most (below).
 
     python bench/mathematics_rl.py --out /work/runs/mathematics_rl            # the whole bench
     python bench/mathematics_rl.py --out DIR --write                          # + docs/results/mathematics_rl.md
@@ -625,16 +628,19 @@ def main(argv: list[str] | None = None) -> None:
     sft = coldstart(args)
     evaluate(args, "step0000", sft, args.out / "curve-start", args.curve_per_module, "retool")
     lr = sweep(args)
-    runs = {seed: rl_seed(args, seed, lr) for seed in seeds}
-    # The SFT start's final evaluation needs no state a sitting could lose (its weights are trained again
-    # from the carried pool), so it waits behind the seeds, whose checkpoints weigh ~60 MB each to carry.
+    first = rl_seed(args, seeds[0], lr)  # expert iteration's budget is its sampled trajectories
     evaluate(args, "sft", sft, args.out / "final", args.final_per_module, FINAL_MODES)
     cold = read_json(args.out / "sft" / "coldstart" / "report.json") or {}
-    budget = int(cold.get("sampled", 0)) + sampled_trajectories(runs[seeds[0]])
+    budget = int(cold.get("sampled", 0)) + sampled_trajectories(first)
     ei = expert_iteration(args, budget)
     evaluate(args, "ei", ei, args.out / "final", args.final_per_module, FINAL_MODES)
-    publish(args, seeds, lr, budget)  # the main results do not wait for the ablation
     ablation(args, lr)
+    # The other seeds last: an unfinished seed survives a sitting only where its run folder does (its
+    # checkpoint is not carried), and a seed outlasts a sitting; expert iteration's rounds and the ablation's
+    # runs are carried as each finishes, so they go first and a lost machine loses none of them.
+    publish(args, seeds, lr, budget)
+    for seed in seeds[1:]:
+        rl_seed(args, seed, lr)
     publish(args, seeds, lr, budget)
 
 
