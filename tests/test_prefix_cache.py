@@ -286,6 +286,84 @@ def test_requests_join_mid_decode_and_leave_when_done(uncached: LocalTrainingCli
     assert [s.tokens for s in got] == [s.tokens for s in alone]
 
 
+def test_finished_rows_leave_the_kv_batch_a_few_at_a_time_with_the_same_tokens(
+    tiny_model_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A finished row's sample is returned at once, but its KV row stays in the batch (decoded on, never
+    read) until an eighth of the batch has finished: fewer copies of the cache, the same tokens and
+    logprobs (to rounding: other batch shapes) as rows taken out one by one."""
+    from retool.backends.engine import generation
+
+    rows = 64
+    client = LocalTrainingClient(
+        tiny_model_dir, device="cpu", seed=0, sample_batch_size=rows, prefix_cache_mb=0
+    )
+    prompts = [_encode(client, f"Question {i}: add {i} and {i * i}.") for i in range(rows)]
+    selects = 0
+    select = generation._Batch.select
+
+    def counted(self: generation._Batch, keep: list[int]) -> generation._Batch:
+        nonlocal selects
+        selects += 1
+        return select(self, keep)
+
+    monkeypatch.setattr(generation._Batch, "select", counted)
+
+    def run() -> tuple[list[Sample], int]:
+        nonlocal selects
+        selects = 0
+
+        async def go() -> list[Sample]:
+            sampler = await client.sampling_client_async()
+            outs = await asyncio.gather(
+                *[
+                    sampler.sample_async(p, 1, SamplingParams(max_tokens=4 + i, temperature=1.0, seed=i))
+                    for i, p in enumerate(prompts)
+                ]
+            )
+            return [s for (s,) in outs]
+
+        return asyncio.run(go()), selects
+
+    client.eos_ids = set()  # each row runs to its own budget: one finishes every step
+    try:
+        lazy, lazy_selects = run()
+        monkeypatch.setattr(generation, "COMPACT_DEAD_SHARE", 0.0)  # every finished row out at once
+        eager, eager_selects = run()
+    finally:
+        client.close()
+    assert [len(s.tokens) for s in lazy] == [4 + i for i in range(rows)]
+    assert [s.tokens for s in lazy] == [s.tokens for s in eager]
+    worst = max(
+        abs(a - b)
+        for x, y in zip(lazy, eager, strict=True)
+        for a, b in zip(x.logprobs, y.logprobs, strict=True)
+    )
+    assert worst < ON_OFF_TOLERANCE
+    assert eager_selects >= rows and lazy_selects < eager_selects / 2
+
+
+def test_a_full_batch_takes_waiting_rows_once_an_eighth_of_it_is_free(
+    uncached: LocalTrainingClient, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from retool.backends.engine import generation
+
+    engine = uncached.engine
+    batch = generation._Batch(
+        [object()] * 16,  # type: ignore[list-item]
+        generation.DynamicCache(),
+        torch.ones((16, 1), dtype=torch.long),
+        torch.zeros((16, 1), dtype=torch.long),
+        torch.zeros((16, 8)),
+    )
+    taken: list[int] = []
+    monkeypatch.setattr(engine, "_take", lambda room: taken.append(room) or [])
+    batch.dead = {0}  # 15 live of 16: one slot free, fewer than an eighth
+    assert engine._admit(None, batch) is batch and taken == []  # type: ignore[arg-type]
+    batch.dead = {0, 1}  # two free: an eighth
+    assert engine._admit(None, batch) is batch and taken == [2]  # type: ignore[arg-type]
+
+
 def test_prefill_groups_bound_padding() -> None:
     from retool.backends.engine.generation import PREFILL_PADDING_SLACK, _padding_groups
 

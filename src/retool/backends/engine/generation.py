@@ -10,8 +10,9 @@ inverse-CDF over the filtered distribution, so the random stream never depends o
 
 Continuous batching (``ContinuousGenerator``): requests go into an inbox; one job on the owner's worker
 thread decodes every sequence in flight one token per step, admits waiting requests at step boundaries
-(up to ``batch_limit`` sequences) and lets a finished sequence leave at once, so no sequence waits for
-its batch's longest. The KV cache is one left-padded tensor per layer, ``[rows, heads, columns, dim]``;
+(up to ``batch_limit`` sequences) and returns a finished sequence at once, so no sequence waits for its
+batch's longest; finished rows leave the KV cache, and waiting ones join it, a few at a time
+(``COMPACT_DEAD_SHARE``, ``ADMIT_FREE_SHARE``). The KV cache is one left-padded tensor per layer, ``[rows, heads, columns, dim]``;
 rows of different lengths are aligned on the right and the attention mask hides the holes, position ids
 are explicit per row. When a training call is queued on the same worker, the job stops admitting, lets
 the sequences in flight finish and queues itself behind the training call.
@@ -69,6 +70,14 @@ MAX_PREFILL_TOKENS = 16384  # padded tokens of one prefill forward (bounds its a
 # Columns a decode batch's KV buffers hold beyond its current length: one copy of the cache per this many
 # decode steps instead of one per step (memory: ~15% over a 400-token context).
 KV_SPARE_COLUMNS = 64
+# A finished row's result goes out at once, but its KV row leaves the batch later, with others: taking rows
+# out of the batch (or adding some) copies the whole cache, and the next decode step copies it again into a
+# buffer with spare columns. In an evaluation rows finish and come back after a tool call every few steps,
+# and those copies took nearly half its time (bench/engine_churn.py). A dead row is decoded on, its output
+# never read, until this share of the batch is dead; waiting rows join a batch that has live rows once this
+# share of its slots is free.
+COMPACT_DEAD_SHARE = 1 / 8
+ADMIT_FREE_SHARE = 1 / 8
 
 
 @dataclass
@@ -375,6 +384,14 @@ class _Batch:
         logits: torch.Tensor,
     ) -> None:
         self.rows, self.cache, self.mask, self.last_pos, self.logits = rows, cache, mask, last_pos, logits
+        self.dead: set[int] = set()  # rows finished (or cancelled) still holding their place
+
+    def live(self) -> list[int]:
+        return [i for i in range(len(self.rows)) if i not in self.dead]
+
+    def compact(self) -> _Batch:
+        """The batch without its dead rows."""
+        return self.select(self.live()) if self.dead else self
 
     def select(self, keep: list[int]) -> _Batch:
         """The rows ``keep`` (repeats allowed: a group's copies of one prefilled prompt)."""
@@ -576,8 +593,13 @@ class ContinuousGenerator:
         return taken
 
     def _admit(self, model: torch.nn.Module, batch: _Batch | None) -> _Batch | None:
-        """Prefill waiting rows and add them to ``batch`` (a failure ends those rows and the batch's)."""
-        rows = self._take(self.batch_limit - (len(batch.rows) if batch else 0))
+        """Prefill waiting rows and add them to ``batch`` (a failure ends those rows and the batch's); a
+        batch with live rows takes them only once ``ADMIT_FREE_SHARE`` of its slots are free."""
+        live = len(batch.live()) if batch else 0
+        room = self.batch_limit - live
+        if live and room < max(1, int(self.batch_limit * ADMIT_FREE_SHARE)):
+            return batch
+        rows = self._take(room)
         if not rows:
             return batch
         try:
@@ -587,7 +609,7 @@ class ContinuousGenerator:
             for row in rows + (batch.rows if batch else []):
                 row.unit.fail(exc)
             return None
-        merged = new if batch is None else batch.extend(new)
+        merged = new if batch is None else batch.compact().extend(new)
         self.peak_rows = max(self.peak_rows, len(merged.rows))
         return merged
 
@@ -689,11 +711,17 @@ class ContinuousGenerator:
 
     def _step(self, model: torch.nn.Module, batch: _Batch) -> _Batch | None:
         """Sample one token for every row, let finished rows leave, decode the rest one position."""
-        rows = batch.rows
+        rows, dead = batch.rows, batch.dead
         params = [r.params for r in rows]
         lp_all = torch.log_softmax(batch.logits, dim=-1)
-        # One draw per live sequence per step from its own generator: the stream ignores batch composition.
-        uniforms = torch.stack([torch.rand((), generator=r.generator) for r in rows]).to(self.device)
+        # One draw per live sequence per step from its own generator: the stream ignores batch composition
+        # (a dead row draws nothing; its token is never read).
+        uniforms = torch.stack(
+            [
+                torch.zeros(()) if i in dead else torch.rand((), generator=r.generator)
+                for i, r in enumerate(rows)
+            ]
+        ).to(self.device)
         chosen = choose_tokens(
             batch.logits,
             torch.tensor([p.temperature for p in params], dtype=torch.float32, device=self.device),
@@ -702,16 +730,19 @@ class ContinuousGenerator:
             uniforms,
         )
         lps = lp_all.gather(-1, chosen[:, None]).squeeze(-1).tolist()
-        live: list[int] = []
         for i, (row, token) in enumerate(zip(rows, chosen.tolist(), strict=True)):
+            if i in dead:
+                continue
             reason = row.record(token, lps[i], self.tokenizer)
-            if reason is None and not row.unit.future.done():
-                live.append(i)
-            elif reason is not None:
+            if reason is not None:
                 self._finish(batch, i, reason)
-        if len(live) < len(rows):
-            if not live:
-                return None
+                dead.add(i)
+            elif row.unit.future.done():  # cancelled, or failed meanwhile
+                dead.add(i)
+        if len(dead) == len(rows):
+            return None
+        if len(dead) >= max(1, int(len(rows) * COMPACT_DEAD_SHARE)):
+            live = batch.live()
             batch = batch.select(live)
             chosen = chosen[torch.tensor(live, device=self.device)]
         try:
