@@ -12,8 +12,8 @@ Continuous batching (``ContinuousGenerator``): requests go into an inbox; one jo
 thread decodes every sequence in flight one token per step, admits waiting requests at step boundaries
 (up to ``batch_limit`` sequences) and returns a finished sequence at once, so no sequence waits for its
 batch's longest; finished rows leave the KV cache, and waiting ones join it, a few at a time
-(``COMPACT_DEAD_SHARE``, ``ADMIT_FREE_SHARE``). The KV cache is one left-padded tensor per layer, ``[rows, heads, columns, dim]``;
-rows of different lengths are aligned on the right and the attention mask hides the holes, position ids
+(``COMPACT_DEAD_SHARE``, ``ADMIT_FREE_SHARE``). The KV cache is one left-padded tensor per layer,
+``[rows, heads, columns, dim]``; rows of different lengths are aligned on the right and the attention mask hides the holes, position ids
 are explicit per row. When a training call is queued on the same worker, the job stops admitting, lets
 the sequences in flight finish and queues itself behind the training call.
 
@@ -763,7 +763,10 @@ class ContinuousGenerator:
     def _decode(self, model: torch.nn.Module, batch: _Batch, chosen: torch.Tensor) -> _Batch:
         ones = torch.ones((batch.mask.shape[0], 1), dtype=batch.mask.dtype, device=self.device)
         batch.mask = torch.cat([batch.mask, ones], dim=1)
-        batch.last_pos = batch.last_pos + 1
+        advance = torch.ones_like(batch.last_pos)
+        if batch.dead:  # a dead row stays at its last position: past it may lie beyond the model's context
+            advance[sorted(batch.dead)] = 0
+        batch.last_pos = batch.last_pos + advance
         if self._lean is not None:  # the model's own modules without transformers' per-call machinery
             cache = _growing(batch.cache)
             logits = self._lean(chosen[:, None], batch.mask, batch.last_pos, cache_layers(cache))
