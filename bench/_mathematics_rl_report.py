@@ -256,6 +256,15 @@ def ei_lines(out: Path, rl_seed: int) -> list[str]:
     ei = _json(out / "ei" / "coldstart" / "report.json") or {}
     first = len(cold.get("rounds", []))
     rounds = ei.get("rounds", [])[first:]
+    # While it runs, its summary is the cold start's (copied with its rounds): read the rounds it finished,
+    # each written as it ends.
+    found = [_json(f) for f in (out / "ei" / "coldstart").glob("round-*/report.json")]
+    finished = sorted((r for r in found if r and int(r["round"]) >= first), key=lambda r: int(r["round"]))
+    if len(finished) > len(rounds):
+        modules = set(cold.get("kept_by_module", {})).union(
+            *(r.get("kept_by_category", {}) for r in finished)
+        )
+        rounds, ei = finished, {"kept": finished[-1].get("pool", "?"), "modules_kept": len(modules)}
     if not rounds:
         return ["Expert iteration past the cold start: no round finished yet."]
     sampled = sum(int(r["sampled"]) for r in rounds)
@@ -267,7 +276,7 @@ def ei_lines(out: Path, rl_seed: int) -> list[str]:
     listed = ", ".join(f"round {r['round']}: {r['kept']} kept of {r['sampled']}" for r in rounds)
     rl_rate = f"{rl_trajs / rl_s:.2f}" if rl_s else "-"
     return [
-        f"Expert iteration past the cold start: {len(rounds)} rounds ({listed}), a pool of {ei.get('kept', '?')}"
+        f"Expert iteration past the cold start: {len(rounds)} round{'s' if len(rounds) != 1 else ''} ({listed}), a pool of {ei.get('kept', '?')}"
         f" traces over {ei.get('modules_kept', '?')} modules; {sample_s / 3600:.1f} h of sampling"
         f" ({sampled / max(sample_s, 1e-9):.2f} trajectories/s; RL seed {rl_seed}'s rollouts: {rl_rate}/s)"
         f" and {sft_s / 3600:.1f} h of SFT."

@@ -303,3 +303,18 @@ def test_a_final_evaluation_a_sitting_stopped_is_kept_but_not_reported(tmp_path:
             _write(tmp_path / f"final/{label}_{mode}.jsonl", "")
             _write(tmp_path / f"final/{label}_{mode}.summary.json", json.dumps({"status": status}))
     assert list(final_evals(tmp_path, ["sft", "rl-s0", "ei"])) == ["rl-s0"]
+
+
+def test_expert_iterations_rounds_are_reported_while_it_runs(tmp_path: Path) -> None:
+    from _mathematics_rl_report import ei_lines
+
+    cold = {"rounds": [{"round": 0}], "kept_by_module": {"a": 2}, "kept": 2}
+    _write(tmp_path / "sft/coldstart/report.json", json.dumps(cold))
+    _write(tmp_path / "ei/coldstart/report.json", json.dumps(cold))  # copied with the cold start's rounds
+    _write(tmp_path / "ei/coldstart/round-0/report.json", json.dumps({"round": 0}))
+    assert ei_lines(tmp_path, 0) == ["Expert iteration past the cold start: no round finished yet."]
+    round_1 = {"round": 1, "kept": 3, "sampled": 40, "pool": 5, "kept_by_category": {"a": 1, "b": 2}}
+    _write(tmp_path / "ei/coldstart/round-1/report.json", json.dumps({**round_1, "sample_seconds": 20.0}))
+    (line,) = ei_lines(tmp_path, 0)
+    assert "1 round (round 1: 3 kept of 40), a pool of 5 traces over 2 modules" in line
+    assert "2.00 trajectories/s" in line
