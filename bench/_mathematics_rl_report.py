@@ -14,7 +14,7 @@ from typing import Any
 
 from _harness import eval_output, gain_cell, pct, pts
 from mathematics import SPLITS, means_table, module_stats, of_split, split_mean
-from mathematics_rl import ABLATIONS, ablation_runs
+from mathematics_rl import ABLATIONS, ablation_runs, evaluated
 from retool.evaluate.store import ProblemRecord, read_problem_records, summary_path_for
 from retool.jsonl import read_jsonl_objects
 
@@ -111,17 +111,12 @@ def stability_lines(out: Path, seeds: list[int]) -> list[str]:
     ]
 
 
-def ablation_done(out: Path, name: str) -> bool:
-    summary = _json(summary_path_for(eval_output(out / "ablation" / "curve", name, "retool"))) or {}
-    return summary.get("status") == "complete"
-
-
 def ablation_lines(out: Path, steps: int, names: list[str]) -> list[str]:
     """Each ablation run's instruments and held-out accuracy, and its difference from ``as-seeds`` (same
     start, seed, rate and held-out questions: a paired interval)."""
     if not names:
         return ["Ablation: not asked for (--ablation-steps 0)."]
-    done = [name for name in names if ablation_done(out, name)]
+    done = [name for name in names if evaluated(out / "ablation" / "curve", name)]
     if not done:
         return ["Ablation: not run yet (it runs last)."]
     base = _records(out / "ablation" / "curve", "as-seeds", "retool") if "as-seeds" in done else []
@@ -414,7 +409,7 @@ def status_line(out: Path, seeds: list[int], evals: dict[str, Any], ablations: l
     if not (out / "ei" / "phase.json").is_file():
         pending.append("expert iteration")
     pending += [f"the final evaluation of {label}" for label in ["sft", "ei"] if label not in evals]
-    if not all(ablation_done(out, name) for name in ablations):
+    if not all(evaluated(out / "ablation" / "curve", name) for name in ablations):
         pending.append("the ablation")
     if not pending:
         return "Status: every phase finished."

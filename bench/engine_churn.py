@@ -2,8 +2,9 @@
 
 SmolLM2-135M-Instruct (its packaged GGUF dequantized; bf16 where the CPU has it, as the benches sample),
 ``--rows`` greedy two-turn requests at once: each turn runs to its own token budget (end-of-sequence
-ignored), so a row finishes every few steps, and its second turn (the first turn's text and an interpreter's output appended) is
-submitted as soon as it returns, as a retool evaluation resubmits a trajectory after its tool call.
+ignored), so a row finishes every few steps, and its second turn (the first turn's text and an interpreter's
+output appended) is submitted as soon as it returns, as a retool evaluation resubmits a trajectory after its
+tool call.
 
 Side by side in one run, alternating: the engine taking every finished row out of its KV batch at once
 and admitting a waiting row as soon as one slot frees (``COMPACT_DEAD_SHARE`` = ``ADMIT_FREE_SHARE`` = 0),
