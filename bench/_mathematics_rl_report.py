@@ -237,12 +237,59 @@ def cost_lines(out: Path, seeds: list[int]) -> list[str]:
             f"| {seed} | {len(ms)} | {3600 * len(ms) / total:.1f} | {pct(share['rollout'])} | {pct(share['train'])}"
             f" | {pct(share['checkpoint'])} | {trajs} | {groups} |"
         )
+    lines += ["", *machine_lines(out)]
     lines += [
         "",
         "Measuring the KL to the start (one more forward without the adapter, every step) is part of the"
         " training share above; what it adds to a training call: [ref_kl.md](ref_kl.md) (`bench/ref_kl.py`).",
     ]
     return lines
+
+
+MACHINE_HOURS = 8.0  # issue 50: the whole bench, at most 8 hours of this machine
+
+
+def _rounds_seconds(report: dict[str, Any], first: int = 0) -> float:
+    return sum(
+        float(r.get("sample_seconds", 0.0)) + float(r.get("sft_seconds", 0.0))
+        for r in report.get("rounds", [])
+        if int(r.get("round", 0)) >= first
+    )
+
+
+def _steps_seconds(runs: list[Path]) -> float:
+    return sum(float(m.get("time/step") or 0.0) for run in runs for m in _metrics(run))
+
+
+def machine_seconds(out: Path) -> dict[str, float]:
+    """Each phase's own clocks, in seconds: the rounds' sampling and SFT, the RL steps' (sampling, training,
+    checkpoints), every evaluation's ``run.json``. What no clock covers (loading models, merging adapters,
+    the SFT start trained again on another machine) is left out, so the sum is a floor."""
+    cold = _json(out / "sft" / "coldstart" / "report.json") or {}
+    first = len(cold.get("rounds", []))
+    found = [_json(f) for f in (out / "ei" / "coldstart").glob("round-*/report.json")]
+    ei = {"rounds": [r for r in found if r]}
+    return {
+        "cold start": _rounds_seconds(cold),
+        "sweep": _steps_seconds(sorted(p for p in (out / "sweep").glob("*") if p.name != "curve")),
+        "RL seeds": _steps_seconds(sorted(out.glob("rl-s*"))),
+        "expert iteration": _rounds_seconds(ei, first),
+        "ablation": _steps_seconds(sorted(p for p in (out / "ablation").glob("*") if p.name != "curve")),
+        "evaluations": sum(
+            float((_json(f) or {}).get("seconds", 0.0)) for f in sorted(out.glob("**/*.run.json"))
+        ),
+    }
+
+
+def machine_lines(out: Path) -> list[str]:
+    """The bench's machine time in all, by phase, against issue 50's cap."""
+    parts = machine_seconds(out)
+    hours = sum(parts.values()) / 3600
+    listed = ", ".join(f"{name} {s / 3600:.1f} h" for name, s in parts.items() if s)
+    return [
+        f"Machine time, by the phases' own clocks (a floor: loading and merging models are not timed): {hours:.1f} h ({listed}); issue 50 allows"
+        f" {MACHINE_HOURS:.0f} h in all: **{'within' if hours <= MACHINE_HOURS else 'over'}**."
+    ]
 
 
 def ei_lines(out: Path, rl_seed: int) -> list[str]:
@@ -320,7 +367,8 @@ def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
             was = f"{pct(first['interpolate'])} / {pct(first['extrapolate'])} at step 0, " if first else ""
             now = f"{pct(points[last]['interpolate'])} / {pct(points[last]['extrapolate'])}"
             curve.append(f"seed {seed}: {was}{now} at step {last}")
-    tail = f"Targets of issue 50 met: {met} of {judged} judged so far."
+    hours = sum(machine_seconds(out).values()) / 3600
+    tail = f"Targets of issue 50 met: {met} of {judged} judged so far; {hours:.1f} h of this machine (issue: {MACHINE_HOURS:.0f} h)."
     if curve:
         tail = "Learning curve (interpolate / extrapolate), " + "; ".join(curve) + ". " + tail
     lines += ["", tail]

@@ -318,3 +318,36 @@ def test_expert_iterations_rounds_are_reported_while_it_runs(tmp_path: Path) -> 
     (line,) = ei_lines(tmp_path, 0)
     assert "1 round (round 1: 3 kept of 40), a pool of 5 traces over 2 modules" in line
     assert "2.00 trajectories/s" in line
+
+
+def test_the_machine_time_adds_every_phases_clock_against_the_issues_cap(tmp_path: Path) -> None:
+    from _mathematics_rl_report import machine_lines, machine_seconds
+
+    hour = 3600.0
+    cold = {"rounds": [{"round": 0, "sample_seconds": hour, "sft_seconds": 0.5 * hour}]}
+    _write(tmp_path / "sft/coldstart/report.json", json.dumps(cold))
+    # Expert iteration's folder holds the cold start's rounds too: only those past them are its own.
+    _write(tmp_path / "ei/coldstart/round-0/report.json", json.dumps(cold["rounds"][0]))
+    ei_round = {"round": 1, "sample_seconds": hour, "sft_seconds": 0.0}
+    _write(tmp_path / "ei/coldstart/round-1/report.json", json.dumps(ei_round))
+    step = json.dumps({"time/step": 0.5 * hour})
+    _write(tmp_path / "sweep/lr1e-4/metrics.jsonl", step + "\n")
+    _write(tmp_path / "rl-s0/metrics.jsonl", step + "\n" + step + "\n")
+    _write(tmp_path / "ablation/as-seeds/metrics.jsonl", step + "\n")
+    _write(tmp_path / "rl-s0/curve/step0010.run.json", json.dumps({"seconds": hour}))
+    _write(tmp_path / "final/sft.run.json", json.dumps({"seconds": hour}))
+    parts = machine_seconds(tmp_path)
+    assert parts == {
+        "cold start": 1.5 * hour,
+        "sweep": 0.5 * hour,
+        "RL seeds": hour,
+        "expert iteration": hour,
+        "ablation": 0.5 * hour,
+        "evaluations": 2 * hour,
+    }
+    (line,) = machine_lines(tmp_path)
+    assert "6.5 h" in line and "**within**" in line
+    _write(tmp_path / "rl-s1/metrics.jsonl", step + "\n" + step + "\n")
+    assert "7.5 h" in machine_lines(tmp_path)[0]
+    _write(tmp_path / "final/ei.run.json", json.dumps({"seconds": hour}))
+    assert "8.5 h" in machine_lines(tmp_path)[0] and "**over**" in machine_lines(tmp_path)[0]
