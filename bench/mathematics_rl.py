@@ -43,7 +43,8 @@ An RL seed carries its run at every point of its curve: its config, metrics, the
 checkpoint of that step (the adapter, the optimizer's moments, the RNG and the selector's state), so a seed
 resumes on another machine from its last curve point (on an SFT start trained again from the same pool); a
 finished seed carries ``done.json`` (its last step) instead, once its final evaluation is complete.
-Expert iteration carries its rounds as the cold start does; the final evaluation carries what it finished.
+Expert iteration carries its rounds as the cold start does (a round stopped midway, its finished chunks);
+the final evaluation carries what it finished.
 Only the newest checkpoint of a seed is kept in ``--carry``, and git ignores it (weights, ~60 MB, never enter
 the repository): a seed resumes from it where the run folder or the work tree survives the sitting; on a fresh
 clone an unfinished seed trains again from step 0 (its carried curve points are kept, not taken again).
@@ -223,6 +224,11 @@ def carried(out: Path) -> list[Path]:
     for rounds in CARRIED_ROUNDS:
         for report in sorted((out / rounds).glob("round-*/report.json")):
             found += [f for f in report.parent.iterdir() if f.is_file() and f.suffix in (".json", ".jsonl")]
+        # A round stopped midway: what its finished chunks sampled and kept (the round checks, on resume,
+        # that the files hold what its progress counted, and else samples the round from its start).
+        for progress in sorted((out / rounds).glob("round-*/progress.json")):
+            if not (progress.parent / "report.json").is_file():
+                found += [progress.parent / name for name in ("kept.jsonl", "progress.json", "samples.jsonl")]
     whole_sweep = (out / "sweep" / "choice.json").is_file()  # written last
     for pattern in CARRIED_FILES + (CARRIED_SWEEP if whole_sweep else ()):
         found += [Path(f) for f in glob.glob(str(out / pattern))]
@@ -284,6 +290,10 @@ def carry_out(args: argparse.Namespace) -> None:
             dst.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(src, dst.with_suffix(dst.suffix + ".tmp"))
             dst.with_suffix(dst.suffix + ".tmp").replace(dst)
+    for rounds in CARRIED_ROUNDS:  # a round's progress, once the round finished: nothing resumes from it
+        for progress in (args.carry / rounds).glob("round-*/progress.json"):
+            if (progress.parent / "report.json").is_file():
+                progress.unlink()
     for run in args.carry.glob("rl-s*"):  # a seed's older checkpoints: the newest complete one is enough
         ckpts = sorted(run.glob("checkpoints/step_*/trainer_state.json"))
         if (run / "done.json").is_file():  # finished and evaluated: none is needed

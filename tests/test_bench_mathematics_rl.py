@@ -106,6 +106,27 @@ def test_finished_rounds_and_a_chosen_sweep_are_carried_to_another_machine_weigh
     assert not bench.carried_run(fresh / "sweep/lr1e-4", 3, curve, "lr1e-4")  # its metrics: not 3 steps
 
 
+def test_a_round_stopped_midway_carries_its_finished_chunks_until_it_finishes(tmp_path: Path) -> None:
+    run, carry = tmp_path / "run", tmp_path / "carry"
+    round_4 = run / "ei/coldstart/round-4"
+    for name in ("progress.json", "kept.jsonl", "samples.jsonl"):
+        _write(round_4 / name)
+    _write(round_4 / "kept.partial", "{}\n")  # being rewritten: never carried
+    args = bench.parse_args(["--out", str(run), "--carry", str(carry)])
+    bench.carry_out(args)
+    names = {p.name for p in (carry / "ei/coldstart/round-4").iterdir()}
+    assert names == {"progress.json", "kept.jsonl", "samples.jsonl"}
+    fresh = tmp_path / "fresh"
+    bench.carry_in(bench.parse_args(["--out", str(fresh), "--carry", str(carry)]))
+    assert (fresh / "ei/coldstart/round-4/progress.json").is_file()
+
+    (round_4 / "progress.json").unlink()  # the round finished: its report written, its progress gone
+    _write(round_4 / "report.json")
+    bench.carry_out(args)
+    assert (carry / "ei/coldstart/round-4/report.json").is_file()
+    assert not (carry / "ei/coldstart/round-4/progress.json").exists()
+
+
 def test_each_ablation_changes_one_stability_setting_of_the_seeds(tmp_path: Path) -> None:
     args = bench.parse_args(["--out", str(tmp_path)])
     loaded = {}

@@ -1,7 +1,8 @@
 """Expert iteration (``retool.train.expert_iteration``) with a scripted sampler and a fake training client:
 what a round keeps (verified, tool-using, within the budgets, capped per problem, no duplicates), the exact
 count of sampled trajectories and the stop at ``max_trajectories``, every SFT from the same start while
-sampling uses the latest model, a resume that reads finished rounds back instead of sampling them; and,
+sampling uses the latest model, a resume that reads finished rounds back instead of sampling them and one
+that takes a round stopped midway up at its first unfinished chunk; and,
 through the real environments, that a kept attempt is the trace ``retool sft --data`` trains on."""
 
 from __future__ import annotations
@@ -259,6 +260,67 @@ def test_a_resumed_run_reads_finished_rounds_back_without_sampling(tmp_path: Pat
     result, trainer = run(tmp_path, done, last, rounds=3, keep_per_problem=2)
     assert done.requests == [] and trainer.calls == [] and last.version == 100
     assert result.sft.losses == [2.0, 1.0] and len(result.pool) == 9
+
+
+class Killed(Exception):
+    """The process stopped while a chunk sampled."""
+
+
+class KilledAt(Script):
+    """Samples like ``Script`` until request ``at``, which never comes back."""
+
+    def __init__(self, at: int) -> None:
+        super().__init__()
+        self.at = at
+
+    async def __call__(self, request: RolloutRequest) -> list[list[Trajectory]]:
+        if len(self.requests) == self.at:
+            raise Killed
+        return await super().__call__(request)
+
+
+def test_a_round_stopped_midway_resumes_at_its_first_unfinished_chunk(tmp_path: Path) -> None:
+    whole, _ = run(tmp_path / "whole", Script(), FakeClient(), rounds=1, keep_per_problem=2, chunk_problems=2)
+    expected = (tmp_path / "whole" / "ei" / "round-0" / "samples.jsonl").read_text()
+
+    killed = KilledAt(2)  # chunks p0-p1 and p2-p3 sampled, p4-p5 not
+    with pytest.raises(Killed):
+        run(tmp_path, killed, FakeClient(), rounds=1, keep_per_problem=2, chunk_problems=2)
+    folder = tmp_path / "ei" / "round-0"
+    progress = json.loads((folder / "progress.json").read_text())
+    assert (
+        progress["chunks"] == 2
+        and progress["report"]["sampled"] == 24
+        and not (folder / "report.json").exists()
+    )
+    with (folder / "samples.jsonl").open("a") as fh:  # a line of the next chunk, written before the kill
+        fh.write('{"problem": "p4"')
+
+    again = Script()
+    result, trainer = run(tmp_path, again, FakeClient(), rounds=1, keep_per_problem=2, chunk_problems=2)
+    assert [ids for ids, _, _ in again.requests] == [["p4", "p5"]]  # the finished chunks not sampled again
+    (report,), (same,) = result.rounds, whole.rounds
+    assert (report.sampled, report.attempted, report.kept, report.pool) == (36, 6, 9, 9)
+    assert (report.dropped, report.kept_by_category) == (same.dropped, same.kept_by_category)
+    assert [e.tokens for e in result.pool] == [e.tokens for e in whole.pool]
+    assert (folder / "samples.jsonl").read_text() == expected  # the half line cut, no line twice
+    assert trainer.calls == [(0, 9)] and not (folder / "progress.json").exists()
+
+
+def test_a_progress_that_does_not_match_the_round_samples_it_from_its_start(tmp_path: Path) -> None:
+    with pytest.raises(Killed):
+        run(tmp_path, KilledAt(1), FakeClient(), rounds=1, chunk_problems=2)
+    again = Script()  # chunks of another size: the progress's chunk count means other problems
+    result, _ = run(tmp_path, again, FakeClient(), rounds=1, chunk_problems=3)
+    assert [ids for ids, _, _ in again.requests] == [["p0", "p1", "p2"], ["p3", "p4", "p5"]]
+    assert result.rounds[0].sampled == 36
+
+    with pytest.raises(Killed):
+        run(tmp_path / "cut", KilledAt(1), FakeClient(), rounds=1, chunk_problems=2)
+    (tmp_path / "cut" / "ei" / "round-0" / "samples.jsonl").write_text("")  # shorter than the progress says
+    again = Script()
+    run(tmp_path / "cut", again, FakeClient(), rounds=1, chunk_problems=2)
+    assert len(again.requests) == 3
 
 
 def test_settings_refuse_what_cannot_run() -> None:

@@ -24,7 +24,10 @@ Files under ``out``, one folder per round (``round-N``): ``samples.jsonl`` (a li
 its problem, category, branch, whether it was right, its calls and stop reason, and ``kept`` or why not),
 ``kept.jsonl`` (the traces it added, ``retool.train.sft.write_examples``), ``state`` (the round's SFT
 weights, what the next round samples with after a resume) and ``report.json``, written last: a round with
-one is finished and is read back on resume instead of sampled again. ``start`` holds the start's weights.
+one is finished and is read back on resume instead of sampled again. While a round samples, ``kept.jsonl`` is
+rewritten and ``progress.json`` written after each chunk of ``chunk_problems``: a round stopped midway
+resumes at its first unfinished chunk (each chunk's seed is fixed by the round and the chunk), so a kill
+loses one chunk's sampling, not the round's. ``start`` holds the start's weights.
 """
 
 from __future__ import annotations
@@ -60,6 +63,7 @@ SAMPLED = "sampled"  # the style of a trace kept from the model's own attempt
 REPORT_FILE = "report.json"
 KEPT_FILE = "kept.jsonl"
 SAMPLES_FILE = "samples.jsonl"
+PROGRESS_FILE = "progress.json"
 START_STATE = "start"
 
 ToExample = Callable[[Trajectory], SFTExample | None]
@@ -221,6 +225,7 @@ class _Round:
     samples: IO[str]
     kept: list[SFTExample] = field(default_factory=list)
     attempted: set[str] = field(default_factory=set)
+    chunks: int = 0  # chunks of ``chunk_problems`` sampled and judged
 
 
 def run_expert_iteration(
@@ -370,14 +375,36 @@ def _run_round(
         else settings.max_trajectories - sum(e.sampled for e in earlier)
     )
     start = time.perf_counter()
-    with (folder / SAMPLES_FILE).open("w", encoding="utf-8") as samples:
+    progress = _read_progress(folder, settings, len(plan.problems))
+    with (folder / SAMPLES_FILE).open("a" if progress else "w", encoding="utf-8") as samples:
         state = _Round(RoundReport(round=r, problems=len(plan.problems)), samples)
-        asyncio.run(_sample_round(weights.client, plan, state, keeper, settings, left, budgets, category))
+        if progress is not None:
+            state.report, state.kept, state.attempted, state.chunks = progress
+            for example in state.kept:
+                keeper.add(example)
+            logger.info(
+                "expert iteration round %d: resumed after %d chunks (%d trajectories, %d kept)",
+                r,
+                state.chunks,
+                state.report.sampled,
+                len(state.kept),
+            )
+        earlier_seconds = state.report.sample_seconds
+
+        def save_progress() -> None:
+            state.report.sample_seconds = earlier_seconds + time.perf_counter() - start
+            _write_progress(folder, state, settings)
+
+        asyncio.run(
+            _sample_round(
+                weights.client, plan, state, keeper, settings, left, budgets, category, save_progress
+            )
+        )
     report = state.report
     report.attempted, report.kept, report.pool = len(state.attempted), len(state.kept), len(keeper.examples)
     report.budget_spent = left is not None and report.sampled >= left
-    report.sample_seconds = time.perf_counter() - start
-    write_examples(state.kept, folder / KEPT_FILE)
+    report.sample_seconds = earlier_seconds + time.perf_counter() - start
+    _write_kept(state.kept, folder / KEPT_FILE)
     if not keeper.examples:
         raise ValueError(
             f"expert iteration round {r}: none of {report.sampled} sampled attempts was kept "
@@ -388,6 +415,7 @@ def _run_round(
     report.sft_seconds = time.perf_counter() - start
     report.sft = {**sft.as_dict(), "losses": list(sft.losses)}
     _write_json(folder / REPORT_FILE, report.as_dict())
+    (folder / PROGRESS_FILE).unlink(missing_ok=True)
     _drop_earlier_state(earlier, out)
     logger.info(
         "expert iteration round %d: %d trajectories, pass rate %.1f%%, %d kept (pool %d), %.0fs sampling, "
@@ -411,6 +439,65 @@ def _drop_earlier_state(earlier: Sequence[RoundReport], out: Path) -> None:
             shutil.rmtree(folder)
 
 
+def _write_progress(folder: Path, state: _Round, settings: ExpertIterationSettings) -> None:
+    """After a chunk: the sample lines flushed, the kept traces, then the counts (written last) that say
+    how much of both a resume takes."""
+    state.samples.flush()
+    _write_kept(state.kept, folder / KEPT_FILE)
+    record: JsonObject = {
+        "chunk_problems": settings.chunk_problems,
+        "chunks": state.chunks,
+        "samples_bytes": state.samples.tell(),
+        "kept": len(state.kept),
+        "attempted": sorted(state.attempted),
+        "report": state.report.as_dict(),
+    }
+    _write_json(folder / PROGRESS_FILE, record)
+
+
+def _read_progress(
+    folder: Path, settings: ExpertIterationSettings, problems: int
+) -> tuple[RoundReport, list[SFTExample], set[str], int] | None:
+    """A round stopped midway: its report, kept traces, attempted problems and finished chunks, with the
+    sample lines cut back to what the progress counted. None (sample the round from its start): no
+    progress, chunks of another size, or files that do not hold what the progress counted."""
+    path = folder / PROGRESS_FILE
+    if not path.is_file():
+        return None
+    try:
+        record = json.loads(path.read_text(encoding="utf-8"))
+        report = RoundReport.from_dict(record["report"])
+        kept = read_examples(folder / KEPT_FILE) if record["kept"] else []
+        samples = folder / SAMPLES_FILE
+        size, chunks = int(record["samples_bytes"]), int(record["chunks"])
+        usable = (
+            int(record["chunk_problems"]) == settings.chunk_problems
+            and report.problems == problems
+            and len(kept) >= int(record["kept"])
+            and samples.is_file()
+            and samples.stat().st_size >= size
+        )
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        logger.warning(
+            "expert iteration: %s is unreadable (%s); sampling the round from its start", path, exc
+        )
+        return None
+    if not usable:
+        logger.warning(
+            "expert iteration: %s does not match the round's files; sampling it from its start", path
+        )
+        return None
+    with samples.open("r+b") as fh:  # lines a chunk wrote after the last progress: sampled again
+        fh.truncate(size)
+    return report, kept[: int(record["kept"])], {str(a) for a in record["attempted"]}, chunks
+
+
+def _write_kept(examples: Sequence[SFTExample], path: Path) -> None:
+    partial = path.with_suffix(".partial")
+    write_examples(examples, partial)
+    partial.replace(path)
+
+
 def _write_json(path: Path, record: JsonObject) -> None:
     partial = path.with_suffix(".partial")
     partial.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
@@ -426,14 +513,18 @@ async def _sample_round(
     left: int | None,
     budgets: RolloutConfig,
     category: Callable[[Problem], str],
+    on_chunk: Callable[[], None],
 ) -> None:
-    """The round's attempts, ``settings.chunk_problems`` problems at a time, until its problems or the
-    trajectory budget ``left`` run out; each group judged as it comes back."""
+    """The round's attempts, ``settings.chunk_problems`` problems at a time from its first unfinished chunk,
+    until its problems or the trajectory budget ``left`` run out; each group judged as it comes back,
+    ``on_chunk`` told after each chunk."""
     policy = await client.sampling_client_async()
     problems, size = list(plan.problems), plan.samples
     base = rollout_seed(settings.seed, state.report.round)
-    start = time.perf_counter()
+    start, resumed_at = time.perf_counter(), state.chunks * settings.chunk_problems
     for chunk, first in enumerate(range(0, len(problems), settings.chunk_problems)):
+        if chunk < state.chunks:
+            continue
         todo = problems[first : first + settings.chunk_problems]
         room = None if left is None else left - state.report.sampled
         if room is not None and room <= 0:
@@ -441,8 +532,10 @@ async def _sample_round(
         groups = await _sample_chunk(plan.sampler, policy, todo, size, room, round_seed(base, chunk))
         for group in groups:
             _judge(group, plan.to_example, state, keeper, budgets, category)
+        state.chunks = chunk + 1
+        on_chunk()
         done = min(first + len(todo), len(problems))
-        rate = (time.perf_counter() - start) / done
+        rate = (time.perf_counter() - start) / (done - resumed_at)
         logger.info(
             "expert iteration round %d: %d/%d problems, %d trajectories, %d right, %d kept, ETA %.0fs",
             state.report.round,
