@@ -387,14 +387,14 @@ def test_a_long_chunk_says_how_far_it_got(caplog: pytest.LogCaptureFixture) -> N
     """While a chunk samples, a line every ``every`` seconds with the turns and tokens sampled so far, even
     before any trajectory has finished (a chunk's groups finish together, late)."""
     from retool.backends.interface.types import Sample, SamplingParams
-    from retool.train.expert_iteration import _Ticker
+    from retool.train.round_chunks import ChunkTicker
 
     class Policy:
         async def sample_async(self, prompt: list[int], n: int, params: SamplingParams) -> list[Sample]:
             return [Sample(tokens=[1, 2, 3], logprobs=[0.0] * 3, stop_reason="stop") for _ in range(n)]
 
     async def run() -> None:
-        ticker = _Ticker(Policy(), 3, every=0.01)
+        ticker = ChunkTicker(Policy(), 3, every=0.01)
         reporter = asyncio.create_task(ticker.report())
         await ticker.sample_async([0], 2, SamplingParams(max_tokens=3))
         await asyncio.sleep(0.03)
@@ -402,7 +402,7 @@ def test_a_long_chunk_says_how_far_it_got(caplog: pytest.LogCaptureFixture) -> N
         await asyncio.sleep(0.03)
         reporter.cancel()
 
-    with caplog.at_level(logging.INFO, logger="retool.train.expert_iteration"):
+    with caplog.at_level(logging.INFO, logger="retool.train.round_chunks"):
         asyncio.run(run())
     lines = [r.getMessage() for r in caplog.records]
     assert lines and lines[0].startswith(

@@ -45,25 +45,31 @@ from pathlib import Path
 from typing import IO
 
 from retool.backends.interface.clients import TrainingClient
-from retool.backends.interface.types import Sample, SamplingParams
 from retool.components import Components
 from retool.config import Config, RolloutConfig
 from retool.data.problem import Problem
 from retool.env.retool import retool_outcome
 from retool.env.source import ProblemList, ProblemSource
 from retool.jsonl import JsonObject, JsonValue
-from retool.rollout.engine import Policy
 from retool.rollout.types import Trajectory, trajectory_tokens
+from retool.train.round_chunks import (
+    KEPT_FILE,
+    PROGRESS_FILE,
+    REPORT_FILE,
+    SAMPLES_FILE,
+    RoundProgress,
+    read_progress,
+    sample_chunk,
+    write_json,
+    write_kept,
+    write_progress,
+)
 from retool.train.sampling import GroupRollouts, rollout_seed, round_seed
-from retool.train.sft import SFTExample, SFTReport, budget_violation, read_examples, write_examples
+from retool.train.sft import SFTExample, SFTReport, budget_violation, read_examples
 
 logger = logging.getLogger(__name__)
 
 SAMPLED = "sampled"  # the style of a trace kept from the model's own attempt
-REPORT_FILE = "report.json"
-KEPT_FILE = "kept.jsonl"
-SAMPLES_FILE = "samples.jsonl"
-PROGRESS_FILE = "progress.json"
 START_STATE = "start"
 
 ToExample = Callable[[Trajectory], SFTExample | None]
@@ -228,6 +234,42 @@ class _Round:
     chunks: int = 0  # chunks of ``chunk_problems`` sampled and judged
 
 
+class _RoundFiles:
+    """Round ``r``'s sampling state, opened on its folder: fresh, or (``round_files.read_progress``) as its
+    finished chunks left it, their kept traces back in the pool; the sample lines' file closed at exit."""
+
+    def __init__(
+        self, folder: Path, r: int, plan: RoundPlan, keeper: _Pool, settings: ExpertIterationSettings
+    ) -> None:
+        self.folder, self.r, self.plan, self.keeper, self.settings = folder, r, plan, keeper, settings
+
+    def __enter__(self) -> _Round:
+        problems = len(self.plan.problems)
+        progress = read_progress(self.folder, self.settings.chunk_problems, problems)
+        samples = (self.folder / SAMPLES_FILE).open("a" if progress else "w", encoding="utf-8")
+        self.state = _Round(RoundReport(round=self.r, problems=problems), samples)
+        if progress is not None:
+            self.state.report = RoundReport.from_dict(progress.report)
+            self.state.kept, self.state.attempted, self.state.chunks = (
+                progress.kept,
+                progress.attempted,
+                progress.chunks,
+            )
+            for example in progress.kept:
+                self.keeper.add(example)
+            logger.info(
+                "expert iteration round %d: resumed after %d chunks (%d trajectories, %d kept)",
+                self.r,
+                progress.chunks,
+                self.state.report.sampled,
+                len(progress.kept),
+            )
+        return self.state
+
+    def __exit__(self, *exc: object) -> None:
+        self.state.samples.close()
+
+
 def run_expert_iteration(
     client: TrainingClient,
     plan: Callable[[int], RoundPlan],
@@ -375,25 +417,13 @@ def _run_round(
         else settings.max_trajectories - sum(e.sampled for e in earlier)
     )
     start = time.perf_counter()
-    progress = _read_progress(folder, settings, len(plan.problems))
-    with (folder / SAMPLES_FILE).open("a" if progress else "w", encoding="utf-8") as samples:
-        state = _Round(RoundReport(round=r, problems=len(plan.problems)), samples)
-        if progress is not None:
-            state.report, state.kept, state.attempted, state.chunks = progress
-            for example in state.kept:
-                keeper.add(example)
-            logger.info(
-                "expert iteration round %d: resumed after %d chunks (%d trajectories, %d kept)",
-                r,
-                state.chunks,
-                state.report.sampled,
-                len(state.kept),
-            )
+    with _RoundFiles(folder, r, plan, keeper, settings) as state:
         earlier_seconds = state.report.sample_seconds
 
         def save_progress() -> None:
             state.report.sample_seconds = earlier_seconds + time.perf_counter() - start
-            _write_progress(folder, state, settings)
+            progress = RoundProgress(state.chunks, state.report.as_dict(), state.kept, state.attempted)
+            write_progress(folder, progress, state.samples, settings.chunk_problems)
 
         asyncio.run(
             _sample_round(
@@ -404,7 +434,7 @@ def _run_round(
     report.attempted, report.kept, report.pool = len(state.attempted), len(state.kept), len(keeper.examples)
     report.budget_spent = left is not None and report.sampled >= left
     report.sample_seconds = earlier_seconds + time.perf_counter() - start
-    _write_kept(state.kept, folder / KEPT_FILE)
+    write_kept(state.kept, folder / KEPT_FILE)
     if not keeper.examples:
         raise ValueError(
             f"expert iteration round {r}: none of {report.sampled} sampled attempts was kept "
@@ -414,7 +444,7 @@ def _run_round(
     sft, report.state = weights.fine_tune(r, keeper.examples)
     report.sft_seconds = time.perf_counter() - start
     report.sft = {**sft.as_dict(), "losses": list(sft.losses)}
-    _write_json(folder / REPORT_FILE, report.as_dict())
+    write_json(folder / REPORT_FILE, report.as_dict())
     (folder / PROGRESS_FILE).unlink(missing_ok=True)
     _drop_earlier_state(earlier, out)
     logger.info(
@@ -437,71 +467,6 @@ def _drop_earlier_state(earlier: Sequence[RoundReport], out: Path) -> None:
         folder = Path(earlier[-1].state)
         if folder.is_dir() and folder.resolve().is_relative_to(out.resolve()):
             shutil.rmtree(folder)
-
-
-def _write_progress(folder: Path, state: _Round, settings: ExpertIterationSettings) -> None:
-    """After a chunk: the sample lines flushed, the kept traces, then the counts (written last) that say
-    how much of both a resume takes."""
-    state.samples.flush()
-    _write_kept(state.kept, folder / KEPT_FILE)
-    record: JsonObject = {
-        "chunk_problems": settings.chunk_problems,
-        "chunks": state.chunks,
-        "samples_bytes": state.samples.tell(),
-        "kept": len(state.kept),
-        "attempted": sorted(state.attempted),
-        "report": state.report.as_dict(),
-    }
-    _write_json(folder / PROGRESS_FILE, record)
-
-
-def _read_progress(
-    folder: Path, settings: ExpertIterationSettings, problems: int
-) -> tuple[RoundReport, list[SFTExample], set[str], int] | None:
-    """A round stopped midway: its report, kept traces, attempted problems and finished chunks, with the
-    sample lines cut back to what the progress counted. None (sample the round from its start): no
-    progress, chunks of another size, or files that do not hold what the progress counted."""
-    path = folder / PROGRESS_FILE
-    if not path.is_file():
-        return None
-    try:
-        record = json.loads(path.read_text(encoding="utf-8"))
-        report = RoundReport.from_dict(record["report"])
-        kept = read_examples(folder / KEPT_FILE) if record["kept"] else []
-        samples = folder / SAMPLES_FILE
-        size, chunks = int(record["samples_bytes"]), int(record["chunks"])
-        usable = (
-            int(record["chunk_problems"]) == settings.chunk_problems
-            and report.problems == problems
-            and len(kept) >= int(record["kept"])
-            and samples.is_file()
-            and samples.stat().st_size >= size
-        )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
-        logger.warning(
-            "expert iteration: %s is unreadable (%s); sampling the round from its start", path, exc
-        )
-        return None
-    if not usable:
-        logger.warning(
-            "expert iteration: %s does not match the round's files; sampling it from its start", path
-        )
-        return None
-    with samples.open("r+b") as fh:  # lines a chunk wrote after the last progress: sampled again
-        fh.truncate(size)
-    return report, kept[: int(record["kept"])], {str(a) for a in record["attempted"]}, chunks
-
-
-def _write_kept(examples: Sequence[SFTExample], path: Path) -> None:
-    partial = path.with_suffix(".partial")
-    write_examples(examples, partial)
-    partial.replace(path)
-
-
-def _write_json(path: Path, record: JsonObject) -> None:
-    partial = path.with_suffix(".partial")
-    partial.write_text(json.dumps(record, indent=2) + "\n", encoding="utf-8")
-    partial.replace(path)
 
 
 async def _sample_round(
@@ -529,7 +494,7 @@ async def _sample_round(
         room = None if left is None else left - state.report.sampled
         if room is not None and room <= 0:
             break
-        groups = await _sample_chunk(plan.sampler, policy, todo, size, room, round_seed(base, chunk))
+        groups = await sample_chunk(plan.sampler, policy, todo, size, room, round_seed(base, chunk))
         for group in groups:
             _judge(group, plan.to_example, state, keeper, budgets, category)
         state.chunks = chunk + 1
@@ -546,73 +511,6 @@ async def _sample_round(
             len(state.kept),
             rate * (len(problems) - done),
         )
-
-
-class _Ticker:
-    """A progress line every ``every`` seconds while a chunk samples. Groups finish together late in a
-    chunk (every group's turns interleave in the sampler), so it counts the turns sampled as they come
-    back, not only the finished trajectories: a chunk of a few hundred problems takes minutes on a CPU,
-    and a silent terminal for that long reads as a hang."""
-
-    def __init__(self, policy: Policy, total: int, every: float = 30.0) -> None:
-        self.policy, self.total, self.every = policy, total, every
-        self.done = self.turns = self.tokens = 0
-        self.started = time.perf_counter()
-
-    async def sample_async(
-        self, prompt_tokens: Sequence[int], num_samples: int, params: SamplingParams
-    ) -> list[Sample]:
-        """The policy's ``sample_async``, counted."""
-        samples = await self.policy.sample_async(prompt_tokens, num_samples, params)
-        self.turns += len(samples)
-        self.tokens += sum(len(s.tokens) for s in samples)
-        return samples
-
-    def __getattr__(self, name: str) -> object:  # anything else of the policy (its version...) as it is
-        return getattr(self.policy, name)
-
-    def __call__(self, traj: Trajectory) -> None:
-        self.done += 1
-
-    def line(self) -> str:
-        elapsed = time.perf_counter() - self.started
-        return (
-            f"expert iteration: {self.done}/{self.total} trajectories of this chunk finished, "
-            f"{self.turns} turns ({self.tokens} tokens, {self.tokens / max(elapsed, 1e-9):.0f} tok/s) "
-            f"sampled in {elapsed / 60:.1f} min"
-        )
-
-    async def report(self) -> None:
-        """Log ``line`` every ``every`` seconds until cancelled."""
-        while True:
-            await asyncio.sleep(self.every)
-            logger.info("%s", self.line())
-
-
-async def _sample_chunk(
-    sampler: GroupRollouts,
-    policy: Policy,
-    problems: Sequence[Problem],
-    size: int,
-    room: int | None,
-    seed: int,
-) -> list[list[Trajectory]]:
-    """``size`` attempts at each problem, as many as ``room`` trajectories allow (the last group smaller)."""
-    whole = len(problems) if room is None else min(len(problems), room // size)
-    ticker = _Ticker(policy, whole * size)
-    reporter = asyncio.create_task(ticker.report())
-    try:
-        groups = await sampler.sample(
-            problems[:whole], ticker, group_size=size, seed=seed, on_trajectory=ticker
-        )
-        rest = 0 if room is None else min(room - whole * size, size)
-        if rest > 0 and whole < len(problems):
-            last = problems[whole]
-            # Its own seed: the problem is index 0 of this request, as the first whole group was.
-            groups += await sampler.sample([last], ticker, group_size=rest, seed=seed ^ 0x7A11)
-    finally:
-        reporter.cancel()
-    return groups
 
 
 def _judge(
