@@ -7,8 +7,15 @@ accuracy of the same model and, for the base model, its model card's GSM8K figur
 The task is ``bench/harness_tasks/gsm8k_local.yaml``: lm-eval's ``gsm8k`` (5-shot from the train split,
 ``Question: ...\\nAnswer:``, greedy, the ``strict-match`` and ``flexible-extract`` filters) with only the
 dataset read from ``gsm8k_test.jsonl`` / ``gsm8k_train.jsonl`` (``retool data fetch gsm8k``). Each model is
-exported as a Hugging Face folder (``export_hf``) and evaluated by ``lm-eval run --model hf`` on the CPU in
-a process of its own; its output folder is kept, so a rerun with the same settings skips a finished model.
+exported as a Hugging Face folder (``export_hf``) and evaluated by ``lm-eval run`` in a process of its own,
+on one of two engines (``--engine``): ``vllm`` (default) serves the folder with vLLM's CPU build
+(``.venv-vllm``, ``scripts/setup_vllm.sh``; its pins keep it out of this environment) behind its
+OpenAI-compatible API, which lm-eval's ``local-completions`` model calls with the task's own prompts;
+``hf`` runs the folder in lm-eval's own transformers backend. The five-shot prompts (~800 tokens a
+question) make prefill the cost, and vLLM's CPU kernels are the faster of the two at it (the page gives
+each model's time). lm-eval's answers are cached
+(``--use_cache``) as they come, so a stopped model resumes where it stopped, and a finished model's output
+folder is kept, so a rerun with the same settings skips it.
 
     python bench/harness.py --limit 20                        # a quick look: the base model, 20 questions
     python bench/harness.py --demo runs/demo-smollm2-gsm8k    # base, SFT and RL on all 1,319 questions
@@ -18,10 +25,13 @@ a process of its own; its output folder is kept, so a rerun with the same settin
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
+import socket
 import subprocess
 import sys
 import tempfile
@@ -39,6 +49,11 @@ DATA_PLACEHOLDER = "${RETOOL_DATA_DIR}"
 DATA_FILES = ("gsm8k_test.jsonl", "gsm8k_train.jsonl")
 TEST_QUESTIONS = 1319
 FILTERS = ("strict-match", "flexible-extract")
+ENGINES = ("vllm", "hf")
+VLLM_PYTHON = Path(os.environ.get("RETOOL_VLLM_VENV", REPO / ".venv-vllm")) / "bin" / "python"
+# The task's prompts stay under ~1,100 tokens; 2,048 leaves room for them and lm-eval's 256 new tokens.
+VLLM_MAX_MODEL_LEN = 2048
+VLLM_KV_CACHE_GIB = 2  # on CPU vLLM's KV cache is host memory: a fixed budget, not a share of the RAM
 # SmolLM2-135M-Instruct's model card (HuggingFaceTB): GSM8K 5-shot, the card's own evaluation of the
 # original bf16 weights. Quoted, not measured here.
 CARD_GSM8K = 0.014
@@ -80,8 +95,22 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     ap.add_argument("--out", type=Path, default=Path("runs/bench-harness"))
     ap.add_argument("--limit", type=int, default=0, help="only the first N test questions (0: all 1,319)")
-    ap.add_argument("--batch-size", type=int, default=8, help="lm-eval's batch size (generations at once)")
-    ap.add_argument("--threads", type=int, default=0, help="torch threads of lm-eval (0: every core)")
+    ap.add_argument(
+        "--engine",
+        default="vllm",
+        choices=ENGINES,
+        help="what generates: vllm (vLLM's CPU build in .venv-vllm behind its OpenAI-compatible API, default)"
+        " or hf (lm-eval's transformers backend)",
+    )
+    ap.add_argument(
+        "--batch-size",
+        type=int,
+        default=16,
+        help="generations at once (hf: lm-eval's batch size; vllm: requests in flight)",
+    )
+    ap.add_argument(
+        "--threads", type=int, default=0, help="torch threads of lm-eval's hf engine (0: every core)"
+    )
     ap.add_argument(
         "--dtype",
         default="bfloat16",
@@ -184,15 +213,99 @@ def model_sources(demo: Path | None, models: Sequence[str] = ()) -> dict[str, Pa
 
 
 def lm_eval_command(
-    model_dir: Path, tasks: Path, out: Path, limit: int, batch_size: int, dtype: str
+    model_dir: Path,
+    tasks: Path,
+    out: Path,
+    limit: int,
+    batch_size: int,
+    dtype: str,
+    url: str | None = None,
 ) -> list[str]:
-    """``lm-eval run`` on ``model_dir`` with the local task: HF backend on the CPU, per-question samples
-    kept (``--log_samples``)."""
-    cmd = [sys.executable, "-m", "lm_eval", "run", "--model", "hf"]
-    cmd += ["--model_args", f"pretrained={model_dir},dtype={dtype}", "--tasks", TASK]
-    cmd += ["--include_path", str(tasks), "--device", "cpu", "--batch_size", str(batch_size)]
-    cmd += ["--output_path", str(out), "--log_samples"]
+    """``lm-eval run`` on ``model_dir`` with the local task, per-question samples kept (``--log_samples``)
+    and every answer cached under ``out/cache`` as it comes (a rerun after a stop resumes from them):
+    without ``url`` in lm-eval's transformers backend on the CPU; with one, as ``local-completions``
+    calls to the OpenAI-compatible server there serving ``model_dir`` (the task's text prompts, the
+    folder's tokenizer for their lengths, ``batch_size`` requests in flight)."""
+    cmd = [sys.executable, "-m", "lm_eval", "run"]
+    if url is None:
+        cmd += ["--model", "hf", "--model_args", f"pretrained={model_dir},dtype={dtype}"]
+        cmd += ["--device", "cpu", "--batch_size", str(batch_size)]
+    else:
+        args = f"model={model_dir.name},base_url={url}/v1/completions,num_concurrent={batch_size}"
+        args += f",max_retries=3,tokenized_requests=False,tokenizer_backend=huggingface,tokenizer={model_dir}"
+        cmd += ["--model", "local-completions", "--model_args", args]
+    cmd += ["--tasks", TASK, "--include_path", str(tasks), "--output_path", str(out), "--log_samples"]
+    cmd += ["--use_cache", str(out / "cache" / "lm-eval")]
     return cmd + (["--limit", str(limit)] if limit else [])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+class VllmServer:
+    """vLLM's OpenAI-compatible server (its CPU build, from ``.venv-vllm``) on ``model_dir`` at a free port
+    of 127.0.0.1, in a session of its own (its engine process goes with it); its output in ``log``."""
+
+    def __init__(self, model_dir: Path, dtype: str, log: Path, python: Path = VLLM_PYTHON) -> None:
+        if not python.exists():
+            raise SystemExit(
+                f"--engine vllm: no vLLM environment at {python.parent.parent} (build it with"
+                " scripts/setup_vllm.sh, or set RETOOL_VLLM_VENV), or pass --engine hf"
+            )
+        self.model_dir, self.dtype, self.log, self.python = model_dir, dtype, log, python
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.proc: subprocess.Popen[bytes] | None = None
+
+    def command(self) -> list[str]:
+        cmd = [str(self.python), "-m", "vllm.entrypoints.openai.api_server", "--model", str(self.model_dir)]
+        cmd += ["--served-model-name", self.model_dir.name, "--dtype", self.dtype, "--port", str(self.port)]
+        return [*cmd, "--host", "127.0.0.1", "--max-model-len", str(VLLM_MAX_MODEL_LEN), "--enforce-eager"]
+
+    def env(self) -> dict[str, str]:
+        """Offline, its KV cache budget in GiB; this environment's ``PYTHONPATH`` / ``VIRTUAL_ENV`` left
+        out (they would mix this environment's packages into vLLM's)."""
+        env = {k: v for k, v in os.environ.items() if k not in ("PYTHONPATH", "VIRTUAL_ENV")}
+        env.update(HF_HUB_OFFLINE="1", TRANSFORMERS_OFFLINE="1")
+        env.setdefault("VLLM_CPU_KVCACHE_SPACE", str(VLLM_KV_CACHE_GIB))
+        return env
+
+    def __enter__(self) -> VllmServer:
+        import httpx  # deferred: only this engine talks to a server
+
+        self.log.parent.mkdir(parents=True, exist_ok=True)
+        with self.log.open("a") as log:
+            self.proc = subprocess.Popen(
+                self.command(), env=self.env(), stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+            )
+        deadline = time.monotonic() + 600  # loading and compiling on a busy 2-core machine
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                tail = "\n".join(self.log.read_text(errors="replace").splitlines()[-15:])
+                raise SystemExit(
+                    f"vLLM's server on {self.model_dir} exited ({self.proc.returncode}):\n{tail}"
+                )
+            try:
+                if httpx.get(f"{self.url}/health", timeout=2).status_code == 200:
+                    return self
+            except httpx.HTTPError:
+                pass
+            time.sleep(1)
+        self.__exit__()
+        raise SystemExit(f"vLLM's server on {self.model_dir} did not answer in 10 minutes; see {self.log}")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        os.killpg(self.proc.pid, signal.SIGTERM)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(timeout=30)
 
 
 def child_env(threads: int, out: Path) -> dict[str, str]:
@@ -267,21 +380,45 @@ def answered_share(rows: list[dict[str, Any]]) -> float:
 
 
 def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespace) -> dict[str, float]:
-    """lm-eval on one model into ``out`` (its log in ``out/lm_eval.log``), unless a results file is there
-    already; returns its timing, kept in ``out/run.json``."""
-    run_file = out / "run.json"
+    """lm-eval on one model into ``out`` (its log appended to ``out/lm_eval.log``, with ``--engine vllm``
+    the server's to ``out/vllm.log``), unless a results file is there already; returns its timing, kept in
+    ``out/run.json``: every attempt's time added (``out/attempts.json`` holds those of attempts that
+    stopped; one killed outright adds nothing), the vLLM server's start-up among it."""
+    run_file, attempts_file = out / "run.json", out / "attempts.json"
     if results_file(out) is not None and run_file.is_file():
         return dict(json.loads(run_file.read_text()))
     out.mkdir(parents=True, exist_ok=True)
-    cmd = lm_eval_command(model_dir, tasks, out, args.limit, args.batch_size, args.dtype)
+    earlier = (
+        json.loads(attempts_file.read_text()) if attempts_file.is_file() else {"seconds": 0.0, "count": 0}
+    )
     start = time.monotonic()
-    with (out / "lm_eval.log").open("w") as log:
-        done = subprocess.run(cmd, env=child_env(args.threads, out), stdout=log, stderr=subprocess.STDOUT)
-    seconds = time.monotonic() - start
+    server_seconds = 0.0
+    try:
+        with contextlib.ExitStack() as stack:
+            url = None
+            if args.engine == "vllm":
+                url = stack.enter_context(VllmServer(model_dir, args.dtype, out / "vllm.log")).url
+                server_seconds = time.monotonic() - start
+            cmd = lm_eval_command(model_dir, tasks, out, args.limit, args.batch_size, args.dtype, url)
+            with (out / "lm_eval.log").open("a") as log:
+                done = subprocess.run(
+                    cmd, env=child_env(args.threads, out), stdout=log, stderr=subprocess.STDOUT
+                )
+    finally:
+        seconds = time.monotonic() - start
+        attempts = {"seconds": earlier["seconds"] + seconds, "count": earlier["count"] + 1}
+        attempts_file.write_text(json.dumps(attempts) + "\n")
     if done.returncode != 0 or results_file(out) is None:
         tail = "\n".join((out / "lm_eval.log").read_text(errors="replace").splitlines()[-15:])
         raise SystemExit(f"lm-eval failed on {model_dir} (status {done.returncode}):\n{tail}")
-    timing = {"seconds": seconds, "batch_size": args.batch_size, "threads": args.threads}
+    timing = {
+        "seconds": attempts["seconds"],
+        "attempts": attempts["count"],
+        "server_seconds": server_seconds,
+        "engine": args.engine,
+        "batch_size": args.batch_size,
+        "threads": args.threads,
+    }
     run_file.write_text(json.dumps(timing) + "\n")
     return timing
 
@@ -368,17 +505,36 @@ def table(scores: dict[str, Score], own: dict[str, Own | None]) -> str:
     return "\n".join(lines)
 
 
-def timing_line(timings: dict[str, dict[str, float]], scores: dict[str, Score], dtype: str) -> str:
-    parts = [
-        f"{label} {t['seconds']:.0f} s, {t['seconds'] / max(scores[label].questions, 1):.1f} s a question"
-        for label, t in timings.items()
-    ]
+ENGINE_NAMES = {
+    "vllm": "vLLM's CPU build behind its OpenAI-compatible server (lm-eval's `local-completions`)",
+    "hf": "lm-eval's transformers backend (`hf`)",
+}
+
+
+def timing_line(
+    timings: dict[str, dict[str, float]], scores: dict[str, Score], dtype: str, engine: str
+) -> str:
+    def part(label: str, t: dict[str, float]) -> str:
+        text = (
+            f"{label} {t['seconds']:.0f} s, {t['seconds'] / max(scores[label].questions, 1):.1f} s a question"
+        )
+        extra = [f"{t['server_seconds']:.0f} s of it the server's start"] if t.get("server_seconds") else []
+        if int(t.get("attempts", 1)) > 1:
+            extra.append(f"{int(t['attempts'])} attempts, resumed from lm-eval's cache")
+        return text + (f" ({', '.join(extra)})" if extra else "")
+
     first = next(iter(timings.values()), {})
-    count = int(first.get("threads", 0))
-    threads = f"{count} torch thread{'s' * (count > 1)}" if count else "every core"
+    at_once = int(first.get("batch_size", 0))
+    if engine == "vllm":
+        setting = f"{at_once} requests in flight"
+    else:
+        count = int(first.get("threads", 0))
+        threads = f"{count} torch thread{'s' * (count > 1)}" if count else "every core"
+        setting = f"batch {at_once}, {threads}"
     return (
-        f"lm-eval's time per model (its whole process: loading, 5-shot prompts, generation; CPU, {dtype}, "
-        f"batch {int(first.get('batch_size', 0))}, {threads}): " + "; ".join(parts) + "."
+        f"lm-eval's time per model (loading, 5-shot prompts, generation; CPU, {dtype}, {setting}): "
+        + "; ".join(part(label, t) for label, t in timings.items())
+        + "."
     )
 
 
@@ -406,11 +562,12 @@ def report(
 ) -> str:
     head = (
         "lm-evaluation-harness's own `gsm8k` task (bench/harness_tasks/gsm8k_local.yaml: its prompt, 5-shot,"
-        " greedy, its two answer filters; the data read from the local gsm8k_test/train.jsonl), HF backend."
+        " greedy, its two answer filters; the data read from the local gsm8k_test/train.jsonl), generated by"
+        f" {ENGINE_NAMES[args.engine]}."
         " ± is lm-eval's standard error; `#### N` written: the share of answers ending in GSM8K's answer"
         " line, the format the five examples show."
     )
-    parts = [head, table(scores, own), timing_line(timings, scores, args.dtype), DIFFERENCES]
+    parts = [head, table(scores, own), timing_line(timings, scores, args.dtype, args.engine), DIFFERENCES]
     return "\n\n".join(p for p in parts if p)
 
 
@@ -419,7 +576,7 @@ def main(argv: list[str] | None = None) -> None:
     from retool.data.paths import data_dir
 
     tasks = task_folder(data_dir(args.data_dir), args.out / "tasks")
-    scope = args.out / ("full" if not args.limit else f"first{args.limit}") / args.dtype
+    scope = args.out / ("full" if not args.limit else f"first{args.limit}") / f"{args.engine}-{args.dtype}"
     scores: dict[str, Score] = {}
     own: dict[str, Own | None] = {}
     timings: dict[str, dict[str, float]] = {}

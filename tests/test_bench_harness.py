@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -144,10 +145,44 @@ def test_the_lm_eval_command_and_the_page_say_what_a_slice_is() -> None:
     cmd = bench.lm_eval_command(Path("m"), Path("t"), Path("o"), 20, 8, "bfloat16")
     assert cmd[1:4] == ["-m", "lm_eval", "run"] and cmd[-2:] == ["--limit", "20"]
     assert "pretrained=m,dtype=bfloat16" in cmd and "--log_samples" in cmd
+    assert cmd[cmd.index("--use_cache") + 1] == str(Path("o") / "cache" / "lm-eval")  # what a rerun resumes
     assert "--limit" not in bench.lm_eval_command(Path("m"), Path("t"), Path("o"), 0, 8, "float32")
     note = bench.scope_note(20, None)
     assert "first 20 of GSM8K's 1,319" in note and "pending" in note and "--demo DIR" in note
     assert bench.scope_note(0, Path("d")) == ""
+
+
+def test_with_a_server_lm_eval_sends_the_tasks_text_prompts_to_it(tmp_path: Path) -> None:
+    cmd = bench.lm_eval_command(Path("x/sft"), Path("t"), Path("o"), 0, 16, "bfloat16", "http://h:1")
+    args = dict(kv.split("=", 1) for kv in cmd[cmd.index("--model_args") + 1].split(","))
+    assert cmd[cmd.index("--model") + 1] == "local-completions" and "--batch_size" not in cmd
+    assert args["base_url"] == "http://h:1/v1/completions" and args["model"] == "sft"
+    assert args["num_concurrent"] == "16" and args["tokenized_requests"] == "False"
+    assert args["tokenizer"] == str(Path("x/sft")) and "--use_cache" in cmd
+    server = bench.VllmServer(
+        tmp_path / "sft", "bfloat16", tmp_path / "vllm.log", python=Path(sys.executable)
+    )
+    served = server.command()
+    assert served[served.index("--served-model-name") + 1] == "sft"  # the name lm-eval's requests carry
+    assert served[served.index("--dtype") + 1] == "bfloat16" and str(server.port) in served
+    assert "PYTHONPATH" not in server.env() and server.env()["HF_HUB_OFFLINE"] == "1"
+
+
+def test_the_vllm_engine_without_its_environment_says_how_to_build_it_or_what_else(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match=r"setup_vllm\.sh.*--engine hf"):
+        bench.VllmServer(tmp_path, "bfloat16", tmp_path / "log", python=tmp_path / "absent" / "python")
+
+
+def test_the_time_line_names_the_engines_setting_and_a_resumed_models_attempts() -> None:
+    scores = {"base": bench.Score(0.0, 0.0, 0.0, 0.0, 100)}
+    timing = {"seconds": 250.0, "server_seconds": 50.0, "attempts": 2, "batch_size": 16, "threads": 0}
+    line = bench.timing_line({"base": timing}, scores, "bfloat16", "vllm")
+    assert "16 requests in flight" in line and "base 250 s, 2.5 s a question" in line
+    assert "50 s of it the server's start" in line and "2 attempts, resumed" in line
+    hf = bench.timing_line(
+        {"base": {"seconds": 100.0, "batch_size": 8, "threads": 1}}, scores, "float32", "hf"
+    )
+    assert "batch 8, 1 torch thread" in hf and "attempts" not in hf and "server" not in hf
 
 
 def test_models_named_on_the_command_line_replace_the_default_set(tmp_path: Path) -> None:
@@ -166,17 +201,80 @@ def test_lm_eval_runs_the_local_task_on_a_tiny_model(
     data = REPO / "tests" / "data"  # a few dozen GSM8K rows of each split
     out = tmp_path / "bench"
     argv = ["--model", f"tiny={tiny_model_dir}", "--limit", "2", "--batch-size", "2", "--threads", "1"]
-    bench.main([*argv, "--dtype", "float32", "--data-dir", str(data), "--out", str(out)])
+    argv += ["--engine", "hf", "--dtype", "float32", "--data-dir", str(data), "--out", str(out)]
+    bench.main(argv)
     printed = capsys.readouterr().out
     assert "| tiny | 2 | " in printed and "Where the evaluators differ" in printed
-    scores = bench.parse_results(
-        json.loads(bench.results_file(out / "first2" / "float32" / "tiny").read_text())
-    )
+    assert "transformers backend" in printed
+    run = out / "first2" / "hf-float32" / "tiny"
+    scores = bench.parse_results(json.loads(bench.results_file(run).read_text()))
     assert scores.questions == 2 and 0.0 <= scores.flexible <= 1.0
-    rows = bench.samples(out / "first2" / "float32" / "tiny")
+    rows = bench.samples(run)
     assert len(bench.sample_ids(rows)) == 2 and 0.0 <= bench.answered_share(rows) <= 1.0
     # A rerun with the same settings reads the finished model back instead of running lm-eval again.
-    log = out / "first2" / "float32" / "tiny" / "lm_eval.log"
-    before = log.stat().st_mtime
-    bench.main([*argv, "--dtype", "float32", "--data-dir", str(data), "--out", str(out)])
-    assert log.stat().st_mtime == before
+    log = run / "lm_eval.log"
+    before = log.read_text()
+    bench.main(argv)
+    assert log.read_text() == before
+    # Stopped before its results were written, a model resumes from lm-eval's cache of its answers.
+    for finished in [bench.results_file(run), run / "run.json"]:
+        assert finished is not None
+        finished.unlink()
+    bench.main(argv)
+    assert "Cached requests: 2, Requests remaining: 0" in log.read_text()
+    assert json.loads((run / "run.json").read_text())["attempts"] == 2
+
+
+def _tiny_llama(folder: Path) -> Path:
+    """A random tiny Llama model vLLM's CPU build runs (head size 32: its CPU attention takes 32 to 512),
+    with positions for the tiny tokenizer's long five-shot prompts."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from retool.backends.local.tinymodel import build_tokenizer
+
+    tokenizer = build_tokenizer(vocab_size=512)
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        intermediate_size=256,
+        max_position_embeddings=8192,
+        tie_word_embeddings=True,
+        bos_token_id=None,
+        eos_token_id=tokenizer.convert_tokens_to_ids("<|im_end|>"),
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(folder)
+    tokenizer.save_pretrained(folder)
+    return folder
+
+
+@pytest.mark.slow
+def test_lm_eval_runs_the_local_task_through_vllms_server(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The default engine end to end: vLLM's CPU build (.venv-vllm) serves the exported folder, lm-eval
+    sends it the task; skipped without that environment, except under CI, which builds it."""
+    pytest.importorskip("lm_eval", reason="lm_eval is not installed (pip install -e '.[harness]')")
+    if not bench.VLLM_PYTHON.exists():
+        message = f"no vLLM environment at {bench.VLLM_PYTHON.parent.parent}: run scripts/setup_vllm.sh"
+        if os.environ.get("CI"):
+            pytest.fail(message + " (CI builds it through scripts/setup.sh --dev)")
+        pytest.skip(message)
+    monkeypatch.setattr(bench, "VLLM_MAX_MODEL_LEN", 8192)  # the tiny tokenizer's prompts are long
+    model = _tiny_llama(tmp_path / "llama")
+    out = tmp_path / "bench"
+    argv = ["--model", f"llama={model}", "--limit", "2", "--batch-size", "2", "--dtype", "float32"]
+    argv += ["--data-dir", str(REPO / "tests" / "data"), "--out", str(out)]
+    bench.main(argv)
+    printed = capsys.readouterr().out
+    assert "| llama | 2 | " in printed and "vLLM's CPU build" in printed and "2 requests in flight" in printed
+    run = out / "first2" / "vllm-float32" / "llama"
+    assert bench.parse_results(json.loads(bench.results_file(run).read_text())).questions == 2
+    assert "Application startup complete" in (run / "vllm.log").read_text()
+    timing = json.loads((run / "run.json").read_text())
+    assert timing["engine"] == "vllm" and timing["attempts"] == 1 and timing["server_seconds"] > 0
