@@ -383,13 +383,15 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
     """lm-eval on one model into ``out`` (its log appended to ``out/lm_eval.log``, with ``--engine vllm``
     the server's to ``out/vllm.log``), unless a results file is there already; returns its timing, kept in
     ``out/run.json``: every attempt's time added (``out/attempts.json`` holds those of attempts that
-    stopped; one killed outright adds nothing), the vLLM server's start-up among it."""
+    stopped; one killed outright adds nothing), the vLLM server's start-ups among it."""
     run_file, attempts_file = out / "run.json", out / "attempts.json"
     if results_file(out) is not None and run_file.is_file():
         return dict(json.loads(run_file.read_text()))
     out.mkdir(parents=True, exist_ok=True)
     earlier = (
-        json.loads(attempts_file.read_text()) if attempts_file.is_file() else {"seconds": 0.0, "count": 0}
+        json.loads(attempts_file.read_text())
+        if attempts_file.is_file()
+        else {"seconds": 0.0, "server_seconds": 0.0, "count": 0}
     )
     start = time.monotonic()
     server_seconds = 0.0
@@ -406,7 +408,11 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
                 )
     finally:
         seconds = time.monotonic() - start
-        attempts = {"seconds": earlier["seconds"] + seconds, "count": earlier["count"] + 1}
+        attempts = {
+            "seconds": earlier["seconds"] + seconds,
+            "server_seconds": earlier["server_seconds"] + server_seconds,
+            "count": earlier["count"] + 1,
+        }
         attempts_file.write_text(json.dumps(attempts) + "\n")
     if done.returncode != 0 or results_file(out) is None:
         tail = "\n".join((out / "lm_eval.log").read_text(errors="replace").splitlines()[-15:])
@@ -414,7 +420,7 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
     timing = {
         "seconds": attempts["seconds"],
         "attempts": attempts["count"],
-        "server_seconds": server_seconds,
+        "server_seconds": attempts["server_seconds"],
         "engine": args.engine,
         "batch_size": args.batch_size,
         "threads": args.threads,
@@ -520,7 +526,7 @@ def timing_line(
         )
         extra = [f"{t['server_seconds']:.0f} s of it the server's start"] if t.get("server_seconds") else []
         if int(t.get("attempts", 1)) > 1:
-            extra.append(f"{int(t['attempts'])} attempts, resumed from lm-eval's cache")
+            extra.append(f"{int(t['attempts'])} attempts: a rerun resumes from lm-eval's cache")
         return text + (f" ({', '.join(extra)})" if extra else "")
 
     first = next(iter(timings.values()), {})
@@ -605,4 +611,7 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
+    # SIGTERM as an exception, so a stopped bench stops lm-eval and the vLLM server (a session of its own)
+    # and keeps the attempt's time.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(128 + signal.SIGTERM))
     main()

@@ -178,7 +178,7 @@ def test_the_time_line_names_the_engines_setting_and_a_resumed_models_attempts()
     timing = {"seconds": 250.0, "server_seconds": 50.0, "attempts": 2, "batch_size": 16, "threads": 0}
     line = bench.timing_line({"base": timing}, scores, "bfloat16", "vllm")
     assert "16 requests in flight" in line and "base 250 s, 2.5 s a question" in line
-    assert "50 s of it the server's start" in line and "2 attempts, resumed" in line
+    assert "50 s of it the server's start" in line and "2 attempts: a rerun resumes" in line
     hf = bench.timing_line(
         {"base": {"seconds": 100.0, "batch_size": 8, "threads": 1}}, scores, "float32", "hf"
     )
