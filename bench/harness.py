@@ -382,15 +382,28 @@ def answered_share(rows: list[dict[str, Any]]) -> float:
     return sum(row["filtered_resps"][0] != "[invalid]" for row in strict) / len(strict)
 
 
+def forget_another_export(out: Path, model_dir: Path) -> None:
+    """``out`` emptied when what it holds came from another export than ``model_dir``'s (its
+    ``export.json``, kept as ``out/model.json``): lm-eval's cache is keyed by the prompt, not the model, so a
+    retrained model would otherwise be scored with the earlier one's answers. A folder without the marker
+    is taken as this export's."""
+    stamp = (model_dir / "export.json").read_text() if (model_dir / "export.json").is_file() else ""
+    marker = out / "model.json"
+    if marker.is_file() and marker.read_text() != stamp:
+        shutil.rmtree(out)
+    out.mkdir(parents=True, exist_ok=True)
+    marker.write_text(stamp)
+
+
 def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespace) -> dict[str, float]:
     """lm-eval on one model into ``out`` (its log appended to ``out/lm_eval.log``, with ``--engine vllm``
     the server's to ``out/vllm.log``), unless a results file is there already; returns its timing, kept in
     ``out/run.json``: every attempt's time added (``out/attempts.json`` holds those of attempts that
     stopped; one killed outright adds nothing), the vLLM server's start-ups among it."""
     run_file, attempts_file = out / "run.json", out / "attempts.json"
+    forget_another_export(out, model_dir)
     if results_file(out) is not None and run_file.is_file():
         return dict(json.loads(run_file.read_text()))
-    out.mkdir(parents=True, exist_ok=True)
     earlier = (
         json.loads(attempts_file.read_text())
         if attempts_file.is_file()

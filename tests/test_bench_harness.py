@@ -173,6 +173,21 @@ def test_the_vllm_engine_without_its_environment_says_how_to_build_it_or_what_el
         bench.VllmServer(tmp_path, "bfloat16", tmp_path / "log", python=tmp_path / "absent" / "python")
 
 
+def test_answers_of_another_export_of_a_model_are_not_read_back(tmp_path: Path) -> None:
+    """lm-eval's cache is keyed by the prompt: a model exported again (retrained) starts from nothing."""
+    model, out = tmp_path / "model", tmp_path / "run"
+    model.mkdir()
+    (model / "export.json").write_text('{"mtime": 1}')
+    bench.forget_another_export(out, model)
+    (out / "cache").mkdir()
+    (out / "cache" / "lm-eval_rank0.db").write_text("answers")
+    bench.forget_another_export(out, model)  # the same export: kept
+    assert (out / "cache" / "lm-eval_rank0.db").is_file()
+    (model / "export.json").write_text('{"mtime": 2}')
+    bench.forget_another_export(out, model)
+    assert not (out / "cache").exists() and (out / "model.json").read_text() == '{"mtime": 2}'
+
+
 def test_the_time_line_names_the_engines_setting_and_a_resumed_models_attempts() -> None:
     scores = {"base": bench.Score(0.0, 0.0, 0.0, 0.0, 100)}
     timing = {"seconds": 250.0, "server_seconds": 50.0, "attempts": 2, "batch_size": 16, "threads": 0}
