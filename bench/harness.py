@@ -360,11 +360,13 @@ def parse_results(data: dict[str, Any]) -> Score:
 
 def samples(out: Path) -> list[dict[str, Any]]:
     """lm-eval's per-question records under ``out`` (one per question and filter), from its newest samples
-    file (none: an empty list)."""
+    file (none: an empty list). Split on newlines only: lm-eval writes its records unescaped, and a model's
+    continuation can hold a character ``str.splitlines`` breaks at (U+2028)."""
     files = sorted(out.rglob(f"samples_{TASK}_*.jsonl"), key=lambda p: p.stat().st_mtime)
     if not files:
         return []
-    return [json.loads(line) for line in files[-1].read_text(encoding="utf-8").splitlines() if line.strip()]
+    text = files[-1].read_text(encoding="utf-8")
+    return [json.loads(line) for line in text.split("\n") if line.strip()]
 
 
 def sample_ids(rows: list[dict[str, Any]]) -> list[str]:

@@ -208,6 +208,18 @@ def test_models_named_on_the_command_line_replace_the_default_set(tmp_path: Path
         bench.model_sources(tmp_path)
 
 
+def test_samples_keep_a_record_whose_answer_holds_a_line_separator(tmp_path: Path) -> None:
+    rows = [
+        {"doc_id": 0, "doc": {"idx": 7}, "filter": "strict-match", "filtered_resps": ["[invalid]"]},
+        {"doc_id": 0, "doc": {"idx": 7}, "filter": "flexible-extract", "filtered_resps": ["3\u2028"]},
+    ]
+    text = "\n".join(json.dumps(row, ensure_ascii=False) for row in rows) + "\n"
+    assert "\u2028" in text  # written raw, as lm-eval writes a model's continuation
+    (tmp_path / f"samples_{bench.TASK}_2026.jsonl").write_text(text, encoding="utf-8")
+    read = bench.samples(tmp_path)
+    assert read == rows and bench.sample_ids(read) == ["gsm8k-7"] and bench.answered_share(read) == 0.0
+
+
 @pytest.mark.slow
 def test_lm_eval_runs_the_local_task_on_a_tiny_model(
     tiny_model_dir: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
