@@ -411,6 +411,8 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
         if attempts_file.is_file()
         else {"seconds": 0.0, "server_seconds": 0.0, "count": 0}
     )
+    # A stopped model may be resumed at another batch size; the page names every one it ran at.
+    batch_sizes = list(dict.fromkeys([*earlier.get("batch_sizes", []), args.batch_size]))
     start = time.monotonic()
     server_seconds = 0.0
     try:
@@ -430,6 +432,7 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
             "seconds": earlier["seconds"] + seconds,
             "server_seconds": earlier["server_seconds"] + server_seconds,
             "count": earlier["count"] + 1,
+            "batch_sizes": batch_sizes,
         }
         attempts_file.write_text(json.dumps(attempts) + "\n")
     if done.returncode != 0 or results_file(out) is None:
@@ -441,6 +444,7 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
         "server_seconds": attempts["server_seconds"],
         "engine": args.engine,
         "batch_size": args.batch_size,
+        "batch_sizes": batch_sizes,
         "threads": args.threads,
     }
     run_file.write_text(json.dumps(timing) + "\n")
@@ -538,17 +542,22 @@ ENGINE_NAMES = {
 def timing_line(
     timings: dict[str, dict[str, float]], scores: dict[str, Score], dtype: str, engine: str
 ) -> str:
+    first = next(iter(timings.values()), {})
+    at_once = int(first.get("batch_size", 0))
+    unit = "requests in flight" if engine == "vllm" else "a batch"
+
     def part(label: str, t: dict[str, float]) -> str:
         text = (
             f"{label} {t['seconds']:.0f} s, {t['seconds'] / max(scores[label].questions, 1):.1f} s a question"
         )
         extra = [f"{t['server_seconds']:.0f} s of it the server's start"] if t.get("server_seconds") else []
+        sizes = [int(size) for size in t.get("batch_sizes", [at_once])]
+        if sizes != [at_once]:
+            extra.append(f"at {' then '.join(map(str, sizes))} {unit}")
         if int(t.get("attempts", 1)) > 1:
             extra.append(f"{int(t['attempts'])} attempts: a rerun resumes from lm-eval's cache")
         return text + (f" ({', '.join(extra)})" if extra else "")
 
-    first = next(iter(timings.values()), {})
-    at_once = int(first.get("batch_size", 0))
     if engine == "vllm":
         setting = f"{at_once} requests in flight"
     else:

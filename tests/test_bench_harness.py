@@ -198,6 +198,17 @@ def test_the_time_line_names_the_engines_setting_and_a_resumed_models_attempts()
         {"base": {"seconds": 100.0, "batch_size": 8, "threads": 1}}, scores, "float32", "hf"
     )
     assert "batch 8, 1 torch thread" in hf and "attempts" not in hf and "server" not in hf
+    # A model resumed at another number of requests in flight says so; one run at the headline's does not.
+    resumed = {**timing, "batch_sizes": [16, 64]}
+    both = bench.timing_line(
+        {"base": {**timing, "batch_sizes": [16]}, "sft": resumed},
+        scores | {"sft": scores["base"]},
+        "bfloat16",
+        "vllm",
+    )
+    assert both.count("at 16 then 64 requests in flight") == 1 and both.index("sft 250 s") < both.index(
+        "then 64"
+    )
 
 
 def test_models_named_on_the_command_line_replace_the_default_set(tmp_path: Path) -> None:
