@@ -215,6 +215,9 @@ def model_sources(demo: Path | None, models: Sequence[str] = ()) -> dict[str, Pa
 # -- lm-eval ------------------------------------------------------------------------------------------
 
 
+REQUEST_TIMEOUT_S = 3600
+
+
 def lm_eval_command(
     model_dir: Path,
     tasks: Path,
@@ -236,6 +239,9 @@ def lm_eval_command(
     else:
         args = f"model={model_dir.name},base_url={url}/v1/completions,num_concurrent={batch_size}"
         args += f",max_retries=3,tokenized_requests=False,tokenizer_backend=huggingface,tokenizer={model_dir}"
+        # lm-eval's 300 s is sized for a remote API; on a CPU a request waits for the others in flight, a
+        # timed-out one is sent again and its work done twice.
+        args += f",timeout={REQUEST_TIMEOUT_S}"
         cmd += ["--model", "local-completions", "--model_args", args]
     cmd += ["--tasks", TASK, "--include_path", str(tasks), "--output_path", str(out), "--log_samples"]
     cmd += ["--use_cache", str(out / "cache" / "lm-eval")]

@@ -158,6 +158,7 @@ def test_with_a_server_lm_eval_sends_the_tasks_text_prompts_to_it(tmp_path: Path
     assert cmd[cmd.index("--model") + 1] == "local-completions" and "--batch_size" not in cmd
     assert args["base_url"] == "http://h:1/v1/completions" and args["model"] == "sft"
     assert args["num_concurrent"] == "16" and args["tokenized_requests"] == "False"
+    assert int(args["timeout"]) >= 3600  # a CPU server answers 16 requests in flight slowly
     assert args["tokenizer"] == str(Path("x/sft")) and "--use_cache" in cmd
     server = bench.VllmServer(
         tmp_path / "sft", "bfloat16", tmp_path / "vllm.log", python=Path(sys.executable)
