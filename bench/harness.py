@@ -216,6 +216,7 @@ def model_sources(demo: Path | None, models: Sequence[str] = ()) -> dict[str, Pa
 
 
 REQUEST_TIMEOUT_S = 3600
+HEARTBEAT_S = 30.0
 
 
 def lm_eval_command(
@@ -406,8 +407,9 @@ def forget_another_export(out: Path, model_dir: Path) -> None:
 def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespace) -> dict[str, float]:
     """lm-eval on one model into ``out`` (its log appended to ``out/lm_eval.log``, with ``--engine vllm``
     the server's to ``out/vllm.log``), unless a results file is there already; returns its timing, kept in
-    ``out/run.json``: every attempt's time added (``out/attempts.json`` holds those of attempts that
-    stopped; one killed outright adds nothing), the vLLM server's start-ups among it."""
+    ``out/run.json``: every attempt's time added (``out/attempts.json`` holds them, brought up to date every
+    ``HEARTBEAT_S`` seconds, so an attempt killed outright loses at most that much), the vLLM server's
+    start-ups among it."""
     run_file, attempts_file = out / "run.json", out / "attempts.json"
     forget_another_export(out, model_dir)
     if results_file(out) is not None and run_file.is_file():
@@ -421,6 +423,19 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
     batch_sizes = list(dict.fromkeys([*earlier.get("batch_sizes", []), args.batch_size]))
     start = time.monotonic()
     server_seconds = 0.0
+
+    def record() -> dict[str, Any]:
+        attempts = {
+            "seconds": earlier["seconds"] + time.monotonic() - start,
+            "server_seconds": earlier["server_seconds"] + server_seconds,
+            "count": earlier["count"] + 1,
+            "batch_sizes": batch_sizes,
+        }
+        partial = attempts_file.with_suffix(".json.partial")
+        partial.write_text(json.dumps(attempts) + "\n")
+        partial.replace(attempts_file)
+        return attempts
+
     try:
         with contextlib.ExitStack() as stack:
             url = None
@@ -429,18 +444,20 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
                 server_seconds = time.monotonic() - start
             cmd = lm_eval_command(model_dir, tasks, out, args.limit, args.batch_size, args.dtype, url)
             with (out / "lm_eval.log").open("a") as log:
-                done = subprocess.run(
+                done = subprocess.Popen(
                     cmd, env=child_env(args.threads, out), stdout=log, stderr=subprocess.STDOUT
                 )
+                try:
+                    while done.poll() is None:
+                        record()
+                        with contextlib.suppress(subprocess.TimeoutExpired):
+                            done.wait(timeout=HEARTBEAT_S)
+                finally:
+                    if done.poll() is None:  # stopped (SIGTERM, Ctrl-C): lm-eval goes with the bench
+                        done.kill()
+                        done.wait()
     finally:
-        seconds = time.monotonic() - start
-        attempts = {
-            "seconds": earlier["seconds"] + seconds,
-            "server_seconds": earlier["server_seconds"] + server_seconds,
-            "count": earlier["count"] + 1,
-            "batch_sizes": batch_sizes,
-        }
-        attempts_file.write_text(json.dumps(attempts) + "\n")
+        attempts = record()
     if done.returncode != 0 or results_file(out) is None:
         tail = "\n".join((out / "lm_eval.log").read_text(errors="replace").splitlines()[-15:])
         raise SystemExit(f"lm-eval failed on {model_dir} (status {done.returncode}):\n{tail}")

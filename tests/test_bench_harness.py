@@ -220,6 +220,26 @@ def test_models_named_on_the_command_line_replace_the_default_set(tmp_path: Path
         bench.model_sources(tmp_path)
 
 
+def test_an_attempts_time_is_kept_while_it_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # lm-eval stood in for by a process that prints the attempts file half-way through its run: an attempt
+    # killed outright (the machine taken away) must not lose its time.
+    out, model = tmp_path / "run", tmp_path / "model"
+    model.mkdir()
+    attempts = out / "attempts.json"
+    peek = (
+        f"import time, pathlib; time.sleep(1.0); print('SEEN', pathlib.Path({str(attempts)!r}).read_text())"
+    )
+    monkeypatch.setattr(bench, "HEARTBEAT_S", 0.2)
+    monkeypatch.setattr(bench, "lm_eval_command", lambda *a, **k: [sys.executable, "-c", peek])
+    args = bench.parse_args(["--engine", "hf", "--out", str(tmp_path)])
+    with pytest.raises(SystemExit, match="lm-eval failed"):  # no results file: the stand-in wrote none
+        bench.run_lm_eval(model, out, tmp_path, args)
+    seen = json.loads((out / "lm_eval.log").read_text().split("SEEN", 1)[1])
+    assert seen["count"] == 1 and 0.4 < seen["seconds"] < 1.5
+    final = json.loads(attempts.read_text())
+    assert final["count"] == 1 and final["seconds"] >= 1.0 and final["batch_sizes"] == [args.batch_size]
+
+
 def test_samples_keep_a_record_whose_answer_holds_a_line_separator(tmp_path: Path) -> None:
     rows = [
         {"doc_id": 0, "doc": {"idx": 7}, "filter": "strict-match", "filtered_resps": ["[invalid]"]},
