@@ -270,11 +270,15 @@ def test_lm_eval_runs_the_local_task_on_a_tiny_model(
     assert scores.questions == 2 and 0.0 <= scores.flexible <= 1.0
     rows = bench.samples(run)
     assert len(bench.sample_ids(rows)) == 2 and 0.0 <= bench.answered_share(rows) <= 1.0
+    assert "Read back from finished run folders" not in printed
     # A rerun with the same settings reads the finished model back instead of running lm-eval again.
     log = run / "lm_eval.log"
     before = log.read_text()
     bench.main(argv)
     assert log.read_text() == before
+    assert "Read back from finished run folders, not run by the command that wrote this page: tiny;" in (
+        capsys.readouterr().out
+    )
     # Stopped before its results were written, a model resumes from lm-eval's cache of its answers.
     for finished in [bench.results_file(run), run / "run.json"]:
         assert finished is not None
