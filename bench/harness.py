@@ -410,6 +410,8 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
     ``out/run.json``: every attempt's time added (``out/attempts.json`` holds them, brought up to date every
     ``HEARTBEAT_S`` seconds, so an attempt killed outright loses at most that much), the vLLM server's
     start-ups among it."""
+    from retool.train.checkpoint import write_text_atomic
+
     run_file, attempts_file = out / "run.json", out / "attempts.json"
     forget_another_export(out, model_dir)
     if results_file(out) is not None and run_file.is_file():
@@ -431,9 +433,7 @@ def run_lm_eval(model_dir: Path, out: Path, tasks: Path, args: argparse.Namespac
             "count": earlier["count"] + 1,
             "batch_sizes": batch_sizes,
         }
-        partial = attempts_file.with_suffix(".json.partial")
-        partial.write_text(json.dumps(attempts) + "\n")
-        partial.replace(attempts_file)
+        write_text_atomic(attempts_file, json.dumps(attempts) + "\n")
         return attempts
 
     try:
