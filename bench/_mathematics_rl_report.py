@@ -273,7 +273,7 @@ def machine_seconds(out: Path) -> dict[str, float]:
         "cold start": _rounds_seconds(cold),
         "sweep": _steps_seconds(sorted(p for p in (out / "sweep").glob("*") if p.name != "curve")),
         "RL seeds": _steps_seconds(sorted(out.glob("rl-s*"))),
-        "expert iteration": _rounds_seconds(ei, first),
+        "expert iteration": _rounds_seconds(ei, first) + _pool_sft(out).get("seconds", 0.0),
         "ablation": _steps_seconds(sorted(p for p in (out / "ablation").glob("*") if p.name != "curve")),
         "evaluations": sum(
             float((_json(f) or {}).get("seconds", 0.0)) for f in sorted(out.glob("**/*.run.json"))
@@ -290,6 +290,21 @@ def machine_lines(out: Path) -> list[str]:
         f"Machine time, by the phases' own clocks (a floor: loading and merging models are not timed): {hours:.1f} h ({listed}); issue 50 allows"
         f" {MACHINE_HOURS:.0f} h in all: **{'within' if hours <= MACHINE_HOURS else 'over'}**."
     ]
+
+
+def _pool_sft(out: Path) -> dict[str, float]:
+    """``ei-pool``'s SFT: its steps, traces, epochs, batch size and seconds (empty until it has run)."""
+    report = _json(out / "ei-pool" / "sft_report.json") or {}
+    sft, config = report.get("sft", {}), report.get("config", {})
+    if not sft:
+        return {}
+    return {
+        "steps": float(sft["steps"]),
+        "examples": float(sft["examples"]),
+        "epochs": float(config.get("epochs", 0.0)),
+        "batch_size": float(config.get("batch_size", 0.0)),
+        "seconds": float(sft.get("seconds", 0.0)),
+    }
 
 
 def ei_lines(out: Path, rl_seed: int) -> list[str]:
@@ -317,19 +332,30 @@ def ei_lines(out: Path, rl_seed: int) -> list[str]:
     rl_s = sum(float(m.get("time/rollout") or 0.0) for m in ms)
     listed = ", ".join(f"round {r['round']}: {r['kept']} kept of {r['sampled']}" for r in rounds)
     rl_rate = f"{rl_trajs / rl_s:.2f}" if rl_s else "-"
-    return [
+    lines = [
         f"Expert iteration past the cold start: {len(rounds)} round{'s' if len(rounds) != 1 else ''} ({listed}), a pool of {ei.get('kept', '?')}"
         f" traces over {ei.get('modules_kept', '?')} modules; {sample_s / 3600:.1f} h of sampling"
         f" ({sampled / max(sample_s, 1e-9):.2f} trajectories/s; RL seed {rl_seed}'s rollouts: {rl_rate}/s)"
         f" and {sft_s / 3600:.1f} h of SFT."
     ]
+    last = rounds[-1].get("sft", {})
+    pool = _pool_sft(out)
+    if last.get("steps") and pool:
+        seen = float(last["steps"]) * pool["batch_size"] / pool["examples"]  # of the pool, once
+        lines[0] += (
+            f" Each round's SFT takes the recipe's {last['steps']} steps, so the last round's model (`ei`) saw"
+            f" about {seen:.2f} of its pool once; `ei-pool` is SFT from the start on the whole pool for the"
+            f" cold start's {pool['epochs']:.2f} epochs ({pool['steps']:.0f} steps, {pool['seconds'] / 60:.0f} min):"
+            " expert iteration's final model trained as the SFT start was."
+        )
+    return lines
 
 
 def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
     """The README's block (the README shows the learning curve's PNG beside it): the final models in retool
     mode against the SFT start, and how many of the issue's targets were met."""
     out = args.out
-    evals = final_evals(out, ["sft", *[f"rl-s{s}" for s in seeds], "ei"])
+    evals = final_evals(out, final_labels(seeds))
     lines = [
         f"Held-out retool accuracy (greedy, module means, {args.curve_per_module} questions a module) every"
         f" {args.chunk} RL steps at lr {lr}, then the final models on {args.final_per_module} questions of every"
@@ -375,6 +401,13 @@ def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
     return "\n".join(lines)
 
 
+EI_MODELS = ("ei", "ei-pool")  # the last round's model; the whole pool trained on for the cold start's epochs
+
+
+def final_labels(seeds: list[int]) -> list[str]:
+    return ["sft", *[f"rl-s{s}" for s in seeds], *EI_MODELS]
+
+
 def final_evals(out: Path, labels: list[str]) -> dict[str, dict[str, list[ProblemRecord]]]:
     """The final evaluations complete in both modes (one a sitting stopped holds part of its answers: those
     are kept for its resume, never reported)."""
@@ -389,7 +422,8 @@ def final_evals(out: Path, labels: list[str]) -> dict[str, dict[str, list[Proble
 
 def gains_lines(evals: dict[str, dict[str, list[ProblemRecord]]], seeds: list[int]) -> list[str]:
     lines = ["| comparison | interpolate | extrapolate |", "|---|---|---|"]
-    pairs = [(f"rl-s{s}", "sft") for s in seeds] + [("ei", "sft")] + [(f"rl-s{s}", "ei") for s in seeds]
+    pairs = [(f"rl-s{s}", "sft") for s in seeds] + [(ei, "sft") for ei in EI_MODELS]
+    pairs += [(f"rl-s{s}", ei) for ei in EI_MODELS for s in seeds]
     for after, before in pairs:
         if after in evals and before in evals:
             for mode in ("retool", "text-only"):
@@ -436,13 +470,13 @@ def target_lines(out: Path, evals: dict[str, dict[str, list[ProblemRecord]]], se
             f" highest void-turn rate {pct(worst_void)} (step 1, the SFT start's own: {pct(start_void)}):"
             f" **{'met' if ok else 'missed'}**"
         )
-        if "ei" in evals:
+        for ei in (e for e in EI_MODELS if e in evals):
             cell = gain_cell(
-                of_split(evals["ei"]["retool"], "interpolate"), of_split(evals[rl]["retool"], "interpolate")
+                of_split(evals[ei]["retool"], "interpolate"), of_split(evals[rl]["retool"], "interpolate")
             )
-            low = ci_low(evals["ei"]["retool"], evals[rl]["retool"], "interpolate")
+            low = ci_low(evals[ei]["retool"], evals[rl]["retool"], "interpolate")
             lines.append(
-                f"- seed {s}: RL over expert iteration at equal trajectories (retool, interpolate) {cell}: **{'met' if low > 0 else 'missed'}**"
+                f"- seed {s}: RL over expert iteration ({ei}) at equal trajectories (retool, interpolate) {cell}: **{'met' if low > 0 else 'missed'}**"
             )
         ext = split_mean(module_stats(evals[rl]["retool"]), "extrapolate", "accuracy")
         lines.append(
@@ -456,7 +490,7 @@ def status_line(out: Path, seeds: list[int], evals: dict[str, Any], ablations: l
     pending = [f"RL seed {s}" for s in seeds if not (out / f"rl-s{s}" / "done.json").is_file()]
     if not (out / "ei" / "phase.json").is_file():
         pending.append("expert iteration")
-    pending += [f"the final evaluation of {label}" for label in ["sft", "ei"] if label not in evals]
+    pending += [f"the final evaluation of {label}" for label in ["sft", *EI_MODELS] if label not in evals]
     if not all(evaluated(out / "ablation" / "curve", name) for name in ablations):
         pending.append("the ablation")
     if not pending:
@@ -468,8 +502,7 @@ def report(args: argparse.Namespace, seeds: list[int], lr: str, budget: int) -> 
     out = args.out
     rows = curve_rows(out, seeds)
     pngs = draw(out, seeds, rows)
-    labels = ["sft", *[f"rl-s{s}" for s in seeds], "ei"]
-    evals = final_evals(out, labels)
+    evals = final_evals(out, final_labels(seeds))
     lines = [status_line(out, seeds, evals, ablation_runs(args)), ""]
     lines += [*coldstart_lines(out), "", "Learning-rate sweep (seed 0, short runs from the SFT model):", ""]
     lines += sweep_lines(out)

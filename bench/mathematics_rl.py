@@ -19,9 +19,12 @@ keep it outside the work tree):
    at most: ``next_target``). A finished seed's final model is evaluated (step 5) at once, so a later
    sitting needs neither its weights nor its checkpoint.
 4. ``ei``: the cold start's expert iteration continued until it has sampled as many trajectories as
-   RL seed 0 (cold start included): the baseline RL must beat.
-5. ``final``: SFT, each RL seed (as it finishes) and EI on ``--final-per-module`` questions of every module,
-   text-only and with the tool, greedy; paired bootstrap intervals over questions.
+   RL seed 0 (cold start included): the baseline RL must beat. Each round's SFT takes the recipe's fixed
+   steps, so the last round's model (``ei``) has seen only part of a pool that grew; ``ei-pool`` is SFT
+   from the start on the whole pool for as many epochs as the cold start's SFT gave its own pool
+   (``sft.epochs``): expert iteration's final model trained as the SFT start was.
+5. ``final``: SFT, each RL seed (as it finishes) and both EI models on ``--final-per-module`` questions of
+   every module, text-only and with the tool, greedy; paired bootstrap intervals over questions.
 6. ``ablation``: which of issue 50's stability settings mattered. ``--ablation-steps`` of RL from the SFT
    model at the chosen rate, seed 0, once as the seeds ran, once with void-turn and truncated trajectories
    scored -1 in the loss (the filters off), once with a KL-to-start penalty (``ABLATIONS``); each run's
@@ -214,6 +217,7 @@ CARRIED_FILES = (
     "rl-s*/curve/*",
     "rl-s*/done.json",
     "ablation/curve/*",
+    "ei-pool/sft_report.json",
 )
 CARRIED_SWEEP = ("sweep/choice.json", "sweep/curve/*", "sweep/*/metrics.jsonl")  # once choice.json exists
 
@@ -246,12 +250,12 @@ def carried(out: Path) -> list[Path]:
     return sorted({f.relative_to(out) for f in found if f.is_file()})
 
 
-def evaluated(folder: Path, label: str) -> bool:
-    """Whether ``label``'s retool evaluation in ``folder`` is complete."""
+def evaluated(folder: Path, label: str, modes: str = "retool") -> bool:
+    """Whether ``label``'s evaluations in ``folder`` (one a mode of ``modes``) are complete."""
     from retool.evaluate.store import summary_path_for
 
-    summary = read_json(summary_path_for(eval_output(folder, label, "retool")))
-    return bool(summary and summary.get("status") == "complete")
+    summaries = [read_json(summary_path_for(eval_output(folder, label, m))) for m in modes.split(",")]
+    return all(s and s.get("status") == "complete" for s in summaries)
 
 
 def rl_carried(run: Path) -> list[Path]:
@@ -400,7 +404,18 @@ def phase_eval(args: argparse.Namespace) -> None:
     evaluate_model(label, modes, folder, config, problems, "mathematics held-out", 0, source)
 
 
-PHASES = {"coldstart": phase_coldstart, "rl": phase_rl, "eval": phase_eval}
+def phase_pool_sft(args: argparse.Namespace) -> None:
+    """SFT from the base model on a trace file for ``epochs`` epochs -> ``<dir>/model_sft`` (``retool sft
+    --data``'s own function)."""
+    from retool.pipeline.traces import run_trace_sft
+
+    out, data, epochs = Path(args.arg[0]), Path(args.arg[1]), float(args.arg[2])
+    started = time.perf_counter()
+    run_trace_sft(settings(args, out, [f"sft.epochs={epochs}"]).config, data, out)
+    write_json(out / "phase.json", {"seconds": time.perf_counter() - started, "epochs": epochs})
+
+
+PHASES = {"coldstart": phase_coldstart, "rl": phase_rl, "eval": phase_eval, "pool-sft": phase_pool_sft}
 
 
 # -- the plan the parent follows ------------------------------------------------------------------------------
@@ -421,13 +436,7 @@ def sampled_trajectories(run: Path) -> int:
 def evaluate(
     args: argparse.Namespace, label: str, path: Path, folder: Path, per_module: int, modes: str
 ) -> None:
-    from retool.evaluate.store import summary_path_for
-
-    outputs = [eval_output(folder, label, m) for m in modes.split(",")]
-    if all(
-        summary_path_for(o).is_file() and read_json(summary_path_for(o)).get("status") == "complete"
-        for o in outputs
-    ):
+    if evaluated(folder, label, modes):
         return
     log.info("evaluating %s (%s) on %d a module", label, modes, per_module)
     child(args, "eval", label, str(path), str(folder), str(per_module), modes)
@@ -622,6 +631,24 @@ def expert_iteration(args: argparse.Namespace, trajectories: int) -> Path:
     return ei / "model_sft"
 
 
+def pool_sft(args: argparse.Namespace) -> Path:
+    """Expert iteration's whole pool, SFT from the start for the epochs the cold start's SFT gave its own
+    pool (its fixed steps over its traces) -> ``ei-pool/model_sft``; trained once, and not at all where its
+    final evaluation is already complete (carried from another machine)."""
+    folder = args.out / "ei-pool"
+    if (
+        not evaluated(args.out / "final", "ei-pool", FINAL_MODES) and not (folder / "phase.json").is_file()
+    ):  # written after model_sft is whole
+        cold = read_json(args.out / "sft" / "coldstart" / "report.json")
+        sft = settings(args, folder).config.sft
+        epochs = sft.steps * sft.batch_size / int(cold["kept"])
+        log.info("expert iteration's pool: SFT from the start for %.2f epochs (the cold start's)", epochs)
+        child(
+            args, "pool-sft", str(folder), str(args.out / "ei" / "coldstart" / "train.jsonl"), f"{epochs:.4f}"
+        )
+    return folder / "model_sft"
+
+
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
@@ -644,6 +671,7 @@ def main(argv: list[str] | None = None) -> None:
     budget = int(cold.get("sampled", 0)) + sampled_trajectories(first)
     ei = expert_iteration(args, budget)
     evaluate(args, "ei", ei, args.out / "final", args.final_per_module, FINAL_MODES)
+    evaluate(args, "ei-pool", pool_sft(args), args.out / "final", args.final_per_module, FINAL_MODES)
     ablation(args, lr)
     # The other seeds last: an unfinished seed survives a sitting only where its run folder does (its
     # checkpoint is not carried), and a seed outlasts a sitting; expert iteration's rounds and the ablation's

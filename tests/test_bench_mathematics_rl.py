@@ -6,6 +6,7 @@ report."""
 from __future__ import annotations
 
 import json
+import math
 import shutil
 import sys
 from pathlib import Path
@@ -273,7 +274,12 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(
     cold = json.loads((out / "sft" / "coldstart" / "report.json").read_text())
     assert ei["sampled"] <= cold["sampled"] + rl_sampled  # never more than RL's trajectories
     assert not (out / "rl-s1").exists()
-    for label in ("sft", "rl-s0", "ei"):
+    # EI's whole pool trained from the start for the cold start's epochs (its fixed steps over its pool).
+    pool = json.loads((out / "ei-pool" / "sft_report.json").read_text())
+    assert pool["config"]["epochs"] == pytest.approx(2 * 2 / cold["kept"], abs=1e-4)
+    assert pool["traces"]["used"] == ei["kept"]
+    assert pool["sft"]["steps"] == max(1, math.ceil(pool["config"]["epochs"] * ei["kept"] / 2))
+    for label in ("sft", "rl-s0", "ei", "ei-pool"):
         for mode in ("text-only", "retool"):
             assert (out / "final" / f"{label}_{mode}.jsonl").is_file()
     import tomllib
@@ -287,6 +293,7 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(
     assert not (out / "ablation" / "kl-1e-3").exists()
     text = (out / "mathematics_rl.md").read_text()
     assert "Learning curve" in text and "Targets (issue 50)" in text and "rl-s0 - ei (retool)" in text
+    assert "rl-s0 - ei-pool (retool)" in text and "RL over expert iteration (ei-pool)" in text
     assert "| void-scored | `filters.void_turn=false`, `filters.overlong=false` |" in text
     assert text.startswith("Status: every phase finished.")
     assert (out / "mathematics_rl_curve.png").is_file() and (out / "mathematics_rl_instruments.png").is_file()

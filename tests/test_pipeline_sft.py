@@ -7,11 +7,11 @@ from pathlib import Path
 
 import pytest
 
-from retool.config import SFTOptimizerConfig, dump_config, load_config
+from retool.config import SFTConfig, SFTOptimizerConfig, dump_config, load_config
 from retool.data.synthetic import generate_tasks
 from retool.pipeline.model import build_demo_model, protocol_for, task_texts
 from retool.recipes.tiny.styles import SFTMix, build_example, build_sft_examples, choose_style
-from retool.train.sft import train_sft
+from retool.train.sft import train_sft, train_sft_as_configured
 from retool.train.trace import answer_text
 
 
@@ -119,7 +119,6 @@ def test_sft_through_the_local_backend_lowers_the_loss(demo_model: Path, protoco
 def test_two_stage_sft_draws_its_last_steps_from_the_final_examples(protocol) -> None:  # type: ignore[no-untyped-def]
     """The second stage (``final_examples``) takes over exactly for the last ``final_steps`` steps."""
     from retool.backends.interface.types import ForwardBackwardResult, OptimStepResult
-    from retool.config import SFTConfig
 
     tasks = generate_tasks(40, seed=1)
     first = build_sft_examples(tasks, protocol, _observe, SFTMix(1.0, 0.0, 1.0), seed=0)
@@ -146,9 +145,30 @@ def test_two_stage_sft_draws_its_last_steps_from_the_final_examples(protocol) ->
     assert {ex.style for ex in final} == {"direct"} and {ex.style for ex in first} == {"tool"}
     with pytest.raises(ValueError, match="final_examples"):
         train_sft(rec, first, steps=4, final_steps=2)  # type: ignore[arg-type]
-    assert SFTConfig(steps=1500, final_share=0.2).final_steps == 300
-    assert SFTConfig(steps=3, final_share=0.2).final_steps == 1
-    assert SFTConfig(steps=10).final_steps == 0
+    # [sft] as configured: with epochs, the steps cover both stages' examples; the last share from the final ones.
+    rec = Recorder()
+    config = load_config(None, ["sft.epochs=0.5", "sft.batch_size=4", "sft.final_share=0.25"])
+    report = train_sft_as_configured(rec, first, config, final_examples=final)  # type: ignore[arg-type]
+    steps = -(-(len(first) + len(final)) // 8)  # ceil(0.5 * examples / 4)
+    assert len(rec.batches) == report.steps == steps
+    last = round(0.25 * steps)
+    assert [all(seq in final_tokens for seq in b) for b in rec.batches] == [False] * (steps - last) + [
+        True
+    ] * last
+    assert SFTConfig(final_share=0.2).final_steps_of(1500) == 300
+    assert SFTConfig(final_share=0.2).final_steps_of(3) == 1
+    assert SFTConfig().final_steps_of(10) == 0
+
+
+def test_sft_epochs_size_the_steps_to_the_examples() -> None:
+    """``sft.epochs`` > 0 covers the examples that many times whatever ``steps`` says (a growing pool is
+    trained on as thoroughly as a small one); 0 keeps ``steps``."""
+    assert SFTConfig(steps=24, batch_size=8).steps_for(1042) == 24
+    assert SFTConfig(steps=24, batch_size=8, epochs=2.0).steps_for(1042) == 261  # ceil(2 * 1042 / 8)
+    assert SFTConfig(steps=24, batch_size=8, epochs=1.0).steps_for(16) == 2
+    assert SFTConfig(batch_size=8, epochs=0.01).steps_for(3) == 1
+    with pytest.raises(ValueError):
+        SFTConfig(epochs=-1.0)
 
 
 def test_the_sft_loop_reads_its_own_optimizer_settings(protocol, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]

@@ -318,6 +318,9 @@ class SFTConfig(_Section):
     """Cold-start SFT on code-interleaved trajectories (``retool sft``; a recipe's cold start)."""
 
     steps: int = Field(default=1500, ge=1)
+    # > 0: the steps cover the examples this many times instead (``steps_for``), so a pool that grows (expert
+    # iteration's) is trained on as thoroughly as a small one; 0: ``steps`` whatever the number of examples.
+    epochs: float = Field(default=0.0, ge=0.0)
     batch_size: int = Field(default=16, ge=1)
     lr: float = 3e-3  # peak learning rate (linear warm-up, cosine decay to 10%: ``[sft.optimizer]``)
     optimizer: SFTOptimizerConfig = Field(default_factory=SFTOptimizerConfig)
@@ -331,10 +334,16 @@ class SFTConfig(_Section):
     # optimizer and RL stay in backend.dtype.
     autocast: Literal["off", "bfloat16", "auto"] = "off"
 
-    @property
-    def final_steps(self) -> int:
-        """Steps of the second stage (at least one when ``final_share`` > 0)."""
-        return 0 if self.final_share <= 0 else max(1, round(self.final_share * self.steps))
+    def steps_for(self, examples: int) -> int:
+        """The steps of SFT on ``examples`` examples: ``steps``, or with ``epochs`` > 0 as many batches as
+        cover them ``epochs`` times (at least one)."""
+        if self.epochs <= 0:
+            return self.steps
+        return max(1, math.ceil(self.epochs * examples / self.batch_size))
+
+    def final_steps_of(self, steps: int) -> int:
+        """Of ``steps`` in all, those of the second stage (at least one when ``final_share`` > 0)."""
+        return 0 if self.final_share <= 0 else max(1, round(self.final_share * steps))
 
 
 class RetryConfig(_Section):

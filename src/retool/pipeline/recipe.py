@@ -147,7 +147,7 @@ def train_on_examples(
 ) -> SFTReport:
     """Cold-start SFT (``[sft]``) on trajectories a task built, its build report kept as the report's
     ``conversion``."""
-    steps, emit = ctx.config.sft.steps, ctx.emit
+    steps, emit = ctx.config.sft.steps_for(len(examples)), ctx.emit
     report = train_sft_as_configured(
         ctx.parts.backend,
         examples,

@@ -536,7 +536,7 @@ def run_recipe_sft(
     with build_components(sft_config) as parts:
 
         def announce(n: int) -> None:
-            emit("phase", {"phase": "sft", "detail": f"{n} trajectories, {config.sft.steps} steps"})
+            emit("phase", {"phase": "sft", "detail": f"{n} trajectories, {config.sft.steps_for(n)} steps"})
 
         ctx = ColdStartContext(parts, settings, sft_config, source, emit, on_examples=announce)
         report = _cold_start(recipe, ctx)

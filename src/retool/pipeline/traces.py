@@ -98,13 +98,10 @@ def run_trace_sft(config: Config, data: Path, out: Path, on_event: Event | None 
         examples, counts = fitting_traces(rows, parts.protocol.with_tools(True), config, data)
         client = local_backend(parts)
         client.train_autocast = autocast_dtype(config.sft.autocast, client.device)
-        s = config.sft
-
-        emit("phase", {"phase": "sft", "detail": f"{len(examples)} traces of {data}, {s.steps} steps"})
+        steps = config.sft.steps_for(len(examples))
+        emit("phase", {"phase": "sft", "detail": f"{len(examples)} traces of {data}, {steps} steps"})
         start = time.perf_counter()
-        report = train_sft_as_configured(
-            parts.backend, examples, config, on_step=_progress(s.steps, on_event)
-        )
+        report = train_sft_as_configured(parts.backend, examples, config, on_step=_progress(steps, on_event))
         emit("phase_done", {"phase": "sft", "seconds": time.perf_counter() - start})
         client.train_autocast = None
         folder = save_hf(client, out / MODEL_FOLDER)
@@ -114,6 +111,7 @@ def run_trace_sft(config: Config, data: Path, out: Path, on_event: Event | None 
         "model": str(folder),
         "traces": counts,
         "sft": report.as_dict(),
+        "config": config.sft.model_dump(mode="json"),  # the [sft] settings it ran with
         "losses": list(report.losses),
     }
     (out / REPORT_FILE).write_text(json.dumps(result, indent=2) + "\n", encoding="utf-8")

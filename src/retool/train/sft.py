@@ -239,20 +239,21 @@ def train_sft_as_configured(
     on_step: Callable[[int, float], None] | None = None,
     final_examples: Sequence[SFTExample] = (),
 ) -> SFTReport:
-    """``train_sft`` with ``[sft]``'s steps, batch size, learning rate and optimizer and ``train.seed``
-    (``final_examples``: ``sft.final_steps`` of them at the end)."""
+    """``train_sft`` with ``[sft]``'s steps (``SFTConfig.steps_for`` the examples), batch size, learning rate
+    and optimizer and ``train.seed`` (``final_examples``: ``final_share`` of the steps at the end)."""
     s = config.sft
+    steps = s.steps_for(len(examples) + len(final_examples))
     return train_sft(
         client,
         examples,
-        steps=s.steps,
+        steps=steps,
         batch_size=s.batch_size,
         lr=s.lr,
         optimizer=s.optimizer,
         seed=config.train.seed,
         on_step=on_step,
         final_examples=final_examples,
-        final_steps=s.final_steps if final_examples else 0,
+        final_steps=s.final_steps_of(steps) if final_examples else 0,
     )
 
 

@@ -129,7 +129,7 @@ def cold_start_sft(
     seed = config.train.seed
     examples = build_sft_examples(train, parts.protocol, observe, mix, seed=seed)
     final: list[SFTExample] = []
-    if s.final_steps:  # the second stage: the same problems, other styles (other seed)
+    if s.final_share > 0:  # the second stage: the same problems, other styles (other seed)
         final_mix = SFTMix(options.final_hard_tool, options.final_hard_error_fix, options.final_easy_tool)
         final = build_sft_examples(train, parts.protocol, observe, final_mix, seed=seed + 7919)
     if on_examples is not None:
@@ -138,7 +138,9 @@ def cold_start_sft(
         parts.backend,
         examples,
         config,
-        on_step=lambda step, loss: emit("sft_step", {"step": step + 1, "steps": s.steps, "loss": loss}),
+        on_step=lambda step, loss: emit(
+            "sft_step", {"step": step + 1, "steps": s.steps_for(len(examples) + len(final)), "loss": loss}
+        ),
         final_examples=final,
     )
 
