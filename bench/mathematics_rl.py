@@ -617,6 +617,12 @@ def curve_point_done(run: Path, step: int) -> bool:
     return evaluated(run / "curve", f"step{step:04d}")
 
 
+def ei_budget(args: argparse.Namespace, first: Path) -> int:
+    """Expert iteration's sampled trajectories: the cold start's and the first RL seed's."""
+    cold = read_json(args.out / "sft" / "coldstart" / "report.json") or {}
+    return int(cold.get("sampled", 0)) + sampled_trajectories(first)
+
+
 def expert_iteration(args: argparse.Namespace, trajectories: int) -> Path:
     """The cold start's expert iteration continued to ``trajectories`` sampled in all."""
     ei = args.out / "ei"
@@ -660,15 +666,16 @@ def main(argv: list[str] | None = None) -> None:
     seeds = [int(s) for s in args.seeds.split(",")]
     if args.report:  # a look at a run still going (or stopped): nothing is sampled or trained
         choice = read_json(args.out / "sweep" / "choice.json") or {}
-        publish(args, seeds, str(choice.get("lr", "-")), 0)
+        first = args.out / f"rl-s{seeds[0]}"  # finished: expert iteration's budget is known
+        budget = ei_budget(args, first) if (first / "done.json").is_file() else 0
+        publish(args, seeds, str(choice.get("lr", "-")), budget)
         return
     sft = coldstart(args)
     evaluate(args, "step0000", sft, args.out / "curve-start", args.curve_per_module, "retool")
     lr = sweep(args)
     first = rl_seed(args, seeds[0], lr)  # expert iteration's budget is its sampled trajectories
     evaluate(args, "sft", sft, args.out / "final", args.final_per_module, FINAL_MODES)
-    cold = read_json(args.out / "sft" / "coldstart" / "report.json") or {}
-    budget = int(cold.get("sampled", 0)) + sampled_trajectories(first)
+    budget = ei_budget(args, first)
     ei = expert_iteration(args, budget)
     evaluate(args, "ei", ei, args.out / "final", args.final_per_module, FINAL_MODES)
     evaluate(args, "ei-pool", pool_sft(args), args.out / "final", args.final_per_module, FINAL_MODES)

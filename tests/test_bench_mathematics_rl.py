@@ -317,6 +317,12 @@ def test_a_few_step_slice_of_the_bench_on_smollm2(
         "mathematics_rl_instruments.png",
         "mathematics_rl_summary.md",
     ]
+    # --report (a look, nothing run) states expert iteration's budget as the run did.
+    said = (out / "mathematics_rl.md").read_text()
+    budget = int(cold["sampled"] + rl_sampled)
+    assert f"Expert iteration continued to {budget} sampled trajectories" in said
+    bench.main(["--smoke", "--out", str(out), "--data-dir", str(mathematics_slice), "--report"])
+    assert (out / "mathematics_rl.md").read_text() == said
 
 
 def metrics_of(run: Path) -> list[dict[str, float]]:
