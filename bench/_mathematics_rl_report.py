@@ -359,8 +359,9 @@ def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
     lines = [
         f"Held-out retool accuracy (greedy, module means, {args.curve_per_module} questions a module) every"
         f" {args.chunk} RL steps at lr {lr}, then the final models on {args.final_per_module} questions of every"
-        " module; RL and expert iteration (EI) from the same SFT start, EI at RL seed"
-        f" {seeds[0]}'s number of sampled trajectories.",
+        " module. RL trains the SFT model; expert iteration continues the cold start's rounds to RL seed"
+        f" {seeds[0]}'s number of sampled trajectories (`ei`: its last round's model; `ei-pool`: its whole pool"
+        " trained on as the SFT model's was).",
         "",
         "| model (retool mode) | interpolate | extrapolate | minus SFT, interpolate [95% CI] | minus SFT, extrapolate [95% CI] |",
         "|---|---|---|---|---|",
@@ -393,6 +394,19 @@ def summary(args: argparse.Namespace, seeds: list[int], lr: str) -> str:
             was = f"{pct(first['interpolate'])} / {pct(first['extrapolate'])} at step 0, " if first else ""
             now = f"{pct(points[last]['interpolate'])} / {pct(points[last]['extrapolate'])}"
             curve.append(f"seed {seed}: {was}{now} at step {last}")
+    versus = [
+        f"rl-s{s} - {ei} {', '.join(gain_cell(of_split(evals[ei]['retool'], sp), of_split(evals[f'rl-s{s}']['retool'], sp)) for sp in SPLITS)}"
+        for s in seeds
+        for ei in EI_MODELS
+        if f"rl-s{s}" in evals and ei in evals
+    ]
+    if versus:
+        lines += [
+            "",
+            "RL over expert iteration at equal trajectories (retool; interpolate, extrapolate): "
+            + "; ".join(versus)
+            + ".",
+        ]
     hours = sum(machine_seconds(out).values()) / 3600
     tail = f"Targets of issue 50 met: {met} of {judged} judged so far; {hours:.1f} h of this machine (issue: {MACHINE_HOURS:.0f} h)."
     if curve:
