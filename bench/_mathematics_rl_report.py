@@ -425,13 +425,12 @@ def final_labels(seeds: list[int]) -> list[str]:
 def final_evals(out: Path, labels: list[str]) -> dict[str, dict[str, list[ProblemRecord]]]:
     """The final evaluations complete in both modes (one a sitting stopped holds part of its answers: those
     are kept for its resume, never reported)."""
-    evals = {}
-    for label in labels:
-        modes = ("text-only", "retool")
-        summaries = [_json(summary_path_for(eval_output(out / "final", label, m))) or {} for m in modes]
-        if all(s.get("status") == "complete" for s in summaries):
-            evals[label] = {m: _records(out / "final", label, m) for m in modes}
-    return evals
+    modes = ("text-only", "retool")
+    return {
+        label: {m: _records(out / "final", label, m) for m in modes}
+        for label in labels
+        if evaluated(out / "final", label, ",".join(modes))
+    }
 
 
 def gains_lines(evals: dict[str, dict[str, list[ProblemRecord]]], seeds: list[int]) -> list[str]:

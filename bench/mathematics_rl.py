@@ -412,7 +412,7 @@ def phase_pool_sft(args: argparse.Namespace) -> None:
     out, data, epochs = Path(args.arg[0]), Path(args.arg[1]), float(args.arg[2])
     started = time.perf_counter()
     run_trace_sft(settings(args, out, [f"sft.epochs={epochs}"]).config, data, out)
-    write_json(out / "phase.json", {"seconds": time.perf_counter() - started, "epochs": epochs})
+    write_json(out / "phase.json", {"seconds": time.perf_counter() - started})  # epochs: in its sft_report
 
 
 PHASES = {"coldstart": phase_coldstart, "rl": phase_rl, "eval": phase_eval, "pool-sft": phase_pool_sft}
