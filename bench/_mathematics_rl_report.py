@@ -82,9 +82,19 @@ def sweep_lines(out: Path) -> list[str]:
     epoch = _metrics(out / "sweep" / "epoch")
     middle = list(choice["runs"])[len(choice["runs"]) // 2]
     share = _mean([float(m.get("sampling/informative_share") or 0.0) for m in epoch])
+    chosen = f"Chosen: {choice['lr']}."
+    if all(row["collapsed"] for row in choice["runs"].values()):
+        # The bound is the issue's, on single steps: the SFT start's own first step can cross it.
+        first = [_metrics(out / "sweep" / f"lr{lr}")[:1] for lr in choice["runs"]]
+        start_void = max((float(m[0].get("task/void_turn_rate") or 0.0) for m in first if m), default=0.0)
+        chosen += (
+            " Every rate crossed the collapse bound (void turns at 10% or more on some step, or tool calls 10"
+            f" points under the first step's); the first step, sampled before any update, already had {pct(start_void)}"
+            " void turns, so none was ruled out and the held-out accuracy chose."
+        )
     lines += [
         "",
-        f"Chosen: {choice['lr']}. Informative share of sampled groups from the same start and seed at {middle}:"
+        f"{chosen} Informative share of sampled groups from the same start and seed at {middle}:"
         f" pass-rate selection {pct(choice['runs'][middle]['informative_share'])}, epoch order {pct(share)}.",
     ]
     return lines
@@ -131,6 +141,7 @@ def ablation_lines(out: Path, steps: int, names: list[str]) -> list[str]:
         " 5 steps | KL to the start, last 5 steps |",
         "|---|---|---|---|---|---|---|---|---|---|---|",
     ]
+    effects = []
     for name in done:
         run = out / "ablation" / name
         ms = _metrics(run)
@@ -140,6 +151,7 @@ def ablation_lines(out: Path, steps: int, names: list[str]) -> list[str]:
             gains = ["-", "-"]
         else:
             gains = [gain_cell(of_split(base, sp), of_split(recs, sp)) for sp in SPLITS]
+            effects.append(f"`{name}` {ablation_effect(base, recs)}")
         late = _column(ms, "task/correct_rate")[len(ms) // 2 :]
         changed = ", ".join(f"`{c}`" for c in ABLATIONS[name]) or "nothing"
         lines.append(
@@ -149,7 +161,27 @@ def ablation_lines(out: Path, steps: int, names: list[str]) -> list[str]:
             f" | {pct(max(_column(ms, 'task/void_turn_rate'), default=0.0))}"
             f" | {_mean(_column(ms, 'policy/entropy')[-5:]):.3f} | {_mean(_column(ms, 'policy/ref_kl')[-5:]):.3f} |"
         )
+    if effects:
+        lines += [
+            "",
+            f"Which mattered, on held-out accuracy after {steps} step{'s' if steps != 1 else ''}: "
+            + "; ".join(effects)
+            + ". A setting not shown to matter here may matter over a longer run or a larger slice.",
+        ]
     return lines
+
+
+def ablation_effect(base: list[ProblemRecord], recs: list[ProblemRecord]) -> str:
+    """What one changed setting did to held-out accuracy against ``as-seeds``: a direction only on a split
+    whose paired interval leaves out 0."""
+    from retool.evaluate.metrics import paired_gain
+
+    moved = []
+    for split in SPLITS:
+        lo, hi = paired_gain(of_split(base, split), of_split(recs, split), seed=0)["ci95"]
+        if lo > 0 or hi < 0:
+            moved.append(f"{'raised' if lo > 0 else 'lowered'} {split}")
+    return " and ".join(moved) if moved else "not shown to matter (both intervals hold 0)"
 
 
 def _column(ms: list[dict[str, Any]], key: str) -> list[float]:
@@ -478,9 +510,12 @@ def target_lines(out: Path, evals: dict[str, dict[str, list[ProblemRecord]]], se
         worst_void = max((float(m.get("task/void_turn_rate") or 0.0) for m in ms), default=0.0)
         ok = worst_calls >= start_calls - 0.10 and worst_void < 0.10
         start_void = float(ms[0].get("task/void_turn_rate") or 0.0) if ms else 0.0
+        voids = [float(m.get("task/void_turn_rate") or 0.0) for m in ms]
+        over = sum(v >= 0.10 for v in voids)
         lines.append(
             f"- seed {s}, no collapse: lowest tool-call rate {pct(worst_calls)} against {pct(start_calls)} at step 1,"
-            f" highest void-turn rate {pct(worst_void)} (step 1, the SFT start's own: {pct(start_void)}):"
+            f" highest void-turn rate {pct(worst_void)} (step 1, the SFT start's own: {pct(start_void)}; mean over"
+            f" the {len(voids)} steps {pct(_mean(voids))}, {over} step{'s' if over != 1 else ''} at 10% or more):"
             f" **{'met' if ok else 'missed'}**"
         )
         for ei in (e for e in EI_MODELS if e in evals):

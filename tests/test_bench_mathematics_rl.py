@@ -385,3 +385,38 @@ def test_the_machine_time_adds_every_phases_clock_against_the_issues_cap(tmp_pat
     assert "7.5 h" in machine_lines(tmp_path)[0]
     _write(tmp_path / "final/ei.run.json", json.dumps({"seconds": hour}))
     assert "8.5 h" in machine_lines(tmp_path)[0] and "**over**" in machine_lines(tmp_path)[0]
+
+
+def _records(correct: dict[str, list[bool]]) -> list[dict[str, object]]:
+    """Held-out records, one candidate a question, ``correct`` by split."""
+    return [
+        {"id": f"mathematics-{split}-algebra__linear-{i}", "candidates": [{"correct": ok}]}
+        for split, oks in correct.items()
+        for i, ok in enumerate(oks)
+    ]
+
+
+def test_an_ablation_names_a_direction_only_where_its_interval_leaves_out_zero() -> None:
+    from _mathematics_rl_report import ablation_effect
+
+    base = _records({"interpolate": [False] * 40, "extrapolate": [False] * 40})
+    lifted = _records({"interpolate": [True] * 30 + [False] * 10, "extrapolate": [True] + [False] * 39})
+    assert ablation_effect(base, lifted) == "raised interpolate"
+    assert ablation_effect(lifted, base) == "lowered interpolate"
+    assert ablation_effect(base, base) == "not shown to matter (both intervals hold 0)"
+
+
+def test_the_sweep_says_why_every_rate_reads_collapsed(tmp_path: Path) -> None:
+    from _mathematics_rl_report import sweep_lines
+
+    row = {"steps": 2, "held_out": 0.1, "late_accuracy": 0.1, "informative_share": 0.3, "collapsed": True}
+    choice = {"lr": "2e-4", "runs": {"1e-4": row, "2e-4": row}}
+    _write(tmp_path / "sweep/choice.json", json.dumps(choice))
+    for lr in choice["runs"]:
+        metrics = [json.dumps(_step(0.1, void=0.12)), json.dumps(_step(0.1, void=0.05))]
+        _write(tmp_path / f"sweep/lr{lr}/metrics.jsonl", "\n".join(metrics) + "\n")
+    text = "\n".join(sweep_lines(tmp_path))
+    assert "already had 12.0% void turns, so none was ruled out" in text
+    choice["runs"]["1e-4"] = {**row, "collapsed": False}
+    _write(tmp_path / "sweep/choice.json", json.dumps(choice))
+    assert "none was ruled out" not in "\n".join(sweep_lines(tmp_path))
