@@ -237,15 +237,27 @@ def draw(out: Path, seeds: list[int], rows: dict[int, dict[int, dict[str, float]
     fig, axes = plt.subplots(2, 3, figsize=(13, 6))
     for ax, (key, title) in zip(axes.flat, INSTRUMENTS, strict=True):
         for seed in seeds:
-            ms = _metrics(out / f"rl-s{seed}")
-            xs = [m["step"] for m in ms if m.get(key) is not None]
-            ax.plot(xs, [float(m[key]) for m in ms if m.get(key) is not None], label=f"seed {seed}")
-        ax.set(title=title, xlabel="RL step")
+            ms = [m for m in _metrics(out / f"rl-s{seed}") if m.get(key) is not None]
+            xs, ys = [m["step"] for m in ms], [float(m[key]) for m in ms]
+            # A step's value is a sample of a few hundred trajectories: the trend is the trailing mean.
+            (raw,) = ax.plot(xs, ys, alpha=0.3, linewidth=0.8)
+            ax.plot(xs, trailing_mean(ys, TREND_STEPS), color=raw.get_color(), label=f"seed {seed}")
+        if key == "task/void_turn_rate":
+            ax.axhline(0.10, color="grey", linestyle="--", linewidth=0.8, label="issue's bound")
+        ax.set(title=f"{title} ({TREND_STEPS}-step mean)", xlabel="RL step")
         ax.legend()
     fig.tight_layout()
     fig.savefig(out / "mathematics_rl_instruments.png", dpi=100)
     plt.close("all")
     return ["mathematics_rl_curve.png", "mathematics_rl_instruments.png"]
+
+
+TREND_STEPS = 10
+
+
+def trailing_mean(ys: list[float], k: int) -> list[float]:
+    """Each value's mean with up to ``k - 1`` values before it."""
+    return [_mean(ys[max(0, i + 1 - k) : i + 1]) for i in range(len(ys))]
 
 
 def cost_lines(out: Path, seeds: list[int]) -> list[str]:

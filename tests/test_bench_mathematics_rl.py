@@ -420,3 +420,10 @@ def test_the_sweep_says_why_every_rate_reads_collapsed(tmp_path: Path) -> None:
     choice["runs"]["1e-4"] = {**row, "collapsed": False}
     _write(tmp_path / "sweep/choice.json", json.dumps(choice))
     assert "none was ruled out" not in "\n".join(sweep_lines(tmp_path))
+
+
+def test_the_instruments_trend_is_each_steps_mean_with_the_steps_before_it() -> None:
+    from _mathematics_rl_report import trailing_mean
+
+    assert trailing_mean([1.0, 3.0, 5.0, 7.0], 2) == [1.0, 2.0, 4.0, 6.0]
+    assert trailing_mean([], 10) == []
