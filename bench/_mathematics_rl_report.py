@@ -14,7 +14,7 @@ from typing import Any
 
 from _harness import eval_output, gain_cell, pct, pts
 from mathematics import SPLITS, means_table, module_stats, of_split, split_mean
-from mathematics_rl import ABLATIONS, ablation_runs, evaluated
+from mathematics_rl import ABLATIONS, VOID_BOUND, ablation_runs, evaluated
 from retool.evaluate.store import ProblemRecord, read_problem_records, summary_path_for
 from retool.jsonl import read_jsonl_objects
 
@@ -243,7 +243,7 @@ def draw(out: Path, seeds: list[int], rows: dict[int, dict[int, dict[str, float]
             (raw,) = ax.plot(xs, ys, alpha=0.3, linewidth=0.8)
             ax.plot(xs, trailing_mean(ys, TREND_STEPS), color=raw.get_color(), label=f"seed {seed}")
         if key == "task/void_turn_rate":
-            ax.axhline(0.10, color="grey", linestyle="--", linewidth=0.8, label="issue's bound")
+            ax.axhline(VOID_BOUND, color="grey", linestyle="--", linewidth=0.8, label="issue's bound")
         ax.set(title=f"{title} ({TREND_STEPS}-step mean)", xlabel="RL step")
         ax.legend()
     fig.tight_layout()
@@ -523,7 +523,7 @@ def target_lines(out: Path, evals: dict[str, dict[str, list[ProblemRecord]]], se
         ok = worst_calls >= start_calls - 0.10 and worst_void < 0.10
         start_void = float(ms[0].get("task/void_turn_rate") or 0.0) if ms else 0.0
         voids = [float(m.get("task/void_turn_rate") or 0.0) for m in ms]
-        over = sum(v >= 0.10 for v in voids)
+        over = sum(v >= VOID_BOUND for v in voids)
         lines.append(
             f"- seed {s}, no collapse: lowest tool-call rate {pct(worst_calls)} against {pct(start_calls)} at step 1,"
             f" highest void-turn rate {pct(worst_void)} (step 1, the SFT start's own: {pct(start_void)}; mean over"
